@@ -1,0 +1,23 @@
+# Two commands, each setting itself up in a virtual env inside the repo:
+#   make train   the default training run
+#   make test    lint + the whole test suite
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+.PHONY: train test bench
+train: $(VENV)/.installed
+	$(PY) -m train $(ARGS)
+
+test: $(VENV)/.installed
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m pytest -n 2
+
+bench: $(VENV)/.installed
+	$(PY) -m bench $(ARGS)

@@ -1,0 +1,215 @@
+"""The pure attention core.
+
+Dimension key, used in every einsum and shape comment of jattn:
+
+  B  batch                      T  query length
+  N  query heads                S  key/value length
+  K  key/value heads            D  query/key depth
+  G  query heads per kv head    E  value depth
+  ...  any leading dimensions (batch, heads, groups), broadcast like NumPy
+
+The computation is the article's: ``scores = q kᵀ · scale``, a softmax over the keys of each
+query row (built from the stable parts in :mod:`jattn._softmax`), then the weighted sum of the
+values.
+"""
+
+from __future__ import annotations
+
+import math
+import jax
+import jax.numpy as jnp
+from jax import Array
+from jax.typing import ArrayLike
+
+from jattn._softmax import SoftmaxParts, softmax_parts
+
+__all__ = ["attention", "attention_weights"]
+
+_FLOATS = tuple(map(jnp.dtype, (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64)))
+
+
+def _check_qkv(q: Array, k: Array, v: Array | None) -> None:
+    """Validates q ``(..., T, D)``, k ``(..., S, D)``, v ``(..., S, E)``: ranks, dtypes, depths."""
+    named = {"q": q, "k": k} if v is None else {"q": q, "k": k, "v": v}
+    for name, x in named.items():
+        if x.ndim < 2:
+            raise ValueError(f"{name} must have at least 2 dimensions (..., len, depth), got shape {x.shape}")
+        if x.dtype not in _FLOATS:
+            raise TypeError(f"{name} must be bfloat16, float16, float32 or float64, got {x.dtype}")
+    if len({x.dtype for x in named.values()}) > 1:
+        got = ", ".join(f"{n}={x.dtype}" for n, x in named.items())
+        raise TypeError(f"q, k and v must share one dtype, got {got}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k must have the same depth D (last axis), got q {q.shape} and k {k.shape}")
+    if v is not None and k.shape[-2] != v.shape[-2]:
+        raise ValueError(f"k and v must have the same length S (axis -2), got k {k.shape} and v {v.shape}")
+
+
+def _check_mask_bias(mask: ArrayLike | None, bias: ArrayLike | None) -> tuple[Array | None, Array | None]:
+    if mask is not None:
+        mask = jnp.asarray(mask)
+        if mask.dtype != jnp.bool_:
+            raise TypeError(f"mask must be boolean (True = attend), got {mask.dtype} with shape {mask.shape}")
+    if bias is not None:
+        bias = jnp.asarray(bias)
+        if not jnp.issubdtype(bias.dtype, jnp.floating):
+            raise TypeError(f"bias must be floating point, got {bias.dtype} with shape {bias.shape}")
+    return mask, bias
+
+
+def _broadcast_all(**arrays: Array | None) -> tuple[int, ...]:
+    """The broadcast leading shape ``...`` of the named arrays, or an error naming their shapes."""
+    named = {n: x for n, x in arrays.items() if x is not None}
+    t, s = named["q"].shape[-2], named["k"].shape[-2]
+    for name in ("mask", "bias"):
+        x = named.get(name)
+        if x is not None and (x.ndim < 2 or x.shape[-2] not in (1, t) or x.shape[-1] not in (1, s)):
+            raise ValueError(f"{name} of shape {x.shape} does not broadcast to (..., T, S) = (..., {t}, {s})")
+    try:
+        return tuple(jnp.broadcast_shapes(*(x.shape[:-2] for x in named.values())))
+    except ValueError:
+        shapes = ", ".join(f"{n} {x.shape}" for n, x in named.items())
+        raise ValueError(f"leading dimensions do not broadcast: {shapes}") from None
+
+
+def _pad_rank(x: Array | None, ndim: int) -> Array | None:
+    """Left-pads ``x`` with unit axes to ``ndim`` dimensions (strict rank promotion is kept)."""
+    return None if x is None else x.reshape((1,) * (ndim - x.ndim) + x.shape)
+
+
+def _logits(
+    q: Array,
+    k: Array,
+    mask: Array | None,
+    bias: Array | None,
+    scale: float | ArrayLike | None,
+    precision: jax.lax.PrecisionLike,
+) -> tuple[SoftmaxParts, jnp.dtype]:
+    """Scaled, biased, masked scores ``(..., T, S)`` split into softmax parts (all at one rank)."""
+    compute = jnp.dtype(jnp.float64 if q.dtype == jnp.float64 else jnp.float32)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    s = jnp.einsum("...td,...sd->...ts", q, k, precision=precision, preferred_element_type=compute)
+    s = s * jnp.asarray(scale, compute)
+    if bias is not None:
+        s = s + bias.astype(compute)
+    if mask is not None:
+        s = jnp.broadcast_to(s, jnp.broadcast_shapes(s.shape, mask.shape))
+    return softmax_parts(s, mask), compute
+
+
+def _dropout(p: Array, rate: float, rng: Array | None) -> Array:
+    if rate == 0.0:
+        return p
+    if not 0.0 <= rate < 1.0:
+        raise ValueError(f"dropout_rate must be in [0, 1), got {rate}")
+    if rng is None:
+        raise ValueError("dropout_rate > 0 needs a dropout_rng key")
+    keep = jax.random.bernoulli(rng, 1.0 - rate, p.shape)
+    return jnp.where(keep, p / (1.0 - rate), jnp.zeros_like(p))
+
+
+def attention(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    *,
+    mask: ArrayLike | None = None,
+    bias: ArrayLike | None = None,
+    scale: float | ArrayLike | None = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: Array | None = None,
+    precision: jax.lax.PrecisionLike = None,
+    return_lse: bool = False,
+) -> Array | tuple[Array, Array]:
+    r"""Scaled dot-product attention: ``softmax(q kᵀ · scale + bias, masked) v``.
+
+    Shapes (dimension key in :mod:`jattn._core`)::
+
+        q     (..., T, D)      queries
+        k     (..., S, D)      keys
+        v     (..., S, E)      values
+        mask  (..., T, S)      boolean, True = attend; broadcastable
+        bias  (..., T, S)      additive, floating; broadcastable
+        out   (..., T, E)      in the dtype of q, k, v
+        lse   (..., T)         log-sum-exp of each row's logits (float32, or float64)
+
+    The leading dimensions ``...`` of q, k, v, mask and bias broadcast like NumPy, so a head axis
+    of size 1 in k and v gives multi-query attention, and grouped-query attention is q of shape
+    ``(B, K, G, T, D)`` against k, v of shape ``(B, K, 1, S, D)``. ``vmap`` over any leading
+    axis is free.
+
+    .. math::
+        \mathrm{out}_t = \sum_s \frac{e^{x_{ts} - m_t}}{\sum_{s'} e^{x_{ts'} - m_t}} v_s, \quad
+        x_{ts} = \mathrm{scale}\, q_t \cdot k_s + \mathrm{bias}_{ts}, \quad m_t = \max_s x_{ts}
+
+    with the sums and the max over attended keys only.
+
+    Contract:
+      * A query row whose keys are all masked out returns exactly 0 and contributes zero
+        gradient to q, k, v and bias (its log-sum-exp is ``-inf``); never NaN, never the
+        mean of v. A row whose every logit is ``-inf`` through ``bias`` is treated the same.
+      * NaN in an unmasked entry of q, k, v or bias propagates to the rows it touches.
+      * bfloat16/float16 inputs: logits and softmax are computed and accumulated in float32
+        (no overflow for logits up to the float32 range); the output is in the input dtype.
+        float64 inputs (with ``jax_enable_x64``) compute in float64.
+      * Pure: no side effects and no host syncs; works under ``jit``, ``vmap``, ``grad`` and
+        ``remat``.
+
+    Args:
+      q, k, v: queries, keys, values; one floating dtype.
+      mask: boolean, True = attend, broadcastable to ``(..., T, S)``.
+      bias: additive logits bias, broadcastable to ``(..., T, S)``.
+      scale: logit scale; default ``1 / sqrt(D)``.
+      dropout_rate: probability of dropping an attention weight (training only).
+      dropout_rng: PRNG key, required when ``dropout_rate > 0``.
+      precision: matmul precision passed to the einsums (matters on TPU).
+      return_lse: also return the ``(..., T)`` log-sum-exp of the logits.
+
+    Returns:
+      ``out`` of shape ``(..., T, E)``, or ``(out, lse)`` when ``return_lse``.
+
+    Raises:
+      TypeError: non-floating or mismatched dtypes of q, k, v; non-bool mask; non-float bias.
+      ValueError: ranks below 2, mismatched D or S, leading dimensions or a mask/bias shape
+        that does not broadcast.
+    """
+    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+    _check_qkv(q, k, v)
+    mask, bias = _check_mask_bias(mask, bias)
+    ndim = len(_broadcast_all(q=q, k=k, v=v, mask=mask, bias=bias)) + 2
+    q, k, v, mask, bias = (_pad_rank(x, ndim) for x in (q, k, v, mask, bias))
+    parts, compute = _logits(q, k, mask, bias, scale, precision)
+    p = _dropout(parts.exp, dropout_rate, dropout_rng)
+    # Normalise after the weighted sum (one division per output row, as flash attention does);
+    # low-precision weights are rounded to v's dtype and accumulated in float32.
+    out = jnp.einsum("...ts,...se->...te", p.astype(v.dtype), v, precision=precision, preferred_element_type=compute)
+    out = (out / parts.safe_sum()).astype(v.dtype)
+    if return_lse:
+        return out, jnp.broadcast_to(parts.logsumexp(), out.shape[:-1])
+    return out
+
+
+def attention_weights(
+    q: ArrayLike,
+    k: ArrayLike,
+    *,
+    mask: ArrayLike | None = None,
+    bias: ArrayLike | None = None,
+    scale: float | ArrayLike | None = None,
+    precision: jax.lax.PrecisionLike = None,
+) -> Array:
+    """The attention weights ``(..., T, S)`` that :func:`attention` applies to v.
+
+    q ``(..., T, D)`` and k ``(..., S, D)`` and the keyword arguments are as for
+    :func:`attention`. Each row sums to 1 over its attended keys; a fully masked row is all
+    zeros. The weights are in float32 for bfloat16/float16/float32 inputs and float64 for
+    float64 inputs.
+    """
+    q, k = jnp.asarray(q), jnp.asarray(k)
+    _check_qkv(q, k, None)
+    mask, bias = _check_mask_bias(mask, bias)
+    ndim = len(_broadcast_all(q=q, k=k, mask=mask, bias=bias)) + 2
+    q, k, mask, bias = (_pad_rank(x, ndim) for x in (q, k, mask, bias))
+    parts, _ = _logits(q, k, mask, bias, scale, precision)
+    return parts.weights()

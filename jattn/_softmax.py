@@ -1,0 +1,82 @@
+"""The softmax as three stable parts (part 2 of the article series).
+
+For a row of logits ``x`` and a boolean ``where`` (True = keep):
+
+1. ``max``: the row maximum over kept entries, ``m = max_j x_j``;
+2. ``exp``: the shifted exponentials ``e_j = exp(x_j - m)``, exactly 0 where not kept;
+3. ``sum``: the normaliser ``l = sum_j e_j``.
+
+Then ``softmax(x) = e / l`` and ``logsumexp(x) = m + log(l)``. Subtracting ``m`` keeps every
+``e_j`` in ``[0, 1]``, so nothing overflows whatever the size of the logits.
+
+A row with no kept entry is a defined case: ``m = 0``, ``e = 0``, ``l = 0``, its softmax is all
+zeros and its log-sum-exp is ``-inf``. Masked entries never reach the arithmetic, so a NaN or
+``inf`` there neither leaks into the result nor into the gradient. A NaN at a kept entry
+propagates to the whole row.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import Array
+
+__all__ = ["SoftmaxParts", "softmax", "softmax_parts"]
+
+
+class SoftmaxParts(NamedTuple):
+    """The stable parts of a softmax over the last axis; see the module docstring.
+
+    Attributes:
+      max: ``(..., 1)`` row maximum over kept entries (0 for a row with none kept). It is
+        held constant under differentiation, as the softmax does not depend on it.
+      exp: ``(..., S)`` ``exp(x - max)`` at kept entries, exactly 0 elsewhere.
+      sum: ``(..., 1)`` the normaliser ``sum(exp)`` (0 for a row with none kept).
+    """
+
+    max: Array
+    exp: Array
+    sum: Array
+
+    def safe_sum(self) -> Array:
+        """``(..., 1)`` the normaliser with empty rows' 0 replaced by 1, safe to divide by."""
+        return jnp.where(self.sum == 0, jnp.ones_like(self.sum), self.sum)
+
+    def weights(self) -> Array:
+        """``(..., S)`` the softmax ``exp / sum``; all zeros on a row with no kept entry."""
+        return self.exp / self.safe_sum()
+
+    def logsumexp(self) -> Array:
+        """``(...,)`` ``max + log(sum)``; ``-inf`` on a row with no kept entry."""
+        lse = self.max + jnp.log(self.safe_sum())
+        return jnp.where(self.sum == 0, -jnp.inf, lse)[..., 0]
+
+
+def softmax_parts(x: Array, where: Array | None = None) -> SoftmaxParts:
+    """Split ``softmax(x)`` over the last axis into its stable parts.
+
+    Args:
+      x: ``(..., S)`` logits, floating point.
+      where: optional boolean, broadcastable to ``x`` at equal rank; True keeps an entry.
+
+    Returns:
+      A :class:`SoftmaxParts` ``(max, exp, sum)`` in ``x.dtype``.
+    """
+    if where is None:
+        where = jnp.ones((1,) * x.ndim, dtype=bool)
+    m = jnp.max(x, axis=-1, keepdims=True, where=where, initial=-jnp.inf)
+    m = jax.lax.stop_gradient(jnp.where(m == -jnp.inf, jnp.zeros_like(m), m))
+    # The inner `where` keeps masked entries (possibly NaN or inf) out of the exp and out of
+    # its gradient; the outer one makes them exactly zero.
+    e = jnp.where(where, jnp.exp(jnp.where(where, x, m) - m), jnp.zeros_like(x))
+    return SoftmaxParts(m, e, jnp.sum(e, axis=-1, keepdims=True))
+
+
+def softmax(x: Array, where: Array | None = None) -> Array:
+    """``(..., S) -> (..., S)`` the stable softmax over the last axis, built from its parts.
+
+    A row with no kept entry gives all zeros (not NaN, not uniform weights).
+    """
+    return softmax_parts(x, where).weights()

@@ -1,0 +1,68 @@
+"""Independent float64 NumPy references and the one tolerance table of the suite."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+# Tolerances against the float64 reference, keyed by the input dtype. Low-precision inputs are
+# compared after rounding the inputs, so the error left is the rounding of the weights fed to
+# the value matmul and of the output.
+TOL = {
+    jnp.dtype(jnp.float64): dict(atol=1e-12, rtol=1e-12),
+    jnp.dtype(jnp.float32): dict(atol=2e-6, rtol=2e-5),
+    jnp.dtype(jnp.float16): dict(atol=3e-3, rtol=3e-3),
+    jnp.dtype(jnp.bfloat16): dict(atol=2e-2, rtol=2e-2),
+}
+
+
+def tol(dtype) -> dict:
+    return TOL[jnp.dtype(dtype)]
+
+
+def f64(x) -> np.ndarray:
+    """Any float array (bfloat16 included) as a float64 NumPy array, exactly."""
+    x = jnp.asarray(x)
+    return np.asarray(x if x.dtype == jnp.float64 else x.astype(jnp.float32), np.float64)
+
+
+def softmax(x, where=None):
+    """Row softmax over the last axis; rows with nothing kept are all zeros."""
+    x = np.asarray(x, np.float64)
+    where = np.ones(x.shape, bool) if where is None else np.broadcast_to(where, x.shape)
+    out = np.zeros_like(x)
+    lse = np.full(x.shape[:-1], -np.inf)
+    for idx in np.ndindex(*x.shape[:-1]):
+        keep = where[idx]
+        if keep.any():
+            row = x[idx][keep]
+            m = row.max()
+            e = np.exp(row - m)
+            out[idx][keep] = e / e.sum()
+            lse[idx] = m + np.log(e.sum())
+    return out, lse
+
+
+def attention(q, k, v, mask=None, bias=None, scale=None):
+    """Dense attention in float64: returns (out (..., T, E), weights (..., T, S), lse (..., T))."""
+    q, k, v = f64(q), f64(k), f64(v)
+    scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
+    s = np.matmul(q, np.swapaxes(k, -1, -2)) * scale
+    if bias is not None:
+        s = s + np.asarray(bias, np.float64)
+    if mask is not None:
+        mask = np.asarray(mask, bool)
+        shape = np.broadcast_shapes(s.shape, mask.shape)
+        s, mask = np.broadcast_to(s, shape), np.broadcast_to(mask, shape)
+    w, lse = softmax(s, mask)
+    out = np.matmul(w, v)
+    return out, w, np.broadcast_to(lse, out.shape[:-1])
+
+
+def article_self_attention(x, wq, wk, wv):
+    """The article's module: x (B, T, d) with kernels (d, d_k) -> (B, T, d_k)."""
+    x = np.asarray(x, np.float64)
+    q, k, v = x @ wq, x @ wk, x @ wv
+    scores = q @ np.swapaxes(k, -1, -2) / np.sqrt(wq.shape[1])
+    w = np.exp(scores - scores.max(-1, keepdims=True))
+    return (w / w.sum(-1, keepdims=True)) @ v

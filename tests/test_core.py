@@ -1,0 +1,208 @@
+"""The core against the float64 reference, and its contract: masks, dtypes, transforms, errors."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.test_util import check_grads
+
+import jattn
+from tests import reference as ref
+
+DTYPES = [jnp.float64, jnp.float32, jnp.float16, jnp.bfloat16]
+
+
+@st.composite
+def problems(draw, dtypes=DTYPES):
+    """Random attention problems: odd sizes, broadcasting leading dims, masks with empty rows, bias."""
+    dtype = draw(st.sampled_from(dtypes))
+    lead = draw(st.lists(st.integers(1, 3), min_size=0, max_size=2))
+    t, s, d, e = (draw(st.integers(1, 9)) for _ in range(4))
+
+    def dims():  # each operand keeps a leading dim or broadcasts it from 1, or drops leading dims
+        kept = [n if draw(st.booleans()) else 1 for n in lead]
+        return kept[draw(st.integers(0, len(kept))) :]
+
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    q = rng.normal(size=(*dims(), t, d))
+    k = rng.normal(size=(*dims(), s, d))
+    v = rng.normal(size=(*dims(), s, e))
+    mask = bias = None
+    if draw(st.booleans()):
+        mask = rng.random((*dims(), t, s)) < draw(st.sampled_from([0.3, 0.7, 1.0]))
+        if draw(st.booleans()):
+            mask[..., rng.integers(t), :] = False  # a fully masked row
+    if draw(st.booleans()):
+        bias = rng.normal(size=(*dims(), t, s))
+    scale = draw(st.sampled_from([None, 0.3]))
+    return dtype, q, k, v, mask, bias, scale
+
+
+def as_dtype(dtype, *xs):
+    return [None if x is None else jnp.asarray(x, dtype) for x in xs]
+
+
+@given(problems())
+def test_matches_float64_reference(problem):
+    dtype, q, k, v, mask, bias, scale = problem
+    with jax.enable_x64(dtype == jnp.float64):
+        q, k, v, b = as_dtype(dtype, q, k, v, bias)
+        out, lse = jattn.attention(q, k, v, mask=mask, bias=b, scale=scale, return_lse=True)
+        want, weights, want_lse = ref.attention(q, k, v, mask, None if b is None else ref.f64(b), scale)
+        assert out.dtype == dtype and out.shape == want.shape
+        np.testing.assert_allclose(ref.f64(out), want, **ref.tol(dtype))
+        np.testing.assert_allclose(ref.f64(lse), want_lse, **ref.tol(jnp.float64 if dtype == jnp.float64 else jnp.float32))
+        got_w = jattn.attention_weights(q, k, mask=mask, bias=b, scale=scale)
+        np.testing.assert_allclose(ref.f64(got_w), weights, **ref.tol(jnp.float64 if dtype == jnp.float64 else jnp.float32))
+
+
+@settings(max_examples=12)
+@given(problems(dtypes=[jnp.float64]))
+def test_gradients_float64(problem):
+    _, q, k, v, mask, bias, scale = problem
+    with jax.enable_x64(True):
+        b = jnp.zeros((1, 1)) if bias is None else jnp.asarray(bias)
+
+        def f(q, k, v, b):
+            return jattn.attention(q, k, v, mask=mask, bias=b, scale=scale)
+
+        check_grads(f, (jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), b), order=2, modes=["fwd", "rev"])
+
+
+def _rand(shape, seed, dtype=jnp.float32):
+    return jax.random.normal(jax.random.key(seed), shape, dtype)
+
+
+@pytest.mark.parametrize("num_kv_heads", [4, 2, 1])
+@pytest.mark.parametrize("masked", [False, True])
+def test_agrees_with_jax_nn(num_kv_heads, masked):
+    # jax.nn uses (B, T, N, D); jattn (..., T, D) with GQA as (B, K, G, T, D) vs (B, K, 1, S, D).
+    B, T, S, N, D = 2, 7, 13, 4, 5
+    q, k, v = _rand((B, T, N, D), 0), _rand((B, S, num_kv_heads, D), 1), _rand((B, S, num_kv_heads, D), 2)
+    bias = _rand((B, N, T, S), 3)
+    mask = jax.random.bernoulli(jax.random.key(4), 0.7, (B, N, T, S)).at[..., 0].set(True) if masked else None
+    want = jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask)  # (B, T, N, D)
+    G = N // num_kv_heads
+
+    def heads(x, groups):  # (B, L, N, D) -> (B, K, groups, L, D)
+        return x.reshape(B, x.shape[1], -1, groups, D).transpose(0, 2, 3, 1, 4)
+
+    def split(m):  # (B, N, T, S) -> (B, K, G, T, S)
+        return m.reshape(B, num_kv_heads, G, T, S)
+
+    got = jattn.attention(
+        heads(q, G), heads(k, 1), heads(v, 1), bias=split(bias), mask=None if mask is None else split(mask)
+    )
+    got = got.transpose(0, 3, 1, 2, 4).reshape(B, T, N, D)
+    np.testing.assert_allclose(got, want, **ref.tol(jnp.float32))
+
+
+def test_jit_equals_eager_and_remat():
+    q, k, v = _rand((3, 7, 5), 0), _rand((3, 13, 5), 1), _rand((3, 13, 4), 2)
+    mask = jax.random.bernoulli(jax.random.key(3), 0.5, (7, 13))
+    eager = jattn.attention(q, k, v, mask=mask)
+    np.testing.assert_array_equal(jax.jit(lambda *a: jattn.attention(*a, mask=mask))(q, k, v), eager)
+
+    def loss(q, k, v, fn):
+        return jnp.sum(jnp.sin(fn(q, k, v, mask=mask)))
+
+    g = jax.grad(loss, argnums=(0, 1, 2))(q, k, v, jattn.attention)
+    g_remat = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), static_argnums=3)(q, k, v, jax.checkpoint(jattn.attention))
+    for a, b in zip(g, g_remat, strict=True):
+        np.testing.assert_allclose(a, b, **ref.tol(jnp.float32))
+
+
+def test_vmap_equals_python_loop():
+    q, k, v = _rand((4, 3, 7, 5), 0), _rand((4, 3, 13, 5), 1), _rand((4, 3, 13, 6), 2)
+    bias = _rand((4, 7, 13), 3)
+    fn = jax.vmap(lambda q, k, v, b: jattn.attention(q, k, v, bias=b))
+    loop = jnp.stack([jattn.attention(q[i], k[i], v[i], bias=bias[i]) for i in range(4)])
+    np.testing.assert_allclose(fn(q, k, v, bias), loop, **ref.tol(jnp.float32))
+
+
+def test_fully_masked_rows_give_zero_and_zero_gradient():
+    q, k, v = _rand((2, 7, 5), 0), _rand((2, 13, 5), 1), _rand((2, 13, 4), 2)
+    bias = _rand((2, 7, 13), 3)
+    mask = np.ones((2, 7, 13), bool)
+    mask[:, 3] = False  # query row 3 sees nothing
+    mask[:, :, 5] = False  # key 5 is seen by nobody
+    out, lse = jattn.attention(q, k, v, mask=mask, bias=bias, return_lse=True)
+    assert np.all(np.asarray(out[:, 3]) == 0.0) and np.all(np.isneginf(lse[:, 3]))
+    assert np.all(np.isfinite(out))
+
+    def loss(q, k, v, b):
+        return jnp.sum(jnp.cos(jattn.attention(q, k, v, mask=mask, bias=b)))
+
+    dq, dk, dv, db = jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, bias)
+    assert np.all(np.asarray(dq[:, 3]) == 0.0)
+    assert np.all(np.asarray(dk[:, 5]) == 0.0) and np.all(np.asarray(dv[:, 5]) == 0.0)
+    assert np.all(np.asarray(db)[~mask] == 0.0) and np.all(np.asarray(db)[mask] != 0.0)
+    # -inf bias over a whole row is the same defined case.
+    minus_inf = jnp.where(jnp.asarray(mask), 0.0, -jnp.inf)
+    np.testing.assert_array_equal(jattn.attention(q, k, v, bias=bias + minus_inf), out)
+
+
+def test_nan_in_unmasked_input_propagates_and_masked_logits_do_not_leak():
+    q, k, v = _rand((7, 5), 0), _rand((13, 5), 1), _rand((13, 4), 2)
+    assert np.all(np.isnan(jattn.attention(q.at[2, 0].set(jnp.nan), k, v)[2]))
+    assert np.all(np.isnan(jattn.attention(q, k.at[4, 1].set(jnp.nan), v)))
+    assert np.all(np.isnan(jattn.attention(q, k, v.at[4, 1].set(jnp.nan))[:, 1]))
+    mask = jnp.ones((7, 13), bool).at[:, 4].set(False)
+    bias = jnp.zeros((7, 13)).at[:, 4].set(jnp.nan)
+    out = jattn.attention(q, k, v, mask=mask, bias=bias)
+    want, _, _ = ref.attention(q, k, v, mask=np.asarray(mask))
+    np.testing.assert_allclose(out, want, **ref.tol(jnp.float32))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_low_precision_accumulates_in_float32(dtype):
+    # Logits of about 1e5..1e6 overflow float16 and lose all precision in bfloat16 arithmetic.
+    q = _rand((7, 16), 0, dtype) * 60
+    k = _rand((13, 16), 1, dtype) * 60
+    v = _rand((13, 4), 2, dtype)
+    out, lse = jattn.attention(q, k, v, scale=8.0, return_lse=True)
+    want, _, want_lse = ref.attention(q, k, v, scale=8.0)
+    assert out.dtype == dtype and lse.dtype == jnp.float32
+    assert np.max(np.abs(want_lse)) > 7e4
+    np.testing.assert_allclose(ref.f64(out), want, **ref.tol(dtype))
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-6)
+
+
+def test_dropout_is_unbiased_and_needs_a_key():
+    q, k, v = _rand((7, 5), 0), _rand((13, 5), 1), _rand((13, 4), 2)
+    keys = jax.random.split(jax.random.key(9), 4000)
+    outs = jax.vmap(lambda r: jattn.attention(q, k, v, dropout_rate=0.3, dropout_rng=r))(keys)
+    exact = jattn.attention(q, k, v)
+    assert np.max(np.abs(outs.std(0))) > 0.05  # it does drop
+    np.testing.assert_allclose(outs.mean(0), exact, atol=4 * float(outs.std(0).max()) / np.sqrt(4000))
+    with pytest.raises(ValueError, match="dropout_rng"):
+        jattn.attention(q, k, v, dropout_rate=0.3)
+    with pytest.raises(ValueError, match="dropout_rate"):
+        jattn.attention(q, k, v, dropout_rate=1.0, dropout_rng=keys[0])
+
+
+BAD = [
+    # (kwargs changes, exception, message fragment)
+    (dict(q=np.ones(5, np.float32)), ValueError, r"q must have at least 2 dimensions.*\(5,\)"),
+    (dict(k=np.ones((13, 6), np.float32)), ValueError, r"same depth D.*\(7, 5\).*\(13, 6\)"),
+    (dict(v=np.ones((12, 4), np.float32)), ValueError, r"same length S.*\(13, 5\).*\(12, 4\)"),
+    (dict(q=np.ones((2, 7, 5), np.float32), k=np.ones((3, 13, 5), np.float32)), ValueError, r"do not broadcast"),
+    (dict(v=np.ones((13, 4), np.float16)), TypeError, r"share one dtype.*v=float16"),
+    (dict(q=np.ones((7, 5), np.int32)), TypeError, r"q must be bfloat16.*int32"),
+    (dict(mask=np.ones((7, 13), np.int32)), TypeError, r"mask must be boolean.*int32.*\(7, 13\)"),
+    (dict(mask=np.ones((7, 12), bool)), ValueError, r"mask of shape \(7, 12\) does not broadcast.*7, 13\)"),
+    (dict(bias=np.ones((8, 13), np.float32)), ValueError, r"bias of shape \(8, 13\) does not broadcast"),
+    (dict(bias=np.ones((7, 13), np.int32)), TypeError, r"bias must be floating.*int32"),
+]
+
+
+@pytest.mark.parametrize(("change", "error", "match"), BAD)
+def test_bad_input_raises_naming_argument_and_shapes(change, error, match):
+    args = dict(q=np.ones((7, 5), np.float32), k=np.ones((13, 5), np.float32), v=np.ones((13, 4), np.float32))
+    args |= change
+    with pytest.raises(error, match=match):
+        jattn.attention(**args)
