@@ -16,6 +16,7 @@ values.
 from __future__ import annotations
 
 import math
+
 import jax
 import jax.numpy as jnp
 from jax import Array

@@ -18,6 +18,9 @@ from jattn import _heads
 
 __all__ = ["SelfAttention"]
 
+_KERNEL_INIT = nnx.initializers.lecun_normal()
+_BIAS_INIT = nnx.initializers.zeros_init()
+
 
 class SelfAttention(nnx.Module):
     """Multi-head self-attention over ``x`` of shape ``(B, T, d_model)``.
@@ -60,8 +63,8 @@ class SelfAttention(nnx.Module):
         dtype: Any = None,
         param_dtype: Any = jnp.float32,
         precision: jax.lax.PrecisionLike = None,
-        kernel_init: nnx.Initializer = nnx.initializers.lecun_normal(),
-        bias_init: nnx.Initializer = nnx.initializers.zeros_init(),
+        kernel_init: nnx.Initializer = _KERNEL_INIT,
+        bias_init: nnx.Initializer = _BIAS_INIT,
         rngs: nnx.Rngs,
     ) -> None:
         self.num_kv_heads, head_depth = _heads.check_heads(d_model, num_heads, num_kv_heads, qkv_features)

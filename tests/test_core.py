@@ -55,22 +55,27 @@ def test_matches_float64_reference(problem):
         want, weights, want_lse = ref.attention(q, k, v, mask, None if b is None else ref.f64(b), scale)
         assert out.dtype == dtype and out.shape == want.shape
         np.testing.assert_allclose(ref.f64(out), want, **ref.tol(dtype))
-        np.testing.assert_allclose(ref.f64(lse), want_lse, **ref.tol(jnp.float64 if dtype == jnp.float64 else jnp.float32))
+        np.testing.assert_allclose(
+            ref.f64(lse), want_lse, **ref.tol(jnp.float64 if dtype == jnp.float64 else jnp.float32)
+        )
         got_w = jattn.attention_weights(q, k, mask=mask, bias=b, scale=scale)
-        np.testing.assert_allclose(ref.f64(got_w), weights, **ref.tol(jnp.float64 if dtype == jnp.float64 else jnp.float32))
+        np.testing.assert_allclose(
+            ref.f64(got_w), weights, **ref.tol(jnp.float64 if dtype == jnp.float64 else jnp.float32)
+        )
 
 
-@settings(max_examples=12)
+@settings(max_examples=10)
 @given(problems(dtypes=[jnp.float64]))
 def test_gradients_float64(problem):
     _, q, k, v, mask, bias, scale = problem
     with jax.enable_x64(True):
         b = jnp.zeros((1, 1)) if bias is None else jnp.asarray(bias)
 
+        @jax.jit
         def f(q, k, v, b):
             return jattn.attention(q, k, v, mask=mask, bias=b, scale=scale)
 
-        check_grads(f, (jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), b), order=2, modes=["fwd", "rev"])
+        check_grads(f, (jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), b), order=2, modes=["rev"])
 
 
 def _rand(shape, seed, dtype=jnp.float32):

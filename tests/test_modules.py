@@ -1,0 +1,217 @@
+"""The Flax modules: the article's module by hand, NNX == Linen, composition under transforms."""
+
+from __future__ import annotations
+
+import math
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import linen as nn
+from flax import nnx
+from jax.test_util import check_grads
+
+import jattn.linen
+import jattn.nnx
+from tests import reference as ref
+
+D_MODEL = 12
+
+
+def _x(shape=(2, 7, D_MODEL), seed=0):
+    return jax.random.normal(jax.random.key(seed), shape)
+
+
+def linen_params(m: jattn.nnx.SelfAttention) -> dict:
+    """The NNX module's weights as the Linen module's ``params`` (same names)."""
+    params = {}
+    for name in ("wq", "wk", "wv", "wo"):
+        layer = getattr(m, name)
+        if layer is not None:
+            params[name] = {"kernel": layer.kernel[...]} | ({} if layer.bias is None else {"bias": layer.bias[...]})
+    return params
+
+
+def test_default_is_the_article_module_hand_computed():
+    m = jattn.nnx.SelfAttention(2, rngs=nnx.Rngs(0))
+    assert m.wo is None and m.wq.bias is None and m.wk.bias is None and m.wv.bias is None
+    assert m.wq.kernel.shape == m.wk.kernel.shape == m.wv.kernel.shape == (2, 2)
+    for layer in (m.wq, m.wk, m.wv):
+        layer.kernel[...] = jnp.eye(2)
+    x = jnp.array([[[1.0, 0.0], [0.0, 2.0]]])  # Q = K = V = x
+    # scores = x xᵀ / √2 = [[1/√2, 0], [0, 4/√2]]
+    a, b = 1 / math.sqrt(2), 4 / math.sqrt(2)
+    row0 = np.array([math.exp(a), 2 * 1.0]) / (math.exp(a) + 1)  # weights [e^a, 1]/(e^a+1) times V rows
+    row1 = np.array([1.0, 2 * math.exp(b)]) / (1 + math.exp(b))
+    np.testing.assert_allclose(m(x)[0], np.stack([row0, row1]), rtol=1e-6)
+
+
+def test_default_matches_article_reference_on_random_weights():
+    m = jattn.nnx.SelfAttention(D_MODEL, rngs=nnx.Rngs(1))
+    x = _x()
+    want = ref.article_self_attention(
+        x, *(np.asarray(getattr(m, n).kernel[...], np.float64) for n in ("wq", "wk", "wv"))
+    )
+    np.testing.assert_allclose(m(x), want, **ref.tol(jnp.float32))
+
+
+CONFIGS = [
+    dict(),
+    dict(num_heads=4),
+    dict(num_heads=6, num_kv_heads=2, qkv_features=18),
+    dict(num_heads=3, num_kv_heads=1, use_bias=True, out_features=5),
+    dict(num_heads=2, out_proj=False),
+]
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_nnx_and_linen_agree_and_match_reference(config):
+    x = _x()
+    mask = jax.random.bernoulli(jax.random.key(5), 0.6, (2, 1, 7, 7)).at[1, 0, 4].set(False)
+    m = jattn.nnx.SelfAttention(D_MODEL, rngs=nnx.Rngs(0), **config)
+    lin = jattn.linen.SelfAttention(D_MODEL, **config)
+    init = lin.init(jax.random.key(0), x)["params"]
+    params = linen_params(m)
+    assert jax.tree.map(jnp.shape, init) == jax.tree.map(jnp.shape, params)
+    out, w = m(x, mask, return_weights=True)
+    out_l, w_l = lin.apply({"params": params}, x, mask, return_weights=True)
+    np.testing.assert_allclose(out, out_l, **ref.tol(jnp.float32))
+    np.testing.assert_allclose(w, w_l, **ref.tol(jnp.float32))
+    # Independent reference: per-head float64 attention with k/v heads repeated for GQA.
+    n, kv = config.get("num_heads", 1), config.get("num_kv_heads") or config.get("num_heads", 1)
+
+    def proj(name):
+        p = {k: np.asarray(v, np.float64) for k, v in params[name].items()}
+        return lambda a: a @ p["kernel"] + p.get("bias", 0.0)
+
+    def heads(a, h):  # (B, L, h*D) -> (B, h, L, D)
+        return a.reshape(*a.shape[:2], h, -1).transpose(0, 2, 1, 3)
+
+    xs = np.asarray(x, np.float64)
+    q = heads(proj("wq")(xs), n)
+    k, v = (np.repeat(heads(proj(nm)(xs), kv), n // kv, axis=1) for nm in ("wk", "wv"))
+    o, weights, _ = ref.attention(q, k, v, mask=np.asarray(mask))
+    o = o.transpose(0, 2, 1, 3).reshape(2, 7, -1)
+    if "wo" in params:
+        o = proj("wo")(o)
+    np.testing.assert_allclose(out, o, **ref.tol(jnp.float32))
+    np.testing.assert_allclose(w, weights, **ref.tol(jnp.float32))
+    assert np.all(np.asarray(out[1, 4]) == (0.0 if "wo" not in params else np.asarray(params["wo"].get("bias", 0.0))))
+
+
+def test_linen_gradients_float64():
+    with jax.enable_x64(True):
+        x = _x().astype(jnp.float64)
+        lin = jattn.linen.SelfAttention(D_MODEL, num_heads=3, use_bias=True, param_dtype=jnp.float64)
+        params = lin.init(jax.random.key(0), x)["params"]
+        check_grads(jax.jit(lambda p, x: lin.apply({"params": p}, x)), (params, x), order=1, modes=["rev"])
+
+
+def test_nnx_jit_vmap_grad():
+    m = jattn.nnx.SelfAttention(D_MODEL, num_heads=4, rngs=nnx.Rngs(0))
+    x = _x((3, 2, 7, D_MODEL))
+    eager = jnp.stack([m(xi) for xi in x])
+    np.testing.assert_allclose(nnx.jit(lambda m, x: m(x))(m, x[0]), eager[0], **ref.tol(jnp.float32))
+    vmapped = nnx.vmap(lambda m, x: m(x), in_axes=(None, 0))(m, x)
+    np.testing.assert_allclose(vmapped, eager, **ref.tol(jnp.float32))
+    grads = nnx.grad(lambda m: jnp.sum(m(x[0]) ** 2))(m)
+    lin = jattn.linen.SelfAttention(D_MODEL, num_heads=4)
+    want = jax.grad(lambda p: jnp.sum(lin.apply({"params": p}, x[0]) ** 2))(linen_params(m))
+    np.testing.assert_allclose(grads.wq.kernel[...], want["wq"]["kernel"], **ref.tol(jnp.float32))
+    np.testing.assert_allclose(grads.wo.kernel[...], want["wo"]["kernel"], **ref.tol(jnp.float32))
+
+
+def test_nnx_scan_over_stacked_layers_equals_loop():
+    layers = nnx.vmap(lambda r: jattn.nnx.SelfAttention(D_MODEL, num_heads=2, rngs=r), in_axes=0)(nnx.Rngs(0).split(3))
+    x = _x()
+
+    @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+    def run(layer, h):
+        return h + layer(h)
+
+    got = run(layers, x)
+    h = x
+    _, state = nnx.split(layers)
+    for i in range(3):
+        layer = nnx.merge(nnx.graphdef(layers), jax.tree.map(lambda a, i=i: a[i], state))
+        h = h + layer(h)
+    np.testing.assert_allclose(got, h, **ref.tol(jnp.float32))
+
+
+class _Stack(nn.Module):
+    """Three residual attention layers via nn.scan, each wrapped in nn.remat."""
+
+    @nn.compact
+    def __call__(self, h, _):
+        return h + jattn.linen.SelfAttention(D_MODEL, num_heads=2)(h), None
+
+
+def test_linen_scan_remat_vmap_compose():
+    x = _x()
+    scanned = nn.scan(nn.remat(_Stack), variable_axes={"params": 0}, split_rngs={"params": True}, length=3)()
+    params = scanned.init(jax.random.key(0), x, None)["params"]
+    got, _ = jax.jit(lambda p, x: scanned.apply({"params": p}, x, None))(params, x)
+    single = jattn.linen.SelfAttention(D_MODEL, num_heads=2)
+    h = x
+    for i in range(3):
+        layer = jax.tree.map(lambda a, i=i: a[i], params["SelfAttention_0"])
+        h = h + single.apply({"params": layer}, h)
+    np.testing.assert_allclose(got, h, **ref.tol(jnp.float32))
+    # nn.vmap over a leading axis with shared parameters equals the plain call per slice.
+    vm = nn.vmap(
+        jattn.linen.SelfAttention, in_axes=0, out_axes=0, variable_axes={"params": None}, split_rngs={"params": False}
+    )(D_MODEL, num_heads=2)
+    xs = _x((3, 2, 7, D_MODEL))
+    vparams = vm.init(jax.random.key(1), xs)["params"]
+    loop = jnp.stack([single.apply({"params": vparams}, xi) for xi in xs])
+    np.testing.assert_allclose(vm.apply({"params": vparams}, xs), loop, **ref.tol(jnp.float32))
+
+
+def test_dropout_switch_and_rng():
+    x = _x()
+    m = jattn.nnx.SelfAttention(D_MODEL, num_heads=2, dropout_rate=0.5, rngs=nnx.Rngs(0, dropout=1))
+    plain = jattn.nnx.SelfAttention(D_MODEL, num_heads=2, rngs=nnx.Rngs(0))
+    np.testing.assert_array_equal(m(x, deterministic=True), plain(x))
+    a, b = m(x), m(x)  # the stream advances: two different dropout draws
+    assert not np.allclose(a, b) and not np.allclose(a, plain(x))
+    lin = jattn.linen.SelfAttention(D_MODEL, num_heads=2, dropout_rate=0.5)
+    params = linen_params(plain)
+    np.testing.assert_array_equal(lin.apply({"params": params}, x, deterministic=True), plain(x))
+    one = lin.apply({"params": params}, x, rngs={"dropout": jax.random.key(3)})
+    np.testing.assert_array_equal(one, lin.apply({"params": params}, x, rngs={"dropout": jax.random.key(3)}))
+    with pytest.raises(flax.errors.InvalidRngError):
+        lin.apply({"params": params}, x)  # no dropout rng given
+
+
+def test_dtype_policy():
+    m = jattn.nnx.SelfAttention(D_MODEL, num_heads=2, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    out = m(_x().astype(jnp.bfloat16))
+    assert out.dtype == jnp.bfloat16 and m.wq.kernel.dtype == jnp.float32
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(num_heads=5), r"qkv_features=12 must be a positive multiple of num_heads=5"),
+        (dict(num_heads=4, num_kv_heads=3), r"num_kv_heads=3 must be a positive divisor of num_heads=4"),
+        (dict(num_heads=0), r"num_heads must be a positive int, got 0"),
+        (dict(out_features=5, out_proj=False), r"out_features=5 needs out_proj=True"),
+    ],
+)
+def test_bad_configuration_raises(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        jattn.nnx.SelfAttention(D_MODEL, rngs=nnx.Rngs(0), **kwargs)
+    with pytest.raises(ValueError, match=match):
+        jattn.linen.SelfAttention(D_MODEL, **kwargs).init(jax.random.key(0), _x())
+
+
+def test_bad_call_raises():
+    m = jattn.nnx.SelfAttention(D_MODEL, num_heads=2, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"x must have shape \(batch, length, 12\), got \(2, 7, 11\)"):
+        m(_x((2, 7, 11)))
+    with pytest.raises(ValueError, match=r"mask must broadcast to \(batch, 2 heads, T, S\), got shape \(2, 3, 7, 7\)"):
+        m(_x(), jnp.ones((2, 3, 7, 7), bool))
+    with pytest.raises(TypeError, match="mask must be boolean"):
+        m(_x(), jnp.ones((7, 7)))
