@@ -1,0 +1,191 @@
+"""The training program: data generators, a tiny end-to-end run, bit-identical resume, the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import jattn.nnx
+import train.__main__ as cli
+import train.eval
+from train import config, loop
+from train.tasks import MQAR, Induction, Reverse, Sort
+
+
+def tiny(tmp_path, **changes):
+    cfg = config.load()
+    overrides = dict(
+        workdir=str(tmp_path),
+        name="tiny",
+        steps=60,
+        warmup_steps=10,
+        log_every=20,
+        eval_every=60,
+        checkpoint_every=20,
+        batch_size=32,
+        eval_batches=2,
+        control=False,
+    )
+    overrides |= changes
+    return config.override(cfg, [f"--config.{k}={v}" for k, v in overrides.items()])
+
+
+# -- data ---------------------------------------------------------------------------------------
+
+
+def _batch(task, n=64):
+    b = task.batch(jax.random.key(3), n)
+    return np.asarray(b.inputs), np.asarray(b.targets), np.asarray(b.mask)
+
+
+def test_mqar_answers_are_the_values_bound_to_the_queried_keys():
+    task = MQAR(num_pairs=5, num_queries=3, num_keys=9, num_values=7)
+    x, y, m = _batch(task)
+    assert x.shape == y.shape == m.shape == (64, task.length) == (64, 15)
+    assert x.min() >= 0 and max(x.max(), y.max()) < task.vocab_size
+    np.testing.assert_array_equal(x[:, 1:], y[:, :-1])  # targets are the inputs shifted by one
+    for xi, yi, mi in zip(x, y, m, strict=True):
+        keys, values = xi[0:10:2], xi[1:10:2]
+        assert len(set(keys)) == 5 and keys.max() < 9 and values.min() >= 9
+        answers = [10 + 2 * j for j in range(3)]  # input positions of the queries
+        assert list(np.flatnonzero(mi)) == answers
+        for p in answers:
+            assert xi[p] in keys and yi[p] == values[list(keys).index(xi[p])]
+
+
+def test_sort_reverse_induction_masks_cover_exactly_the_answer():
+    x, y, m = _batch(Sort(size=6, vocab=3))
+    seq = np.concatenate([x, y[:, -1:]], axis=1)
+    np.testing.assert_array_equal(seq[:, 6:], np.sort(seq[:, :6], axis=1))
+    np.testing.assert_array_equal(m, np.arange(11)[None].repeat(64, 0) >= 5)
+    assert seq.max() < 3
+
+    x, y, m = _batch(Reverse(size=4, vocab=5))
+    seq = np.concatenate([x, y[:, -1:]], axis=1)
+    assert np.all(seq[:, 4] == 5) and seq[:, :4].max() < 5
+    np.testing.assert_array_equal(seq[:, 5:], seq[:, 3::-1])
+    np.testing.assert_array_equal(m, np.arange(8)[None].repeat(64, 0) >= 4)
+
+    x, y, m = _batch(Induction(size=5, vocab=7))
+    seq = np.concatenate([x, y[:, -1:]], axis=1)
+    np.testing.assert_array_equal(seq[:, 5:], seq[:, :5])
+    np.testing.assert_array_equal(m, np.arange(9)[None].repeat(64, 0) >= 4)
+
+
+def test_eval_stream_is_held_out_from_training_stream():
+    exp = loop.build(tiny("/unused"))
+    train_keys = {tuple(jax.random.key_data(jax.random.fold_in(exp.train_key, s)).tolist()) for s in range(500)}
+    eval_keys = {tuple(jax.random.key_data(jax.random.fold_in(exp.eval_key, i)).tolist()) for i in range(8)}
+    assert not train_keys & eval_keys
+
+
+# -- training -----------------------------------------------------------------------------------
+
+
+def test_tiny_sort_run_beats_chance_and_writes_its_run_directory(tmp_path):
+    cfg = tiny(tmp_path, steps=300, eval_every=100, log_every=50, checkpoint_every=100, warmup_steps=30)
+    with cfg.unlocked():
+        cfg.task = config.load("configs/sort.py").task
+    summary = loop.train(cfg, progress=False)
+    assert summary["eval"]["token_acc"] > summary["chance"] + 0.4, summary
+    for name in ("config.json", "metrics.jsonl", "summary.json", "curves.png", "attention.png"):
+        assert (tmp_path / name).is_file(), name
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [50, 100, 150, 200, 250, 300]
+    assert rows[-1]["loss"] < rows[0]["loss"]
+
+
+def test_resume_is_bit_identical(tmp_path):
+    straight = loop.train(tiny(tmp_path / "a"), progress=False, pictures=False)
+    stopped = loop.train(tiny(tmp_path / "b"), progress=False, pictures=False, should_stop=lambda step: step >= 40)
+    assert stopped["interrupted"] and stopped["step"] == 40
+    resumed = loop.train(tiny(tmp_path / "b"), progress=False, pictures=False)
+    assert resumed["step"] == straight["step"] == 60 and not resumed["interrupted"]
+    rows = {d: (tmp_path / d / "metrics.jsonl").read_text() for d in "ab"}
+    assert rows["a"].count("\n") == 3
+    for a, b in zip(rows["a"].splitlines(), rows["b"].splitlines(), strict=True):
+        a, b = json.loads(a), json.loads(b)
+        assert (a["step"], a["loss"], a["acc"], a.get("eval")) == (b["step"], b["loss"], b["acc"], b.get("eval"))
+    _, pa, _ = loop.restore(tmp_path / "a")
+    _, pb, step = loop.restore(tmp_path / "b")
+    assert step == 60
+    for x, y in zip(jax.tree.leaves(pa), jax.tree.leaves(pb), strict=True):
+        np.testing.assert_array_equal(x, y)
+    assert straight["eval"] == resumed["eval"]
+
+
+def test_eval_entry_reloads_and_prints_examples(tmp_path, capsys):
+    loop.train(tiny(tmp_path), progress=False, pictures=False)
+    assert train.eval.main(["--run", str(tmp_path), "--examples", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "at step 60: held-out token accuracy" in out
+    assert out.count("input ") == 2 and out.count("target ") == 2 and out.count("pred ") == 2
+
+
+def test_control_has_no_attention():
+    exp = loop.build(config.override(config.load(), ["--config.model.mixer=none"]))
+    model = exp.model(exp.init_params)
+    kinds = {type(m) for _, m in nnx.iter_graph(model)}
+    assert jattn.nnx.SelfAttention not in kinds and nnx.Linear in kinds
+
+
+# -- command line -------------------------------------------------------------------------------
+
+BAD_CONFIGS = [
+    (["--config.model.foo=3"], "unknown config key 'model.foo'"),
+    (["--config.nope=1"], "unknown config key 'nope'"),
+    (["--config.task.name=parity"], "config key 'task.name': unknown task 'parity'"),
+    (["--config.task.bogus=4"], "unknown config key 'task.bogus'"),
+    (["--config.model.num_heads=3"], "config key 'model.num_heads'=3 does not divide 'model.d_model'=64"),
+    (["--config.model.d_model=0"], "config key 'model.d_model' must be positive, got 0"),
+    (["--config.batch_size=-4"], "config key 'batch_size' must be positive, got -4"),
+    (["--config.task.num_pairs=0"], "config key 'task.num_pairs' must be positive, got 0"),
+    (["--config.steps=many"], "config key 'steps': bad value 'many'"),
+    (["--config.model.mixer=rnn"], "config key 'model.mixer': unknown mixer 'rnn'"),
+    (["--config", "configs/missing.py"], "config file 'configs/missing.py' does not exist"),
+]
+
+
+@pytest.mark.parametrize(("argv", "message"), BAD_CONFIGS)
+def test_cli_rejects_bad_config_before_compiling(argv, message, capsys, monkeypatch):
+    def no_training(*a, **k):
+        raise AssertionError("training started")
+
+    monkeypatch.setattr(loop, "train", no_training)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_sigint_saves_a_checkpoint_and_the_same_command_resumes(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    cmd = [sys.executable, "-m", "train", "--quiet", f"--config.workdir={tmp_path}", "--config.control=False"]
+    cmd += [
+        "--config.steps=4000",
+        "--config.log_every=10",
+        "--config.eval_every=2000",
+        "--config.checkpoint_every=2000",
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out
+    step = json.loads(metrics.read_text().splitlines()[-1])["step"]
+    assert 0 < step < 4000 and f"interrupted at step {step}" in out
+    _, _, saved = loop.restore(tmp_path)
+    assert saved == step  # the checkpoint is the last logged step: nothing lost
+    summary = loop.train(tiny(tmp_path, steps=step + 20, log_every=10, eval_every=10, checkpoint_every=10))
+    assert summary["step"] == step + 20 and not summary["interrupted"]

@@ -1,0 +1,1 @@
+"""Toy training that shows jattn's attention learns (``python -m train``)."""

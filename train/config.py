@@ -1,0 +1,124 @@
+"""Config files (ml_collections, ``get_config()``), command-line overrides, and validation.
+
+Overrides use the ``ml_collections.config_flags`` syntax (``--config.model.d_model=64``); a bad
+key or value stops the program before anything is compiled, with the key and value named.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+import ml_collections
+
+from train.model import MIXERS
+from train.tasks import MQAR, TASKS, Task
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.py"
+
+
+class ConfigError(ValueError):
+    """A config key with a value the program cannot run with."""
+
+
+def load(path: str | Path = DEFAULT_CONFIG) -> ml_collections.ConfigDict:
+    """Runs ``get_config()`` of a config file; the result is locked (no new keys)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    root = str(path.resolve().parent.parent)  # so that a config can `from configs import default`
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    spec = importlib.util.spec_from_file_location(f"_jattn_config_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cfg = module.get_config()
+    cfg.lock()
+    return cfg
+
+
+def _parse(text: str) -> Any:
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def override(cfg: ml_collections.ConfigDict, args: list[str]) -> ml_collections.ConfigDict:
+    """Applies ``--config.a.b=value`` arguments (type-checked against the existing value)."""
+    for arg in args:
+        if not arg.startswith("--config.") or "=" not in arg:
+            raise ConfigError(f"expected --config.KEY=VALUE, got {arg!r}")
+        key, text = arg[len("--config.") :].split("=", 1)
+        *parents, leaf = key.split(".")
+        node = cfg
+        for i, part in enumerate(parents):
+            if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+                raise ConfigError(f"unknown config key {'.'.join(parents[: i + 1])!r} (in --config.{key}={text})")
+            node = node[part]
+        if not isinstance(node, ml_collections.ConfigDict) or leaf not in node:
+            raise ConfigError(f"unknown config key {key!r} (value {text!r})")
+        try:
+            node[leaf] = _parse(text)
+        except TypeError as e:
+            raise ConfigError(f"config key {key!r}: bad value {text!r} ({e})") from None
+    return cfg
+
+
+def _positive(cfg: ml_collections.ConfigDict, *keys: str) -> None:
+    for key in keys:
+        value = cfg
+        for part in key.split("."):
+            value = value[part]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ConfigError(f"config key {key!r} must be positive, got {value!r}")
+
+
+def make_task(cfg: ml_collections.ConfigDict) -> Task:
+    """The task named by ``cfg.task.name`` with the other ``cfg.task`` fields."""
+    spec = dict(cfg.task)
+    name = spec.pop("name")
+    if name not in TASKS:
+        raise ConfigError(f"config key 'task.name': unknown task {name!r}; choose from {sorted(TASKS)}")
+    fields = {f.name for f in dataclasses.fields(TASKS[name])}
+    for key, value in spec.items():
+        if key not in fields:
+            raise ConfigError(f"unknown config key 'task.{key}' for task {name!r} (value {value!r})")
+        _positive(cfg, f"task.{key}")
+    task = TASKS[name](**spec)
+    if isinstance(task, MQAR) and not task.num_queries <= task.num_pairs <= task.num_keys:
+        raise ConfigError(
+            f"config keys 'task.num_queries'={task.num_queries}, 'task.num_pairs'={task.num_pairs}, "
+            f"'task.num_keys'={task.num_keys} must satisfy num_queries <= num_pairs <= num_keys"
+        )
+    return task
+
+
+def validate(cfg: ml_collections.ConfigDict) -> Task:
+    """Checks every value the program depends on; returns the task. Raises :class:`ConfigError`."""
+    task = make_task(cfg)
+    _positive(cfg, "steps", "batch_size", "log_every", "eval_every", "eval_batches", "checkpoint_every")
+    _positive(cfg, "learning_rate", "grad_clip", "model.d_model", "model.num_heads", "model.num_layers")
+    _positive(cfg, "model.mlp_ratio")
+    if cfg.warmup_steps < 0 or cfg.weight_decay < 0:
+        raise ConfigError(
+            f"config keys 'warmup_steps'={cfg.warmup_steps}, 'weight_decay'={cfg.weight_decay} must be >= 0"
+        )
+    if cfg.warmup_steps >= cfg.steps:
+        raise ConfigError(f"config key 'warmup_steps'={cfg.warmup_steps} must be below 'steps'={cfg.steps}")
+    for key in ("eval_every", "checkpoint_every"):
+        if cfg[key] % cfg.log_every:
+            raise ConfigError(f"config key {key!r}={cfg[key]} must be a multiple of 'log_every'={cfg.log_every}")
+    if cfg.model.mixer not in MIXERS:
+        raise ConfigError(f"config key 'model.mixer': unknown mixer {cfg.model.mixer!r}; choose from {MIXERS}")
+    if cfg.model.d_model % cfg.model.num_heads:
+        raise ConfigError(
+            f"config key 'model.num_heads'={cfg.model.num_heads} does not divide 'model.d_model'={cfg.model.d_model}"
+        )
+    return task
