@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax import Array
 from jax.typing import ArrayLike
 
+from jattn._masks import Mask
 from jattn._softmax import SoftmaxParts, softmax_parts
 
 __all__ = ["attention", "attention_weights"]
@@ -46,7 +47,25 @@ def _check_qkv(q: Array, k: Array, v: Array | None) -> None:
         raise ValueError(f"k and v must have the same length S (axis -2), got k {k.shape} and v {v.shape}")
 
 
-def _check_mask_bias(mask: ArrayLike | None, bias: ArrayLike | None) -> tuple[Array | None, Array | None]:
+def _check_mask_bias(
+    mask: ArrayLike | Mask | None,
+    bias: ArrayLike | None,
+    q: Array,
+    k: Array,
+    q_offset: ArrayLike | None,
+    kv_offset: ArrayLike,
+) -> tuple[Array | None, Array | None]:
+    """Validates mask and bias; a :class:`Mask` is materialised (per-example masks put the
+    batch on the first axis of q)."""
+    if isinstance(mask, Mask):
+        T, S = q.shape[-2], k.shape[-2]
+        mask = mask.dense(T, S, q_offset=q_offset, kv_offset=kv_offset)
+        if mask.ndim == 4:  # (B, 1, T, S): batch first
+            if q.ndim < 3:
+                raise ValueError(f"a per-example mask needs a batch axis in q, got q of shape {q.shape}")
+            mask = mask.reshape(mask.shape[0], *(1,) * (q.ndim - 3), T, S)
+    elif q_offset is not None or not (isinstance(kv_offset, int) and kv_offset == 0):
+        raise ValueError("q_offset and kv_offset apply only to a jattn.masks.Mask, not to an array mask")
     if mask is not None:
         mask = jnp.asarray(mask)
         if mask.dtype != jnp.bool_:
@@ -115,9 +134,11 @@ def attention(
     k: ArrayLike,
     v: ArrayLike,
     *,
-    mask: ArrayLike | None = None,
+    mask: ArrayLike | Mask | None = None,
     bias: ArrayLike | None = None,
     scale: float | ArrayLike | None = None,
+    q_offset: ArrayLike | None = None,
+    kv_offset: ArrayLike = 0,
     dropout_rate: float = 0.0,
     dropout_rng: Array | None = None,
     precision: jax.lax.PrecisionLike = None,
@@ -159,9 +180,15 @@ def attention(
 
     Args:
       q, k, v: queries, keys, values; one floating dtype.
-      mask: boolean, True = attend, broadcastable to ``(..., T, S)``.
+      mask: boolean, True = attend, broadcastable to ``(..., T, S)``; or a
+        :class:`jattn.masks.Mask` predicate such as ``masks.causal()`` (per-example masks index
+        the first axis of q as the batch).
       bias: additive logits bias, broadcastable to ``(..., T, S)``.
       scale: logit scale; default ``1 / sqrt(D)``.
+      q_offset, kv_offset: absolute positions of the first query and key, scalars or per
+        example ``(B,)``, for a :class:`~jattn.masks.Mask` only. Default ``kv_offset = 0`` and
+        ``q_offset = S - T``: queries aligned bottom-right, at the end of the keys, as for a KV
+        cache (so ``causal()`` with ``T < S`` lets the last query see every key).
       dropout_rate: probability of dropping an attention weight (training only).
       dropout_rng: PRNG key, required when ``dropout_rate > 0``.
       precision: matmul precision passed to the einsums (matters on TPU).
@@ -177,7 +204,7 @@ def attention(
     """
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     _check_qkv(q, k, v)
-    mask, bias = _check_mask_bias(mask, bias)
+    mask, bias = _check_mask_bias(mask, bias, q, k, q_offset, kv_offset)
     ndim = len(_broadcast_all(q=q, k=k, v=v, mask=mask, bias=bias)) + 2
     q, k, v, mask, bias = (_pad_rank(x, ndim) for x in (q, k, v, mask, bias))
     parts, compute = _logits(q, k, mask, bias, scale, precision)
@@ -195,9 +222,11 @@ def attention_weights(
     q: ArrayLike,
     k: ArrayLike,
     *,
-    mask: ArrayLike | None = None,
+    mask: ArrayLike | Mask | None = None,
     bias: ArrayLike | None = None,
     scale: float | ArrayLike | None = None,
+    q_offset: ArrayLike | None = None,
+    kv_offset: ArrayLike = 0,
     precision: jax.lax.PrecisionLike = None,
 ) -> Array:
     """The attention weights ``(..., T, S)`` that :func:`attention` applies to v.
@@ -209,7 +238,7 @@ def attention_weights(
     """
     q, k = jnp.asarray(q), jnp.asarray(k)
     _check_qkv(q, k, None)
-    mask, bias = _check_mask_bias(mask, bias)
+    mask, bias = _check_mask_bias(mask, bias, q, k, q_offset, kv_offset)
     ndim = len(_broadcast_all(q=q, k=k, mask=mask, bias=bias)) + 2
     q, k, mask, bias = (_pad_rank(x, ndim) for x in (q, k, mask, bias))
     parts, _ = _logits(q, k, mask, bias, scale, precision)

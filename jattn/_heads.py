@@ -11,7 +11,11 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
+from collections.abc import Callable
+
 from jattn._core import attention, attention_weights
+from jattn._linear import LinearState, _features, linear_attention
+from jattn._masks import Causal, Mask
 
 
 def check_heads(d_model: int, num_heads: int, num_kv_heads: int | None, qkv_features: int | None) -> tuple[int, int]:
@@ -45,11 +49,24 @@ def _split_mask(mask: Array | None, num_heads: int, num_kv_heads: int) -> Array 
     if mask is None:
         return None
     mask = jnp.asarray(mask)
+    if mask.dtype != jnp.bool_:
+        raise TypeError(f"mask must be boolean (True = attend), got {mask.dtype} with shape {mask.shape}")
     if mask.ndim > 4 or (mask.ndim == 4 and mask.shape[1] not in (1, num_heads)):
         raise ValueError(f"mask must broadcast to (batch, {num_heads} heads, T, S), got shape {mask.shape}")
     mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
     heads = (num_kv_heads, num_heads // num_kv_heads) if mask.shape[1] == num_heads else (1, 1)
     return mask.reshape(mask.shape[0], *heads, *mask.shape[2:])
+
+
+KINDS = ("softmax", "linear")
+
+
+def check_kind(kind: str, feature_map: object) -> None:
+    """Validates the attention kind."""
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if kind == "linear":
+        _features(feature_map)
 
 
 def multihead(
@@ -59,25 +76,59 @@ def multihead(
     *,
     num_heads: int,
     num_kv_heads: int,
-    mask: Array | None,
-    dropout_rate: float,
-    dropout_rng: Array | None,
-    precision: jax.lax.PrecisionLike,
-    return_weights: bool,
-) -> tuple[Array, Array | None]:
+    mask: Array | Mask | None,
+    kv_mask: Array | None = None,
+    kind: str = "softmax",
+    feature_map: str | Callable[[Array], Array] = "elu",
+    dropout_rate: float = 0.0,
+    dropout_rng: Array | None = None,
+    precision: jax.lax.PrecisionLike = None,
+    return_weights: bool = False,
+    linear_state: LinearState | None = None,
+) -> tuple[Array, Array | None, LinearState | None]:
     """Attention over heads of projected ``q (B, T, N*D)``, ``k, v (B, S, K*D)``.
 
-    Returns ``out (B, T, N*E)`` and, if asked, the weights ``(B, N, T, S)`` (before dropout).
+    ``mask`` is an array broadcastable to ``(B, N, T, S)`` or a :class:`~jattn.masks.Mask`;
+    ``kv_mask (B, S)`` marks valid keys (context padding). For ``kind='linear'`` the mask must
+    be None or ``causal()`` and ``linear_state`` continues a causal sequence.
+
+    Returns ``out (B, T, N*E)``, the weights ``(B, N, T, S)`` (before dropout) if asked, and
+    the linear state after the last key (linear kind only).
     """
     groups = num_heads // num_kv_heads
     qh = _split(q, num_kv_heads, groups)  # (B, K, G, T, D)
     kh = _split(k, num_kv_heads, 1)  # (B, K, 1, S, D)
     vh = _split(v, num_kv_heads, 1)  # (B, K, 1, S, E)
-    mask = _split_mask(mask, num_heads, num_kv_heads)  # (B, K|1, G|1, T, S)
-    out = attention(qh, kh, vh, mask=mask, dropout_rate=dropout_rate, dropout_rng=dropout_rng, precision=precision)
-    b, _, _, t, e = out.shape
-    out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, num_heads * e)  # (B, T, N*E)
-    if not return_weights:
-        return out, None
-    w = attention_weights(qh, kh, mask=mask, precision=precision)  # (B, K, G, T, S)
-    return out, w.reshape(b, num_heads, t, k.shape[1])
+    b, t, s = q.shape[0], q.shape[1], k.shape[1]
+    valid = None if kv_mask is None else jnp.asarray(kv_mask).reshape(b, 1, 1, s)  # (B, 1, 1, S)
+    state = None
+    if kind == "linear":
+        if return_weights:
+            raise ValueError("return_weights needs kind='softmax'; linear attention forms no weights")
+        if mask is not None and not isinstance(mask, Causal):
+            raise ValueError(f"kind='linear' takes mask=None or masks.causal(), got {mask!r}")
+        out, state = linear_attention(
+            qh,
+            kh,
+            vh,
+            feature_map=feature_map,
+            causal=mask is not None,
+            kv_mask=valid,
+            initial_state=linear_state,
+            return_state=True,
+            precision=precision,
+        )
+        weights = None
+    else:
+        if isinstance(mask, Mask):
+            mask = mask.dense(t, s)  # (T, S) or (B, 1, T, S)
+        mask = _split_mask(mask, num_heads, num_kv_heads)  # (B, K|1, G|1, T, S)
+        if valid is not None:
+            valid = valid.reshape(b, 1, 1, 1, s)
+            mask = valid if mask is None else mask & valid
+        out = attention(qh, kh, vh, mask=mask, dropout_rate=dropout_rate, dropout_rng=dropout_rng, precision=precision)
+        weights = None
+        if return_weights:
+            weights = attention_weights(qh, kh, mask=mask, precision=precision).reshape(b, num_heads, t, s)
+    out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, -1)  # (B, K, G, T, E) -> (B, T, N*E)
+    return out, weights, state

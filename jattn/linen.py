@@ -1,11 +1,14 @@
 """Flax Linen attention modules: thin layers over :func:`jattn.attention`.
 
-Parameter names match :mod:`jattn.nnx`: ``wq``, ``wk``, ``wv`` and (with an output
-projection) ``wo``, each an ``nn.Dense`` holding ``kernel`` and, with ``use_bias``, ``bias``.
+The same modules as :mod:`jattn.nnx` (see there for every option) with the same parameter names
+(``wq``, ``wk``, ``wv`` and, with an output projection, ``wo``; each an ``nn.Dense``); given the
+same weights both return the same output. Dropout draws from the ``'dropout'`` rng collection
+when not deterministic. Decoding with a cache is in the NNX modules.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -14,18 +17,12 @@ from flax import linen as nn
 from jax import Array
 
 from jattn import _heads
+from jattn._masks import Mask
 
-__all__ = ["SelfAttention"]
+__all__ = ["CrossAttention", "SelfAttention"]
 
 
-class SelfAttention(nn.Module):
-    """Multi-head self-attention over ``x`` of shape ``(B, T, d_model)``.
-
-    The same module as :class:`jattn.nnx.SelfAttention` (see there for every field); given the
-    same weights both return the same output. Dropout draws from the ``'dropout'`` rng
-    collection when not deterministic.
-    """
-
+class _Attention(nn.Module):
     d_model: int
     num_heads: int = 1
     num_kv_heads: int | None = None
@@ -33,6 +30,8 @@ class SelfAttention(nn.Module):
     out_features: int | None = None
     out_proj: bool | None = None
     use_bias: bool = False
+    kind: str = "softmax"
+    feature_map: str | Callable[[Array], Array] = "elu"
     dropout_rate: float = 0.0
     deterministic: bool = False
     dtype: Any = None
@@ -41,47 +40,95 @@ class SelfAttention(nn.Module):
     kernel_init: nn.initializers.Initializer = nn.initializers.lecun_normal()
     bias_init: nn.initializers.Initializer = nn.initializers.zeros_init()
 
-    @nn.compact
-    def __call__(
+    def _dense(self, features: int, name: str) -> nn.Dense:
+        return nn.Dense(
+            features,
+            use_bias=self.use_bias,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            precision=self.precision,
+            kernel_init=self.kernel_init,
+            bias_init=self.bias_init,
+            name=name,
+        )
+
+    def _run(
         self,
         x: Array,
-        mask: Array | None = None,
-        deterministic: bool | None = None,
-        return_weights: bool = False,
+        context: Array,
+        mask: Array | Mask | None,
+        context_mask: Array | None,
+        deterministic: bool | None,
+        return_weights: bool,
     ) -> Array | tuple[Array, Array]:
-        """Attends ``x (B, T, d_model)`` to itself; arguments as in :class:`jattn.nnx.SelfAttention`."""
-        kv_heads, head_depth = _heads.check_heads(self.d_model, self.num_heads, self.num_kv_heads, self.qkv_features)
-        _heads.check_input("x", x, self.d_model)
+        kv_heads, depth = _heads.check_heads(self.d_model, self.num_heads, self.num_kv_heads, self.qkv_features)
+        _heads.check_kind(self.kind, self.feature_map)
         out_proj = self.out_proj if self.out_proj is not None else self.num_heads > 1 or self.out_features is not None
         if self.out_features is not None and not out_proj:
             raise ValueError(f"out_features={self.out_features} needs out_proj=True")
-
-        def dense(features: int, name: str) -> nn.Dense:
-            return nn.Dense(
-                features,
-                use_bias=self.use_bias,
-                dtype=self.dtype,
-                param_dtype=self.param_dtype,
-                precision=self.precision,
-                kernel_init=self.kernel_init,
-                bias_init=self.bias_init,
-                name=name,
-            )
-
         deterministic = self.deterministic if deterministic is None else deterministic
         use_dropout = self.dropout_rate > 0 and not deterministic
-        out, weights = _heads.multihead(
-            dense(self.num_heads * head_depth, "wq")(x),
-            dense(kv_heads * head_depth, "wk")(x),
-            dense(kv_heads * head_depth, "wv")(x),
+        out, weights, _ = _heads.multihead(
+            self._dense(self.num_heads * depth, "wq")(x),
+            self._dense(kv_heads * depth, "wk")(context),
+            self._dense(kv_heads * depth, "wv")(context),
             num_heads=self.num_heads,
             num_kv_heads=kv_heads,
             mask=mask,
+            kv_mask=context_mask,
+            kind=self.kind,
+            feature_map=self.feature_map,
             dropout_rate=self.dropout_rate if use_dropout else 0.0,
             dropout_rng=self.make_rng("dropout") if use_dropout else None,
             precision=self.precision,
             return_weights=return_weights,
         )
         if out_proj:
-            out = dense(self.out_features or self.d_model, "wo")(out)
+            out = self._dense(self.out_features or self.d_model, "wo")(out)
         return (out, weights) if return_weights else out
+
+
+class SelfAttention(_Attention):
+    """Multi-head self-attention over ``x (B, T, d_model)``; see :class:`jattn.nnx.SelfAttention`."""
+
+    @nn.compact
+    def __call__(
+        self,
+        x: Array,
+        mask: Array | Mask | None = None,
+        deterministic: bool | None = None,
+        return_weights: bool = False,
+    ) -> Array | tuple[Array, Array]:
+        """Attends ``x (B, T, d_model)`` to itself; ``mask`` broadcastable to ``(B, N, T, T)`` or a Mask."""
+        _heads.check_input("x", x, self.d_model)
+        return self._run(x, x, mask, None, deterministic, return_weights)
+
+
+class CrossAttention(_Attention):
+    """Cross-attention from ``x (B, T, d_model)`` to ``context (B, S, context_features)``.
+
+    See :class:`jattn.nnx.CrossAttention`.
+    """
+
+    context_features: int = 0
+
+    @nn.compact
+    def __call__(
+        self,
+        x: Array,
+        context: Array,
+        mask: Array | Mask | None = None,
+        context_mask: Array | None = None,
+        deterministic: bool | None = None,
+        return_weights: bool = False,
+    ) -> Array | tuple[Array, Array]:
+        """Attends ``x`` to ``context``; ``context_mask (B, S)`` is False at context padding."""
+        _heads.check_input("x", x, self.d_model)
+        _heads.check_input("context", context, self.context_features)
+        if context.shape[0] != x.shape[0]:
+            raise ValueError(f"x and context must share the batch size, got {x.shape} and {context.shape}")
+        if context_mask is not None and jnp.shape(context_mask) != context.shape[:2]:
+            raise ValueError(
+                f"context_mask must have shape (B, S) = {context.shape[:2]}, got {jnp.shape(context_mask)}"
+            )
+        return self._run(x, context, mask, context_mask, deterministic, return_weights)

@@ -1,12 +1,15 @@
-"""Flax NNX attention modules: thin layers over :func:`jattn.attention`.
+"""Flax NNX attention modules: thin layers over :func:`jattn.attention` (and, with
+``kind='linear'``, :func:`jattn.linear_attention`).
 
-Parameters (the article's names): ``wq``, ``wk``, ``wv`` (``nnx.Linear`` d_model -> qkv
-features; ``wk``/``wv`` produce ``num_kv_heads`` heads) and, when there is an output projection,
-``wo`` (qkv features -> out features). Each holds ``kernel`` and, with ``use_bias``, ``bias``.
+Parameters (the article's names): ``wq`` (``d_model -> N*D``), ``wk`` and ``wv`` (keys/values
+features ``-> K*D``, K = ``num_kv_heads``) and, when there is an output projection, ``wo``
+(``N*D -> out features``); each an ``nnx.Linear`` holding ``kernel`` and, with ``use_bias``,
+``bias``. Dimension key: :mod:`jattn._core`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -15,42 +18,22 @@ from flax import nnx
 from jax import Array
 
 from jattn import _heads
+from jattn._linear import LinearState
+from jattn._masks import Causal, Mask
 
-__all__ = ["SelfAttention"]
+__all__ = ["CrossAttention", "SelfAttention"]
 
 _KERNEL_INIT = nnx.initializers.lecun_normal()
 _BIAS_INIT = nnx.initializers.zeros_init()
 
 
-class SelfAttention(nnx.Module):
-    """Multi-head self-attention over ``x`` of shape ``(B, T, d_model)``.
-
-    The default construction is the article's module: three bias-free linear maps
-    ``d_model -> d_model`` (``wq``, ``wk``, ``wv``), one head, scale ``1/sqrt(d_model)`` and
-    output ``(B, T, d_model)`` without an output projection.
-
-    Args:
-      d_model: input features.
-      num_heads: query heads N.
-      num_kv_heads: key/value heads K (default N); N/K query heads share one kv head
-        (grouped-query attention; K=1 is multi-query).
-      qkv_features: total query/key/value features N*D (default d_model).
-      out_features: output features; setting it implies an output projection.
-      out_proj: add the output projection ``wo``; default True when ``num_heads > 1`` or
-        ``out_features`` is set. Without it the output has qkv_features features.
-      use_bias: biases on the projections.
-      dropout_rate: dropout on the attention weights.
-      deterministic: default for the call-time switch; dropout is off when True.
-      dtype: computation dtype (default: inferred from input and params).
-      param_dtype: parameter dtype.
-      precision: matmul precision for projections and attention.
-      kernel_init, bias_init: initialisers of the projections.
-      rngs: ``nnx.Rngs`` for the parameters (``params``) and dropout (``dropout``).
-    """
+class _Attention(nnx.Module):
+    """Projections, heads, dropout and output projection shared by the attention modules."""
 
     def __init__(
         self,
         d_model: int,
+        kv_features: int,
         *,
         num_heads: int = 1,
         num_kv_heads: int | None = None,
@@ -58,6 +41,8 @@ class SelfAttention(nnx.Module):
         out_features: int | None = None,
         out_proj: bool | None = None,
         use_bias: bool = False,
+        kind: str = "softmax",
+        feature_map: str | Callable[[Array], Array] = "elu",
         dropout_rate: float = 0.0,
         deterministic: bool = False,
         dtype: Any = None,
@@ -67,11 +52,11 @@ class SelfAttention(nnx.Module):
         bias_init: nnx.Initializer = _BIAS_INIT,
         rngs: nnx.Rngs,
     ) -> None:
-        self.num_kv_heads, head_depth = _heads.check_heads(d_model, num_heads, num_kv_heads, qkv_features)
-        self.d_model, self.num_heads = d_model, num_heads
+        self.num_kv_heads, self.head_depth = _heads.check_heads(d_model, num_heads, num_kv_heads, qkv_features)
+        _heads.check_kind(kind, feature_map)
+        self.d_model, self.kv_features, self.num_heads = d_model, kv_features, num_heads
+        self.kind, self.feature_map = kind, feature_map
         self.dropout_rate, self.deterministic, self.precision = dropout_rate, deterministic, precision
-        features = num_heads * head_depth
-        kv_features = self.num_kv_heads * head_depth
         if out_proj is None:
             out_proj = num_heads > 1 or out_features is not None
         if out_features is not None and not out_proj:
@@ -90,52 +75,252 @@ class SelfAttention(nnx.Module):
                 rngs=rngs,
             )
 
+        features = num_heads * self.head_depth
         self.wq = linear(d_model, features)
-        self.wk = linear(d_model, kv_features)
-        self.wv = linear(d_model, kv_features)
+        self.wk = linear(kv_features, self.num_kv_heads * self.head_depth)
+        self.wv = linear(kv_features, self.num_kv_heads * self.head_depth)
         self.wo = linear(features, out_features or d_model) if out_proj else None
         self.dropout_rngs = rngs.dropout.fork() if dropout_rate > 0 else None
+
+    def _dropout_rng(self, deterministic: bool | None, rngs: nnx.Rngs | None) -> Array | None:
+        deterministic = self.deterministic if deterministic is None else deterministic
+        if self.dropout_rate == 0 or deterministic:
+            return None
+        stream = rngs.dropout if rngs is not None else self.dropout_rngs
+        return stream()
+
+    def _attend(
+        self,
+        q: Array,
+        k: Array,
+        v: Array,
+        mask: Array | Mask | None,
+        kv_mask: Array | None,
+        rng: Array | None,
+        return_weights: bool,
+        linear_state: LinearState | None = None,
+    ) -> tuple[Array, Array | None, LinearState | None]:
+        out, weights, state = _heads.multihead(
+            q,
+            k,
+            v,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            mask=mask,
+            kv_mask=kv_mask,
+            kind=self.kind,
+            feature_map=self.feature_map,
+            dropout_rate=self.dropout_rate if rng is not None else 0.0,
+            dropout_rng=rng,
+            precision=self.precision,
+            return_weights=return_weights,
+            linear_state=linear_state,
+        )
+        if self.wo is not None:
+            out = self.wo(out)
+        return out, weights, state
+
+
+class SelfAttention(_Attention):
+    """Multi-head self-attention over ``x`` of shape ``(B, T, d_model)``.
+
+    The default construction is the article's module: three bias-free linear maps
+    ``d_model -> d_model`` (``wq``, ``wk``, ``wv``), one head, scale ``1/sqrt(d_model)`` and
+    output ``(B, T, d_model)`` without an output projection.
+
+    Args:
+      d_model: input features.
+      num_heads: query heads N.
+      num_kv_heads: key/value heads K (default N); N/K query heads share one kv head
+        (grouped-query attention; K=1 is multi-query). Must divide N.
+      qkv_features: total query features N*D (default d_model); kv heads have the same D.
+      out_features: output features; setting it implies an output projection.
+      out_proj: add the output projection ``wo``; default True when ``num_heads > 1`` or
+        ``out_features`` is set. Without it the output has qkv_features features.
+      use_bias: biases on the projections.
+      kind: ``'softmax'`` (default) or ``'linear'`` (:func:`jattn.linear_attention`, whose
+        only masks are None and ``masks.causal()``).
+      feature_map: the feature map of linear attention.
+      dropout_rate: dropout on the attention weights (softmax kind).
+      deterministic: default for the call-time switch; dropout is off when True.
+      dtype: computation dtype (default: inferred from input and params).
+      param_dtype: parameter dtype.
+      precision: matmul precision for projections and attention.
+      kernel_init, bias_init: initialisers of the projections.
+      rngs: ``nnx.Rngs`` for the parameters (``params``) and dropout (``dropout``).
+
+    Decoding: :meth:`init_cache`, then calls with ``decode=True`` (see there).
+    """
+
+    def __init__(self, d_model: int, **options: Any) -> None:
+        super().__init__(d_model, d_model, **options)
+        self.cache: nnx.Cache | None = None
 
     def __call__(
         self,
         x: Array,
-        mask: Array | None = None,
+        mask: Array | Mask | None = None,
         *,
         deterministic: bool | None = None,
         rngs: nnx.Rngs | None = None,
         return_weights: bool = False,
+        decode: bool = False,
+        lengths: Array | None = None,
     ) -> Array | tuple[Array, Array]:
         """Attends ``x (B, T, d_model)`` to itself.
 
         Args:
           x: ``(B, T, d_model)`` inputs.
-          mask: boolean, True = attend, broadcastable to ``(B, N, T, T)``.
+          mask: boolean array broadcastable to ``(B, N, T, T)`` (True = attend), or a
+            :class:`jattn.masks.Mask` such as ``masks.causal()``.
           deterministic: overrides the constructor's switch; dropout is off when True.
           rngs: overrides the constructor's dropout stream.
           return_weights: also return the attention weights ``(B, N, T, T)`` (before dropout).
+          decode: attend to the cache as well and append these tokens to it (after
+            :meth:`init_cache`); ``mask`` must then be a Mask predicate (default causal).
+          lengths: with ``decode``, how many of the T tokens of each example ``(B,)`` are
+            real (a ragged batch); the rest are neither attended to nor cached.
 
         Returns:
           ``(B, T, F)`` with F the out features (or qkv features without ``wo``), and the
           weights when ``return_weights``.
         """
         _heads.check_input("x", x, self.d_model)
-        deterministic = self.deterministic if deterministic is None else deterministic
-        rng = None
-        if self.dropout_rate > 0 and not deterministic:
-            stream = rngs.dropout if rngs is not None else self.dropout_rngs
-            rng = stream()
-        out, weights = _heads.multihead(
-            self.wq(x),
-            self.wk(x),
-            self.wv(x),
-            num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads,
-            mask=mask,
-            dropout_rate=self.dropout_rate if rng is not None else 0.0,
-            dropout_rng=rng,
-            precision=self.precision,
-            return_weights=return_weights,
+        rng = self._dropout_rng(deterministic, rngs)
+        if decode:
+            out, weights = self._decode(x, mask, lengths, rng, return_weights)
+        else:
+            out, weights, _ = self._attend(self.wq(x), self.wk(x), self.wv(x), mask, None, rng, return_weights)
+        return (out, weights) if return_weights else out
+
+    # -- decoding ------------------------------------------------------------------------------
+
+    def init_cache(
+        self,
+        batch_size: int,
+        max_length: int,
+        *,
+        window: int | None = None,
+        pinned: tuple[int, ...] = (),
+        dtype: Any = jnp.float32,
+    ) -> None:
+        """Allocates an empty cache for ``batch_size`` sequences.
+
+        Softmax kind: keys and values of the K kv heads only, in ``max_length`` slots; with
+        ``window=w`` a ring buffer of ``w`` slots (enough for ``sliding_window(w)``) plus one
+        pinned slot for each position in ``pinned`` (the global tokens), instead. Linear kind:
+        the recurrent state ``(kv, z)``. Each example has its own next position.
+        """
+        b, kv, d = batch_size, self.num_kv_heads, self.head_depth
+        cache: dict[str, Array] = {"next": jnp.zeros((b,), jnp.int32)}
+        if self.kind == "linear":
+            g = self.num_heads // kv
+            f = jax.eval_shape(
+                lambda a: _heads._features(self.feature_map)(a), jax.ShapeDtypeStruct((d,), dtype)
+            ).shape[-1]
+            cache |= {"kv": jnp.zeros((b, kv, g, f, d), dtype), "z": jnp.zeros((b, kv, g, f), dtype)}
+        else:
+            slots = max_length if window is None else window + len(pinned)
+            cache |= {
+                "k": jnp.zeros((b, slots, kv, d), dtype),
+                "v": jnp.zeros((b, slots, kv, d), dtype),
+                "pos": jnp.full((b, slots), -1, jnp.int32),  # absolute position held by a slot; -1 empty
+            }
+        self.cache = nnx.Cache(cache)
+        self.cache_layout = nnx.static((window, tuple(int(p) for p in pinned)))
+
+    def _decode(
+        self, x: Array, mask: Array | Mask | None, lengths: Array | None, rng: Array | None, return_weights: bool
+    ) -> tuple[Array, Array | None]:
+        if self.cache is None:
+            raise ValueError("decode=True needs init_cache(batch_size, max_length) first")
+        c = self.cache[...]
+        b, t, _ = x.shape
+        if c["next"].shape[0] != b:
+            raise ValueError(f"x has batch {b} but the cache was made for batch {c['next'].shape[0]}")
+        mask = Causal() if mask is None else mask
+        if not isinstance(mask, Mask):
+            raise TypeError("with decode=True, mask must be a jattn.masks.Mask predicate (default causal())")
+        lengths = jnp.full((b,), t, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
+        pos = c["next"][:, None] + jnp.arange(t, dtype=jnp.int32)[None]  # (B, T) absolute positions
+        valid = jnp.arange(t, dtype=jnp.int32)[None] < lengths[:, None]  # (B, T)
+        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        if self.kind == "linear":
+            state = LinearState(c["kv"], c["z"])
+            out, weights, state = self._attend(q, k, v, mask, valid, rng, return_weights, state)
+            self.cache[...] = c | {"kv": state.kv, "z": state.z, "next": c["next"] + lengths}
+            return out, weights
+        # Keys: the cached slots, then this call's tokens; masked by the predicate on positions.
+        kv_pos = jnp.concatenate([c["pos"], jnp.where(valid, pos, -1)], axis=1)  # (B, C + T)
+        i, j = pos[:, None, :, None], kv_pos[:, None, None, :]
+        dense = mask.allowed(i, j) & (j >= 0)  # (B, 1, T, C + T)
+        keys = jnp.concatenate([c["k"].reshape(b, -1, c["k"].shape[-2] * c["k"].shape[-1]).astype(k.dtype), k], 1)
+        vals = jnp.concatenate([c["v"].reshape(b, -1, c["v"].shape[-2] * c["v"].shape[-1]).astype(v.dtype), v], 1)
+        out, weights, _ = self._attend(q, keys, vals, dense, None, rng, return_weights)
+        slot = self._slots(pos, valid, c["next"] + lengths, c["pos"].shape[1])
+        rows = jnp.broadcast_to(jnp.arange(b)[:, None], slot.shape)
+        heads = (b, t, *c["k"].shape[-2:])
+        self.cache[...] = c | {
+            "k": c["k"].at[rows, slot].set(k.reshape(heads).astype(c["k"].dtype), mode="drop"),
+            "v": c["v"].at[rows, slot].set(v.reshape(heads).astype(c["v"].dtype), mode="drop"),
+            "pos": c["pos"].at[rows, slot].set(pos, mode="drop"),
+            "next": c["next"] + lengths,
+        }
+        return out, weights
+
+    def _slots(self, pos: Array, valid: Array, end: Array, size: int) -> Array:
+        """Cache slot of each new token ``(B, T)``; ``size`` (out of range, dropped) for none."""
+        window, pinned = self.cache_layout
+        if window is None:
+            return jnp.where(valid & (pos < size), pos, size)
+        slot = len(pinned) + pos % window
+        keep = valid & (pos >= end[:, None] - window)  # only the newest `window` tokens survive
+        for n, p in enumerate(pinned):
+            slot = jnp.where(pos == p, n, slot)
+            keep = keep | (valid & (pos == p))
+        return jnp.where(keep, slot, size)
+
+
+class CrossAttention(_Attention):
+    """Multi-head cross-attention: queries from ``x (B, T, d_model)``, keys and values from
+    ``context (B, S, context_features)`` (another length and feature size).
+
+    Parameters and options as :class:`SelfAttention`; ``wk`` and ``wv`` map
+    ``context_features -> K*D``.
+    """
+
+    def __init__(self, d_model: int, context_features: int, **options: Any) -> None:
+        super().__init__(d_model, context_features, **options)
+
+    def __call__(
+        self,
+        x: Array,
+        context: Array,
+        mask: Array | Mask | None = None,
+        *,
+        context_mask: Array | None = None,
+        deterministic: bool | None = None,
+        rngs: nnx.Rngs | None = None,
+        return_weights: bool = False,
+    ) -> Array | tuple[Array, Array]:
+        """Attends ``x (B, T, d_model)`` to ``context (B, S, context_features)``.
+
+        Args:
+          mask: as for :class:`SelfAttention`, over ``(B, N, T, S)``.
+          context_mask: boolean ``(B, S)``, False marks context padding (never attended to);
+            a query that sees no valid context returns 0 (before ``wo``).
+          deterministic, rngs, return_weights: as for :class:`SelfAttention`.
+        """
+        _heads.check_input("x", x, self.d_model)
+        _heads.check_input("context", context, self.kv_features)
+        if context.shape[0] != x.shape[0]:
+            raise ValueError(f"x and context must share the batch size, got {x.shape} and {context.shape}")
+        if context_mask is not None and jnp.shape(context_mask) != context.shape[:2]:
+            raise ValueError(
+                f"context_mask must have shape (B, S) = {context.shape[:2]}, got {jnp.shape(context_mask)}"
+            )
+        rng = self._dropout_rng(deterministic, rngs)
+        out, weights, _ = self._attend(
+            self.wq(x), self.wk(context), self.wv(context), mask, context_mask, rng, return_weights
         )
-        if self.wo is not None:
-            out = self.wo(out)
         return (out, weights) if return_weights else out

@@ -1,0 +1,352 @@
+"""Masks as composable predicates of (query position, key position).
+
+A :class:`Mask` answers "may the query at absolute position ``i`` attend to the key at absolute
+position ``j``?". Queries ``t = 0..T-1`` sit at positions ``q_offset + t`` and keys
+``s = 0..S-1`` at ``kv_offset + s``. By default ``kv_offset = 0`` and ``q_offset = S - T``:
+queries are aligned **bottom-right**, at the end of the keys, which is where the newest tokens
+of a KV cache sit; for ``T == S`` this is the usual alignment. Offsets may be per example
+(shape ``(B,)``), as in a ragged batch.
+
+Masks combine with ``&``, ``|`` and ``~``. Each can
+
+* materialise the dense boolean mask (:meth:`Mask.dense`), ``(T, S)`` or, for a mask that
+  depends on the example (``padding``, ``segment_ids``, per-example offsets), ``(B, 1, T, S)``
+  with the batch on the first axis; and
+* classify the blocks of a tiling of ``(T, S)`` as empty, partial or full
+  (:meth:`Mask.block_kinds`), statically from the positions alone where the predicate allows
+  (example-dependent masks are reported partial), so that a blockwise kernel can skip empty
+  blocks and drop the mask on full ones.
+
+Example: Longformer's global + sliding window is ``sliding_window(w, w) | global_tokens([0])``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax.numpy as jnp
+import numpy as np
+from jax import Array
+from jax.typing import ArrayLike
+
+__all__ = [
+    "EMPTY",
+    "FULL",
+    "PARTIAL",
+    "Mask",
+    "causal",
+    "chunked",
+    "global_tokens",
+    "padding",
+    "prefix_lm",
+    "segment_ids",
+    "sliding_window",
+]
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+
+
+class Mask:
+    """A predicate ``allowed(i, j)`` of query position ``i`` and key position ``j``."""
+
+    per_example = False  # True when the predicate reads per-example arrays (batch first)
+
+    def allowed(self, i: Array, j: Array) -> Array:
+        """Boolean, broadcasting ``i`` ``(..., T, 1)`` against ``j`` ``(..., 1, S)``."""
+        raise NotImplementedError
+
+    def _blocks(self, i0, i1, j0, j1) -> tuple[np.ndarray, np.ndarray]:
+        """``(empty, full)`` for blocks of positions ``[i0, i1] x [j0, j1]`` (NumPy, inclusive).
+
+        Sound: ``empty`` only where no pair is allowed, ``full`` only where every pair is.
+        The default knows nothing: every block is partial.
+        """
+        shape = np.broadcast_shapes(np.shape(i0), np.shape(j0))
+        return np.zeros(shape, bool), np.zeros(shape, bool)
+
+    def __and__(self, other: Mask) -> Mask:
+        return _And(self, _check(other))
+
+    def __or__(self, other: Mask) -> Mask:
+        return _Or(self, _check(other))
+
+    def __invert__(self) -> Mask:
+        return _Not(self)
+
+    def dense(self, T: int, S: int, *, q_offset: ArrayLike | None = None, kv_offset: ArrayLike = 0) -> Array:
+        """The boolean mask: ``(T, S)``, or ``(B, 1, T, S)`` when it depends on the example."""
+        i, j = _positions(T, S, q_offset, kv_offset, self.per_example)
+        m = self.allowed(i, j)
+        return jnp.broadcast_to(m, jnp.broadcast_shapes(m.shape, i.shape, j.shape))
+
+    def block_kinds(
+        self, T: int, S: int, block_q: int, block_kv: int, *, q_offset: int | None = None, kv_offset: int = 0
+    ) -> np.ndarray:
+        """``(ceil(T/block_q), ceil(S/block_kv))`` int8 of EMPTY / PARTIAL / FULL (static offsets)."""
+        q_offset = S - T + kv_offset if q_offset is None else q_offset
+        i0 = q_offset + np.arange(0, T, block_q)[:, None]
+        i1 = np.minimum(i0 + block_q, q_offset + T) - 1
+        j0 = kv_offset + np.arange(0, S, block_kv)[None, :]
+        j1 = np.minimum(j0 + block_kv, kv_offset + S) - 1
+        empty, full = self._blocks(i0, i1, j0, j1)
+        kinds = np.full(np.broadcast_shapes(i0.shape, j0.shape), PARTIAL, np.int8)
+        kinds[np.broadcast_to(full, kinds.shape)] = FULL
+        kinds[np.broadcast_to(empty, kinds.shape)] = EMPTY
+        return kinds
+
+    def render(self, T: int, S: int | None = None, **offsets) -> str:
+        """Rows of ``#`` (attend) and ``.`` (masked), one per query; first example if per-example."""
+        S = T if S is None else S
+        m = np.asarray(self.dense(T, S, **offsets)).reshape(-1, T, S)[0]
+        return "\n".join("".join("#" if a else "." for a in row) for row in m)
+
+
+def _check(m: object) -> Mask:
+    if not isinstance(m, Mask):
+        raise TypeError(f"masks combine only with masks, got {type(m).__name__}")
+    return m
+
+
+def _positions(
+    T: int, S: int, q_offset: ArrayLike | None, kv_offset: ArrayLike, per_example: bool
+) -> tuple[Array, Array]:
+    """Absolute positions ``i (T, 1)``, ``j (1, S)``; or ``(B|1, 1, T, 1)``, ``(B|1, 1, 1, S)``
+    when the mask or an offset ``(B,)`` is per example."""
+    kv_offset = jnp.asarray(kv_offset, jnp.int32)
+    q_offset = kv_offset + (S - T) if q_offset is None else jnp.asarray(q_offset, jnp.int32)
+    for name, off in (("q_offset", q_offset), ("kv_offset", kv_offset)):
+        if off.ndim > 1:
+            raise ValueError(f"{name} must be a scalar or per-example (B,), got shape {off.shape}")
+    if not (per_example or q_offset.ndim or kv_offset.ndim):
+        return q_offset + jnp.arange(T, dtype=jnp.int32)[:, None], kv_offset + jnp.arange(S, dtype=jnp.int32)[None]
+    i = q_offset.reshape(-1, 1, 1, 1) + jnp.arange(T, dtype=jnp.int32).reshape(1, 1, T, 1)
+    j = kv_offset.reshape(-1, 1, 1, 1) + jnp.arange(S, dtype=jnp.int32).reshape(1, 1, 1, S)
+    return i, j
+
+
+@dataclasses.dataclass(frozen=True)
+class _And(Mask):
+    a: Mask
+    b: Mask
+
+    @property
+    def per_example(self) -> bool:  # type: ignore[override]
+        return self.a.per_example or self.b.per_example
+
+    def allowed(self, i, j):
+        return self.a.allowed(i, j) & self.b.allowed(i, j)
+
+    def _blocks(self, *box):
+        (ea, fa), (eb, fb) = self.a._blocks(*box), self.b._blocks(*box)
+        return ea | eb, fa & fb
+
+
+@dataclasses.dataclass(frozen=True)
+class _Or(Mask):
+    a: Mask
+    b: Mask
+
+    @property
+    def per_example(self) -> bool:  # type: ignore[override]
+        return self.a.per_example or self.b.per_example
+
+    def allowed(self, i, j):
+        return self.a.allowed(i, j) | self.b.allowed(i, j)
+
+    def _blocks(self, *box):
+        (ea, fa), (eb, fb) = self.a._blocks(*box), self.b._blocks(*box)
+        return ea & eb, fa | fb
+
+
+@dataclasses.dataclass(frozen=True)
+class _Not(Mask):
+    a: Mask
+
+    @property
+    def per_example(self) -> bool:  # type: ignore[override]
+        return self.a.per_example
+
+    def allowed(self, i, j):
+        return ~self.a.allowed(i, j)
+
+    def _blocks(self, *box):
+        empty, full = self.a._blocks(*box)
+        return full, empty
+
+
+@dataclasses.dataclass(frozen=True)
+class Causal(Mask):
+    """``j <= i``: each query sees itself and the past."""
+
+    def allowed(self, i, j):
+        return j <= i
+
+    def _blocks(self, i0, i1, j0, j1):
+        return j0 > i1, j1 <= i0
+
+
+@dataclasses.dataclass(frozen=True)
+class SlidingWindow(Mask):
+    """``i - left <= j <= i + right``: a band around the diagonal."""
+
+    left: int
+    right: int
+
+    def allowed(self, i, j):
+        return (j >= i - self.left) & (j <= i + self.right)
+
+    def _blocks(self, i0, i1, j0, j1):
+        empty = (j1 < i0 - self.left) | (j0 > i1 + self.right)
+        full = (j0 >= i1 - self.left) & (j1 <= i0 + self.right)
+        return empty, full
+
+
+@dataclasses.dataclass(frozen=True)
+class GlobalTokens(Mask):
+    """Tokens at the given positions see all keys and are seen by all queries."""
+
+    indices: tuple[int, ...]
+
+    def _member(self, x):
+        hit = jnp.zeros(x.shape, bool)
+        for g in self.indices:
+            hit = hit | (x == g)
+        return hit
+
+    def allowed(self, i, j):
+        return self._member(i) | self._member(j)
+
+    def _blocks(self, i0, i1, j0, j1):
+        g = np.asarray(self.indices)
+
+        def count(lo, hi):  # how many global positions fall in [lo, hi]
+            return ((g >= lo[..., None]) & (g <= hi[..., None])).sum(-1)
+
+        nq, nk = count(i0, i1), count(j0, j1)
+        full = (nq == i1 - i0 + 1) | (nk == j1 - j0 + 1)
+        return (nq == 0) & (nk == 0), full
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunked(Mask):
+    """``i // size == j // size``: attention within fixed chunks of positions."""
+
+    size: int
+
+    def allowed(self, i, j):
+        return (i // self.size) == (j // self.size)
+
+    def _blocks(self, i0, i1, j0, j1):
+        c = self.size
+        empty = (j1 // c < i0 // c) | (j0 // c > i1 // c)
+        full = (i0 // c == i1 // c) & (j0 // c == j1 // c) & (i0 // c == j0 // c)
+        return empty, full
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _PerExample(Mask):
+    """Base of masks that read per-example arrays (batch first)."""
+
+    per_example = True
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Padding(_PerExample):
+    """Per example ``b``: query ``t < q_lengths[b]`` and key ``s < kv_lengths[b]`` (relative to offsets)."""
+
+    q_lengths: Array | None
+    kv_lengths: Array | None
+
+    def allowed(self, i, j):
+        # i: (B|1, 1, T, 1) positions; lengths are counted from the first query/key position.
+        ok = jnp.ones((), bool)
+        if self.q_lengths is not None:
+            t = i - i[..., :1, :]
+            ok = ok & (t < jnp.asarray(self.q_lengths).reshape(-1, 1, 1, 1))
+        if self.kv_lengths is not None:
+            s = j - j[..., :, :1]
+            ok = ok & (s < jnp.asarray(self.kv_lengths).reshape(-1, 1, 1, 1))
+        return ok
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class SegmentIds(_PerExample):
+    """Packed sequences: query ``t`` sees key ``s`` when ``q_segments[b, t] == kv_segments[b, s]``."""
+
+    q_segments: Array
+    kv_segments: Array
+
+    def allowed(self, i, j):
+        q = jnp.asarray(self.q_segments)
+        kv = jnp.asarray(self.kv_segments)
+        return q.reshape(q.shape[0], 1, -1, 1) == kv.reshape(kv.shape[0], 1, 1, -1)
+
+
+def causal() -> Mask:
+    """``j <= i``; with ``T != S`` queries align bottom-right (see the module docstring)."""
+    return Causal()
+
+
+def sliding_window(left: int, right: int = 0) -> Mask:
+    """``i - left <= j <= i + right``; ``sliding_window(w)`` is a causal window of ``w + 1`` keys."""
+    for name, v in (("left", left), ("right", right)):
+        if not isinstance(v, int) or v < 0:
+            raise ValueError(f"sliding_window {name} must be a non-negative int, got {v!r}")
+    return SlidingWindow(left, right)
+
+
+def global_tokens(indices: Sequence[int]) -> Mask:
+    """The tokens at ``indices`` (absolute positions) see all and are seen by all."""
+    indices = tuple(int(x) for x in indices)
+    if not indices:
+        raise ValueError("global_tokens needs at least one index, got []")
+    return GlobalTokens(indices)
+
+
+def chunked(size: int) -> Mask:
+    """Attention only within chunks ``[k*size, (k+1)*size)`` of positions."""
+    if not isinstance(size, int) or size <= 0:
+        raise ValueError(f"chunked size must be a positive int, got {size!r}")
+    return Chunked(size)
+
+
+def prefix_lm(prefix_length: int) -> Mask:
+    """Bidirectional over the first ``prefix_length`` positions, causal after them."""
+    if not isinstance(prefix_length, int) or prefix_length < 0:
+        raise ValueError(f"prefix_length must be a non-negative int, got {prefix_length!r}")
+    return Causal() | _KeyBelow(prefix_length)
+
+
+@dataclasses.dataclass(frozen=True)
+class _KeyBelow(Mask):
+    """``j < n``."""
+
+    n: int
+
+    def allowed(self, i, j):
+        return j < self.n
+
+    def _blocks(self, i0, i1, j0, j1):
+        shape = np.broadcast_shapes(np.shape(i0), np.shape(j0))
+        return np.broadcast_to(j0 >= self.n, shape), np.broadcast_to(j1 < self.n, shape)
+
+
+def padding(q_lengths: ArrayLike | None = None, kv_lengths: ArrayLike | None = None) -> Mask:
+    """Per-example valid lengths ``(B,)`` of the queries and/or keys; the rest is masked."""
+    if q_lengths is None and kv_lengths is None:
+        raise ValueError("padding needs q_lengths or kv_lengths")
+    for name, x in (("q_lengths", q_lengths), ("kv_lengths", kv_lengths)):
+        if x is not None and jnp.ndim(x) != 1:
+            raise ValueError(f"padding {name} must have shape (B,), got {jnp.shape(x)}")
+    return Padding(q_lengths, kv_lengths)
+
+
+def segment_ids(q_segments: ArrayLike, kv_segments: ArrayLike | None = None) -> Mask:
+    """Document masking for packed sequences: ``q_segments (B, T)``, ``kv_segments (B, S)``."""
+    kv_segments = q_segments if kv_segments is None else kv_segments
+    if jnp.ndim(q_segments) != 2 or jnp.ndim(kv_segments) != 2:
+        raise ValueError(
+            f"segment ids must have shape (B, T) and (B, S), got {jnp.shape(q_segments)} and {jnp.shape(kv_segments)}"
+        )
+    return SegmentIds(q_segments, kv_segments)
