@@ -16,7 +16,18 @@ def get_config() -> ml_collections.ConfigDict:
     c.workdir = ""
     c.seed = 0
     c.task = ml_collections.ConfigDict(dict(name="mqar", num_pairs=8, num_queries=8, num_keys=32, num_values=32))
-    c.model = ml_collections.ConfigDict(dict(mixer="attention", d_model=64, num_heads=2, num_layers=2, mlp_ratio=4))
+    c.model = ml_collections.ConfigDict(
+        dict(
+            mixer="attention",  # 'attention' (softmax), 'linear', or 'none' (the token-local control)
+            d_model=64,
+            num_heads=2,
+            num_kv_heads=0,  # 0: as many as num_heads; fewer: grouped-query attention
+            num_layers=2,
+            mlp_ratio=4,
+            window=0,  # > 0: causal sliding window of this many past keys (+ the query itself)
+            global_tokens=(),  # with a window: positions that see and are seen by all (causally)
+        )
+    )
     c.steps = 2000
     c.batch_size = 64
     c.learning_rate = 1e-3

@@ -1,11 +1,22 @@
 """jattn: attention for JAX and Flax, one pure core and thin modules over it.
 
-The dimension key (B, T, S, N, K, G, D, E) is stated in :mod:`jattn._core`.
+The dimension key (B, T, S, N, K, G, D, E) is stated in :mod:`jattn._core`. Flax modules live in
+:mod:`jattn.nnx` and :mod:`jattn.linen`; mask predicates in :mod:`jattn.masks`.
 """
 
 from jattn import masks
 from jattn._core import attention, attention_weights
+from jattn._linear import LinearState, linear_attention
 from jattn._softmax import SoftmaxParts, softmax, softmax_parts
 
-__all__ = ["SoftmaxParts", "masks", "attention", "attention_weights", "softmax", "softmax_parts"]
+__all__ = [
+    "LinearState",
+    "SoftmaxParts",
+    "attention",
+    "attention_weights",
+    "linear_attention",
+    "masks",
+    "softmax",
+    "softmax_parts",
+]
 __version__ = "0.1.0"

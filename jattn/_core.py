@@ -22,7 +22,8 @@ import jax.numpy as jnp
 from jax import Array
 from jax.typing import ArrayLike
 
-from jattn._masks import Mask
+from jattn._blockwise import blockwise_attention
+from jattn._masks import Causal, Mask, SlidingWindow
 from jattn._softmax import SoftmaxParts, softmax_parts
 
 __all__ = ["attention", "attention_weights"]
@@ -55,8 +56,10 @@ def _check_mask_bias(
     q_offset: ArrayLike | None,
     kv_offset: ArrayLike,
 ) -> tuple[Array | None, Array | None]:
-    """Validates mask and bias; a :class:`Mask` is materialised (per-example masks put the
-    batch on the first axis of q)."""
+    """Validates mask and bias; materialises a :class:`Mask`.
+
+    A per-example mask puts the batch on the first axis of q.
+    """
     if isinstance(mask, Mask):
         T, S = q.shape[-2], k.shape[-2]
         mask = mask.dense(T, S, q_offset=q_offset, kv_offset=kv_offset)
@@ -129,6 +132,80 @@ def _dropout(p: Array, rate: float, rng: Array | None) -> Array:
     return jnp.where(keep, p / (1.0 - rate), jnp.zeros_like(p))
 
 
+DEFAULT_BLOCK = (512, 512)
+AUTO_BLOCKWISE_MIN = 1024 * 1024  # T·S from which 'auto' prefers blockwise on CPU (bench/README)
+IMPLEMENTATIONS = ("dense", "blockwise", "xla", "cudnn")
+
+
+def _choose(implementation, q, k, mask, bias, q_offset, kv_offset, dropout_rate) -> str:
+    """The path for this call; an explicit choice that cannot run raises a ``ValueError``."""
+    if implementation is not None and implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
+    blockwise_ok = None
+    if bias is not None:
+        blockwise_ok = "bias"
+    elif dropout_rate:
+        blockwise_ok = "dropout_rate"
+    elif mask is not None and not isinstance(mask, Mask):
+        blockwise_ok = "an array mask (pass a jattn.masks predicate)"
+    elif isinstance(mask, Mask) and mask.per_example:
+        blockwise_ok = "a per-example mask"
+    elif not all(isinstance(o, int) for o in (q_offset if q_offset is not None else 0, kv_offset)):
+        blockwise_ok = "array offsets"
+    if implementation == "blockwise" and blockwise_ok:
+        raise ValueError(f"implementation='blockwise' does not take {blockwise_ok}; use 'dense'")
+    if implementation is None:
+        big = q.shape[-2] * k.shape[-2] >= AUTO_BLOCKWISE_MIN
+        return "blockwise" if big and not blockwise_ok else "dense"
+    return implementation
+
+
+def _jax_nn(q, k, v, mask, bias, scale, implementation, return_lse):
+    """Hands the call to ``jax.nn.dot_product_attention`` where its arguments express it."""
+    T, S = q.shape[-2], k.shape[-2]
+    if return_lse:
+        raise ValueError(f"implementation={implementation!r} cannot return the log-sum-exp; use 'dense' or 'blockwise'")
+    if v.shape[-1] != q.shape[-1]:
+        raise ValueError(f"implementation={implementation!r} needs E == D, got q {q.shape} and v {v.shape}")
+    kwargs: dict = {}
+    if isinstance(mask, Mask):
+        if mask == Causal() and T == S:
+            kwargs["is_causal"] = True
+        elif isinstance(mask, SlidingWindow) and T == S:
+            kwargs["local_window_size"] = (mask.left, mask.right)
+        else:
+            raise ValueError(
+                f"implementation={implementation!r} expresses only causal() or sliding_window() with T == S, got {mask!r}"
+            )
+        mask = None
+    lead = jnp.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+
+    def flat(x):  # (..., L, D) -> (B, L, 1, D)
+        x = jnp.broadcast_to(x, (*lead, *x.shape[-2:]))
+        return x.reshape(-1, x.shape[-2], 1, x.shape[-1])
+
+    def flat_ts(x):  # (..., T, S) -> (B, 1, T, S)
+        x = jnp.broadcast_to(jnp.asarray(x), (*lead, T, S))
+        return x.reshape(-1, 1, T, S)
+
+    mask, bias = _check_mask_bias(mask, bias, q, k, None, 0)
+    out = jax.nn.dot_product_attention(
+        flat(q),
+        flat(k),
+        flat(v),
+        bias=None if bias is None else flat_ts(bias).astype(q.dtype),
+        mask=None if mask is None else flat_ts(mask),
+        scale=scale,
+        implementation=implementation,
+        **kwargs,
+    )
+    out = out.reshape(*lead, T, v.shape[-1])
+    if mask is not None:  # jax.nn averages v over a fully masked row; the contract is 0
+        seen = jnp.any(jnp.broadcast_to(mask, (*lead, T, S)), axis=-1, keepdims=True)
+        out = jnp.where(seen, out, jnp.zeros((), out.dtype))
+    return out
+
+
 def attention(
     q: ArrayLike,
     k: ArrayLike,
@@ -143,6 +220,8 @@ def attention(
     dropout_rng: Array | None = None,
     precision: jax.lax.PrecisionLike = None,
     return_lse: bool = False,
+    implementation: str | None = None,
+    block_size: int | tuple[int, int] = DEFAULT_BLOCK,
 ) -> Array | tuple[Array, Array]:
     r"""Scaled dot-product attention: ``softmax(q kᵀ · scale + bias, masked) v``.
 
@@ -193,6 +272,14 @@ def attention(
       dropout_rng: PRNG key, required when ``dropout_rate > 0``.
       precision: matmul precision passed to the einsums (matters on TPU).
       return_lse: also return the ``(..., T)`` log-sum-exp of the logits.
+      implementation: ``'dense'`` materialises the ``(..., T, S)`` scores (the reference);
+        ``'blockwise'`` runs an online softmax over blocks (:mod:`jattn._blockwise`): O(T)
+        memory, empty blocks of a mask predicate skipped, same contract; ``'xla'`` /
+        ``'cudnn'`` hand the call to :func:`jax.nn.dot_product_attention` and raise a
+        ``ValueError`` for arguments it cannot express; ``None`` chooses: blockwise where it
+        applies and the scores would have at least ``AUTO_BLOCKWISE_MIN`` entries per head,
+        dense otherwise.
+      block_size: ``(block_q, block_kv)`` (or one int for both) of the blockwise path.
 
     Returns:
       ``out`` of shape ``(..., T, E)``, or ``(out, lse)`` when ``return_lse``.
@@ -204,6 +291,27 @@ def attention(
     """
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     _check_qkv(q, k, v)
+    path = _choose(implementation, q, k, mask, bias, q_offset, kv_offset, dropout_rate)
+    if path == "blockwise":
+        bq, bk = (block_size, block_size) if isinstance(block_size, int) else block_size
+        if scale is None:
+            scale = 1.0 / math.sqrt(q.shape[-1])
+        _broadcast_all(q=q, k=k, v=v)
+        out, lse = blockwise_attention(
+            q,
+            k,
+            v,
+            mask=mask,
+            scale=scale,
+            q_offset=q_offset,
+            kv_offset=kv_offset,
+            block_q=bq,
+            block_kv=bk,
+            precision=precision,
+        )
+        return (out, lse) if return_lse else out
+    if path in ("xla", "cudnn"):
+        return _jax_nn(q, k, v, mask, bias, scale, path, return_lse)
     mask, bias = _check_mask_bias(mask, bias, q, k, q_offset, kv_offset)
     ndim = len(_broadcast_all(q=q, k=k, v=v, mask=mask, bias=bias)) + 2
     q, k, v, mask, bias = (_pad_rank(x, ndim) for x in (q, k, v, mask, bias))

@@ -7,11 +7,11 @@ nothing is repeated in memory. Dimension key: :mod:`jattn._core`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from jax import Array
-
-from collections.abc import Callable
 
 from jattn._core import attention, attention_weights
 from jattn._linear import LinearState, _features, linear_attention

@@ -125,7 +125,7 @@ def linear_attention(
 
 def _causal_chunks(fq, fk, v, state, chunk, eps, precision):
     """Causal form: within-chunk quadratic part + running state across chunks (``lax.scan``)."""
-    *lead, T, F = fq.shape
+    *lead, T, _ = fq.shape
     c = min(chunk, T)
     n = -(-T // c)
     pad = n * c - T  # padded keys have zero features: they add nothing to the state

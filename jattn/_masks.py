@@ -111,8 +111,11 @@ def _check(m: object) -> Mask:
 def _positions(
     T: int, S: int, q_offset: ArrayLike | None, kv_offset: ArrayLike, per_example: bool
 ) -> tuple[Array, Array]:
-    """Absolute positions ``i (T, 1)``, ``j (1, S)``; or ``(B|1, 1, T, 1)``, ``(B|1, 1, 1, S)``
-    when the mask or an offset ``(B,)`` is per example."""
+    """Absolute positions of queries and keys.
+
+    ``i (T, 1)`` and ``j (1, S)``; or ``(B|1, 1, T, 1)`` and ``(B|1, 1, 1, S)`` when the mask or
+    an offset ``(B,)`` is per example.
+    """
     kv_offset = jnp.asarray(kv_offset, jnp.int32)
     q_offset = kv_offset + (S - T) if q_offset is None else jnp.asarray(q_offset, jnp.int32)
     for name, off in (("q_offset", q_offset), ("kv_offset", kv_offset)):

@@ -123,6 +123,8 @@ class CrossAttention(_Attention):
         return_weights: bool = False,
     ) -> Array | tuple[Array, Array]:
         """Attends ``x`` to ``context``; ``context_mask (B, S)`` is False at context padding."""
+        if self.context_features <= 0:
+            raise ValueError(f"context_features must be a positive int, got {self.context_features!r}")
         _heads.check_input("x", x, self.d_model)
         _heads.check_input("context", context, self.context_features)
         if context.shape[0] != x.shape[0]:

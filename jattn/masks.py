@@ -1,5 +1,7 @@
-"""Mask predicates: ``causal``, ``sliding_window``, ``global_tokens``, ``padding``,
-``segment_ids``, ``prefix_lm``, ``chunked``; combine with ``&``, ``|``, ``~``.
+"""Mask predicates of (query position, key position); combine with ``&``, ``|``, ``~``.
+
+Constructors: ``causal``, ``sliding_window``, ``global_tokens``, ``padding``, ``segment_ids``,
+``prefix_lm``, ``chunked``.
 
 See :mod:`jattn._masks` for positions, offsets and block classification.
 """

@@ -1,5 +1,6 @@
-"""Flax NNX attention modules: thin layers over :func:`jattn.attention` (and, with
-``kind='linear'``, :func:`jattn.linear_attention`).
+"""Flax NNX attention modules: thin layers over the jattn core.
+
+Softmax attention is :func:`jattn.attention`; ``kind='linear'`` uses :func:`jattn.linear_attention`.
 
 Parameters (the article's names): ``wq`` (``d_model -> N*D``), ``wk`` and ``wv`` (keys/values
 features ``-> K*D``, K = ``num_kv_heads``) and, when there is an output projection, ``wo``
@@ -154,7 +155,8 @@ class SelfAttention(_Attention):
 
     def __init__(self, d_model: int, **options: Any) -> None:
         super().__init__(d_model, d_model, **options)
-        self.cache: nnx.Cache | None = None
+        self.cache: dict[str, nnx.Cache] | None = nnx.data(None)
+        self.cache_layout = (None, ())  # (ring window, pinned positions) of the cache
 
     def __call__(
         self,
@@ -226,15 +228,15 @@ class SelfAttention(_Attention):
                 "v": jnp.zeros((b, slots, kv, d), dtype),
                 "pos": jnp.full((b, slots), -1, jnp.int32),  # absolute position held by a slot; -1 empty
             }
-        self.cache = nnx.Cache(cache)
-        self.cache_layout = nnx.static((window, tuple(int(p) for p in pinned)))
+        self.cache = nnx.data({name: nnx.Cache(value) for name, value in cache.items()})
+        self.cache_layout = (window, tuple(int(p) for p in pinned))
 
     def _decode(
         self, x: Array, mask: Array | Mask | None, lengths: Array | None, rng: Array | None, return_weights: bool
     ) -> tuple[Array, Array | None]:
         if self.cache is None:
             raise ValueError("decode=True needs init_cache(batch_size, max_length) first")
-        c = self.cache[...]
+        c = {name: var[...] for name, var in self.cache.items()}
         b, t, _ = x.shape
         if c["next"].shape[0] != b:
             raise ValueError(f"x has batch {b} but the cache was made for batch {c['next'].shape[0]}")
@@ -248,7 +250,7 @@ class SelfAttention(_Attention):
         if self.kind == "linear":
             state = LinearState(c["kv"], c["z"])
             out, weights, state = self._attend(q, k, v, mask, valid, rng, return_weights, state)
-            self.cache[...] = c | {"kv": state.kv, "z": state.z, "next": c["next"] + lengths}
+            self._store({"kv": state.kv, "z": state.z, "next": c["next"] + lengths})
             return out, weights
         # Keys: the cached slots, then this call's tokens; masked by the predicate on positions.
         kv_pos = jnp.concatenate([c["pos"], jnp.where(valid, pos, -1)], axis=1)  # (B, C + T)
@@ -260,13 +262,19 @@ class SelfAttention(_Attention):
         slot = self._slots(pos, valid, c["next"] + lengths, c["pos"].shape[1])
         rows = jnp.broadcast_to(jnp.arange(b)[:, None], slot.shape)
         heads = (b, t, *c["k"].shape[-2:])
-        self.cache[...] = c | {
-            "k": c["k"].at[rows, slot].set(k.reshape(heads).astype(c["k"].dtype), mode="drop"),
-            "v": c["v"].at[rows, slot].set(v.reshape(heads).astype(c["v"].dtype), mode="drop"),
-            "pos": c["pos"].at[rows, slot].set(pos, mode="drop"),
-            "next": c["next"] + lengths,
-        }
+        self._store(
+            {
+                "k": c["k"].at[rows, slot].set(k.reshape(heads).astype(c["k"].dtype), mode="drop"),
+                "v": c["v"].at[rows, slot].set(v.reshape(heads).astype(c["v"].dtype), mode="drop"),
+                "pos": c["pos"].at[rows, slot].set(pos, mode="drop"),
+                "next": c["next"] + lengths,
+            }
+        )
         return out, weights
+
+    def _store(self, values: dict[str, Array]) -> None:
+        for name, value in values.items():
+            self.cache[name][...] = value
 
     def _slots(self, pos: Array, valid: Array, end: Array, size: int) -> Array:
         """Cache slot of each new token ``(B, T)``; ``size`` (out of range, dropped) for none."""
@@ -282,8 +290,10 @@ class SelfAttention(_Attention):
 
 
 class CrossAttention(_Attention):
-    """Multi-head cross-attention: queries from ``x (B, T, d_model)``, keys and values from
-    ``context (B, S, context_features)`` (another length and feature size).
+    """Multi-head cross-attention from ``x`` to a context of another length and feature size.
+
+    Queries come from ``x (B, T, d_model)``, keys and values from
+    ``context (B, S, context_features)``.
 
     Parameters and options as :class:`SelfAttention`; ``wk`` and ``wv`` map
     ``context_features -> K*D``.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -189,3 +190,64 @@ def test_sigint_saves_a_checkpoint_and_the_same_command_resumes(tmp_path):
     assert saved == step  # the checkpoint is the last logged step: nothing lost
     summary = loop.train(tiny(tmp_path, steps=step + 20, log_every=10, eval_every=10, checkpoint_every=10))
     assert summary["step"] == step + 20 and not summary["interrupted"]
+
+
+# -- generation with the cache ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {},
+        {"task.name": "'sort'"},
+        {"task.name": "'reverse'"},
+        {"task.name": "'induction'"},
+        {"model.window": 3, "model.global_tokens": "(0,1)"},
+        {"model.mixer": "'linear'"},
+        {"model.num_heads": 4, "model.num_kv_heads": 1},
+    ],
+)
+def test_cached_greedy_decoding_equals_full_forward_greedy(changes):
+    from train import sample
+
+    cfg = config.load()
+    if "task.name" in changes:
+        name = changes.pop("task.name").strip("'")
+        with cfg.unlocked():
+            cfg.task = config.load(f"configs/{name}.py").task
+    cfg = config.override(cfg, [f"--config.{k}={v}" for k, v in changes.items()])
+    exp = loop.build(cfg)
+    batch = exp.task.batch(jax.random.key(0), 3)
+    cached = sample.greedy_cached(exp, exp.init_params, batch.inputs)
+    full = sample.greedy_full(exp, exp.init_params, batch.inputs)
+    assert cached.shape == (3, int(np.asarray(batch.mask[0]).sum()))
+    np.testing.assert_array_equal(cached, full)
+
+
+@pytest.mark.parametrize("name", ["sort", "reverse", "induction", "window", "global_window", "linear", "gqa"])
+def test_every_config_trains_in_the_tiny_setting(name, tmp_path):
+    cfg = config.load(f"configs/{name}.py")
+    tiny_cfg = tiny(tmp_path)
+    with cfg.unlocked():
+        for key in ("workdir", "name", "steps", "warmup_steps", "log_every", "eval_every", "checkpoint_every"):
+            cfg[key] = tiny_cfg[key]
+        cfg.batch_size, cfg.eval_batches = 32, 2
+    summary = loop.train(cfg, progress=False, pictures=False)
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert summary["step"] == 60 and rows[-1]["loss"] < rows[0]["loss"]
+
+
+def test_decoder_is_causal_gradient_reaches_only_the_past():
+    exp = loop.build(config.load())
+    tokens = exp.task.batch(jax.random.key(0), 1).inputs
+    length = tokens.shape[1]
+    reach = []
+    for t in (0, 7, length - 1):
+
+        def out_t(params, t=t):
+            return jnp.sum(exp.model(params)(tokens)[0, t])
+
+        grads = jax.grad(out_t)(exp.init_params)
+        reach.append(np.abs(np.asarray(grads["pos"][...])).sum(-1) > 0)  # (L,) rows of the position table
+    for t, r in zip((0, 7, length - 1), reach, strict=True):
+        np.testing.assert_array_equal(r, np.arange(length) <= t)

@@ -117,6 +117,17 @@ def validate(cfg: ml_collections.ConfigDict) -> Task:
             raise ConfigError(f"config key {key!r}={cfg[key]} must be a multiple of 'log_every'={cfg.log_every}")
     if cfg.model.mixer not in MIXERS:
         raise ConfigError(f"config key 'model.mixer': unknown mixer {cfg.model.mixer!r}; choose from {MIXERS}")
+    kv = cfg.model.num_kv_heads
+    if kv < 0 or (kv and cfg.model.num_heads % kv):
+        raise ConfigError(f"config key 'model.num_kv_heads'={kv} must be 0 or a divisor of 'model.num_heads'")
+    if cfg.model.window < 0:
+        raise ConfigError(f"config key 'model.window' must be >= 0, got {cfg.model.window}")
+    if cfg.model.global_tokens and not cfg.model.window:
+        raise ConfigError("config key 'model.global_tokens' needs 'model.window' > 0")
+    if any(not 0 <= g < task.length for g in cfg.model.global_tokens):
+        raise ConfigError(
+            f"config key 'model.global_tokens'={tuple(cfg.model.global_tokens)} must lie in [0, {task.length})"
+        )
     if cfg.model.d_model % cfg.model.num_heads:
         raise ConfigError(
             f"config key 'model.num_heads'={cfg.model.num_heads} does not divide 'model.d_model'={cfg.model.d_model}"

@@ -70,8 +70,11 @@ def build(cfg: ml_collections.ConfigDict) -> Experiment:
         d_model=m.d_model,
         num_heads=m.num_heads,
         num_layers=m.num_layers,
+        num_kv_heads=m.num_kv_heads or None,
         mixer=m.mixer,
         mlp_ratio=m.mlp_ratio,
+        window=m.window,
+        global_tokens=tuple(m.global_tokens),
         rngs=nnx.Rngs(params=jax.random.fold_in(jax.random.key(cfg.seed), 2)),
     )
     graphdef, params = nnx.split(model)
@@ -247,7 +250,7 @@ def train(
             chance=exp.task.chance,
             title=f"{cfg.name}: {exp.task.name}, mixer={cfg.model.mixer}",
         )
-        if cfg.model.mixer == "attention":
+        if cfg.model.mixer == "attention":  # linear attention forms no weights to draw
             plots.attention_maps(exp, params, workdir / "attention.png")
     return summary
 

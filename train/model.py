@@ -1,8 +1,9 @@
 """A small causal decoder built from jattn's NNX modules (readable in one sitting).
 
-tokens (B, L) -> embeddings + positions -> n_layers x [x + mixer(LN x), x + MLP(LN x)]
--> LN -> logits (B, L, vocab). The mixer is jattn attention under a causal mask, or, for the
-control, ``'none'``: a token-local linear map that cannot look at other positions.
+tokens (B, L) -> embeddings + positions -> num_layers x [x + mixer(LN x), x + MLP(LN x)]
+-> LN -> logits (B, L, vocab). The mixer is jattn softmax attention under a causal mask
+(optionally a sliding window with global tokens, and grouped kv heads), jattn linear attention,
+or, for the control, ``'none'``: a token-local linear map that cannot look at other positions.
 """
 
 from __future__ import annotations
@@ -13,33 +14,47 @@ from flax import nnx
 from jax import Array
 
 import jattn.nnx
+from jattn import masks
 
-MIXERS = ("attention", "none")
+MIXERS = ("attention", "linear", "none")
+
+
+def causal_mask(window: int = 0, global_tokens: tuple[int, ...] = ()) -> masks.Mask:
+    """Causal, or causal ∩ (sliding window ∪ global tokens) when ``window > 0``."""
+    if window <= 0:
+        return masks.causal()
+    local = masks.sliding_window(window)
+    return masks.causal() & (local | masks.global_tokens(global_tokens) if global_tokens else local)
 
 
 class Block(nnx.Module):
     """Pre-norm residual block: sequence mixer then MLP."""
 
-    def __init__(self, d_model: int, num_heads: int, mixer: str, mlp_ratio: int, *, rngs: nnx.Rngs) -> None:
+    def __init__(
+        self, d_model: int, num_heads: int, num_kv_heads: int | None, mixer: str, mlp_ratio: int, *, rngs: nnx.Rngs
+    ) -> None:
         self.ln1 = nnx.LayerNorm(d_model, rngs=rngs)
         self.ln2 = nnx.LayerNorm(d_model, rngs=rngs)
-        if mixer == "attention":
-            self.mixer = jattn.nnx.SelfAttention(d_model, num_heads=num_heads, out_proj=True, rngs=rngs)
-        else:
+        if mixer == "none":
             self.mixer = nnx.Linear(d_model, d_model, rngs=rngs)
+        else:
+            kind = "linear" if mixer == "linear" else "softmax"
+            self.mixer = jattn.nnx.SelfAttention(
+                d_model, num_heads=num_heads, num_kv_heads=num_kv_heads, out_proj=True, kind=kind, rngs=rngs
+            )
         self.up = nnx.Linear(d_model, mlp_ratio * d_model, rngs=rngs)
         self.down = nnx.Linear(mlp_ratio * d_model, d_model, rngs=rngs)
 
-    def __call__(self, x: Array, mask: Array) -> tuple[Array, Array | None]:
-        """``x (B, L, d_model)``, causal ``mask (L, L)`` -> new x and weights ``(B, N, L, L)``."""
-        h = self.ln1(x)
-        weights = None
+    def __call__(self, x: Array, mask: masks.Mask, *, decode: bool, weights: bool) -> tuple[Array, Array | None]:
+        """``x (B, L, d_model)`` -> new x and, if asked, attention weights ``(B, N, L, L)``."""
+        h, w = self.ln1(x), None
         if isinstance(self.mixer, jattn.nnx.SelfAttention):
-            h, weights = self.mixer(h, mask, return_weights=True)
+            h = self.mixer(h, mask, decode=decode, return_weights=weights)
+            h, w = h if weights else (h, None)
         else:
             h = self.mixer(h)
         x = x + h
-        return x + self.down(jax.nn.gelu(self.up(self.ln2(x)))), weights
+        return x + self.down(jax.nn.gelu(self.up(self.ln2(x)))), w
 
 
 class Decoder(nnx.Module):
@@ -53,24 +68,49 @@ class Decoder(nnx.Module):
         d_model: int,
         num_heads: int,
         num_layers: int,
+        num_kv_heads: int | None = None,
         mixer: str = "attention",
         mlp_ratio: int = 4,
+        window: int = 0,
+        global_tokens: tuple[int, ...] = (),
         rngs: nnx.Rngs,
     ) -> None:
         self.embed = nnx.Embed(vocab_size, d_model, rngs=rngs)
         self.pos = nnx.Param(jax.random.normal(rngs.params(), (max_len, d_model)) / d_model**0.5)
-        self.blocks = nnx.List([Block(d_model, num_heads, mixer, mlp_ratio, rngs=rngs) for _ in range(num_layers)])
+        self.blocks = nnx.List(
+            [Block(d_model, num_heads, num_kv_heads, mixer, mlp_ratio, rngs=rngs) for _ in range(num_layers)]
+        )
         self.ln_f = nnx.LayerNorm(d_model, rngs=rngs)
         self.head = nnx.Linear(d_model, vocab_size, rngs=rngs)
+        self.mask = causal_mask(window, tuple(global_tokens))
+        self.window, self.global_tokens = window, tuple(global_tokens)
+        self.next = nnx.data(None)  # per-example next position while decoding
 
-    def __call__(self, tokens: Array, *, return_weights: bool = False) -> Array | tuple[Array, list[Array]]:
-        """``tokens (B, L)`` int -> logits ``(B, L, vocab)`` (and per-layer attention weights)."""
+    def __call__(
+        self, tokens: Array, *, return_weights: bool = False, decode: bool = False
+    ) -> Array | tuple[Array, list[Array | None]]:
+        """``tokens (B, L)`` int -> logits ``(B, L, vocab)`` (and per-layer attention weights).
+
+        With ``decode=True`` (after :meth:`init_cache`) the tokens continue the cached ones.
+        """
         length = tokens.shape[-1]
-        x = self.embed(tokens) + self.pos[...][None, :length]  # (B, L, d_model)
-        mask = jnp.tril(jnp.ones((length, length), bool))  # causal: query t sees keys s <= t
+        if decode:
+            positions = self.next[...][:, None] + jnp.arange(length)[None]  # (B, L)
+            self.next[...] = self.next[...] + length
+            x = self.embed(tokens) + self.pos[...][positions]
+        else:
+            x = self.embed(tokens) + self.pos[...][None, :length]  # (B, L, d_model)
         weights = []
         for block in self.blocks:
-            x, w = block(x, mask)
+            x, w = block(x, self.mask, decode=decode, weights=return_weights)
             weights.append(w)
         logits = self.head(self.ln_f(x))
         return (logits, weights) if return_weights else logits
+
+    def init_cache(self, batch_size: int, max_len: int) -> None:
+        """Empty caches for greedy decoding: full, or a ring of ``window`` slots + pinned globals."""
+        self.next = nnx.Cache(jnp.zeros((batch_size,), jnp.int32))
+        ring = dict(window=self.window, pinned=self.global_tokens) if self.window > 0 else {}
+        for block in self.blocks:
+            if isinstance(block.mixer, jattn.nnx.SelfAttention):
+                block.mixer.init_cache(batch_size, max_len, **ring)

@@ -1,0 +1,238 @@
+"""Memory-efficient blockwise attention: an online softmax over key blocks, query blocks in turn.
+
+Shapes follow :mod:`jattn._core` (after broadcasting, leading dimensions are flattened to one
+axis ``B``): q ``(B, T, D)``, k ``(B, S, D)``, v ``(B, S, E)``. Queries are tiled into blocks of
+``block_q`` rows and keys into blocks of ``block_kv``. A mask predicate classifies every
+(query block, key block) pair statically as empty, partial or full
+(:meth:`jattn.masks.Mask.block_kinds`): empty blocks are never computed, full blocks skip the
+mask, partial blocks apply it. Each query block runs a ``lax.scan`` over the list of its
+non-empty key blocks only, so causal attention costs about half of full attention and a sliding
+window of width w costs O(T·w).
+
+Per query block the running state is the row max ``m``, the normaliser ``l`` and the unnormalised
+output ``acc``; a key block with scores ``x`` updates them as
+
+    m' = max(m, rowmax x),  l' = l·e^(m - m') + rowsum e^(x - m'),  acc' = acc·e^(m - m') + e^(x - m') v
+
+The backward pass (``jax.custom_vjp``) recomputes each block's weights from the saved output and
+log-sum-exp (the flash-attention recurrence) and skips the same blocks, so training memory is
+O(T) too: no ``(T, S)`` array is ever formed.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import Array
+
+from jattn._masks import EMPTY, Mask, _KeyBelow
+
+__all__ = ["blockwise_attention"]
+
+
+def _schedule(kinds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per query block, its non-empty key blocks ``(nq, width)`` and their kinds (EMPTY = padding)."""
+    width = max(1, int((kinds != EMPTY).sum(1).max()))
+    index = np.zeros((kinds.shape[0], width), np.int32)
+    kind = np.full((kinds.shape[0], width), EMPTY, np.int8)
+    for i, row in enumerate(kinds):
+        cols = np.flatnonzero(row != EMPTY)
+        index[i, : len(cols)] = cols
+        kind[i, : len(cols)] = row[cols]
+    return index, kind
+
+
+def _pad(x: Array, axis: int, multiple: int) -> Array:
+    extra = -x.shape[axis] % multiple
+    if not extra:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _flash(q: Array, k: Array, v: Array, plan: _Plan, precision) -> tuple[Array, Array]:
+    return _forward(q, k, v, plan, precision)
+
+
+class _Plan:
+    """Static facts of one call: sizes, blocks, the mask and its block schedule (hashable)."""
+
+    def __init__(self, T, S, bq, bk, mask, q_offset, kv_offset, scale, compute):
+        self.T, self.S, self.bq, self.bk = T, S, bq, bk
+        self.nq, self.nk = -(-T // bq), -(-S // bk)
+        self.mask, self.q_offset, self.kv_offset = mask, q_offset, kv_offset
+        self.scale, self.compute = scale, compute
+        # Keys past S (block padding) are masked by a "key position < kv_offset + S" predicate.
+        limit = _KeyBelow(kv_offset + S)
+        full = limit if mask is None else mask & limit
+        kinds = full.block_kinds(self.nq * bq, self.nk * bk, bq, bk, q_offset=q_offset, kv_offset=kv_offset)
+        self.predicate = full
+        self.index, self.kind = _schedule(kinds)
+        self._key = (T, S, bq, bk, mask, q_offset, kv_offset, scale, compute)
+
+    def __hash__(self) -> int:
+        return hash(self._key)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Plan) and self._key == other._key
+
+    def allowed(self, i: Array, j: Array) -> Array:
+        """``(bq, bk)`` mask of query block i against key block j (block indices, traced)."""
+        rows = self.q_offset + i * self.bq + jnp.arange(self.bq, dtype=jnp.int32)[:, None]
+        cols = self.kv_offset + j * self.bk + jnp.arange(self.bk, dtype=jnp.int32)[None, :]
+        return self.predicate.allowed(rows, cols)
+
+    def scores(self, qb: Array, kb: Array, i: Array, j: Array, masked: bool, precision) -> tuple[Array, Array | None]:
+        """Scaled scores ``(B, bq, bk)`` and, for a partial block, its mask ``(1, bq, bk)``."""
+        s = jnp.einsum("btd,bsd->bts", qb, kb, precision=precision, preferred_element_type=self.compute)
+        s = s * jnp.asarray(self.scale, self.compute)
+        return s, (self.allowed(i, j)[None] if masked else None)
+
+    def per_block(self, kind: Array, update, carry):
+        """Runs ``update(carry, masked)`` on a partial or full block; an empty one is skipped."""
+        return jax.lax.switch(
+            kind.astype(jnp.int32),
+            [lambda c: c, functools.partial(update, masked=True), functools.partial(update, masked=False)],
+            carry,
+        )
+
+
+def _blocks(x: Array, size: int) -> Array:
+    """``(B, n*size, X) -> (n, B, size, X)``."""
+    b, length, f = x.shape
+    return jnp.moveaxis(x.reshape(b, length // size, size, f), 1, 0)
+
+
+def _forward(q, k, v, plan: _Plan, precision):
+    qs, ks, vs = _blocks(q, plan.bq), _blocks(k, plan.bk), _blocks(v, plan.bk)  # (n, B, blk, X)
+    index, kind = jnp.asarray(plan.index), jnp.asarray(plan.kind)
+    b, e = q.shape[0], v.shape[-1]
+
+    def query_block(args):
+        i, qb = args
+
+        def key_block(carry, jk):
+            j, kd = jk
+
+            def update(carry, masked):
+                m, norm, acc = carry
+                s, keep = plan.scores(qb, ks[j], i, j, masked, precision)
+                if masked:
+                    s = jnp.where(keep, s, -jnp.inf)
+                m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+                m_safe = jnp.where(m_new == -jnp.inf, jnp.zeros_like(m_new), m_new)
+                p = jnp.exp(s - m_safe[..., None])  # exactly 0 at masked entries
+                alpha = jnp.exp(jnp.where(m == -jnp.inf, -jnp.inf, m - m_safe))
+                pv = jnp.einsum(
+                    "bts,bse->bte", p.astype(v.dtype), vs[j], precision=precision, preferred_element_type=plan.compute
+                )
+                return m_new, norm * alpha + jnp.sum(p, -1), acc * alpha[..., None] + pv
+
+            return plan.per_block(kd, update, carry), None
+
+        init = (
+            jnp.full((b, plan.bq), -jnp.inf, plan.compute),
+            jnp.zeros((b, plan.bq), plan.compute),
+            jnp.zeros((b, plan.bq, e), plan.compute),
+        )
+        (m, norm, acc), _ = jax.lax.scan(key_block, init, (index[i], kind[i]))
+        safe = jnp.where(norm == 0, jnp.ones_like(norm), norm)
+        lse = jnp.where(norm == 0, -jnp.inf, m + jnp.log(safe))
+        return (acc / safe[..., None]).astype(v.dtype), lse
+
+    out, lse = jax.lax.map(query_block, (jnp.arange(plan.nq), qs))  # (nq, B, bq, E), (nq, B, bq)
+    out = jnp.moveaxis(out, 0, 1).reshape(b, plan.nq * plan.bq, e)
+    lse = jnp.moveaxis(lse, 0, 1).reshape(b, plan.nq * plan.bq)
+    return out, lse
+
+
+def _flash_fwd(q, k, v, plan, precision):
+    out, lse = _forward(q, k, v, plan, precision)
+    return (out, lse), (q, k, v, out, lse)
+
+
+def _flash_bwd(plan: _Plan, precision, res, cotangents):
+    q, k, v, out, lse = res
+    d_out, _ = cotangents  # the log-sum-exp is an output for inspection, not differentiated
+    qs, dos = _blocks(q, plan.bq), _blocks(d_out, plan.bq)
+    ks, vs = _blocks(k, plan.bk), _blocks(v, plan.bk)
+    lse_b = jnp.moveaxis(lse.reshape(q.shape[0], plan.nq, plan.bq), 1, 0)  # (nq, B, bq)
+    delta = jnp.sum(d_out.astype(plan.compute) * out.astype(plan.compute), -1)  # (B, T)
+    delta_b = jnp.moveaxis(delta.reshape(q.shape[0], plan.nq, plan.bq), 1, 0)
+    index, kind = jnp.asarray(plan.index), jnp.asarray(plan.kind)
+    scale = jnp.asarray(plan.scale, plan.compute)
+
+    def query_block(carry, args):
+        dk, dv = carry
+        i, qb, dob, lse_i, delta_i = args
+        lse_i = jnp.where(lse_i == -jnp.inf, jnp.zeros_like(lse_i), lse_i)  # empty rows have p = 0
+
+        def key_block(carry, jk):
+            j, kd = jk
+
+            def update(carry, masked):
+                dq, dk, dv = carry
+                s, keep = plan.scores(qb, ks[j], i, j, masked, precision)
+                p = jnp.exp(s - lse_i[..., None])  # (B, bq, bk)
+                if masked:
+                    p = jnp.where(keep, p, jnp.zeros((), p.dtype))
+                dp = jnp.einsum("bte,bse->bts", dob, vs[j], precision=precision, preferred_element_type=plan.compute)
+                ds = p * (dp - delta_i[..., None]) * scale
+                dq = dq + jnp.einsum("bts,bsd->btd", ds, ks[j].astype(plan.compute), precision=precision)
+                dk_j = jnp.einsum("bts,btd->bsd", ds, qb.astype(plan.compute), precision=precision)
+                dv_j = jnp.einsum("bts,bte->bse", p, dob.astype(plan.compute), precision=precision)
+                return dq, dk.at[j].add(dk_j), dv.at[j].add(dv_j)
+
+            return plan.per_block(kd, update, carry), None
+
+        dq0 = jnp.zeros(qb.shape, plan.compute)
+        (dq, dk, dv), _ = jax.lax.scan(key_block, (dq0, dk, dv), (index[i], kind[i]))
+        return (dk, dv), dq
+
+    dk0, dv0 = jnp.zeros(ks.shape, plan.compute), jnp.zeros(vs.shape, plan.compute)
+    (dk, dv), dq = jax.lax.scan(query_block, (dk0, dv0), (jnp.arange(plan.nq), qs, dos, lse_b, delta_b))
+
+    def unblock(x, like):
+        return jnp.moveaxis(x, 0, 1).reshape(like.shape).astype(like.dtype)
+
+    return unblock(dq, q), unblock(dk, k), unblock(dv, v)
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def blockwise_attention(
+    q: Array,
+    k: Array,
+    v: Array,
+    *,
+    mask: Mask | None,
+    scale: float,
+    q_offset: int | None,
+    kv_offset: int,
+    block_q: int,
+    block_kv: int,
+    precision: jax.lax.PrecisionLike = None,
+) -> tuple[Array, Array]:
+    """Blockwise attention of validated ``q (..., T, D)``, ``k (..., S, D)``, ``v (..., S, E)``.
+
+    Returns ``out (..., T, E)`` and ``lse (..., T)``; see the module docstring.
+    """
+    lead = jnp.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    T, S = q.shape[-2], k.shape[-2]
+    b = math.prod(lead)
+    qf = jnp.broadcast_to(q, (*lead, *q.shape[-2:])).reshape(b, T, q.shape[-1])
+    kf = jnp.broadcast_to(k, (*lead, *k.shape[-2:])).reshape(b, S, k.shape[-1])
+    vf = jnp.broadcast_to(v, (*lead, *v.shape[-2:])).reshape(b, S, v.shape[-1])
+    bq, bk = min(block_q, T), min(block_kv, S)
+    compute = jnp.dtype(jnp.float64 if q.dtype == jnp.float64 else jnp.float32)
+    q_offset = kv_offset + S - T if q_offset is None else q_offset
+    plan = _Plan(T, S, bq, bk, mask, int(q_offset), int(kv_offset), float(scale), compute)
+    out, lse = _flash(_pad(qf, 1, bq), _pad(kf, 1, bk), _pad(vf, 1, bk), plan, precision)
+    return out[:, :T].reshape(*lead, T, -1), lse[:, :T].reshape(*lead, T)
