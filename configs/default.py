@@ -4,7 +4,8 @@ Run:      python -m train                      (this file is the default config)
           make train                           (the same, setting up .venv first)
 Expect:   attention >= 99% held-out per-token accuracy on the queries; the control
           (``model.mixer='none'``, trained on the same budget) stays at chance, 1/32.
-Time:     see README ("Recorded runs") for the measured figures on the 2-core CPU.
+Time:     84 s on the 2-core CPU for both runs (measured 2026-11-30): attention 100.0% token
+          and sequence accuracy after 2000 steps, the control 3.4% token accuracy.
 """
 
 import ml_collections

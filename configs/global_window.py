@@ -5,7 +5,8 @@ The decoder's mask is ``causal() & (sliding_window(4) | global_tokens(range(16))
 Run:      python -m train --config configs/global_window.py
 Expect:   >= 99% held-out token accuracy on the queries (chance 1/32); with
           --config.model.global_tokens="()" (the window alone) the keys are out of reach.
-Time:     see README ("Recorded runs") for the measured figure on the 2-core CPU.
+Time:     56 s on the 2-core CPU (measured 2026-11-30): 100.0% token accuracy; the window alone
+          measured 10.9% (some queries happen to sit near their key) in 55 s.
 """
 
 from configs import default

@@ -3,7 +3,7 @@
 The cache of a decoder with this config holds one kv head per layer instead of two.
 Run:      python -m train --config configs/gqa.py
 Expect:   >= 99% held-out token accuracy on the queries (chance 1/32).
-Time:     see README ("Recorded runs") for the measured figure on the 2-core CPU.
+Time:     52 s on the 2-core CPU (measured 2026-11-30): 100.0% token and sequence accuracy.
 """
 
 from configs import default

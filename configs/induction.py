@@ -5,7 +5,7 @@ Expect:   100% held-out sequence accuracy; chance per token 1/16. Its attention.
           two-layer induction circuit: a previous-token head in layer 0 and, in layer 1, queries
           of the repeat attending to the token after their first occurrence (an off-diagonal
           stripe twelve positions back).
-Time:     see README ("Recorded runs") for the measured figure on the 2-core CPU.
+Time:     43-50 s on the 2-core CPU (measured 2026-11-30): 100.0% sequence accuracy.
 """
 
 from configs import default

