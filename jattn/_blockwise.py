@@ -196,7 +196,9 @@ def _flash_bwd(plan: _Plan, precision, res, cotangents):
         return (dk, dv), dq
 
     dk0, dv0 = jnp.zeros(ks.shape, plan.compute), jnp.zeros(vs.shape, plan.compute)
-    (dk, dv), dq = jax.lax.scan(query_block, (dk0, dv0), (jnp.arange(plan.nq, dtype=jnp.int32), qs, dos, lse_b, delta_b))
+    (dk, dv), dq = jax.lax.scan(
+        query_block, (dk0, dv0), (jnp.arange(plan.nq, dtype=jnp.int32), qs, dos, lse_b, delta_b)
+    )
 
     def unblock(x, like):
         return jnp.moveaxis(x, 0, 1).reshape(like.shape).astype(like.dtype)
