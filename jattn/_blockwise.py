@@ -73,7 +73,8 @@ class _Plan:
         full = limit if mask is None else mask & limit
         kinds = full.block_kinds(self.nq * bq, self.nk * bk, bq, bk, q_offset=q_offset, kv_offset=kv_offset)
         self.predicate = full
-        self.index, self.kind = _schedule(kinds)
+        self.index, self.kind = _schedule(kinds)  # per query block: its key blocks
+        self.index_t, self.kind_t = _schedule(kinds.T)  # per key block: its query blocks
         self._key = (T, S, bq, bk, mask, q_offset, kv_offset, scale, compute)
 
     def __hash__(self) -> int:
@@ -158,47 +159,65 @@ def _flash_fwd(q, k, v, plan, precision):
 
 
 def _flash_bwd(plan: _Plan, precision, res, cotangents):
+    """The flash-attention backward in two passes, each with small carries only.
+
+    dq per query block over its key blocks, then dk and dv per key block over its query blocks
+    (the transposed schedule).
+    """
     q, k, v, out, lse = res
     d_out, _ = cotangents  # the log-sum-exp is an output for inspection, not differentiated
+    b = q.shape[0]
     qs, dos = _blocks(q, plan.bq), _blocks(d_out, plan.bq)
     ks, vs = _blocks(k, plan.bk), _blocks(v, plan.bk)
-    lse_b = jnp.moveaxis(lse.reshape(q.shape[0], plan.nq, plan.bq), 1, 0)  # (nq, B, bq)
-    delta = jnp.sum(d_out.astype(plan.compute) * out.astype(plan.compute), -1)  # (B, T)
-    delta_b = jnp.moveaxis(delta.reshape(q.shape[0], plan.nq, plan.bq), 1, 0)
-    index, kind = jnp.asarray(plan.index), jnp.asarray(plan.kind)
+    lse = jnp.where(lse == -jnp.inf, jnp.zeros_like(lse), lse)  # empty rows have p = 0 anyway
+    delta = jnp.sum(d_out.astype(plan.compute) * out.astype(plan.compute), -1)  # (B, T) rowsum(dO ∘ O)
+    lse_b = jnp.moveaxis(lse.reshape(b, plan.nq, plan.bq), 1, 0)  # (nq, B, bq)
+    delta_b = jnp.moveaxis(delta.reshape(b, plan.nq, plan.bq), 1, 0)
     scale = jnp.asarray(plan.scale, plan.compute)
 
-    def query_block(carry, args):
-        dk, dv = carry
-        i, qb, dob, lse_i, delta_i = args
-        lse_i = jnp.where(lse_i == -jnp.inf, jnp.zeros_like(lse_i), lse_i)  # empty rows have p = 0
+    def grads_of_scores(i, j, masked):
+        """``p`` and ``ds = p (dp - delta) scale`` of block (i, j), each ``(B, bq, bk)``."""
+        s, keep = plan.scores(qs[i], ks[j], i, j, masked, precision)
+        p = jnp.exp(s - lse_b[i][..., None])
+        if masked:
+            p = jnp.where(keep, p, jnp.zeros((), p.dtype))
+        dp = jnp.einsum("bte,bse->bts", dos[i], vs[j], precision=precision, preferred_element_type=plan.compute)
+        return p, p * (dp - delta_b[i][..., None]) * scale
 
-        def key_block(carry, jk):
+    def dq_block(i):
+        def step(dq, jk):
             j, kd = jk
 
+            def update(dq, masked):
+                _, ds = grads_of_scores(i, j, masked)
+                return dq + jnp.einsum("bts,bsd->btd", ds, ks[j].astype(plan.compute), precision=precision)
+
+            return plan.per_block(kd, update, dq), None
+
+        dq, _ = jax.lax.scan(step, jnp.zeros((b, plan.bq, q.shape[-1]), plan.compute), (plan_index[i], plan_kind[i]))
+        return dq
+
+    def dkv_block(j):
+        def step(carry, ik):
+            i, kd = ik
+
             def update(carry, masked):
-                dq, dk, dv = carry
-                s, keep = plan.scores(qb, ks[j], i, j, masked, precision)
-                p = jnp.exp(s - lse_i[..., None])  # (B, bq, bk)
-                if masked:
-                    p = jnp.where(keep, p, jnp.zeros((), p.dtype))
-                dp = jnp.einsum("bte,bse->bts", dob, vs[j], precision=precision, preferred_element_type=plan.compute)
-                ds = p * (dp - delta_i[..., None]) * scale
-                dq = dq + jnp.einsum("bts,bsd->btd", ds, ks[j].astype(plan.compute), precision=precision)
-                dk_j = jnp.einsum("bts,btd->bsd", ds, qb.astype(plan.compute), precision=precision)
-                dv_j = jnp.einsum("bts,bte->bse", p, dob.astype(plan.compute), precision=precision)
-                return dq, dk.at[j].add(dk_j), dv.at[j].add(dv_j)
+                dk, dv = carry
+                p, ds = grads_of_scores(i, j, masked)
+                dk = dk + jnp.einsum("bts,btd->bsd", ds, qs[i].astype(plan.compute), precision=precision)
+                dv = dv + jnp.einsum("bts,bte->bse", p, dos[i].astype(plan.compute), precision=precision)
+                return dk, dv
 
             return plan.per_block(kd, update, carry), None
 
-        dq0 = jnp.zeros(qb.shape, plan.compute)
-        (dq, dk, dv), _ = jax.lax.scan(key_block, (dq0, dk, dv), (index[i], kind[i]))
-        return (dk, dv), dq
+        init = (jnp.zeros((b, plan.bk, k.shape[-1]), plan.compute), jnp.zeros((b, plan.bk, v.shape[-1]), plan.compute))
+        (dk, dv), _ = jax.lax.scan(step, init, (plan_index_t[j], plan_kind_t[j]))
+        return dk, dv
 
-    dk0, dv0 = jnp.zeros(ks.shape, plan.compute), jnp.zeros(vs.shape, plan.compute)
-    (dk, dv), dq = jax.lax.scan(
-        query_block, (dk0, dv0), (jnp.arange(plan.nq, dtype=jnp.int32), qs, dos, lse_b, delta_b)
-    )
+    plan_index, plan_kind = jnp.asarray(plan.index), jnp.asarray(plan.kind)
+    plan_index_t, plan_kind_t = jnp.asarray(plan.index_t), jnp.asarray(plan.kind_t)
+    dq = jax.lax.map(dq_block, jnp.arange(plan.nq, dtype=jnp.int32))  # (nq, B, bq, D)
+    dk, dv = jax.lax.map(dkv_block, jnp.arange(plan.nk, dtype=jnp.int32))  # (nk, B, bk, D|E)
 
     def unblock(x, like):
         return jnp.moveaxis(x, 0, 1).reshape(like.shape).astype(like.dtype)

@@ -1,0 +1,1 @@
+"""Benchmarks of jattn against its peers (``python -m bench``)."""

@@ -1,0 +1,66 @@
+"""``python -m bench``: jattn's attention paths against jax.nn, Flax and PyTorch SDPA.
+
+The default is fast (a few minutes on 2 cores); options pick shapes, dtype, modes, masks and
+candidates. Prints a table (ms, useful GFLOP/s counting only unmasked work, ratio to PyTorch and to
+the measured matmul peak, first-call time, compiled scratch memory) and writes JSON and a PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from bench import suite
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    p.add_argument("--T", type=int, nargs="+", default=[512, 2048])
+    p.add_argument("--B", type=int, default=4)
+    p.add_argument("--N", type=int, default=8)
+    p.add_argument("--D", type=int, default=64)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--modes", nargs="+", default=["fwd"], choices=["fwd", "fwdbwd"])
+    p.add_argument("--masks", nargs="+", default=["none", "causal"], choices=suite.MASKS)
+    p.add_argument("--window", type=int, default=256)
+    p.add_argument("--candidates", nargs="+", default=["jattn", "jax.nn", "torch"], choices=suite.CANDIDATES)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--out", type=Path, default=Path("bench/results"))
+    args = p.parse_args(argv)
+
+    console = Console()
+    peak = suite.matmul_peak()
+    console.print(f"matmul peak (jitted float32 2048^3): {peak:.0f} GFLOP/s")
+    results = []
+    for mode in args.modes:
+        for mask in args.masks:
+            for T in args.T:
+                case = suite.Case(args.B, args.N, T, args.D, mask, mode, args.window, args.dtype)
+                timings = suite.run_case(case, tuple(args.candidates), args.repeats)
+                results.append({"case": dataclasses.asdict(case), "timings": timings})
+                table = Table(title=f"B={args.B} N={args.N} T={T} D={args.D} {args.dtype} mask={mask} {mode}")
+                for col in ("candidate", "ms", "GFLOP/s", "x torch", "x peak", "first call s", "scratch MiB"):
+                    table.add_column(col, justify="right")
+                torch_ms = timings.get("torch", {}).get("ms")
+                for name, t in timings.items():
+                    table.add_row(
+                        name,
+                        f"{t['ms']:.1f}",
+                        f"{t['gflops']:.1f}",
+                        f"{torch_ms / t['ms']:.2f}" if torch_ms else "-",
+                        f"{t['gflops'] / peak:.2f}",
+                        f"{t['first_call_s']:.2f}",
+                        f"{t['temp_mib']:.0f}",
+                    )
+                console.print(table)
+                path, png = suite.save(results, peak, args.out)  # after every case: nothing lost on Ctrl-C
+    console.print(f"wrote {path} and {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,218 @@
+"""The benchmark suite as a library: candidates, timing, FLOP counts, table, JSON and a plot.
+
+Every figure is the median of repeated runs after a warm-up call, with ``block_until_ready``
+(or the torch equivalent), the candidates alternated within one process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jattn
+from jattn import masks
+
+MASKS = ("none", "causal", "window", "global")
+CANDIDATES = ("jattn", "jattn-dense", "jattn-blockwise", "jax.nn", "flax", "torch")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One shape, mask and mode: q, k, v of shape (B, N, T, D)."""
+
+    B: int
+    N: int
+    T: int
+    D: int
+    mask: str = "none"
+    mode: str = "fwd"  # 'fwd' or 'fwdbwd'
+    window: int = 256
+    dtype: str = "float32"
+
+    def predicate(self) -> masks.Mask | None:
+        return {
+            "none": None,
+            "causal": masks.causal(),
+            "window": masks.sliding_window(self.window),
+            "global": masks.causal() & (masks.sliding_window(self.window) | masks.global_tokens([0])),
+        }[self.mask]
+
+    def density(self) -> float:
+        """Fraction of (query, key) pairs the mask keeps (for the useful FLOP rate)."""
+        m = self.predicate()
+        if m is None:
+            return 1.0
+        kept = 0
+        for start in range(0, self.T, 1024):
+            rows = min(1024, self.T - start)
+            kept += int(jnp.sum(m.dense(rows, self.T, q_offset=start)))
+        return kept / self.T**2
+
+    def flops(self) -> float:
+        """Useful FLOPs: 4·B·N·T·S·D forward (two matmuls), 3.5x that forward + backward."""
+        fwd = 4 * self.B * self.N * self.T * self.T * self.D * self.density()
+        return fwd * (3.5 if self.mode == "fwdbwd" else 1.0)
+
+
+def _inputs(case: Case):
+    dtype = jnp.dtype(case.dtype)
+    return tuple(jax.random.normal(jax.random.key(i), (case.B, case.N, case.T, case.D), dtype) for i in range(3))
+
+
+def _dense_mask(case: Case) -> jax.Array | None:
+    m = case.predicate()
+    return None if m is None else m.dense(case.T, case.T)[None, None]
+
+
+def _jax_candidate(name: str, case: Case) -> Callable | None:
+    pred = case.predicate()
+    if name.startswith("jattn"):
+        impl = {"jattn": None, "jattn-dense": "dense", "jattn-blockwise": "blockwise"}[name]
+
+        def f(q, k, v):
+            return jattn.attention(q, k, v, mask=pred, implementation=impl)
+
+        layout = lambda x: x  # noqa: E731
+    else:
+        layout = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731  (B, T, N, D)
+        if name == "jax.nn":
+            kw: dict = {}
+            if case.mask in ("causal", "window"):
+                kw["is_causal"] = True
+            if case.mask == "window":
+                kw["local_window_size"] = (case.window, 0)
+            if case.mask == "global":
+                kw["mask"] = _dense_mask(case)
+
+            def f(q, k, v):
+                return jax.nn.dot_product_attention(q, k, v, **kw)
+
+        elif name == "flax":
+            from flax import linen as nn
+
+            dense = _dense_mask(case)
+
+            def f(q, k, v):
+                return nn.dot_product_attention(q, k, v, mask=dense)
+
+        else:
+            return None
+    if case.mode == "fwdbwd":
+        fwd = f
+
+        def f(q, k, v):
+            return jax.grad(lambda q, k, v: jnp.sum(fwd(q, k, v)), argnums=(0, 1, 2))(q, k, v)
+
+    jitted = jax.jit(f)
+    args = tuple(layout(x) for x in _inputs(case))
+    compiled = jitted.lower(*args).compile()
+
+    def run():
+        return jax.block_until_ready(compiled(*args))
+
+    run.temp_mib = compiled.memory_analysis().temp_size_in_bytes / 2**20
+    return run
+
+
+def _torch_candidate(case: Case) -> Callable | None:
+    try:
+        import torch
+        from torch.nn import functional
+    except ImportError:
+        return None
+    dtype = getattr(torch, case.dtype)
+    q, k, v = (torch.from_numpy(np.array(x, np.float32)).to(dtype) for x in _inputs(case))
+    kw: dict = {}
+    if case.mask == "causal":
+        kw["is_causal"] = True
+    elif case.mask in ("window", "global"):
+        kw["attn_mask"] = torch.from_numpy(np.array(_dense_mask(case)))
+    if case.mode == "fwdbwd":
+        for x in (q, k, v):
+            x.requires_grad_(True)
+
+    def run():
+        out = functional.scaled_dot_product_attention(q, k, v, **kw)
+        if case.mode == "fwdbwd":
+            out.sum().backward()
+        return out
+
+    run.temp_mib = float("nan")
+    return run
+
+
+def matmul_peak(n: int = 2048, repeats: int = 7) -> float:
+    """GFLOP/s of a jitted float32 (n, n) @ (n, n) on this machine: the roof for the ratios."""
+    a = jax.random.normal(jax.random.key(0), (n, n))
+    f = jax.jit(lambda a: a @ a)
+    f(a).block_until_ready()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        f(a).block_until_ready()
+        times.append(time.perf_counter() - t0)
+    return 2 * n**3 / statistics.median(times) / 1e9
+
+
+def run_case(case: Case, candidates: tuple[str, ...], repeats: int) -> dict[str, dict]:
+    """Median time of each candidate (alternated), its useful GFLOP/s, compile time and memory."""
+    runs, compile_s = {}, {}
+    for name in candidates:
+        t0 = time.perf_counter()
+        fn = _torch_candidate(case) if name == "torch" else _jax_candidate(name, case)
+        if fn is None:
+            continue
+        fn()  # warm-up
+        compile_s[name] = time.perf_counter() - t0
+        runs[name] = fn
+    times: dict[str, list[float]] = {n: [] for n in runs}
+    for _ in range(repeats):
+        for name, fn in runs.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    flops = case.flops()
+    return {
+        name: {
+            "ms": 1e3 * statistics.median(t),
+            "gflops": flops / statistics.median(t) / 1e9,
+            "first_call_s": compile_s[name],
+            "temp_mib": runs[name].temp_mib,
+        }
+        for name, t in times.items()
+    }
+
+
+def save(results: list[dict], peak: float, out: Path) -> tuple[Path, Path]:
+    """Writes ``results.json`` and ``results.png`` (time against T per candidate, log-log)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "results.json"
+    path.write_text(json.dumps({"matmul_gflops": peak, "results": results}, indent=2) + "\n")
+    groups = sorted({(r["case"]["mask"], r["case"]["mode"]) for r in results})
+    fig, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 4), squeeze=False)
+    for ax, (mask, mode) in zip(axes[0], groups, strict=True):
+        rows = [r for r in results if (r["case"]["mask"], r["case"]["mode"]) == (mask, mode)]
+        for name in CANDIDATES:
+            pts = sorted((r["case"]["T"], r["timings"][name]["ms"]) for r in rows if name in r["timings"])
+            if pts:
+                ax.plot(*zip(*pts, strict=True), "o-", label=name)
+        ax.set(xscale="log", yscale="log", xlabel="T", ylabel="ms", title=f"mask={mask}, {mode}")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    png = out / "results.png"
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return path, png
