@@ -34,7 +34,7 @@ def _close_lse(a, b, dtype):
     np.testing.assert_allclose(np.where(np.isneginf(a), 0, a), np.where(np.isneginf(b), 0, b), **ref.tol(dtype))
 
 
-@settings(max_examples=30)
+@settings(max_examples=20)
 @given(
     static_masks(),
     st.integers(1, 13),

@@ -13,6 +13,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax import Array
 
 from train import loop
@@ -25,10 +26,15 @@ def answer_positions(exp: loop.Experiment) -> np.ndarray:
 
 
 def greedy_full(exp: loop.Experiment, params, inputs: Array) -> Array:
-    """Greedy answers ``(B, A)`` by full forward passes over the growing sequence (no cache)."""
-    model, seq, answers = exp.model(params), inputs, []
+    """Greedy answers ``(B, A)`` by full forward passes over the growing sequence (no cache).
+
+    The model is causal, so the logits at position p of the whole sequence are those of its
+    prefix: one compiled full-length pass per answer.
+    """
+    forward = jax.jit(lambda p, seq: exp.model(p)(seq))
+    seq, answers = inputs, []
     for p in answer_positions(exp):
-        pred = jnp.argmax(model(seq[:, : p + 1])[:, p], -1).astype(seq.dtype)
+        pred = jnp.argmax(forward(params, seq)[:, p], -1).astype(seq.dtype)
         answers.append(pred)
         if p + 1 < seq.shape[1]:
             seq = seq.at[:, p + 1].set(pred)
@@ -41,7 +47,8 @@ def greedy_cached(exp: loop.Experiment, params, inputs: Array) -> Array:
     b, length = inputs.shape
     model.init_cache(b, length)
     positions = answer_positions(exp)
-    logits = model(inputs[:, : positions[0] + 1], decode=True)[:, -1]
+    decode = nnx.jit(lambda m, tokens: m(tokens, decode=True)[:, -1])  # compiled once per length
+    logits = decode(model, inputs[:, : positions[0] + 1])
     answers, p = [], positions[0]
     while True:
         if p in positions:
@@ -50,7 +57,7 @@ def greedy_cached(exp: loop.Experiment, params, inputs: Array) -> Array:
             break
         token = answers[-1] if p in positions else inputs[:, p + 1]
         p += 1
-        logits = model(token[:, None], decode=True)[:, -1]
+        logits = decode(model, token[:, None])
     return jnp.stack(answers, 1)
 
 
