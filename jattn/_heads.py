@@ -38,6 +38,16 @@ def check_input(name: str, x: Array, features: int) -> None:
         raise ValueError(f"{name} must have shape (batch, length, {features}), got {jnp.shape(x)}")
 
 
+def check_context(x: Array, d_model: int, context: Array, features: int, context_mask: Array | None) -> None:
+    """Raises unless ``x (B, T, d_model)``, ``context (B, S, features)``, ``context_mask (B, S)``."""
+    check_input("x", x, d_model)
+    check_input("context", context, features)
+    if context.shape[0] != x.shape[0]:
+        raise ValueError(f"x and context must share the batch size, got {x.shape} and {context.shape}")
+    if context_mask is not None and jnp.shape(context_mask) != context.shape[:2]:
+        raise ValueError(f"context_mask must have shape (B, S) = {context.shape[:2]}, got {jnp.shape(context_mask)}")
+
+
 def _split(x: Array, heads: int, groups: int) -> Array:
     """``(B, L, heads*groups*D) -> (B, heads, groups, L, D)``."""
     b, length, f = x.shape

@@ -129,7 +129,7 @@ def _positions(
 
 
 @dataclasses.dataclass(frozen=True)
-class _And(Mask):
+class _Binary(Mask):
     a: Mask
     b: Mask
 
@@ -137,6 +137,8 @@ class _And(Mask):
     def per_example(self) -> bool:  # type: ignore[override]
         return self.a.per_example or self.b.per_example
 
+
+class _And(_Binary):
     def allowed(self, i, j):
         return self.a.allowed(i, j) & self.b.allowed(i, j)
 
@@ -145,15 +147,7 @@ class _And(Mask):
         return ea | eb, fa & fb
 
 
-@dataclasses.dataclass(frozen=True)
-class _Or(Mask):
-    a: Mask
-    b: Mask
-
-    @property
-    def per_example(self) -> bool:  # type: ignore[override]
-        return self.a.per_example or self.b.per_example
-
+class _Or(_Binary):
     def allowed(self, i, j):
         return self.a.allowed(i, j) | self.b.allowed(i, j)
 

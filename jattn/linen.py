@@ -125,12 +125,5 @@ class CrossAttention(_Attention):
         """Attends ``x`` to ``context``; ``context_mask (B, S)`` is False at context padding."""
         if self.context_features <= 0:
             raise ValueError(f"context_features must be a positive int, got {self.context_features!r}")
-        _heads.check_input("x", x, self.d_model)
-        _heads.check_input("context", context, self.context_features)
-        if context.shape[0] != x.shape[0]:
-            raise ValueError(f"x and context must share the batch size, got {x.shape} and {context.shape}")
-        if context_mask is not None and jnp.shape(context_mask) != context.shape[:2]:
-            raise ValueError(
-                f"context_mask must have shape (B, S) = {context.shape[:2]}, got {jnp.shape(context_mask)}"
-            )
+        _heads.check_context(x, self.d_model, context, self.context_features, context_mask)
         return self._run(x, context, mask, context_mask, deterministic, return_weights)

@@ -321,14 +321,7 @@ class CrossAttention(_Attention):
             a query that sees no valid context returns 0 (before ``wo``).
           deterministic, rngs, return_weights: as for :class:`SelfAttention`.
         """
-        _heads.check_input("x", x, self.d_model)
-        _heads.check_input("context", context, self.kv_features)
-        if context.shape[0] != x.shape[0]:
-            raise ValueError(f"x and context must share the batch size, got {x.shape} and {context.shape}")
-        if context_mask is not None and jnp.shape(context_mask) != context.shape[:2]:
-            raise ValueError(
-                f"context_mask must have shape (B, S) = {context.shape[:2]}, got {jnp.shape(context_mask)}"
-            )
+        _heads.check_context(x, self.d_model, context, self.kv_features, context_mask)
         rng = self._dropout_rng(deterministic, rngs)
         out, weights, _ = self._attend(
             self.wq(x), self.wk(context), self.wv(context), mask, context_mask, rng, return_weights

@@ -31,12 +31,29 @@ LITERAL = [
     (masks.sliding_window(1, 1) | masks.global_tokens([0]), 6, 6, "######\n###...\n####..\n#.###.\n#..###\n#...##"),
     (masks.causal() & masks.sliding_window(2), 5, 5, "#....\n##...\n###..\n.###.\n..###"),
     (masks.causal() & ~masks.chunked(2), 4, 4, "....\n....\n##..\n##.."),
+    # The renderings shown in README.md.
+    (masks.sliding_window(2), 6, 6, "#.....\n##....\n###...\n.###..\n..###.\n...###"),
+    (
+        masks.causal() & (masks.sliding_window(2) | masks.global_tokens([0])),
+        6,
+        6,
+        "#.....\n##....\n###...\n####..\n#.###.\n#..###",
+    ),
+    (masks.chunked(3), 6, 6, "###...\n###...\n###...\n...###\n...###\n...###"),
+    (
+        masks.causal() & masks.segment_ids(jnp.array([[0, 0, 0, 1, 1, 1]])),
+        6,
+        6,
+        "#.....\n##....\n###...\n...#..\n...##.\n...###",
+    ),
+    (masks.padding(kv_lengths=jnp.array([4])), 3, 6, "####..\n####..\n####.."),
 ]
 
 
 @pytest.mark.parametrize(("mask", "T", "S", "want"), LITERAL)
 def test_predicates_against_literal_masks(mask, T, S, want):
-    np.testing.assert_array_equal(mask.dense(T, S), rows(want))
+    dense = mask.dense(T, S)  # (T, S), or (1, 1, T, S) for a per-example mask of one example
+    np.testing.assert_array_equal(dense.reshape(T, S), rows(want))
     assert mask.render(T, S) == want
 
 
