@@ -195,13 +195,12 @@ def train(
     workdir = workdir_of(cfg).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "config.json").write_text(cfg.to_json_best_effort(indent=2) + "\n")
-    state = {"params": exp.init_params, "opt_state": exp.tx.init(exp.init_params)}
+    state = _initial_state(exp)
     options = ocp.CheckpointManagerOptions(max_to_keep=2, create=True)
     with ocp.CheckpointManager(workdir / "checkpoints", options=options) as manager:
         start = manager.latest_step() or 0
         if start:
-            abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
-            state = manager.restore(start, args=ocp.args.StandardRestore(abstract))
+            state = _load(manager, start, state)
         log = _metrics_log(workdir / "metrics.jsonl", start)
         chunk, evaluate = make_train_chunk(exp), make_evaluate(exp)
         params, opt_state = state["params"], state["opt_state"]
@@ -257,19 +256,25 @@ def train(
 
 def restore(workdir: str | Path) -> tuple[Experiment, nnx.State, int]:
     """Loads a run directory's config and latest checkpoint: ``(experiment, params, step)``."""
-    from train.config import override  # noqa: F401  (config.json is the resolved config)
-
     workdir = Path(workdir)
     cfg = ml_collections.ConfigDict(json.loads((workdir / "config.json").read_text()))
     exp = build(cfg)
-    state = {"params": exp.init_params, "opt_state": exp.tx.init(exp.init_params)}
     with ocp.CheckpointManager(workdir.resolve() / "checkpoints") as manager:
         step = manager.latest_step()
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {workdir / 'checkpoints'}")
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
-        state = manager.restore(step, args=ocp.args.StandardRestore(abstract))
+        state = _load(manager, step, _initial_state(exp))
     return exp, state["params"], step
+
+
+def _initial_state(exp: Experiment) -> dict:
+    return {"params": exp.init_params, "opt_state": exp.tx.init(exp.init_params)}
+
+
+def _load(manager: ocp.CheckpointManager, step: int, like: dict) -> dict:
+    """Restores checkpoint ``step`` into the structure of ``like`` (params + optimizer state)."""
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
+    return manager.restore(step, args=ocp.args.StandardRestore(abstract))
 
 
 def verdict(summary: dict, control: dict | None = None) -> str:
