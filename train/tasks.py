@@ -102,10 +102,9 @@ class MQAR(Task):
 
 
 @dataclasses.dataclass(frozen=True)
-class Sort(Task):
-    """minGPT's sort demo: ``x1..xn`` then the same tokens sorted; loss on the sorted half."""
+class _TwoHalves(Task):
+    """Tasks of ``size`` tokens over ``vocab`` symbols followed by a transformed copy."""
 
-    name: ClassVar[str] = "sort"
     size: int = 6
     vocab: int = 3
 
@@ -121,6 +120,15 @@ class Sort(Task):
     def chance(self) -> float:
         return 1.0 / self.vocab
 
+
+@dataclasses.dataclass(frozen=True)
+class Sort(_TwoHalves):
+    """minGPT's sort demo: ``x1..xn`` then the same tokens sorted; loss on the sorted half."""
+
+    name: ClassVar[str] = "sort"
+    size: int = 6
+    vocab: int = 3
+
     def sequence(self, key: Array) -> tuple[Array, Array]:
         x = jax.random.randint(key, (self.size,), 0, self.vocab)
         seq = jnp.concatenate([x, jnp.sort(x)]).astype(jnp.int32)
@@ -128,7 +136,7 @@ class Sort(Task):
 
 
 @dataclasses.dataclass(frozen=True)
-class Reverse(Task):
+class Reverse(_TwoHalves):
     """``x1..xn | xn..x1``: the tokens, a separator, then the tokens reversed (loss on those)."""
 
     name: ClassVar[str] = "reverse"
@@ -143,10 +151,6 @@ class Reverse(Task):
     def length(self) -> int:
         return 2 * self.size
 
-    @property
-    def chance(self) -> float:
-        return 1.0 / self.vocab
-
     def sequence(self, key: Array) -> tuple[Array, Array]:
         x = jax.random.randint(key, (self.size,), 0, self.vocab)
         seq = jnp.concatenate([x, jnp.array([self.vocab]), x[::-1]]).astype(jnp.int32)
@@ -157,7 +161,7 @@ class Reverse(Task):
 
 
 @dataclasses.dataclass(frozen=True)
-class Induction(Task):
+class Induction(_TwoHalves):
     """A random block ``b`` of ``size`` tokens, then ``b`` again; loss on the repeat.
 
     Solved by an induction head: at each token of the repeat, find the same token in the first
@@ -167,18 +171,6 @@ class Induction(Task):
     name: ClassVar[str] = "induction"
     size: int = 12
     vocab: int = 16
-
-    @property
-    def vocab_size(self) -> int:
-        return self.vocab
-
-    @property
-    def length(self) -> int:
-        return 2 * self.size - 1
-
-    @property
-    def chance(self) -> float:
-        return 1.0 / self.vocab
 
     def sequence(self, key: Array) -> tuple[Array, Array]:
         b = jax.random.randint(key, (self.size,), 0, self.vocab)
