@@ -40,4 +40,10 @@ def get_config() -> ml_collections.ConfigDict:
     c.eval_batches = 8
     c.checkpoint_every = 500
     c.control = True  # also train the mixer='none' control on the same budget; the verdict shows both
+    # Devices: data parallel x sequence parallel (ring attention) x model parallel (heads, MLP);
+    # data * seq * model devices are used (README "Scaling out").
+    c.mesh = ml_collections.ConfigDict(dict(data=1, seq=1, model=1))
+    # Multi-host: a coordinator address makes this one of num_processes processes (or set
+    # JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID; -1 and 0 mean "from the environment").
+    c.distributed = ml_collections.ConfigDict(dict(coordinator_address="", num_processes=0, process_id=-1))
     return c

@@ -7,6 +7,7 @@ The dimension key (B, T, S, N, K, G, D, E) is stated in :mod:`jattn._core`. Flax
 from jattn import masks
 from jattn._core import attention, attention_weights
 from jattn._linear import LinearState, linear_attention
+from jattn._ring import ring_attention, sequence_parallel_attention, unzigzag, zigzag
 from jattn._softmax import SoftmaxParts, softmax, softmax_parts
 
 __all__ = [
@@ -16,7 +17,11 @@ __all__ = [
     "attention_weights",
     "linear_attention",
     "masks",
+    "ring_attention",
+    "sequence_parallel_attention",
     "softmax",
     "softmax_parts",
+    "unzigzag",
+    "zigzag",
 ]
 __version__ = "0.1.0"

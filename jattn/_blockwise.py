@@ -110,6 +110,44 @@ def _blocks(x: Array, size: int) -> Array:
     return jnp.moveaxis(x.reshape(b, length // size, size, f), 1, 0)
 
 
+def _empty_state(b: int, t: int, e: int, compute) -> tuple[Array, Array, Array]:
+    """The online-softmax state of ``t`` query rows before any key: ``m``, ``l`` ``(B, t)``, ``acc`` ``(B, t, E)``."""
+    return jnp.full((b, t), -jnp.inf, compute), jnp.zeros((b, t), compute), jnp.zeros((b, t, e), compute)
+
+
+def _accumulate(state, s: Array, keep: Array | None, vb: Array, precision, compute):
+    """Folds one key block (scores ``s (B, t, s)``, optional mask ``keep``, values ``vb (B, s, E)``) into the state."""
+    m, norm, acc = state
+    if keep is not None:
+        s = jnp.where(keep, s, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+    m_safe = jnp.where(m_new == -jnp.inf, jnp.zeros_like(m_new), m_new)
+    p = jnp.exp(s - m_safe[..., None])  # exactly 0 at masked entries
+    alpha = jnp.exp(jnp.where(m == -jnp.inf, -jnp.inf, m - m_safe))
+    pv = jnp.einsum("bts,bse->bte", p.astype(vb.dtype), vb, precision=precision, preferred_element_type=compute)
+    return m_new, norm * alpha + jnp.sum(p, -1), acc * alpha[..., None] + pv
+
+
+def _finish(state, dtype) -> tuple[Array, Array]:
+    """``out (B, t, E)`` in ``dtype`` and ``lse (B, t)`` (``-inf`` and 0 output for rows that saw no key)."""
+    m, norm, acc = state
+    safe = jnp.where(norm == 0, jnp.ones_like(norm), norm)
+    lse = jnp.where(norm == 0, -jnp.inf, m + jnp.log(safe))
+    return (acc / safe[..., None]).astype(dtype), lse
+
+
+def _score_grads(s, keep, lse, do, vb, delta, scale, precision, compute) -> tuple[Array, Array]:
+    """``p`` and ``ds = p (dp - delta) scale`` of one block, each ``(B, t, s)``, from the saved ``lse (B, t)``.
+
+    ``lse`` must be finite (0 for empty rows, whose ``p`` is 0 by the mask); ``delta = rowsum(dO ∘ O)``.
+    """
+    p = jnp.exp(s - lse[..., None])
+    if keep is not None:
+        p = jnp.where(keep, p, jnp.zeros((), p.dtype))
+    dp = jnp.einsum("bte,bse->bts", do, vb, precision=precision, preferred_element_type=compute)
+    return p, p * (dp - delta[..., None]) * scale
+
+
 def _forward(q, k, v, plan: _Plan, precision):
     qs, ks, vs = _blocks(q, plan.bq), _blocks(k, plan.bk), _blocks(v, plan.bk)  # (n, B, blk, X)
     index, kind = jnp.asarray(plan.index), jnp.asarray(plan.kind)
@@ -122,30 +160,14 @@ def _forward(q, k, v, plan: _Plan, precision):
             j, kd = jk
 
             def update(carry, masked):
-                m, norm, acc = carry
                 s, keep = plan.scores(qb, ks[j], i, j, masked, precision)
-                if masked:
-                    s = jnp.where(keep, s, -jnp.inf)
-                m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-                m_safe = jnp.where(m_new == -jnp.inf, jnp.zeros_like(m_new), m_new)
-                p = jnp.exp(s - m_safe[..., None])  # exactly 0 at masked entries
-                alpha = jnp.exp(jnp.where(m == -jnp.inf, -jnp.inf, m - m_safe))
-                pv = jnp.einsum(
-                    "bts,bse->bte", p.astype(v.dtype), vs[j], precision=precision, preferred_element_type=plan.compute
-                )
-                return m_new, norm * alpha + jnp.sum(p, -1), acc * alpha[..., None] + pv
+                return _accumulate(carry, s, keep, vs[j], precision, plan.compute)
 
             return plan.per_block(kd, update, carry), None
 
-        init = (
-            jnp.full((b, plan.bq), -jnp.inf, plan.compute),
-            jnp.zeros((b, plan.bq), plan.compute),
-            jnp.zeros((b, plan.bq, e), plan.compute),
-        )
-        (m, norm, acc), _ = jax.lax.scan(key_block, init, (index[i], kind[i]))
-        safe = jnp.where(norm == 0, jnp.ones_like(norm), norm)
-        lse = jnp.where(norm == 0, -jnp.inf, m + jnp.log(safe))
-        return (acc / safe[..., None]).astype(v.dtype), lse
+        init = _empty_state(b, plan.bq, e, plan.compute)
+        state, _ = jax.lax.scan(key_block, init, (index[i], kind[i]))
+        return _finish(state, v.dtype)
 
     out, lse = jax.lax.map(query_block, (jnp.arange(plan.nq, dtype=jnp.int32), qs))  # (nq, B, bq, E), (nq, B, bq)
     out = jnp.moveaxis(out, 0, 1).reshape(b, plan.nq * plan.bq, e)
@@ -178,11 +200,7 @@ def _flash_bwd(plan: _Plan, precision, res, cotangents):
     def grads_of_scores(i, j, masked):
         """``p`` and ``ds = p (dp - delta) scale`` of block (i, j), each ``(B, bq, bk)``."""
         s, keep = plan.scores(qs[i], ks[j], i, j, masked, precision)
-        p = jnp.exp(s - lse_b[i][..., None])
-        if masked:
-            p = jnp.where(keep, p, jnp.zeros((), p.dtype))
-        dp = jnp.einsum("bte,bse->bts", dos[i], vs[j], precision=precision, preferred_element_type=plan.compute)
-        return p, p * (dp - delta_b[i][..., None]) * scale
+        return _score_grads(s, keep, lse_b[i], dos[i], vs[j], delta_b[i], scale, precision, plan.compute)
 
     def dq_block(i):
         def step(dq, jk):

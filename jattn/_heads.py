@@ -16,6 +16,7 @@ from jax import Array
 from jattn._core import attention, attention_weights
 from jattn._linear import LinearState, _features, linear_attention
 from jattn._masks import Causal, Mask
+from jattn._ring import sequence_parallel_attention
 
 
 def check_heads(d_model: int, num_heads: int, num_kv_heads: int | None, qkv_features: int | None) -> tuple[int, int]:
@@ -79,6 +80,14 @@ def check_kind(kind: str, feature_map: object) -> None:
         _features(feature_map)
 
 
+def _ring_size(axis: str | None) -> int:
+    """Devices along mesh axis ``axis`` of the current mesh (1 without one)."""
+    if axis is None:
+        return 1
+    mesh = jax.sharding.get_abstract_mesh()
+    return mesh.shape[axis] if axis in mesh.axis_names else 1
+
+
 def multihead(
     q: Array,
     k: Array,
@@ -95,6 +104,7 @@ def multihead(
     precision: jax.lax.PrecisionLike = None,
     return_weights: bool = False,
     linear_state: LinearState | None = None,
+    sequence_axis: str | None = None,
 ) -> tuple[Array, Array | None, LinearState | None]:
     """Attention over heads of projected ``q (B, T, N*D)``, ``k, v (B, S, K*D)``.
 
@@ -104,6 +114,10 @@ def multihead(
 
     Returns ``out (B, T, N*E)``, the weights ``(B, N, T, S)`` (before dropout) if asked, and
     the linear state after the last key (linear kind only).
+
+    With ``sequence_axis`` naming an axis of more than one device in the current mesh
+    (``jax.set_mesh``), softmax attention runs as ring attention over it
+    (:func:`jattn.sequence_parallel_attention`); elsewhere it is the plain core.
     """
     groups = num_heads // num_kv_heads
     qh = _split(q, num_kv_heads, groups)  # (B, K, G, T, D)
@@ -129,6 +143,14 @@ def multihead(
             precision=precision,
         )
         weights = None
+    elif _ring_size(sequence_axis) > 1:
+        if not (mask is None or (isinstance(mask, Mask) and not mask.per_example)) or kv_mask is not None:
+            raise ValueError(f"sequence_axis={sequence_axis!r} takes mask=None or a position-only Mask, got {mask!r}")
+        if dropout_rate:
+            raise ValueError(f"sequence_axis={sequence_axis!r} does not take dropout_rate={dropout_rate}")
+        out = sequence_parallel_attention(qh, kh, vh, axis_name=sequence_axis, mask=mask, precision=precision)
+        weights = attention_weights(qh, kh, mask=mask, precision=precision) if return_weights else None
+        weights = None if weights is None else weights.reshape(b, num_heads, t, s)
     else:
         if isinstance(mask, Mask):
             mask = mask.dense(t, s)  # (T, S) or (B, 1, T, S)

@@ -37,6 +37,7 @@ class _Attention(nn.Module):
     dtype: Any = None
     param_dtype: Any = jnp.float32
     precision: jax.lax.PrecisionLike = None
+    sequence_axis: str | None = None
     kernel_init: nn.initializers.Initializer = nn.initializers.lecun_normal()
     bias_init: nn.initializers.Initializer = nn.initializers.zeros_init()
 
@@ -82,6 +83,7 @@ class _Attention(nn.Module):
             dropout_rng=self.make_rng("dropout") if use_dropout else None,
             precision=self.precision,
             return_weights=return_weights,
+            sequence_axis=self.sequence_axis,
         )
         if out_proj:
             out = self._dense(self.out_features or self.d_model, "wo")(out)

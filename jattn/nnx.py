@@ -49,6 +49,7 @@ class _Attention(nnx.Module):
         dtype: Any = None,
         param_dtype: Any = jnp.float32,
         precision: jax.lax.PrecisionLike = None,
+        sequence_axis: str | None = None,
         kernel_init: nnx.Initializer = _KERNEL_INIT,
         bias_init: nnx.Initializer = _BIAS_INIT,
         rngs: nnx.Rngs,
@@ -58,6 +59,7 @@ class _Attention(nnx.Module):
         self.d_model, self.kv_features, self.num_heads = d_model, kv_features, num_heads
         self.kind, self.feature_map = kind, feature_map
         self.dropout_rate, self.deterministic, self.precision = dropout_rate, deterministic, precision
+        self.sequence_axis = sequence_axis
         if out_proj is None:
             out_proj = num_heads > 1 or out_features is not None
         if out_features is not None and not out_proj:
@@ -100,6 +102,7 @@ class _Attention(nnx.Module):
         rng: Array | None,
         return_weights: bool,
         linear_state: LinearState | None = None,
+        ring: bool = True,
     ) -> tuple[Array, Array | None, LinearState | None]:
         out, weights, state = _heads.multihead(
             q,
@@ -116,6 +119,7 @@ class _Attention(nnx.Module):
             precision=self.precision,
             return_weights=return_weights,
             linear_state=linear_state,
+            sequence_axis=self.sequence_axis if ring else None,
         )
         if self.wo is not None:
             out = self.wo(out)
@@ -147,6 +151,10 @@ class SelfAttention(_Attention):
       dtype: computation dtype (default: inferred from input and params).
       param_dtype: parameter dtype.
       precision: matmul precision for projections and attention.
+      sequence_axis: a mesh axis the sequence is sharded over; when the current mesh
+        (``jax.set_mesh``) has it with more than one device, softmax attention runs as ring
+        attention over it (:func:`jattn.sequence_parallel_attention`; masks: None or a
+        position-only predicate, no dropout). Decoding uses the plain core.
       kernel_init, bias_init: initialisers of the projections.
       rngs: ``nnx.Rngs`` for the parameters (``params``) and dropout (``dropout``).
 
@@ -249,7 +257,7 @@ class SelfAttention(_Attention):
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
         if self.kind == "linear":
             state = LinearState(c["kv"], c["z"])
-            out, weights, state = self._attend(q, k, v, mask, valid, rng, return_weights, state)
+            out, weights, state = self._attend(q, k, v, mask, valid, rng, return_weights, state, ring=False)
             self._store({"kv": state.kv, "z": state.z, "next": c["next"] + lengths})
             return out, weights
         # Keys: the cached slots, then this call's tokens; masked by the predicate on positions.
@@ -258,7 +266,7 @@ class SelfAttention(_Attention):
         dense = mask.allowed(i, j) & (j >= 0)  # (B, 1, T, C + T)
         keys = jnp.concatenate([c["k"].reshape(b, -1, c["k"].shape[-2] * c["k"].shape[-1]).astype(k.dtype), k], 1)
         vals = jnp.concatenate([c["v"].reshape(b, -1, c["v"].shape[-2] * c["v"].shape[-1]).astype(v.dtype), v], 1)
-        out, weights, _ = self._attend(q, keys, vals, dense, None, rng, return_weights)
+        out, weights, _ = self._attend(q, keys, vals, dense, None, rng, return_weights, ring=False)
         slot = self._slots(pos, valid, c["next"] + lengths, c["pos"].shape[1])
         rows = jnp.broadcast_to(jnp.arange(b)[:, None], slot.shape)
         heads = (b, t, *c["k"].shape[-2:])

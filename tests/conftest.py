@@ -1,5 +1,7 @@
 """JAX strict mode for the whole suite, and a repeatable hypothesis profile."""
 
+from pathlib import Path
+
 import jax
 from hypothesis import HealthCheck, settings
 
@@ -16,3 +18,10 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.load_profile("ci")
+
+
+def pytest_ignore_collect(collection_path: Path, config) -> bool | None:
+    """tests/multidevice runs in its own session (8 simulated devices), only when named."""
+    if collection_path.name == "multidevice":
+        return not any("multidevice" in str(arg) for arg in config.args)
+    return None

@@ -100,9 +100,19 @@ def make_task(cfg: ml_collections.ConfigDict) -> Task:
     return task
 
 
+def _check_mesh(cfg: ml_collections.ConfigDict) -> None:
+    for axis in ("data", "seq", "model"):
+        value = cfg.mesh[axis]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"config key 'mesh.{axis}' must be a positive int, got {value!r}")
+    if cfg.batch_size % cfg.mesh.data:
+        raise ConfigError(f"config key 'batch_size'={cfg.batch_size} must be a multiple of 'mesh.data'={cfg.mesh.data}")
+
+
 def validate(cfg: ml_collections.ConfigDict) -> Task:
     """Checks every value the program depends on; returns the task. Raises :class:`ConfigError`."""
     task = make_task(cfg)
+    _check_mesh(cfg)
     _positive(cfg, "steps", "batch_size", "log_every", "eval_every", "eval_batches", "checkpoint_every")
     _positive(cfg, "learning_rate", "grad_clip", "model.d_model", "model.num_heads", "model.num_layers")
     _positive(cfg, "model.mlp_ratio")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import signal
 import threading
 import time
@@ -24,9 +25,10 @@ import optax
 import orbax.checkpoint as ocp
 from flax import nnx
 from jax import Array
+from jax.experimental import multihost_utils
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from train import plots
+from train import plots, sharding
 from train.config import validate
 from train.model import Decoder
 from train.tasks import Task
@@ -96,6 +98,13 @@ def _loss(exp: Experiment, params: nnx.State, batch) -> tuple[Array, tuple[Array
     )
 
 
+def _split_batch(batch):
+    """Splits a batch over the mesh's ``data`` axis (a no-op outside a mesh)."""
+    if "data" not in jax.sharding.get_abstract_mesh().axis_names:
+        return batch
+    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, sharding.batch_spec()), batch)
+
+
 def make_train_chunk(exp: Experiment) -> Callable:
     """``(params, opt_state, start, n) -> (params, opt_state, losses (n,), accs (n,))``, jitted.
 
@@ -106,7 +115,7 @@ def make_train_chunk(exp: Experiment) -> Callable:
     def chunk(params, opt_state, start, n):
         def step(carry, i):
             params, opt_state = carry
-            batch = exp.task.batch(jax.random.fold_in(exp.train_key, start + i), exp.cfg.batch_size)
+            batch = _split_batch(exp.task.batch(jax.random.fold_in(exp.train_key, start + i), exp.cfg.batch_size))
             (loss, (acc, _)), grads = jax.value_and_grad(lambda p: _loss(exp, p, batch), has_aux=True)(params)
             with jax.numpy_dtype_promotion("standard"):  # optax's schedules mix float and int32
                 updates, opt_state = exp.tx.update(grads, opt_state, params)
@@ -123,7 +132,7 @@ def make_evaluate(exp: Experiment) -> Callable:
 
     def evaluate(params):
         def one(i):
-            batch = exp.task.batch(jax.random.fold_in(exp.eval_key, i), exp.cfg.batch_size)
+            batch = _split_batch(exp.task.batch(jax.random.fold_in(exp.eval_key, i), exp.cfg.batch_size))
             loss, (acc, correct) = _loss(exp, params, batch)
             return loss, acc, jnp.mean(jnp.all(correct, axis=-1).astype(jnp.float32))
 
@@ -156,11 +165,19 @@ class _Stop:
             signal.signal(sig, handler)
 
 
-def _metrics_log(path: Path, start: int) -> list[dict]:
+def _agree(flag: bool) -> bool:
+    """True when any process says so (a signal may reach only one host of a multi-host run)."""
+    if jax.process_count() == 1:
+        return flag
+    return bool(np.any(multihost_utils.process_allgather(np.asarray(flag))))
+
+
+def _metrics_log(path: Path, start: int, *, write: bool = True) -> list[dict]:
     """Reads metrics.jsonl, dropping lines past the checkpoint we resume from."""
     lines = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
     lines = [x for x in lines if x["step"] <= start]
-    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    if write:
+        path.write_text("".join(json.dumps(x) + "\n" for x in lines))
     return lines
 
 
@@ -191,22 +208,27 @@ def train(
     ``summary.json``. SIGINT/SIGTERM (or ``should_stop(step)`` returning True) saves a checkpoint
     and returns early with ``summary['interrupted'] = True``.
     """
+    sharding.init_distributed(cfg)
     exp = build(cfg)
+    mesh = sharding.make_mesh(cfg)
+    main = jax.process_index() == 0  # the process that writes logs, summaries and pictures
     workdir = workdir_of(cfg).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "config.json").write_text(cfg.to_json_best_effort(indent=2) + "\n")
-    state = _initial_state(exp)
+    if main:
+        (workdir / "config.json").write_text(cfg.to_json_best_effort(indent=2) + "\n")
     options = ocp.CheckpointManagerOptions(max_to_keep=2, create=True)
-    with ocp.CheckpointManager(workdir / "checkpoints", options=options) as manager:
+    with jax.set_mesh(mesh), ocp.CheckpointManager(workdir / "checkpoints", options=options) as manager:
+        state = sharding.place(_initial_state(exp), mesh)
         start = manager.latest_step() or 0
         if start:
             state = _load(manager, start, state)
-        log = _metrics_log(workdir / "metrics.jsonl", start)
+        log = _metrics_log(workdir / "metrics.jsonl", start, write=main)
         chunk, evaluate = make_train_chunk(exp), make_evaluate(exp)
         params, opt_state = state["params"], state["opt_state"]
         tokens_per_step = cfg.batch_size * exp.task.length
         step, interrupted = start, False
-        with _progress(progress) as bar, _Stop(should_stop) as stop, open(workdir / "metrics.jsonl", "a") as out:
+        log_path = workdir / "metrics.jsonl" if main else os.devnull  # one process writes the log
+        with _progress(progress and main) as bar, _Stop(should_stop) as stop, open(log_path, "a") as metrics:
             job = bar.add_task(f"{cfg.name}/{cfg.model.mixer}", total=cfg.steps, completed=start, stats="")
             while step < cfg.steps:
                 n = min(cfg.log_every, cfg.steps - step)
@@ -218,18 +240,20 @@ def train(
                 row["tokens_per_s"] = tokens_per_step * n / (time.perf_counter() - t0)
                 if step % cfg.eval_every == 0 or step == cfg.steps:
                     row["eval"] = {k: float(v) for k, v in evaluate(params).items()}
-                out.write(json.dumps(row) + "\n")
-                out.flush()
+                metrics.write(json.dumps(row) + "\n")
+                metrics.flush()
                 log.append(row)
                 stats = f"loss {row['loss']:.3f} acc {row['acc']:.3f} {row['tokens_per_s'] / 1e3:.0f}k tok/s"
                 bar.update(job, completed=step, stats=stats)
-                interrupted = stop(step) and step < cfg.steps
+                interrupted = _agree(stop(step)) and step < cfg.steps
                 if step % cfg.checkpoint_every == 0 or step == cfg.steps or interrupted:
                     manager.save(step, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
                 if interrupted:
                     break
         manager.wait_until_finished()
-    final = {k: float(v) for k, v in evaluate(params).items()}
+        final = {k: float(v) for k, v in evaluate(params).items()}
+        if jax.process_count() > 1:  # the pictures below run on one process: gather the parameters
+            params = multihost_utils.process_allgather(params, tiled=True)
     summary = {
         "name": cfg.name,
         "workdir": str(workdir),
@@ -240,7 +264,11 @@ def train(
         "interrupted": interrupted,
         "chance": exp.task.chance,
         "eval": final,
+        "mesh": dict(mesh.shape),
+        "processes": jax.process_count(),
     }
+    if not main:
+        return summary
     (workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     if pictures and not interrupted:
         plots.curves(

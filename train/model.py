@@ -4,6 +4,7 @@ tokens (B, L) -> embeddings + positions -> num_layers x [x + mixer(LN x), x + ML
 -> LN -> logits (B, L, vocab). The mixer is jattn softmax attention under a causal mask
 (optionally a sliding window with global tokens, and grouped kv heads), jattn linear attention,
 or, for the control, ``'none'``: a token-local linear map that cannot look at other positions.
+Under a mesh with a ``seq`` axis, softmax attention runs as ring attention over it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import jattn.nnx
 from jattn import masks
 
 MIXERS = ("attention", "linear", "none")
+SEQUENCE_AXIS = "seq"  # ring attention over this mesh axis when the current mesh has it (train/sharding.py)
 
 
 def causal_mask(window: int = 0, global_tokens: tuple[int, ...] = ()) -> masks.Mask:
@@ -40,7 +42,13 @@ class Block(nnx.Module):
         else:
             kind = "linear" if mixer == "linear" else "softmax"
             self.mixer = jattn.nnx.SelfAttention(
-                d_model, num_heads=num_heads, num_kv_heads=num_kv_heads, out_proj=True, kind=kind, rngs=rngs
+                d_model,
+                num_heads=num_heads,
+                num_kv_heads=num_kv_heads,
+                out_proj=True,
+                kind=kind,
+                sequence_axis=SEQUENCE_AXIS,
+                rngs=rngs,
             )
         self.up = nnx.Linear(d_model, mlp_ratio * d_model, rngs=rngs)
         self.down = nnx.Linear(mlp_ratio * d_model, d_model, rngs=rngs)

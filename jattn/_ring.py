@@ -1,0 +1,422 @@
+"""Sequence-parallel ring attention, for use inside :func:`jax.shard_map`.
+
+Each of the P devices along a mesh axis holds one slice of the sequence: queries ``(B, T, D)``
+and keys/values ``(B, S, D|E)`` of a global sequence of P·T queries and P·S keys (dimension key:
+:mod:`jattn._core`, with T and S the *local* lengths). P steps; at step n device r holds the
+key/value slice of device ``r - n`` (mod P), folds it into its online-softmax state with the same
+update as the blockwise path (:func:`jattn._blockwise._accumulate`), then passes it on with
+``lax.ppermute`` to device ``r + 1``. After P steps every query has seen every key, and no device
+ever holds more than two slices.
+
+Layouts of the global sequence over devices:
+
+* ``'contiguous'``: device r holds positions ``[r·T, (r+1)·T)``.
+* ``'zigzag'``: the sequence is cut into 2P chunks and device r holds chunks r and 2P-1-r, so
+  under a causal mask every device does the same work at every step (load balance). Use
+  :func:`zigzag` / :func:`unzigzag` to lay a global array out this way.
+
+Masks are :class:`jattn.masks.Mask` predicates of *global* positions (queries aligned
+bottom-right as in the core: query positions start at ``P·S - P·T``). Each (query chunk, key
+chunk) pair is classified statically from the layout; an empty pair is skipped, a full one
+drops the mask. Packed sequences use ``segment_ids``, whose key part travels around the ring
+with the keys.
+
+The backward pass (``jax.custom_vjp``) is a second ring: dq accumulates on its device while the
+dk and dv of a key slice travel with that slice and arrive home after P steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import Array
+from jax.typing import ArrayLike
+
+from jattn._blockwise import _accumulate, _empty_state, _finish, _score_grads
+from jattn._core import _check_qkv
+from jattn._masks import EMPTY, FULL, PARTIAL, Mask, _KeyBelow
+
+__all__ = ["ring_attention", "sequence_parallel_attention", "unzigzag", "zigzag"]
+
+LAYOUTS = ("contiguous", "zigzag")
+
+
+def _owned(layout: str, p: int) -> np.ndarray:
+    """``(P, C)``: the global chunk indices each device holds, in local order."""
+    r = np.arange(p)
+    return r[:, None] if layout == "contiguous" else np.stack([r, 2 * p - 1 - r], 1)
+
+
+def zigzag(x: ArrayLike, num_devices: int, axis: int = -2) -> Array:
+    """Reorders the sequence ``axis`` of a global array into the ``'zigzag'`` layout.
+
+    After it, contiguous sharding over ``num_devices`` gives device r the chunks r and 2P-1-r.
+    """
+    x = jnp.asarray(x)
+    n = x.shape[axis]
+    if n % (2 * num_devices):
+        raise ValueError(f"zigzag needs a length divisible by 2 * num_devices = {2 * num_devices}, got {x.shape}")
+    chunks = jnp.split(x, 2 * num_devices, axis)
+    return jnp.concatenate([chunks[g] for g in _owned("zigzag", num_devices).reshape(-1)], axis)
+
+
+def unzigzag(x: ArrayLike, num_devices: int, axis: int = -2) -> Array:
+    """The inverse of :func:`zigzag`."""
+    x = jnp.asarray(x)
+    if x.shape[axis] % (2 * num_devices):
+        raise ValueError(f"unzigzag needs a length divisible by 2 * num_devices = {2 * num_devices}, got {x.shape}")
+    chunks = jnp.split(x, 2 * num_devices, axis)
+    order = np.argsort(_owned("zigzag", num_devices).reshape(-1))
+    return jnp.concatenate([chunks[g] for g in order], axis)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Ring:
+    """Static facts of one ring call (hashable by identity; built once per trace)."""
+
+    axis_name: str
+    p: int  # devices on the ring
+    owned: np.ndarray  # (P, C) global chunk of each local chunk
+    kinds: np.ndarray  # (P·C, P·C) EMPTY / PARTIAL / FULL of (query chunk, key chunk)
+    predicate: Mask | None
+    tc: int  # local query chunk length
+    sc: int  # local key chunk length
+    q_offset: int
+    scale: float
+    segments: bool
+    compute: jnp.dtype
+
+    def work(self) -> np.ndarray:
+        """``(P steps, P devices)``: the (query chunk, key chunk) pairs each device computes per step.
+
+        Empty pairs are skipped and not counted.
+        """
+        r = np.arange(self.p)
+        steps = [(r - n) % self.p for n in range(self.p)]
+        pairs = self.kinds[self.owned[:, None, :, None], self.owned[None, :, None, :]]  # (P dst, P src, C, C)
+        busy = (pairs != EMPTY).sum((-1, -2))  # (P dst, P src)
+        return np.stack([busy[r, src] for src in steps])
+
+    def kind(self, r: Array, src: Array, a: int, b: int) -> Array:
+        owned, kinds = jnp.asarray(self.owned, jnp.int32), jnp.asarray(self.kinds)
+        return kinds[owned[r, a], owned[src, b]].astype(jnp.int32)
+
+    def scores(self, qc, kc, qsc, ksc, r, src, a, b, masked, precision):
+        """Scaled scores ``(B, tc, sc)`` of local query chunk a against key chunk b of device src, and the mask."""
+        s = jnp.einsum("btd,bsd->bts", qc, kc, precision=precision, preferred_element_type=self.compute)
+        s = s * jnp.asarray(self.scale, self.compute)
+        if not masked:
+            return s, None
+        owned = jnp.asarray(self.owned, jnp.int32)
+        i = self.q_offset + owned[r, a] * self.tc + jnp.arange(self.tc, dtype=jnp.int32)
+        j = owned[src, b] * self.sc + jnp.arange(self.sc, dtype=jnp.int32)
+        keep = jnp.ones((1, self.tc, self.sc), bool)
+        if self.predicate is not None:
+            keep = self.predicate.allowed(i[:, None], j[None, :])[None]
+        if self.segments:
+            keep = keep & (qsc[:, :, None] == ksc[:, None, :])
+        return s, keep
+
+    def per_block(self, kind: Array, update, carry):
+        return jax.lax.switch(
+            kind,
+            [lambda c: c, functools.partial(update, masked=True), functools.partial(update, masked=False)],
+            carry,
+        )
+
+    def shift(self, *xs: Array) -> tuple[Array, ...]:
+        """Sends each array to the next device on the ring."""
+        perm = [(d, (d + 1) % self.p) for d in range(self.p)]
+        return tuple(jax.lax.ppermute(x, self.axis_name, perm) for x in xs)
+
+
+def _vary(tree, like: Array):
+    """Marks fresh arrays as varying over the manual mesh axes ``like`` varies over (shard_map's check_vma)."""
+    axes = tuple(jax.typeof(like).manual_axis_type.varying)
+    return jax.tree.map(lambda x: jax.lax.pcast(x, axes, to="varying"), tree) if axes else tree
+
+
+def _chunks(x: Array, c: int) -> list[Array]:
+    """``(B, C·n, ...) -> C`` arrays ``(B, n, ...)``."""
+    return jnp.split(x, c, axis=1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _ring(q, k, v, q_seg, kv_seg, ring: _Ring, precision):
+    return _ring_forward(q, k, v, q_seg, kv_seg, ring, precision)
+
+
+def _around(ring: _Ring, step, carry, travelling):
+    """Runs ``step(n, carry, travelling) -> (carry, travelling)`` for n = 0..P-1.
+
+    ``travelling`` goes to the next device between steps (P-1 hops, a loop of one compiled step).
+    """
+
+    def body(n, c):
+        carry, travelling = step(n, *c)
+        return carry, ring.shift(*travelling)
+
+    carry, travelling = jax.lax.fori_loop(0, ring.p - 1, body, (carry, travelling))
+    return step(ring.p - 1, carry, travelling)
+
+
+def _ring_forward(q, k, v, q_seg, kv_seg, ring: _Ring, precision):
+    c = ring.owned.shape[1]
+    r = jax.lax.axis_index(ring.axis_name)
+    qc, qsc = _chunks(q, c), _chunks(q_seg, c)
+
+    def step(n, states, travelling):
+        src = (r - jnp.asarray(n, r.dtype)) % ring.p
+        kc, vc, ksc = (_chunks(x, c) for x in travelling)
+        states = list(states)
+        for a in range(c):
+            for b in range(c):
+
+                def update(state, masked, a=a, b=b):
+                    s, keep = ring.scores(qc[a], kc[b], qsc[a], ksc[b], r, src, a, b, masked, precision)
+                    return _accumulate(state, s, keep, vc[b], precision, ring.compute)
+
+                states[a] = ring.per_block(ring.kind(r, src, a, b), update, states[a])
+        return tuple(states), travelling
+
+    init = tuple(_vary(_empty_state(q.shape[0], ring.tc, v.shape[-1], ring.compute), q) for _ in range(c))
+    states, _ = _around(ring, step, init, (k, v, kv_seg))
+    outs, lses = zip(*(_finish(st, v.dtype) for st in states), strict=True)
+    return jnp.concatenate(outs, 1), jnp.concatenate(lses, 1)
+
+
+def _ring_fwd(q, k, v, q_seg, kv_seg, ring, precision):
+    out, lse = _ring_forward(q, k, v, q_seg, kv_seg, ring, precision)
+    return (out, lse), (q, k, v, q_seg, kv_seg, out, lse)
+
+
+def _ring_bwd(ring: _Ring, precision, res, cotangents):
+    q, k, v, q_seg, kv_seg, out, lse = res
+    d_out, _ = cotangents  # the log-sum-exp is returned for inspection, not differentiated
+    c, compute = ring.owned.shape[1], ring.compute
+    r = jax.lax.axis_index(ring.axis_name)
+    lse = jnp.where(lse == -jnp.inf, jnp.zeros_like(lse), lse)
+    delta = jnp.sum(d_out.astype(compute) * out.astype(compute), -1)  # (B, T) rowsum(dO ∘ O)
+    scale = jnp.asarray(ring.scale, compute)
+    qc, qsc, doc = _chunks(q, c), _chunks(q_seg, c), _chunks(d_out, c)
+    lsec, deltac = _chunks(lse, c), _chunks(delta, c)
+
+    def step(n, dq, travelling):
+        src = (r - jnp.asarray(n, r.dtype)) % ring.p
+        kc, vc, ksc, dkc, dvc = (_chunks(x, c) for x in travelling)  # dk, dv travel with k, v
+        dq = list(dq)
+        for a in range(c):
+            for b in range(c):
+
+                def update(carry, masked, a=a, b=b):
+                    dq_a, dk_b, dv_b = carry
+                    s, keep = ring.scores(qc[a], kc[b], qsc[a], ksc[b], r, src, a, b, masked, precision)
+                    p, ds = _score_grads(s, keep, lsec[a], doc[a], vc[b], deltac[a], scale, precision, compute)
+                    dq_a = dq_a + jnp.einsum("bts,bsd->btd", ds, kc[b].astype(compute), precision=precision)
+                    dk_b = dk_b + jnp.einsum("bts,btd->bsd", ds, qc[a].astype(compute), precision=precision)
+                    dv_b = dv_b + jnp.einsum("bts,bte->bse", p, doc[a].astype(compute), precision=precision)
+                    return dq_a, dk_b, dv_b
+
+                dq[a], dkc[b], dvc[b] = ring.per_block(ring.kind(r, src, a, b), update, (dq[a], dkc[b], dvc[b]))
+        k, v, kv_seg, _, _ = travelling
+        return tuple(dq), (k, v, kv_seg, jnp.concatenate(dkc, 1), jnp.concatenate(dvc, 1))
+
+    dq = tuple(_vary(jnp.zeros(x.shape, compute), q) for x in qc)
+    dk, dv = _vary((jnp.zeros(k.shape, compute), jnp.zeros(v.shape, compute)), k)
+    dq, (*_, dk, dv) = _around(ring, step, dq, (k, v, kv_seg, dk, dv))
+    dk, dv = ring.shift(dk, dv)  # the last hop takes each slice's gradients home
+    dq = jnp.concatenate(dq, 1)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+def _check_segments(segment_ids, lead: tuple[int, ...], T: int, S: int):
+    """``(q_segments (B, T), kv_segments (B, S))`` int arrays, batch on the first leading axis."""
+    if isinstance(segment_ids, (tuple, list)):
+        if len(segment_ids) != 2:
+            raise ValueError(f"segment_ids must be one array or a pair (q, kv), got {len(segment_ids)} items")
+        q_seg, kv_seg = map(jnp.asarray, segment_ids)
+    else:
+        q_seg = kv_seg = jnp.asarray(segment_ids)
+    if not lead:
+        raise ValueError("segment_ids need a batch axis in q, k, v (..., T, D)")
+    for name, x, n in (("q segment_ids", q_seg, T), ("kv segment_ids", kv_seg, S)):
+        if x.shape != (lead[0], n):
+            raise ValueError(f"{name} must have shape (B, local length) = {(lead[0], n)}, got {x.shape}")
+        if not jnp.issubdtype(x.dtype, jnp.integer):
+            raise TypeError(f"{name} must be integer, got {x.dtype}")
+    rest = math.prod(lead[1:])
+
+    def flat(x, n):  # (B, n) -> (B·rest, n), matching the flattened leading axes of q
+        return jnp.broadcast_to(x.astype(jnp.int32)[:, None], (lead[0], rest, n)).reshape(-1, n)
+
+    return flat(q_seg, T), flat(kv_seg, S)
+
+
+def ring_attention(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    *,
+    axis_name: str,
+    mask: Mask | None = None,
+    segment_ids: ArrayLike | tuple[ArrayLike, ArrayLike] | None = None,
+    scale: float | None = None,
+    layout: str = "contiguous",
+    q_offset: int | None = None,
+    kv_length: int | None = None,
+    precision: jax.lax.PrecisionLike = None,
+    return_lse: bool = False,
+) -> Array | tuple[Array, Array]:
+    """Attention over a sequence sharded along mesh axis ``axis_name``; call inside ``jax.shard_map``.
+
+    Shapes are the *local* slices (dimension key in :mod:`jattn._core`)::
+
+        q    (..., T, D)   this device's queries; the global sequence has P·T
+        k    (..., S, D)   this device's keys;    the global sequence has P·S
+        v    (..., S, E)
+        out  (..., T, E)   this device's outputs (lse (..., T) with ``return_lse``)
+
+    Leading dimensions broadcast as in :func:`jattn.attention`. The result equals
+    ``attention`` on the gathered global arrays (same contract: fully masked rows give 0 and
+    zero gradients, low precision accumulates in float32), forward and backward.
+
+    Args:
+      q, k, v: local slices, one floating dtype.
+      axis_name: the mesh axis the sequence is sharded over (P devices).
+      mask: a :class:`jattn.masks.Mask` predicate of global positions (``causal()``,
+        ``sliding_window(..)``, ``global_tokens(..)``, combinations); per-example masks are
+        not accepted here: use ``segment_ids``.
+      segment_ids: packed-sequence ids of the local slice, ``(B, T)`` for self-attention or a
+        pair ``(q_segments (B, T), kv_segments (B, S))``; query and key attend only within
+        equal ids (combined with ``mask``). B is the first leading axis of q.
+      scale: logit scale, default ``1/sqrt(D)``.
+      layout: ``'contiguous'`` or ``'zigzag'`` (see the module docstring); the same for q
+        and kv.
+      q_offset: global position of the first query; default ``P·S - P·T`` (bottom-right).
+      kv_length: number of real keys in the global sequence; keys at positions from it on
+        (padding that makes the length divisible) are masked.
+      precision: matmul precision.
+      return_lse: also return the log-sum-exp ``(..., T)``.
+    """
+    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+    _check_qkv(q, k, v)
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if mask is not None and (not isinstance(mask, Mask) or mask.per_example):
+        raise ValueError(f"ring_attention takes a position-only jattn.masks predicate (or segment_ids), got {mask!r}")
+    p = jax.lax.axis_size(axis_name)
+    c = 1 if layout == "contiguous" else 2
+    T, S = q.shape[-2], k.shape[-2]
+    if T % c or S % c:
+        raise ValueError(f"layout='zigzag' needs even local lengths, got q {q.shape} and k {k.shape}")
+    try:
+        lead = tuple(jnp.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
+    except ValueError:
+        raise ValueError(f"leading dimensions do not broadcast: q {q.shape}, k {k.shape}, v {v.shape}") from None
+    b = math.prod(lead)
+
+    def flat(x):  # (..., L, X) -> (B, L, X)
+        return jnp.broadcast_to(x, (*lead, *x.shape[-2:])).reshape(b, *x.shape[-2:])
+
+    if segment_ids is None:
+        q_seg, kv_seg = _vary((jnp.zeros((b, T), jnp.int32), jnp.zeros((b, S), jnp.int32)), k)
+    else:
+        q_seg, kv_seg = _check_segments(segment_ids, lead, T, S)
+    predicate = mask
+    if kv_length is not None:
+        predicate = _KeyBelow(int(kv_length)) if mask is None else mask & _KeyBelow(int(kv_length))
+    q_offset = p * S - p * T if q_offset is None else int(q_offset)
+    if predicate is None:
+        kinds = np.full((p * c, p * c), FULL, np.int8)
+    else:
+        kinds = predicate.block_kinds(p * T, p * S, T // c, S // c, q_offset=q_offset)
+    if segment_ids is not None:
+        kinds = np.where(kinds == FULL, PARTIAL, kinds).astype(np.int8)
+    assert EMPTY == 0 and PARTIAL == 1 and FULL == 2  # the order of the branches in per_block
+    ring = _Ring(
+        axis_name=axis_name,
+        p=p,
+        owned=_owned(layout, p),
+        kinds=kinds,
+        predicate=predicate,
+        tc=T // c,
+        sc=S // c,
+        q_offset=q_offset,
+        scale=1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale),
+        segments=segment_ids is not None,
+        compute=jnp.dtype(jnp.float64 if q.dtype == jnp.float64 else jnp.float32),
+    )
+    out, lse = _ring(flat(q), flat(k), flat(v), q_seg, kv_seg, ring, precision)
+    out, lse = out.reshape(*lead, T, v.shape[-1]), lse.reshape(*lead, T)
+    return (out, lse) if return_lse else out
+
+
+def sequence_parallel_attention(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    *,
+    axis_name: str,
+    mask: Mask | None = None,
+    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
+    layout: str = "zigzag",
+    precision: jax.lax.PrecisionLike = None,
+) -> Array:
+    """:func:`ring_attention` on *global* arrays, sharding their sequence axis over ``axis_name``.
+
+    q ``(..., T, D)``, k ``(..., S, D)``, v ``(..., S, E)`` -> ``(..., T, E)``, equal to
+    ``attention(q, k, v, mask=mask)``. Runs ``jax.shard_map`` over ``axis_name`` only (other
+    mesh axes, such as a data axis, stay under the compiler's automatic sharding), pads T and S
+    to a multiple of the ring (masking the padded keys), and lays the sequence out in
+    ``layout`` order. ``mesh`` defaults to the one set by ``jax.set_mesh``. Use inside ``jit``.
+    """
+    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+    _check_qkv(q, k, v)
+    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+    if axis_name not in mesh.axis_names:
+        raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh {dict(mesh.shape)}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    p = mesh.shape[axis_name]
+    unit = p * (1 if layout == "contiguous" else 2)
+    T, S = q.shape[-2], k.shape[-2]
+
+    def pad(x):  # (..., L, X) -> (..., L', X), L' a multiple of unit, laid out in layout order
+        # Zeros are concatenated rather than jnp.pad-ded: the transpose of pad (a negative pad) comes
+        # back from XLA's SPMD partitioner with the padded shape (jax 0.10.2, seen on CPU).
+        zeros = jnp.zeros((*x.shape[:-2], -x.shape[-2] % unit, x.shape[-1]), x.dtype)
+        x = jnp.concatenate([x, zeros], axis=-2)
+        return zigzag(x, p) if layout == "zigzag" else x
+
+    ring = functools.partial(
+        ring_attention,
+        axis_name=axis_name,
+        mask=mask,
+        layout=layout,
+        q_offset=S - T,
+        kv_length=S if S % unit else None,
+        precision=precision,
+    )
+
+    def spec(x):
+        return jax.sharding.PartitionSpec(*(None,) * (x.ndim - 2), axis_name, None)
+
+    qp, kp, vp = pad(q), pad(k), pad(v)
+    out = jax.shard_map(
+        ring,
+        mesh=mesh,
+        in_specs=(spec(qp), spec(kp), spec(vp)),
+        out_specs=spec(qp),
+        axis_names={axis_name},
+        check_vma=False,
+    )(qp, kp, vp)
+    out = unzigzag(out, p) if layout == "zigzag" else out
+    return out[..., :T, :]

@@ -1,0 +1,188 @@
+"""Ring attention on 2, 4 and 8 simulated devices against the float64 reference and the dense core."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, PartitionSpec
+
+import jattn
+from jattn import masks
+from jattn._ring import _owned, _Ring
+from tests import reference as ref
+
+POSITION_MASKS = {
+    "none": None,
+    "causal": masks.causal(),
+    "window": masks.sliding_window(5, 2),
+    "global_window": masks.causal() & (masks.sliding_window(3) | masks.global_tokens([1, 13])),
+}
+
+
+def _mesh(p: int) -> jax.sharding.Mesh:
+    return jax.make_mesh((p,), ("s",), axis_types=(AxisType.Auto,), devices=jax.devices()[:p])
+
+
+def _ring_fn(p: int, layout: str, **options):
+    """Global ``(q, k, v[, q_seg, kv_seg]) -> out`` through ring attention on p devices."""
+    mesh = _mesh(p)
+
+    def lay(x, axis=-2):
+        return jattn.zigzag(x, p, axis) if layout == "zigzag" else x
+
+    def unlay(x):
+        return jattn.unzigzag(x, p) if layout == "zigzag" else x
+
+    def fn(q, k, v, segments=None):
+        seq = PartitionSpec(*(None,) * (q.ndim - 2), "s", None)
+        args, specs = [lay(q), lay(k), lay(v)], [seq, seq, seq]
+        if segments is not None:
+            args += [lay(s, -1) for s in segments]
+            specs += [PartitionSpec(None, "s")] * 2
+
+        def local(q, k, v, *seg):
+            return jattn.ring_attention(
+                q, k, v, axis_name="s", layout=layout, segment_ids=tuple(seg) if seg else None, **options
+            )
+
+        out = jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=seq)(*args)
+        return unlay(out)
+
+    return jax.jit(fn)
+
+
+def _qkv(rng, b, n, t, s, dtype=jnp.float64):
+    def draw(*shape):
+        return jnp.asarray(rng.normal(size=shape), dtype)
+
+    return draw(b, n, t, 5), draw(b, n, s, 5), draw(b, n, s, 7)
+
+
+def _grads(fn, q, k, v):
+    cot = jnp.asarray(np.random.default_rng(9).normal(size=(*q.shape[:-1], v.shape[-1])), q.dtype)
+    return jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v) * cot), argnums=(0, 1, 2))(q, k, v)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_ring_equals_dense_forward_and_gradients(p, layout):
+    with jax.enable_x64(True):
+        q, k, v = _qkv(np.random.default_rng(p), 2, 3, 4 * p, 4 * p)
+        for name, mask in POSITION_MASKS.items():
+            ring = _ring_fn(p, layout, mask=mask)
+            dense = 4 * p
+            want, _, _ = ref.attention(q, k, v, mask=None if mask is None else mask.dense(dense, dense))
+            np.testing.assert_allclose(ring(q, k, v), want, **ref.tol(jnp.float64), err_msg=name)
+            got = _grads(ring, q, k, v)
+            exp = _grads(lambda q, k, v, m=mask: jattn.attention(q, k, v, mask=m), q, k, v)
+            for g, e in zip(got, exp, strict=True):
+                np.testing.assert_allclose(g, e, **ref.tol(jnp.float64), err_msg=name)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_ring_segments_and_fully_masked_rows(layout):
+    """Packed sequences across device borders; a query whose segment has no keys gives 0 and zero grads."""
+    p, t = 4, 6
+    with jax.enable_x64(True):
+        q, k, v = _qkv(np.random.default_rng(1), 2, 3, p * t, p * t)
+        q_seg = np.repeat(np.array([[0, 1, 2, 3], [5, 5, 6, 7]]), t, axis=1)  # (2, 24): segments cross borders
+        q_seg[:, 3:9] = [[1, 1, 1, 1, 1, 1], [5, 6, 6, 6, 6, 6]]
+        kv_seg = q_seg.copy()
+        q_seg[0, 20:] = 99  # no key carries 99: these rows are fully masked
+        segments = (jnp.asarray(q_seg, jnp.int32), jnp.asarray(kv_seg, jnp.int32))
+        ring = _ring_fn(p, layout, mask=masks.causal())
+        allowed = (q_seg[:, None, :, None] == kv_seg[:, None, None, :]) & np.tril(np.ones((24, 24), bool))
+        want, _, _ = ref.attention(q, k, v, mask=allowed)
+        got = ring(q, k, v, segments)
+        np.testing.assert_allclose(got, want, **ref.tol(jnp.float64))
+        assert np.all(np.asarray(got)[0, :, 20:] == 0)
+        dq, dk, dv = _grads(lambda q, k, v: ring(q, k, v, segments), q, k, v)
+        eq, ek, ev = _grads(lambda q, k, v: jattn.attention(q, k, v, mask=jnp.asarray(allowed)), q, k, v)
+        assert np.all(np.asarray(dq)[0, :, 20:] == 0)
+        for g, e in ((dq, eq), (dk, ek), (dv, ev)):
+            np.testing.assert_allclose(g, e, **ref.tol(jnp.float64))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_ring_low_precision_accumulates_in_float32(dtype):
+    p = 4
+    q, k, v = _qkv(np.random.default_rng(2), 2, 3, 4 * p, 4 * p, dtype)
+    out = _ring_fn(p, "zigzag", mask=masks.causal())(q, k, v)
+    assert out.dtype == dtype
+    want, _, _ = ref.attention(q, k, v, mask=np.tril(np.ones((4 * p, 4 * p), bool)))
+    np.testing.assert_allclose(ref.f64(out), want, **ref.tol(dtype))
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_sequence_parallel_attention_pads_uneven_lengths_gqa_and_cross(layout):
+    """T and S that do not divide the ring, T != S (queries bottom-right), grouped kv heads, under jit."""
+    p, t, s = 4, 13, 22
+    rng = np.random.default_rng(3)
+    with jax.enable_x64(True), jax.set_mesh(_mesh(p)):
+        q = jnp.asarray(rng.normal(size=(2, 1, 3, t, 5)))  # (B, K, G, T, D)
+        k = jnp.asarray(rng.normal(size=(2, 1, 1, s, 5)))  # (B, K, 1, S, D)
+        v = jnp.asarray(rng.normal(size=(2, 1, 1, s, 7)))
+        for mask in (None, masks.causal(), masks.sliding_window(4)):
+            fn = jax.jit(functools.partial(jattn.sequence_parallel_attention, axis_name="s", mask=mask, layout=layout))
+            dense = None if mask is None else mask.dense(t, s)
+            want, _, _ = ref.attention(q, k, v, mask=dense)
+            np.testing.assert_allclose(fn(q, k, v), want, **ref.tol(jnp.float64))
+            got = _grads(fn, q, k, v)
+            exp = _grads(lambda q, k, v, m=mask: jattn.attention(q, k, v, mask=m), q, k, v)
+            for g, e in zip(got, exp, strict=True):
+                np.testing.assert_allclose(g, e, **ref.tol(jnp.float64))
+
+
+def test_ring_gradient_reaches_only_the_past_across_devices():
+    """A causal ring: the output at global position t depends on no key or value after t."""
+    p, n = 4, 16
+    with jax.enable_x64(True):
+        q, k, v = _qkv(np.random.default_rng(4), 1, 1, n, n)
+        ring = _ring_fn(p, "zigzag", mask=masks.causal())
+        for t in (0, 5, 11):
+            dk, dv = jax.grad(lambda k, v, t=t: jnp.sum(ring(q, k, v)[..., t, :]), argnums=(0, 1))(k, v)
+            assert np.all(np.asarray(dk)[..., t + 1 :, :] == 0) and np.all(np.asarray(dv)[..., t + 1 :, :] == 0)
+            assert np.all(np.abs(np.asarray(dv)[..., : t + 1, :]).sum(-1) > 0)
+
+
+def _work(mask, p, layout, n=8):
+    c = 1 if layout == "contiguous" else 2
+    kinds = mask.block_kinds(p * n, p * n, n // c, n // c)
+    return _Ring("s", p, _owned(layout, p), kinds, mask, n // c, n // c, 0, 1.0, False, jnp.dtype(jnp.float32)).work()
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_causal_ring_skips_future_slices_and_zigzag_balances_them(p):
+    """The schedule computes only non-empty chunk pairs; zigzag gives every device the same work per step."""
+    contiguous = _work(masks.causal(), p, "contiguous")  # (steps, devices): 1 = a slice is computed
+    np.testing.assert_array_equal(contiguous, np.triu(np.ones((p, p), int)))  # device r works at steps n <= r
+    zig = _work(masks.causal(), p, "zigzag")  # quarter-size chunk pairs
+    assert np.all(zig == zig[:, :1])  # balanced across devices at every step
+    assert zig.sum() == p * (2 * p + 1)  # = number of non-empty chunk pairs of a causal 2P x 2P grid
+    window = _work(masks.sliding_window(8), 8, "contiguous")
+    assert window[2:].sum() == 0  # a window of one slice never needs keys from two slices back
+
+
+def test_ring_errors_name_the_problem():
+    mesh = _mesh(2)
+    x = jnp.ones((1, 6, 4), jnp.float32)
+
+    def call(**options):
+        fn = functools.partial(jattn.ring_attention, axis_name="s", **options)
+        spec = PartitionSpec(None, "s", None)
+        return jax.shard_map(fn, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)(x, x, x)
+
+    with pytest.raises(ValueError, match="position-only"):
+        call(mask=masks.padding(kv_lengths=jnp.array([3])))
+    with pytest.raises(ValueError, match="even local lengths"):
+        call(layout="zigzag")
+    with pytest.raises(ValueError, match="layout must be one of"):
+        call(layout="spiral")
+    with pytest.raises(ValueError, match="segment_ids must have shape"):
+        call(segment_ids=jnp.zeros((1, 5), jnp.int32))
+    with pytest.raises(ValueError, match="not an axis of the mesh"):
+        jattn.sequence_parallel_attention(x, x, x, axis_name="seq", mesh=mesh)
