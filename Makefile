@@ -1,6 +1,6 @@
 # Two commands, each setting itself up in a virtual env inside the repo:
 #   make train   the default training run
-#   make test    lint + the whole test suite
+#   make test    lint + the whole test suite (single device, then 8 simulated devices)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
@@ -18,6 +18,7 @@ test: $(VENV)/.installed
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m pytest -n 2
+	$(PY) -m pytest -n 2 tests/multidevice
 
 bench: $(VENV)/.installed
 	$(PY) -m bench $(ARGS)
