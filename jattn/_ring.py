@@ -141,6 +141,12 @@ def _vary(tree, like: Array):
     return jax.tree.map(lambda x: jax.lax.pcast(x, axes, to="varying"), tree) if axes else tree
 
 
+def _unpack(travelling: tuple[Array, ...], c: int) -> list[list[Array | None]]:
+    """Chunks of each travelling array; the key segment ids travel only when there are any."""
+    parts = [_chunks(x, c) for x in travelling]
+    return parts if len(parts) % 2 else [*parts, [None] * c]
+
+
 def _chunks(x: Array, c: int) -> list[Array]:
     """``(B, C·n, ...) -> C`` arrays ``(B, n, ...)``."""
     return jnp.split(x, c, axis=1)
@@ -172,7 +178,7 @@ def _ring_forward(q, k, v, q_seg, kv_seg, ring: _Ring, precision):
 
     def step(n, states, travelling):
         src = (r - jnp.asarray(n, r.dtype)) % ring.p
-        kc, vc, ksc = (_chunks(x, c) for x in travelling)
+        kc, vc, ksc = _unpack(travelling, c)
         states = list(states)
         for a in range(c):
             for b in range(c):
@@ -185,7 +191,7 @@ def _ring_forward(q, k, v, q_seg, kv_seg, ring: _Ring, precision):
         return tuple(states), travelling
 
     init = tuple(_vary(_empty_state(q.shape[0], ring.tc, v.shape[-1], ring.compute), q) for _ in range(c))
-    states, _ = _around(ring, step, init, (k, v, kv_seg))
+    states, _ = _around(ring, step, init, (k, v, kv_seg) if ring.segments else (k, v))
     outs, lses = zip(*(_finish(st, v.dtype) for st in states), strict=True)
     return jnp.concatenate(outs, 1), jnp.concatenate(lses, 1)
 
@@ -208,7 +214,7 @@ def _ring_bwd(ring: _Ring, precision, res, cotangents):
 
     def step(n, dq, travelling):
         src = (r - jnp.asarray(n, r.dtype)) % ring.p
-        kc, vc, ksc, dkc, dvc = (_chunks(x, c) for x in travelling)  # dk, dv travel with k, v
+        dkc, dvc, kc, vc, ksc = _unpack(travelling, c)  # dk, dv travel with k, v
         dq = list(dq)
         for a in range(c):
             for b in range(c):
@@ -223,12 +229,11 @@ def _ring_bwd(ring: _Ring, precision, res, cotangents):
                     return dq_a, dk_b, dv_b
 
                 dq[a], dkc[b], dvc[b] = ring.per_block(ring.kind(r, src, a, b), update, (dq[a], dkc[b], dvc[b]))
-        k, v, kv_seg, _, _ = travelling
-        return tuple(dq), (k, v, kv_seg, jnp.concatenate(dkc, 1), jnp.concatenate(dvc, 1))
+        return tuple(dq), (jnp.concatenate(dkc, 1), jnp.concatenate(dvc, 1), *travelling[2:])
 
     dq = tuple(_vary(jnp.zeros(x.shape, compute), q) for x in qc)
     dk, dv = _vary((jnp.zeros(k.shape, compute), jnp.zeros(v.shape, compute)), k)
-    dq, (*_, dk, dv) = _around(ring, step, dq, (k, v, kv_seg, dk, dv))
+    dq, (dk, dv, *_) = _around(ring, step, dq, (dk, dv, k, v, kv_seg) if ring.segments else (dk, dv, k, v))
     dk, dv = ring.shift(dk, dv)  # the last hop takes each slice's gradients home
     dq = jnp.concatenate(dq, 1)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None

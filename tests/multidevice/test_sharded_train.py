@@ -10,11 +10,15 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
 
+from tests import reference as ref
 from train import config, loop, sharding
+
+TOL = ref.tol(jnp.float32)  # float32: a sharded run sums the same numbers in another order
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 20
@@ -48,9 +52,6 @@ def single(tmp_path_factory):
     return _losses(workdir), summary
 
 
-RTOL = 2e-5  # float32: the sharded run sums the same numbers in another order
-
-
 @pytest.mark.parametrize(
     "path, mesh",
     [
@@ -64,9 +65,9 @@ def test_sharded_training_repeats_the_single_device_losses(tmp_path, single, pat
     losses, summary = single
     got = loop.train(_cfg(tmp_path, path, **mesh), progress=False, pictures=False)
     assert np.prod(list(got["mesh"].values())) == 8
-    np.testing.assert_allclose(_losses(tmp_path), losses, rtol=RTOL)
+    np.testing.assert_allclose(_losses(tmp_path), losses, **TOL)
     for key in ("loss", "token_acc"):
-        np.testing.assert_allclose(got["eval"][key], summary["eval"][key], rtol=RTOL)
+        np.testing.assert_allclose(got["eval"][key], summary["eval"][key], **TOL)
 
 
 def test_parameters_and_optimizer_state_are_sharded_over_the_model_axis(tmp_path):
@@ -101,7 +102,7 @@ def test_checkpoint_saved_on_one_mesh_resumes_on_another(tmp_path, single):
     assert first["interrupted"] and first["step"] == 10
     second = loop.train(_cfg(tmp_path, data=2, seq=2, model=2), progress=False, pictures=False)
     assert not second["interrupted"] and second["mesh"] == {"data": 2, "seq": 2, "model": 2}
-    np.testing.assert_allclose(_losses(tmp_path), losses, rtol=RTOL)
+    np.testing.assert_allclose(_losses(tmp_path), losses, **TOL)
 
 
 def _free_port() -> int:
@@ -137,4 +138,4 @@ def test_two_processes_over_loopback_repeat_the_single_device_losses(tmp_path, s
         assert p.returncode == 0, out[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["processes"] == 2 and summary["mesh"] == {"data": 2, "seq": 1, "model": 2}
-    np.testing.assert_allclose(_losses(tmp_path), losses, rtol=RTOL)
+    np.testing.assert_allclose(_losses(tmp_path), losses, **TOL)
