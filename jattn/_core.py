@@ -19,11 +19,12 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import Array
 from jax.typing import ArrayLike
 
 from jattn._blockwise import blockwise_attention
-from jattn._masks import Causal, Mask, SlidingWindow
+from jattn._masks import EMPTY, Causal, Mask, SlidingWindow
 from jattn._softmax import SoftmaxParts, softmax_parts
 
 __all__ = ["attention", "attention_weights"]
@@ -132,7 +133,8 @@ def _dropout(p: Array, rate: float, rng: Array | None) -> Array:
     return jnp.where(keep, p / (1.0 - rate), jnp.zeros_like(p))
 
 
-DEFAULT_BLOCK = (512, 512)
+BLOCKS = (512, 256, 128)  # square tiles the blockwise path chooses from (bench/README)
+BLOCK_OVERHEAD = 112 * 112  # fixed cost of one tile in score entries (fitted on the 2-core CPU: ~1 ms a tile)
 AUTO_BLOCKWISE_MIN = 1024 * 1024  # T·S from which 'auto' prefers blockwise on CPU (bench/README)
 IMPLEMENTATIONS = ("dense", "blockwise", "xla", "cudnn")
 
@@ -158,6 +160,23 @@ def _choose(implementation, q, k, mask, bias, q_offset, kv_offset, dropout_rate)
         big = q.shape[-2] * k.shape[-2] >= AUTO_BLOCKWISE_MIN
         return "blockwise" if big and not blockwise_ok else "dense"
     return implementation
+
+
+def _auto_block(mask: Mask | None, T: int, S: int, q_offset: int | None, kv_offset: int) -> tuple[int, int]:
+    """The square tile of :data:`BLOCKS` with the least work on the mask's non-empty tiles.
+
+    Work is ``tiles x (tile area + BLOCK_OVERHEAD)``: full and causal attention keep 512 x 512;
+    a narrow sliding window takes smaller tiles, which waste fewer masked entries.
+    """
+    if mask is None or max(T, S) <= BLOCKS[-1]:
+        return BLOCKS[0], BLOCKS[0]
+
+    def work(b):
+        tiles = np.count_nonzero(mask.block_kinds(T, S, b, b, q_offset=q_offset, kv_offset=kv_offset) != EMPTY)
+        return tiles * (min(b, T) * min(b, S) + BLOCK_OVERHEAD)
+
+    best = min(BLOCKS, key=work)
+    return best, best
 
 
 def _jax_nn(q, k, v, mask, bias, scale, implementation, return_lse):
@@ -221,7 +240,7 @@ def attention(
     precision: jax.lax.PrecisionLike = None,
     return_lse: bool = False,
     implementation: str | None = None,
-    block_size: int | tuple[int, int] = DEFAULT_BLOCK,
+    block_size: int | tuple[int, int] | None = None,
 ) -> Array | tuple[Array, Array]:
     r"""Scaled dot-product attention: ``softmax(q kᵀ · scale + bias, masked) v``.
 
@@ -279,7 +298,8 @@ def attention(
         ``ValueError`` for arguments it cannot express; ``None`` chooses: blockwise where it
         applies and the scores would have at least ``AUTO_BLOCKWISE_MIN`` entries per head,
         dense otherwise.
-      block_size: ``(block_q, block_kv)`` (or one int for both) of the blockwise path.
+      block_size: ``(block_q, block_kv)`` (or one int for both) of the blockwise path;
+        ``None`` chooses square tiles of 512, 256 or 128 from the mask (``_auto_block``).
 
     Returns:
       ``out`` of shape ``(..., T, E)``, or ``(out, lse)`` when ``return_lse``.
@@ -293,7 +313,10 @@ def attention(
     _check_qkv(q, k, v)
     path = _choose(implementation, q, k, mask, bias, q_offset, kv_offset, dropout_rate)
     if path == "blockwise":
-        bq, bk = (block_size, block_size) if isinstance(block_size, int) else block_size
+        if block_size is None:
+            bq, bk = _auto_block(mask, q.shape[-2], k.shape[-2], q_offset, kv_offset)
+        else:
+            bq, bk = (block_size, block_size) if isinstance(block_size, int) else block_size
         if scale is None:
             scale = 1.0 / math.sqrt(q.shape[-1])
         _broadcast_all(q=q, k=k, v=v)

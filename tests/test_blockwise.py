@@ -161,3 +161,18 @@ def test_paths_refuse_what_they_cannot_express(kwargs, match):
     q = _rand((2, 9, 8), 0)
     with pytest.raises(ValueError, match=match):
         jattn.attention(q, q, q, **kwargs)
+
+
+def test_automatic_tiles_shrink_for_narrow_windows_and_keep_the_result():
+    """block_size=None: 512 tiles for full and causal attention; smaller ones where a window leaves most of a big tile masked."""
+    from jattn._core import _auto_block
+
+    assert _auto_block(None, 8192, 8192, None, 0) == (512, 512)
+    assert _auto_block(masks.causal(), 8192, 8192, None, 0) == (512, 512)
+    assert _auto_block(masks.sliding_window(64), 8192, 8192, None, 0) == (128, 128)
+    assert _auto_block(masks.sliding_window(256), 8192, 8192, None, 0)[0] < 512
+    mask = masks.sliding_window(40)
+    q, k, v = _rand((1, 2, 1031, 8), 0), _rand((1, 2, 1031, 8), 1), _rand((1, 2, 1031, 8), 2)
+    dense = jattn.attention(q, k, v, mask=mask, implementation="dense")
+    block = jattn.attention(q, k, v, mask=mask, implementation="blockwise")  # 128 x 128 tiles, a ragged last one
+    np.testing.assert_allclose(block, dense, **ref.tol(jnp.float32))
