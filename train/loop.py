@@ -29,6 +29,7 @@ from jax.experimental import multihost_utils
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from train import plots, sharding
+from train.config import load as load_config
 from train.config import validate
 from train.model import Decoder
 from train.tasks import Task
@@ -285,7 +286,9 @@ def train(
 def restore(workdir: str | Path) -> tuple[Experiment, nnx.State, int]:
     """Loads a run directory's config and latest checkpoint: ``(experiment, params, step)``."""
     workdir = Path(workdir)
-    cfg = ml_collections.ConfigDict(json.loads((workdir / "config.json").read_text()))
+    saved = json.loads((workdir / "config.json").read_text())
+    defaults = load_config()  # keys added since the run was made (e.g. mesh) take their defaults
+    cfg = ml_collections.ConfigDict({**{k: defaults[k] for k in defaults if k not in saved}, **saved})
     exp = build(cfg)
     with ocp.CheckpointManager(workdir.resolve() / "checkpoints") as manager:
         step = manager.latest_step()
