@@ -421,7 +421,6 @@ def sequence_parallel_attention(
         in_specs=(spec(qp), spec(kp), spec(vp)),
         out_specs=spec(qp),
         axis_names={axis_name},
-        check_vma=False,
     )(qp, kp, vp)
     out = unzigzag(out, p) if layout == "zigzag" else out
     return out[..., :T, :]
