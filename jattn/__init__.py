@@ -1,7 +1,9 @@
 """jattn: attention for JAX and Flax, one pure core and thin modules over it.
 
 The dimension key (B, T, S, N, K, G, D, E) is stated in :mod:`jattn._core`. Flax modules live in
-:mod:`jattn.nnx` and :mod:`jattn.linen`; mask predicates in :mod:`jattn.masks`.
+:mod:`jattn.nnx` and :mod:`jattn.linen`; mask predicates in :mod:`jattn.masks`; sequence-parallel
+ring attention (``ring_attention`` inside ``jax.shard_map``, ``sequence_parallel_attention``
+outside it) in :mod:`jattn._ring`.
 """
 
 from jattn import masks
