@@ -22,14 +22,13 @@ O(T) too: no ``(T, S)`` array is ever formed.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
-from jattn._masks import EMPTY, Mask, _KeyBelow
+from jattn._masks import EMPTY, FULL, PARTIAL, Mask, _KeyBelow
 
 __all__ = ["blockwise_attention"]
 
@@ -91,23 +90,32 @@ class _Plan:
 
     def scores(self, qb: Array, kb: Array, i: Array, j: Array, masked: bool, precision) -> tuple[Array, Array | None]:
         """Scaled scores ``(B, bq, bk)`` and, for a partial block, its mask ``(1, bq, bk)``."""
-        s = jnp.einsum("btd,bsd->bts", qb, kb, precision=precision, preferred_element_type=self.compute)
-        s = s * jnp.asarray(self.scale, self.compute)
+        s = _scaled_scores(qb, kb, self.scale, self.compute, precision)
         return s, (self.allowed(i, j)[None] if masked else None)
-
-    def per_block(self, kind: Array, update, carry):
-        """Runs ``update(carry, masked)`` on a partial or full block; an empty one is skipped."""
-        return jax.lax.switch(
-            kind.astype(jnp.int32),
-            [lambda c: c, functools.partial(update, masked=True), functools.partial(update, masked=False)],
-            carry,
-        )
 
 
 def _blocks(x: Array, size: int) -> Array:
     """``(B, n*size, X) -> (n, B, size, X)``."""
     b, length, f = x.shape
     return jnp.moveaxis(x.reshape(b, length // size, size, f), 1, 0)
+
+
+def _scaled_scores(qb: Array, kb: Array, scale: float, compute, precision) -> Array:
+    """``scale · q kᵀ`` of one block: ``(B, t, D) x (B, s, D) -> (B, t, s)`` in the compute dtype."""
+    s = jnp.einsum("btd,bsd->bts", qb, kb, precision=precision, preferred_element_type=compute)
+    return s * jnp.asarray(scale, compute)
+
+
+def _per_block(kind: Array, update, carry):
+    """Runs ``update(carry, masked)`` on a PARTIAL or FULL block; an EMPTY one is skipped."""
+    branches = {EMPTY: lambda c: c, PARTIAL: functools.partial(update, masked=True)}
+    branches[FULL] = functools.partial(update, masked=False)
+    return jax.lax.switch(kind.astype(jnp.int32), [branches[k] for k in range(3)], carry)
+
+
+def _flat_lead(x: Array, lead: tuple[int, ...]) -> Array:
+    """``(..., L, X)`` broadcast to the leading shape ``lead`` and flattened: ``(B, L, X)``."""
+    return jnp.broadcast_to(x, (*lead, *x.shape[-2:])).reshape(-1, *x.shape[-2:])
 
 
 def _empty_state(b: int, t: int, e: int, compute) -> tuple[Array, Array, Array]:
@@ -163,7 +171,7 @@ def _forward(q, k, v, plan: _Plan, precision):
                 s, keep = plan.scores(qb, ks[j], i, j, masked, precision)
                 return _accumulate(carry, s, keep, vs[j], precision, plan.compute)
 
-            return plan.per_block(kd, update, carry), None
+            return _per_block(kd, update, carry), None
 
         init = _empty_state(b, plan.bq, e, plan.compute)
         state, _ = jax.lax.scan(key_block, init, (index[i], kind[i]))
@@ -210,7 +218,7 @@ def _flash_bwd(plan: _Plan, precision, res, cotangents):
                 _, ds = grads_of_scores(i, j, masked)
                 return dq + jnp.einsum("bts,bsd->btd", ds, ks[j].astype(plan.compute), precision=precision)
 
-            return plan.per_block(kd, update, dq), None
+            return _per_block(kd, update, dq), None
 
         dq, _ = jax.lax.scan(step, jnp.zeros((b, plan.bq, q.shape[-1]), plan.compute), (plan_index[i], plan_kind[i]))
         return dq
@@ -226,7 +234,7 @@ def _flash_bwd(plan: _Plan, precision, res, cotangents):
                 dv = dv + jnp.einsum("bts,bte->bse", p, dos[i].astype(plan.compute), precision=precision)
                 return dk, dv
 
-            return plan.per_block(kd, update, carry), None
+            return _per_block(kd, update, carry), None
 
         init = (jnp.zeros((b, plan.bk, k.shape[-1]), plan.compute), jnp.zeros((b, plan.bk, v.shape[-1]), plan.compute))
         (dk, dv), _ = jax.lax.scan(step, init, (plan_index_t[j], plan_kind_t[j]))
@@ -265,10 +273,7 @@ def blockwise_attention(
     """
     lead = jnp.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
     T, S = q.shape[-2], k.shape[-2]
-    b = math.prod(lead)
-    qf = jnp.broadcast_to(q, (*lead, *q.shape[-2:])).reshape(b, T, q.shape[-1])
-    kf = jnp.broadcast_to(k, (*lead, *k.shape[-2:])).reshape(b, S, k.shape[-1])
-    vf = jnp.broadcast_to(v, (*lead, *v.shape[-2:])).reshape(b, S, v.shape[-1])
+    qf, kf, vf = (_flat_lead(x, lead) for x in (q, k, v))
     bq, bk = min(block_q, T), min(block_kv, S)
     compute = jnp.dtype(jnp.float64 if q.dtype == jnp.float64 else jnp.float32)
     q_offset = kv_offset + S - T if q_offset is None else q_offset

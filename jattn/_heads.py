@@ -144,8 +144,8 @@ def multihead(
         )
         weights = None
     elif _ring_size(sequence_axis) > 1:
-        if not (mask is None or (isinstance(mask, Mask) and not mask.per_example)) or kv_mask is not None:
-            raise ValueError(f"sequence_axis={sequence_axis!r} takes mask=None or a position-only Mask, got {mask!r}")
+        if kv_mask is not None:
+            raise ValueError(f"sequence_axis={sequence_axis!r} does not take a context mask (kv_mask)")
         if dropout_rate:
             raise ValueError(f"sequence_axis={sequence_axis!r} does not take dropout_rate={dropout_rate}")
         out = sequence_parallel_attention(qh, kh, vh, axis_name=sequence_axis, mask=mask, precision=precision)

@@ -37,8 +37,8 @@ import numpy as np
 from jax import Array
 from jax.typing import ArrayLike
 
-from jattn._blockwise import _accumulate, _empty_state, _finish, _score_grads
-from jattn._core import _check_qkv
+from jattn._blockwise import _accumulate, _empty_state, _finish, _flat_lead, _per_block, _scaled_scores, _score_grads
+from jattn._core import _broadcast_all, _check_qkv
 from jattn._masks import EMPTY, FULL, PARTIAL, Mask, _KeyBelow
 
 __all__ = ["ring_attention", "sequence_parallel_attention", "unzigzag", "zigzag"]
@@ -108,8 +108,7 @@ class _Ring:
 
     def scores(self, qc, kc, qsc, ksc, r, src, a, b, masked, precision):
         """Scaled scores ``(B, tc, sc)`` of local query chunk a against key chunk b of device src, and the mask."""
-        s = jnp.einsum("btd,bsd->bts", qc, kc, precision=precision, preferred_element_type=self.compute)
-        s = s * jnp.asarray(self.scale, self.compute)
+        s = _scaled_scores(qc, kc, self.scale, self.compute, precision)
         if not masked:
             return s, None
         owned = jnp.asarray(self.owned, jnp.int32)
@@ -121,13 +120,6 @@ class _Ring:
         if self.segments:
             keep = keep & (qsc[:, :, None] == ksc[:, None, :])
         return s, keep
-
-    def per_block(self, kind: Array, update, carry):
-        return jax.lax.switch(
-            kind,
-            [lambda c: c, functools.partial(update, masked=True), functools.partial(update, masked=False)],
-            carry,
-        )
 
     def shift(self, *xs: Array) -> tuple[Array, ...]:
         """Sends each array to the next device on the ring."""
@@ -141,10 +133,10 @@ def _vary(tree, like: Array):
     return jax.tree.map(lambda x: jax.lax.pcast(x, axes, to="varying"), tree) if axes else tree
 
 
-def _unpack(travelling: tuple[Array, ...], c: int) -> list[list[Array | None]]:
-    """Chunks of each travelling array; the key segment ids travel only when there are any."""
+def _unpack(travelling: tuple[Array, ...], c: int, segments: bool) -> list[list[Array | None]]:
+    """Chunks of each travelling array; the key segment ids (last) travel only when there are any."""
     parts = [_chunks(x, c) for x in travelling]
-    return parts if len(parts) % 2 else [*parts, [None] * c]
+    return parts if segments else [*parts, [None] * c]
 
 
 def _chunks(x: Array, c: int) -> list[Array]:
@@ -178,7 +170,7 @@ def _ring_forward(q, k, v, q_seg, kv_seg, ring: _Ring, precision):
 
     def step(n, states, travelling):
         src = (r - jnp.asarray(n, r.dtype)) % ring.p
-        kc, vc, ksc = _unpack(travelling, c)
+        kc, vc, ksc = _unpack(travelling, c, ring.segments)
         states = list(states)
         for a in range(c):
             for b in range(c):
@@ -187,7 +179,7 @@ def _ring_forward(q, k, v, q_seg, kv_seg, ring: _Ring, precision):
                     s, keep = ring.scores(qc[a], kc[b], qsc[a], ksc[b], r, src, a, b, masked, precision)
                     return _accumulate(state, s, keep, vc[b], precision, ring.compute)
 
-                states[a] = ring.per_block(ring.kind(r, src, a, b), update, states[a])
+                states[a] = _per_block(ring.kind(r, src, a, b), update, states[a])
         return tuple(states), travelling
 
     init = tuple(_vary(_empty_state(q.shape[0], ring.tc, v.shape[-1], ring.compute), q) for _ in range(c))
@@ -214,7 +206,7 @@ def _ring_bwd(ring: _Ring, precision, res, cotangents):
 
     def step(n, dq, travelling):
         src = (r - jnp.asarray(n, r.dtype)) % ring.p
-        dkc, dvc, kc, vc, ksc = _unpack(travelling, c)  # dk, dv travel with k, v
+        dkc, dvc, kc, vc, ksc = _unpack(travelling, c, ring.segments)  # dk, dv travel with k, v
         dq = list(dq)
         for a in range(c):
             for b in range(c):
@@ -228,7 +220,7 @@ def _ring_bwd(ring: _Ring, precision, res, cotangents):
                     dv_b = dv_b + jnp.einsum("bts,bte->bse", p, doc[a].astype(compute), precision=precision)
                     return dq_a, dk_b, dv_b
 
-                dq[a], dkc[b], dvc[b] = ring.per_block(ring.kind(r, src, a, b), update, (dq[a], dkc[b], dvc[b]))
+                dq[a], dkc[b], dvc[b] = _per_block(ring.kind(r, src, a, b), update, (dq[a], dkc[b], dvc[b]))
         return tuple(dq), (jnp.concatenate(dkc, 1), jnp.concatenate(dvc, 1), *travelling[2:])
 
     dq = tuple(_vary(jnp.zeros(x.shape, compute), q) for x in qc)
@@ -240,6 +232,11 @@ def _ring_bwd(ring: _Ring, precision, res, cotangents):
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+def _check_mask(mask: object) -> None:
+    if mask is not None and (not isinstance(mask, Mask) or mask.per_example):
+        raise ValueError(f"ring_attention takes a position-only jattn.masks predicate (or segment_ids), got {mask!r}")
 
 
 def _check_segments(segment_ids, lead: tuple[int, ...], T: int, S: int):
@@ -315,22 +312,14 @@ def ring_attention(
     _check_qkv(q, k, v)
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    if mask is not None and (not isinstance(mask, Mask) or mask.per_example):
-        raise ValueError(f"ring_attention takes a position-only jattn.masks predicate (or segment_ids), got {mask!r}")
+    _check_mask(mask)
     p = jax.lax.axis_size(axis_name)
     c = 1 if layout == "contiguous" else 2
     T, S = q.shape[-2], k.shape[-2]
     if T % c or S % c:
         raise ValueError(f"layout='zigzag' needs even local lengths, got q {q.shape} and k {k.shape}")
-    try:
-        lead = tuple(jnp.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
-    except ValueError:
-        raise ValueError(f"leading dimensions do not broadcast: q {q.shape}, k {k.shape}, v {v.shape}") from None
+    lead = _broadcast_all(q=q, k=k, v=v)
     b = math.prod(lead)
-
-    def flat(x):  # (..., L, X) -> (B, L, X)
-        return jnp.broadcast_to(x, (*lead, *x.shape[-2:])).reshape(b, *x.shape[-2:])
-
     if segment_ids is None:
         q_seg, kv_seg = _vary((jnp.zeros((b, T), jnp.int32), jnp.zeros((b, S), jnp.int32)), k)
     else:
@@ -345,7 +334,6 @@ def ring_attention(
         kinds = predicate.block_kinds(p * T, p * S, T // c, S // c, q_offset=q_offset)
     if segment_ids is not None:
         kinds = np.where(kinds == FULL, PARTIAL, kinds).astype(np.int8)
-    assert EMPTY == 0 and PARTIAL == 1 and FULL == 2  # the order of the branches in per_block
     ring = _Ring(
         axis_name=axis_name,
         p=p,
@@ -359,7 +347,7 @@ def ring_attention(
         segments=segment_ids is not None,
         compute=jnp.dtype(jnp.float64 if q.dtype == jnp.float64 else jnp.float32),
     )
-    out, lse = _ring(flat(q), flat(k), flat(v), q_seg, kv_seg, ring, precision)
+    out, lse = _ring(*(_flat_lead(x, lead) for x in (q, k, v)), q_seg, kv_seg, ring, precision)
     out, lse = out.reshape(*lead, T, v.shape[-1]), lse.reshape(*lead, T)
     return (out, lse) if return_lse else out
 
@@ -385,6 +373,7 @@ def sequence_parallel_attention(
     """
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     _check_qkv(q, k, v)
+    _check_mask(mask)
     mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
     if axis_name not in mesh.axis_names:
         raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh {dict(mesh.shape)}")

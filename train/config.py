@@ -16,6 +16,7 @@ from typing import Any
 import ml_collections
 
 from train.model import MIXERS
+from train.sharding import AXES
 from train.tasks import MQAR, TASKS, Task
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.py"
@@ -101,7 +102,7 @@ def make_task(cfg: ml_collections.ConfigDict) -> Task:
 
 
 def _check_mesh(cfg: ml_collections.ConfigDict) -> None:
-    for axis in ("data", "seq", "model"):
+    for axis in AXES:
         value = cfg.mesh[axis]
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"config key 'mesh.{axis}' must be a positive int, got {value!r}")
