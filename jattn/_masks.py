@@ -25,10 +25,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import Array
 from jax.typing import ArrayLike
+
+from jattn._checks import check_int, int_array, is_traced
 
 __all__ = [
     "EMPTY",
@@ -75,7 +78,12 @@ class Mask:
         return _Not(self)
 
     def dense(self, T: int, S: int, *, q_offset: ArrayLike | None = None, kv_offset: ArrayLike = 0) -> Array:
-        """The boolean mask: ``(T, S)``, or ``(B, 1, T, S)`` when it depends on the example."""
+        """The boolean mask: ``(T, S)``, or ``(B, 1, T, S)`` when it depends on the example.
+
+        ``T`` and ``S`` are non-negative ints; offsets are scalars or per example ``(B,)``.
+        """
+        T, S = check_int("T", T, min=0), check_int("S", S, min=0)
+        _check_lengths(self, T, S)
         i, j = _positions(T, S, q_offset, kv_offset, self.per_example)
         m = self.allowed(i, j)
         return jnp.broadcast_to(m, jnp.broadcast_shapes(m.shape, i.shape, j.shape))
@@ -83,7 +91,12 @@ class Mask:
     def block_kinds(
         self, T: int, S: int, block_q: int, block_kv: int, *, q_offset: int | None = None, kv_offset: int = 0
     ) -> np.ndarray:
-        """``(ceil(T/block_q), ceil(S/block_kv))`` int8 of EMPTY / PARTIAL / FULL (static offsets)."""
+        """``(ceil(T/block_q), ceil(S/block_kv))`` int8 of EMPTY / PARTIAL / FULL (static offsets).
+
+        ``T``, ``S`` are non-negative ints and ``block_q``, ``block_kv`` positive ints.
+        """
+        T, S = check_int("T", T, min=0), check_int("S", S, min=0)
+        block_q, block_kv = check_int("block_q", block_q, min=1), check_int("block_kv", block_kv, min=1)
         q_offset = S - T + kv_offset if q_offset is None else q_offset
         i0 = q_offset + np.arange(0, T, block_q)[:, None]
         i1 = np.minimum(i0 + block_q, q_offset + T) - 1
@@ -286,33 +299,31 @@ def causal() -> Mask:
 
 
 def sliding_window(left: int, right: int = 0) -> Mask:
-    """``i - left <= j <= i + right``; ``sliding_window(w)`` is a causal window of ``w + 1`` keys."""
-    for name, v in (("left", left), ("right", right)):
-        if not isinstance(v, int) or v < 0:
-            raise ValueError(f"sliding_window {name} must be a non-negative int, got {v!r}")
-    return SlidingWindow(left, right)
+    """``i - left <= j <= i + right``; ``sliding_window(w)`` is a causal window of ``w + 1`` keys.
+
+    ``left`` and ``right`` are non-negative ints (Python or NumPy integers, not bool).
+    """
+    return SlidingWindow(check_int("sliding_window left", left, min=0), check_int("sliding_window right", right, min=0))
 
 
 def global_tokens(indices: Sequence[int]) -> Mask:
-    """The tokens at ``indices`` (absolute positions) see all and are seen by all."""
-    indices = tuple(int(x) for x in indices)
+    """The tokens at ``indices`` (absolute positions: non-negative ints) see all and are seen by all."""
+    if isinstance(indices, str) or not isinstance(indices, Sequence | np.ndarray | jax.Array) or is_traced(indices):
+        raise TypeError(f"global_tokens indices must be a sequence of static ints, got {indices!r}")
+    indices = tuple(check_int(f"global_tokens indices[{n}]", x, min=0) for n, x in enumerate(indices))
     if not indices:
         raise ValueError("global_tokens needs at least one index, got []")
     return GlobalTokens(indices)
 
 
 def chunked(size: int) -> Mask:
-    """Attention only within chunks ``[k*size, (k+1)*size)`` of positions."""
-    if not isinstance(size, int) or size <= 0:
-        raise ValueError(f"chunked size must be a positive int, got {size!r}")
-    return Chunked(size)
+    """Attention only within chunks ``[k*size, (k+1)*size)`` of positions; ``size`` a positive int."""
+    return Chunked(check_int("chunked size", size, min=1))
 
 
 def prefix_lm(prefix_length: int) -> Mask:
-    """Bidirectional over the first ``prefix_length`` positions, causal after them."""
-    if not isinstance(prefix_length, int) or prefix_length < 0:
-        raise ValueError(f"prefix_length must be a non-negative int, got {prefix_length!r}")
-    return Causal() | _KeyBelow(prefix_length)
+    """Bidirectional over the first ``prefix_length`` (a non-negative int) positions, causal after them."""
+    return Causal() | _KeyBelow(check_int("prefix_length", prefix_length, min=0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -330,20 +341,55 @@ class _KeyBelow(Mask):
 
 
 def padding(q_lengths: ArrayLike | None = None, kv_lengths: ArrayLike | None = None) -> Mask:
-    """Per-example valid lengths ``(B,)`` of the queries and/or keys; the rest is masked."""
+    """Per-example valid lengths ``(B,)`` of the queries and/or keys; the rest is masked.
+
+    Lengths are non-negative integers; a length beyond the sequence means all of it is valid.
+    Negative lengths raise a ValueError when they can be read; traced under ``jit``, a negative
+    length counts as 0 (the whole example is masked, and a fully masked query row gives 0).
+    """
     if q_lengths is None and kv_lengths is None:
         raise ValueError("padding needs q_lengths or kv_lengths")
+    checked = []
     for name, x in (("q_lengths", q_lengths), ("kv_lengths", kv_lengths)):
-        if x is not None and jnp.ndim(x) != 1:
-            raise ValueError(f"padding {name} must have shape (B,), got {jnp.shape(x)}")
+        if x is not None:
+            x = int_array(f"padding {name}", x, ndim=1, shape="(B,)")
+            if not is_traced(x) and x.size and int(x.min()) < 0:
+                raise ValueError(f"padding {name} must be non-negative, got {np.asarray(x).tolist()}")
+        checked.append(x)
+    q_lengths, kv_lengths = checked
+    if q_lengths is not None and kv_lengths is not None and len({q_lengths.shape[0], kv_lengths.shape[0]} - {1}) > 1:
+        raise ValueError(
+            f"padding q_lengths and kv_lengths must share the batch B, got {q_lengths.shape} and {kv_lengths.shape}"
+        )
     return Padding(q_lengths, kv_lengths)
 
 
 def segment_ids(q_segments: ArrayLike, kv_segments: ArrayLike | None = None) -> Mask:
-    """Document masking for packed sequences: ``q_segments (B, T)``, ``kv_segments (B, S)``."""
+    """Document masking for packed sequences: ``q_segments (B, T)``, ``kv_segments (B, S)``.
+
+    Integer segment ids; ``kv_segments`` defaults to ``q_segments`` (self-attention). The
+    lengths T and S must equal those of the queries and keys the mask is used with.
+    """
     kv_segments = q_segments if kv_segments is None else kv_segments
-    if jnp.ndim(q_segments) != 2 or jnp.ndim(kv_segments) != 2:
+    q = int_array("segment_ids q_segments", q_segments, ndim=2, shape="(B, T)")
+    kv = int_array("segment_ids kv_segments", kv_segments, ndim=2, shape="(B, S)")
+    if len({q.shape[0], kv.shape[0]} - {1}) > 1:
         raise ValueError(
-            f"segment ids must have shape (B, T) and (B, S), got {jnp.shape(q_segments)} and {jnp.shape(kv_segments)}"
+            f"segment_ids q_segments (B, T) and kv_segments (B, S) must share the batch B, got {q.shape} and {kv.shape}"
         )
-    return SegmentIds(q_segments, kv_segments)
+    return SegmentIds(q, kv)
+
+
+def _check_lengths(mask: Mask, T: int, S: int) -> None:
+    """Raises unless every ``segment_ids`` inside ``mask`` has lengths T and S."""
+    if isinstance(mask, SegmentIds):
+        q, kv = jnp.shape(mask.q_segments), jnp.shape(mask.kv_segments)
+        if q[-1] != T or kv[-1] != S:
+            raise ValueError(
+                f"segment_ids q_segments {q} and kv_segments {kv} must have shapes (B, T={T}) and (B, S={S})"
+            )
+    if dataclasses.is_dataclass(mask):
+        for field in dataclasses.fields(mask):
+            part = getattr(mask, field.name)
+            if isinstance(part, Mask):
+                _check_lengths(part, T, S)

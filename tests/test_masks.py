@@ -81,7 +81,7 @@ def test_bad_mask_arguments():
         masks.chunked(0)
     with pytest.raises(ValueError, match=r"padding kv_lengths must have shape \(B,\), got \(2, 2\)"):
         masks.padding(kv_lengths=jnp.ones((2, 2), jnp.int32))
-    with pytest.raises(ValueError, match=r"segment ids must have shape \(B, T\)"):
+    with pytest.raises(ValueError, match=r"segment_ids q_segments must have shape \(B, T\)"):
         masks.segment_ids(jnp.ones((3,), jnp.int32))
     with pytest.raises(TypeError, match="masks combine only with masks"):
         masks.causal() & jnp.ones((2, 2), bool)
