@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax import Array
 
 from jattn._core import attention, attention_weights
-from jattn._linear import LinearState, _features, linear_attention
+from jattn._linear import LinearState, feature_fn, linear_attention
 from jattn._masks import Causal, Mask
 from jattn._ring import sequence_parallel_attention
 
@@ -77,7 +77,7 @@ def check_kind(kind: str, feature_map: object) -> None:
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     if kind == "linear":
-        _features(feature_map)
+        feature_fn(feature_map)
 
 
 def _ring_size(axis: str | None) -> int:

@@ -19,7 +19,7 @@ from flax import nnx
 from jax import Array
 
 from jattn import _heads
-from jattn._linear import LinearState
+from jattn._linear import LinearState, feature_fn
 from jattn._masks import Causal, Mask
 
 __all__ = ["CrossAttention", "SelfAttention"]
@@ -225,9 +225,7 @@ class SelfAttention(_Attention):
         cache: dict[str, Array] = {"next": jnp.zeros((b,), jnp.int32)}
         if self.kind == "linear":
             g = self.num_heads // kv
-            f = jax.eval_shape(
-                lambda a: _heads._features(self.feature_map)(a), jax.ShapeDtypeStruct((d,), dtype)
-            ).shape[-1]
+            f = jax.eval_shape(lambda a: feature_fn(self.feature_map)(a), jax.ShapeDtypeStruct((d,), dtype)).shape[-1]
             cache |= {"kv": jnp.zeros((b, kv, g, f, d), dtype), "z": jnp.zeros((b, kv, g, f), dtype)}
         else:
             slots = max_length if window is None else window + len(pinned)
