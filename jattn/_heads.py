@@ -8,11 +8,13 @@ nothing is repeated in memory. Dimension key: :mod:`jattn._core`.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import Array
 
+from jattn._checks import check_bool, check_dtype, check_int, check_real
 from jattn._core import attention, attention_weights
 from jattn._linear import LinearState, feature_fn, linear_attention
 from jattn._masks import Causal, Mask
@@ -21,32 +23,73 @@ from jattn._ring import sequence_parallel_attention
 
 def check_heads(d_model: int, num_heads: int, num_kv_heads: int | None, qkv_features: int | None) -> tuple[int, int]:
     """Validates the head configuration; returns ``(num_kv_heads, head_depth)``."""
-    for name, value in (("d_model", d_model), ("num_heads", num_heads)):
-        if not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-    kv = num_heads if num_kv_heads is None else num_kv_heads
-    features = d_model if qkv_features is None else qkv_features
-    if not isinstance(kv, int) or kv <= 0 or num_heads % kv:
+    d_model, num_heads = check_int("d_model", d_model, min=1), check_int("num_heads", num_heads, min=1)
+    kv = num_heads if num_kv_heads is None else check_int("num_kv_heads", num_kv_heads, min=1)
+    features = d_model if qkv_features is None else check_int("qkv_features", qkv_features, min=1)
+    if num_heads % kv:
         raise ValueError(f"num_kv_heads={num_kv_heads!r} must be a positive divisor of num_heads={num_heads}")
-    if not isinstance(features, int) or features <= 0 or features % num_heads:
+    if features % num_heads:
         raise ValueError(f"qkv_features={features!r} must be a positive multiple of num_heads={num_heads}")
     return kv, features // num_heads
 
 
+def check_options(
+    *,
+    kv_features: int,
+    out_features: int | None,
+    out_proj: bool | None,
+    use_bias: bool,
+    dropout_rate: float,
+    deterministic: bool,
+    dtype: Any,
+    param_dtype: Any,
+    sequence_axis: str | None,
+) -> None:
+    """Validates the module options shared by NNX and Linen (types, ranges and dtypes)."""
+    check_int("context_features (kv features)", kv_features, min=1)
+    if out_features is not None:
+        check_int("out_features", out_features, min=1)
+    if out_proj is not None:
+        check_bool("out_proj", out_proj)
+    check_bool("use_bias", use_bias)
+    check_bool("deterministic", deterministic)
+    check_real("dropout_rate", dropout_rate, low=0.0, high=1.0)
+    check_dtype("dtype", dtype, optional=True)
+    check_dtype("param_dtype", param_dtype)
+    if sequence_axis is not None and not isinstance(sequence_axis, str):
+        raise TypeError(f"sequence_axis must be a mesh axis name (str) or None, got {sequence_axis!r}")
+
+
+def check_call(deterministic: bool | None, return_weights: bool, decode: bool = False) -> None:
+    """Validates the switches of a module call."""
+    if deterministic is not None:
+        check_bool("deterministic", deterministic)
+    check_bool("return_weights", return_weights)
+    check_bool("decode", decode)
+
+
 def check_input(name: str, x: Array, features: int) -> None:
-    """Raises unless ``x`` is ``(B, T, features)``."""
-    if jnp.ndim(x) != 3 or jnp.shape(x)[-1] != features:
-        raise ValueError(f"{name} must have shape (batch, length, {features}), got {jnp.shape(x)}")
+    """Raises unless ``x`` is a floating ``(B, T, features)`` array with ``B, T >= 1``."""
+    shape = jnp.shape(x)
+    if len(shape) != 3 or shape[-1] != features or 0 in shape:
+        raise ValueError(f"{name} must have shape (batch >= 1, length >= 1, {features}), got {shape}")
+    if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+        raise TypeError(f"{name} must be floating point, got {jnp.result_type(x)} with shape {shape}")
 
 
 def check_context(x: Array, d_model: int, context: Array, features: int, context_mask: Array | None) -> None:
-    """Raises unless ``x (B, T, d_model)``, ``context (B, S, features)``, ``context_mask (B, S)``."""
+    """Raises unless ``x (B, T, d_model)``, ``context (B, S, features)``, boolean ``context_mask (B, S)``."""
     check_input("x", x, d_model)
     check_input("context", context, features)
     if context.shape[0] != x.shape[0]:
         raise ValueError(f"x and context must share the batch size, got {x.shape} and {context.shape}")
-    if context_mask is not None and jnp.shape(context_mask) != context.shape[:2]:
-        raise ValueError(f"context_mask must have shape (B, S) = {context.shape[:2]}, got {jnp.shape(context_mask)}")
+    if context_mask is not None:
+        if jnp.shape(context_mask) != context.shape[:2]:
+            raise ValueError(
+                f"context_mask must have shape (B, S) = {context.shape[:2]}, got {jnp.shape(context_mask)}"
+            )
+        if jnp.result_type(context_mask) != jnp.bool_:
+            raise TypeError(f"context_mask must be boolean (True = attend), got {jnp.result_type(context_mask)}")
 
 
 def _split(x: Array, heads: int, groups: int) -> Array:
@@ -55,17 +98,28 @@ def _split(x: Array, heads: int, groups: int) -> Array:
     return x.reshape(b, length, heads, groups, f // (heads * groups)).transpose(0, 2, 3, 1, 4)
 
 
-def _split_mask(mask: Array | None, num_heads: int, num_kv_heads: int) -> Array | None:
-    """A mask broadcastable to ``(B, N, T, S)`` -> broadcastable to ``(B, K, G, T, S)``."""
+def _split_mask(mask: Array | None, shape: tuple[int, int, int, int], num_kv_heads: int) -> Array | None:
+    """A boolean mask for ``shape = (B, N, T, S)`` -> broadcastable to ``(B, K, G, T, S)``.
+
+    The rule: a 2-D mask is ``(T, S)``, a 3-D mask ``(B, T, S)`` per example (broadcast over
+    heads) and a 4-D mask ``(B, N, T, S)``; any axis may be 1 (broadcast).
+    """
     if mask is None:
         return None
     mask = jnp.asarray(mask)
     if mask.dtype != jnp.bool_:
         raise TypeError(f"mask must be boolean (True = attend), got {mask.dtype} with shape {mask.shape}")
-    if mask.ndim > 4 or (mask.ndim == 4 and mask.shape[1] not in (1, num_heads)):
-        raise ValueError(f"mask must broadcast to (batch, {num_heads} heads, T, S), got shape {mask.shape}")
+    b, n, t, s = shape
+    want = {2: (t, s), 3: (b, t, s), 4: (b, n, t, s)}.get(mask.ndim)
+    if want is None or any(m not in (1, w) for m, w in zip(mask.shape, want, strict=True)):
+        raise ValueError(
+            f"mask must have shape (T, S) = {(t, s)}, (B, T, S) = {(b, t, s)} or (B, N, T, S) = {shape} "
+            f"(each axis may be 1), got shape {mask.shape}"
+        )
+    if mask.ndim == 3:
+        mask = mask[:, None]  # (B, 1, T, S): the same mask for every head
     mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
-    heads = (num_kv_heads, num_heads // num_kv_heads) if mask.shape[1] == num_heads else (1, 1)
+    heads = (num_kv_heads, n // num_kv_heads) if mask.shape[1] == n != 1 else (1, 1)
     return mask.reshape(mask.shape[0], *heads, *mask.shape[2:])
 
 
@@ -74,7 +128,7 @@ KINDS = ("softmax", "linear")
 
 def check_kind(kind: str, feature_map: object) -> None:
     """Validates the attention kind."""
-    if kind not in KINDS:
+    if not isinstance(kind, str) or kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     if kind == "linear":
         feature_fn(feature_map)
@@ -108,7 +162,8 @@ def multihead(
 ) -> tuple[Array, Array | None, LinearState | None]:
     """Attention over heads of projected ``q (B, T, N*D)``, ``k, v (B, S, K*D)``.
 
-    ``mask`` is an array broadcastable to ``(B, N, T, S)`` or a :class:`~jattn.masks.Mask`;
+    ``mask`` is a boolean ``(T, S)``, ``(B, T, S)`` (per example, broadcast over heads) or
+    ``(B, N, T, S)`` array (any axis may be 1), or a :class:`~jattn.masks.Mask`;
     ``kv_mask (B, S)`` marks valid keys (context padding). For ``kind='linear'`` the mask must
     be None or ``causal()`` and ``linear_state`` continues a causal sequence.
 
@@ -154,7 +209,7 @@ def multihead(
     else:
         if isinstance(mask, Mask):
             mask = mask.dense(t, s)  # (T, S) or (B, 1, T, S)
-        mask = _split_mask(mask, num_heads, num_kv_heads)  # (B, K|1, G|1, T, S)
+        mask = _split_mask(mask, (b, num_heads, t, s), num_kv_heads)  # (B|1, K|1, G|1, T|1, S|1)
         if valid is not None:
             valid = valid.reshape(b, 1, 1, 1, s)
             mask = valid if mask is None else mask & valid

@@ -17,6 +17,7 @@ from flax import linen as nn
 from jax import Array
 
 from jattn import _heads
+from jattn._checks import check_int
 from jattn._masks import Mask
 
 __all__ = ["CrossAttention", "SelfAttention"]
@@ -64,6 +65,18 @@ class _Attention(nn.Module):
     ) -> Array | tuple[Array, Array]:
         kv_heads, depth = _heads.check_heads(self.d_model, self.num_heads, self.num_kv_heads, self.qkv_features)
         _heads.check_kind(self.kind, self.feature_map)
+        _heads.check_options(
+            kv_features=context.shape[-1],
+            out_features=self.out_features,
+            out_proj=self.out_proj,
+            use_bias=self.use_bias,
+            dropout_rate=self.dropout_rate,
+            deterministic=self.deterministic,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            sequence_axis=self.sequence_axis,
+        )
+        _heads.check_call(deterministic, return_weights)
         out_proj = self.out_proj if self.out_proj is not None else self.num_heads > 1 or self.out_features is not None
         if self.out_features is not None and not out_proj:
             raise ValueError(f"out_features={self.out_features} needs out_proj=True")
@@ -101,7 +114,11 @@ class SelfAttention(_Attention):
         deterministic: bool | None = None,
         return_weights: bool = False,
     ) -> Array | tuple[Array, Array]:
-        """Attends ``x (B, T, d_model)`` to itself; ``mask`` broadcastable to ``(B, N, T, T)`` or a Mask."""
+        """Attends ``x (B, T, d_model)`` to itself.
+
+        ``mask``: boolean ``(T, T)``, ``(B, T, T)`` (per example, the same for every head) or
+        ``(B, N, T, T)`` (any axis may be 1), or a Mask.
+        """
         _heads.check_input("x", x, self.d_model)
         return self._run(x, x, mask, None, deterministic, return_weights)
 
@@ -125,7 +142,6 @@ class CrossAttention(_Attention):
         return_weights: bool = False,
     ) -> Array | tuple[Array, Array]:
         """Attends ``x`` to ``context``; ``context_mask (B, S)`` is False at context padding."""
-        if self.context_features <= 0:
-            raise ValueError(f"context_features must be a positive int, got {self.context_features!r}")
+        check_int("context_features", self.context_features, min=1)
         _heads.check_context(x, self.d_model, context, self.context_features, context_mask)
         return self._run(x, context, mask, context_mask, deterministic, return_weights)

@@ -10,15 +10,17 @@ features ``-> K*D``, K = ``num_kv_heads``) and, when there is an output projecti
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax import Array
 
 from jattn import _heads
+from jattn._checks import check_dtype, check_int, int_array, is_traced
 from jattn._linear import LinearState, feature_fn
 from jattn._masks import Causal, Mask
 
@@ -56,6 +58,19 @@ class _Attention(nnx.Module):
     ) -> None:
         self.num_kv_heads, self.head_depth = _heads.check_heads(d_model, num_heads, num_kv_heads, qkv_features)
         _heads.check_kind(kind, feature_map)
+        _heads.check_options(
+            kv_features=kv_features,
+            out_features=out_features,
+            out_proj=out_proj,
+            use_bias=use_bias,
+            dropout_rate=dropout_rate,
+            deterministic=deterministic,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            sequence_axis=sequence_axis,
+        )
+        d_model, kv_features, num_heads = int(d_model), int(kv_features), int(num_heads)
+        out_features = None if out_features is None else int(out_features)
         self.d_model, self.kv_features, self.num_heads = d_model, kv_features, num_heads
         self.kind, self.feature_map = kind, feature_map
         self.dropout_rate, self.deterministic, self.precision = dropout_rate, deterministic, precision
@@ -146,7 +161,7 @@ class SelfAttention(_Attention):
       kind: ``'softmax'`` (default) or ``'linear'`` (:func:`jattn.linear_attention`, whose
         only masks are None and ``masks.causal()``).
       feature_map: the feature map of linear attention.
-      dropout_rate: dropout on the attention weights (softmax kind).
+      dropout_rate: dropout on the attention weights (softmax kind), in ``[0, 1)``.
       deterministic: default for the call-time switch; dropout is off when True.
       dtype: computation dtype (default: inferred from input and params).
       param_dtype: parameter dtype.
@@ -181,7 +196,8 @@ class SelfAttention(_Attention):
 
         Args:
           x: ``(B, T, d_model)`` inputs.
-          mask: boolean array broadcastable to ``(B, N, T, T)`` (True = attend), or a
+          mask: boolean array (True = attend): ``(T, T)``, ``(B, T, T)`` per example (the same
+            for every head) or ``(B, N, T, T)``, any axis may be 1; or a
             :class:`jattn.masks.Mask` such as ``masks.causal()``.
           deterministic: overrides the constructor's switch; dropout is off when True.
           rngs: overrides the constructor's dropout stream.
@@ -189,13 +205,18 @@ class SelfAttention(_Attention):
           decode: attend to the cache as well and append these tokens to it (after
             :meth:`init_cache`); ``mask`` must then be a Mask predicate (default causal).
           lengths: with ``decode``, how many of the T tokens of each example ``(B,)`` are
-            real (a ragged batch); the rest are neither attended to nor cached.
+            real (a ragged batch), integers in ``[0, T]``; the rest are neither attended to nor
+            cached. Out of range they raise a ValueError, or, traced (under ``jit``), are
+            clipped to ``[0, T]`` and make that example's outputs NaN.
 
         Returns:
           ``(B, T, F)`` with F the out features (or qkv features without ``wo``), and the
           weights when ``return_weights``.
         """
         _heads.check_input("x", x, self.d_model)
+        _heads.check_call(deterministic, return_weights, decode)
+        if lengths is not None and not decode:
+            raise ValueError("lengths applies to decode=True only")
         rng = self._dropout_rng(deterministic, rngs)
         if decode:
             out, weights = self._decode(x, mask, lengths, rng, return_weights)
@@ -220,8 +241,32 @@ class SelfAttention(_Attention):
         ``window=w`` a ring buffer of ``w`` slots (enough for ``sliding_window(w)``) plus one
         pinned slot for each position in ``pinned`` (the global tokens), instead. Linear kind:
         the recurrent state ``(kv, z)``. Each example has its own next position.
+
+        Args:
+          batch_size: positive int B.
+          max_length: positive int, the most positions the full softmax cache holds. Decoding
+            past it raises a ValueError or, traced (under ``jit``), gives NaN outputs for the
+            positions past it (which are not cached). The window and linear caches have no
+            such limit.
+          window: None or a positive int (softmax kind only).
+          pinned: distinct non-negative int positions kept beside the window (needs ``window``).
+          dtype: floating dtype of the cached keys and values (or state).
         """
-        b, kv, d = batch_size, self.num_kv_heads, self.head_depth
+        b = check_int("batch_size", batch_size, min=1)
+        max_length = check_int("max_length", max_length, min=1)
+        check_dtype("dtype", dtype)
+        if window is not None:
+            window = check_int("window", window, min=1)
+        if isinstance(pinned, str) or not isinstance(pinned, Sequence | np.ndarray):
+            raise TypeError(f"pinned must be a sequence of non-negative int positions, got {pinned!r}")
+        pinned = tuple(check_int(f"pinned[{n}]", p, min=0) for n, p in enumerate(pinned))
+        if len(set(pinned)) != len(pinned):
+            raise ValueError(f"pinned positions must be distinct, got {pinned}")
+        if pinned and window is None:
+            raise ValueError(f"pinned={pinned} needs a window (pinned slots sit beside a ring buffer)")
+        if self.kind == "linear" and window is not None:
+            raise ValueError(f"window={window} applies to the softmax kind; the linear cache is a recurrent state")
+        kv, d = self.num_kv_heads, self.head_depth
         cache: dict[str, Array] = {"next": jnp.zeros((b,), jnp.int32)}
         if self.kind == "linear":
             g = self.num_heads // kv
@@ -235,7 +280,7 @@ class SelfAttention(_Attention):
                 "pos": jnp.full((b, slots), -1, jnp.int32),  # absolute position held by a slot; -1 empty
             }
         self.cache = nnx.data({name: nnx.Cache(value) for name, value in cache.items()})
-        self.cache_layout = (window, tuple(int(p) for p in pinned))
+        self.cache_layout = (window, pinned)
 
     def _decode(
         self, x: Array, mask: Array | Mask | None, lengths: Array | None, rng: Array | None, return_weights: bool
@@ -245,11 +290,12 @@ class SelfAttention(_Attention):
         c = {name: var[...] for name, var in self.cache.items()}
         b, t, _ = x.shape
         if c["next"].shape[0] != b:
-            raise ValueError(f"x has batch {b} but the cache was made for batch {c['next'].shape[0]}")
+            raise ValueError(f"x has batch {b} but the cache was made for batch_size={c['next'].shape[0]}")
         mask = Causal() if mask is None else mask
         if not isinstance(mask, Mask):
             raise TypeError("with decode=True, mask must be a jattn.masks.Mask predicate (default causal())")
-        lengths = jnp.full((b,), t, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
+        lengths, bad = self._lengths(lengths, b, t)  # (B,), (B,) examples with a bad length (traced)
+        bad = bad[:, None]  # (B, 1): NaN outputs
         pos = c["next"][:, None] + jnp.arange(t, dtype=jnp.int32)[None]  # (B, T) absolute positions
         valid = jnp.arange(t, dtype=jnp.int32)[None] < lengths[:, None]  # (B, T)
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
@@ -257,7 +303,17 @@ class SelfAttention(_Attention):
             state = LinearState(c["kv"], c["z"])
             out, weights, state = self._attend(q, k, v, mask, valid, rng, return_weights, state, ring=False)
             self._store({"kv": state.kv, "z": state.z, "next": c["next"] + lengths})
-            return out, weights
+            return _poison(out, bad), weights
+        window, _ = self.cache_layout
+        capacity = c["pos"].shape[1]
+        if window is None:  # the full cache holds positions [0, max_length)
+            past = valid & (pos >= capacity)  # (B, T)
+            if not is_traced(past) and bool(jnp.any(past)):
+                raise ValueError(
+                    f"decoding past init_cache(max_length={capacity}): positions up to "
+                    f"{np.asarray(c['next'] + lengths).tolist()} (per example) do not fit; allocate a longer cache"
+                )
+            bad = bad | past  # (B, T)
         # Keys: the cached slots, then this call's tokens; masked by the predicate on positions.
         kv_pos = jnp.concatenate([c["pos"], jnp.where(valid, pos, -1)], axis=1)  # (B, C + T)
         i, j = pos[:, None, :, None], kv_pos[:, None, None, :]
@@ -265,7 +321,7 @@ class SelfAttention(_Attention):
         keys = jnp.concatenate([c["k"].reshape(b, -1, c["k"].shape[-2] * c["k"].shape[-1]).astype(k.dtype), k], 1)
         vals = jnp.concatenate([c["v"].reshape(b, -1, c["v"].shape[-2] * c["v"].shape[-1]).astype(v.dtype), v], 1)
         out, weights, _ = self._attend(q, keys, vals, dense, None, rng, return_weights, ring=False)
-        slot = self._slots(pos, valid, c["next"] + lengths, c["pos"].shape[1])
+        slot = self._slots(pos, valid, c["next"] + lengths, capacity)
         rows = jnp.broadcast_to(jnp.arange(b)[:, None], slot.shape)
         heads = (b, t, *c["k"].shape[-2:])
         self._store(
@@ -276,7 +332,20 @@ class SelfAttention(_Attention):
                 "next": c["next"] + lengths,
             }
         )
-        return out, weights
+        return _poison(out, bad), weights
+
+    @staticmethod
+    def _lengths(lengths: Array | None, b: int, t: int) -> tuple[Array, Array]:
+        """Checked ``lengths (B,)`` in ``[0, T]`` and which examples had a bad (traced) length ``(B,)``."""
+        if lengths is None:
+            return jnp.full((b,), t, jnp.int32), jnp.zeros((b,), bool)
+        lengths = int_array("lengths", lengths, ndim=1, shape=f"(B,) = ({b},)").astype(jnp.int32)
+        if lengths.shape != (b,):
+            raise ValueError(f"lengths must have shape (B,) = ({b},), got {lengths.shape}")
+        bad = (lengths < 0) | (lengths > t)
+        if not is_traced(bad) and bool(jnp.any(bad)):
+            raise ValueError(f"lengths must be in [0, T={t}], got {np.asarray(lengths).tolist()}")
+        return jnp.clip(lengths, 0, t), bad
 
     def _store(self, values: dict[str, Array]) -> None:
         for name, value in values.items():
@@ -293,6 +362,11 @@ class SelfAttention(_Attention):
             slot = jnp.where(pos == p, n, slot)
             keep = keep | (valid & (pos == p))
         return jnp.where(keep, slot, size)
+
+
+def _poison(out: Array, bad: Array) -> Array:
+    """``out (B, T, F)`` with NaN where ``bad`` (broadcastable to ``(B, T)``) is set."""
+    return jnp.where(bad[..., None], jnp.full((), jnp.nan, out.dtype), out)
 
 
 class CrossAttention(_Attention):
@@ -328,6 +402,7 @@ class CrossAttention(_Attention):
           deterministic, rngs, return_weights: as for :class:`SelfAttention`.
         """
         _heads.check_context(x, self.d_model, context, self.kv_features, context_mask)
+        _heads.check_call(deterministic, return_weights, False)
         rng = self._dropout_rng(deterministic, rngs)
         out, weights, _ = self._attend(
             self.wq(x), self.wk(context), self.wv(context), mask, context_mask, rng, return_weights
