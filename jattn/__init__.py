@@ -7,16 +7,19 @@ outside it) in :mod:`jattn._ring`.
 """
 
 from jattn import masks
-from jattn._core import attention, attention_weights
+from jattn._core import IMPLEMENTATIONS, SUPPORT, attention, attention_weights, choose_implementation
 from jattn._linear import LinearState, linear_attention
 from jattn._ring import ring_attention, sequence_parallel_attention, unzigzag, zigzag
 from jattn._softmax import SoftmaxParts, softmax, softmax_parts
 
 __all__ = [
+    "IMPLEMENTATIONS",
+    "SUPPORT",
     "LinearState",
     "SoftmaxParts",
     "attention",
     "attention_weights",
+    "choose_implementation",
     "linear_attention",
     "masks",
     "ring_attention",

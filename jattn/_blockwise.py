@@ -22,13 +22,15 @@ O(T) too: no ``(T, S)`` array is ever formed.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
-from jattn._masks import EMPTY, FULL, PARTIAL, Mask, _KeyBelow
+from jattn._masks import EMPTY, FULL, PARTIAL, Mask, _KeyBelow, fill_arrays, split_arrays, tile_kinds
+from jattn._softmax import shifted_exp
 
 __all__ = ["blockwise_attention"]
 
@@ -54,13 +56,30 @@ def _pad(x: Array, axis: int, multiple: int) -> Array:
     return jnp.pad(x, widths)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _flash(q: Array, k: Array, v: Array, plan: _Plan, precision) -> tuple[Array, Array]:
-    return _forward(q, k, v, plan, precision)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _flash(q: Array, k: Array, v: Array, run: _Run, plan: _Plan, precision) -> tuple[Array, Array]:
+    return _forward(q, k, v, run, plan, precision)
+
+
+class _Run(NamedTuple):
+    """The traced part of a plan: the mask's arrays and the run-time kinds of the scheduled tiles.
+
+    ``kind (nq, width)`` and ``kind_t (nk, width_t)`` refine the static schedule's kinds with what the
+    arrays say (EMPTY tiles are skipped on device); ``arrays`` are the mask's array leaves, each
+    ``(B|1, T, S)`` (or with unit T, S axes). Both empty without array masks.
+    """
+
+    kind: Array
+    kind_t: Array
+    arrays: tuple[Array, ...]
 
 
 class _Plan:
-    """Static facts of one call: sizes, blocks, the mask and its block schedule (hashable)."""
+    """Static facts of one call: sizes, blocks, the mask's skeleton and its block schedule (hashable).
+
+    Array leaves of the mask are slots here (:func:`jattn._masks.split_arrays`): statically
+    every tile they touch is scheduled, and :class:`_Run` carries their arrays and run-time kinds.
+    """
 
     def __init__(self, T, S, bq, bk, mask, q_offset, kv_offset, scale, compute):
         self.T, self.S, self.bq, self.bk = T, S, bq, bk
@@ -82,16 +101,41 @@ class _Plan:
     def __eq__(self, other: object) -> bool:
         return isinstance(other, _Plan) and self._key == other._key
 
-    def allowed(self, i: Array, j: Array) -> Array:
-        """``(bq, bk)`` mask of query block i against key block j (block indices, traced)."""
+    def predicate_with(self, arrays: tuple[Array, ...]) -> Mask:
+        """The mask with its arrays put back and placed at this call's offsets."""
+        return fill_arrays(self.predicate, arrays)._bind(self.q_offset, self.kv_offset)
+
+    def allowed(self, i: Array, j: Array, arrays: tuple[Array, ...]) -> Array:
+        """``(1|B, bq, bk)`` mask of query block i against key block j (block indices, traced)."""
         rows = self.q_offset + i * self.bq + jnp.arange(self.bq, dtype=jnp.int32)[:, None]
         cols = self.kv_offset + j * self.bk + jnp.arange(self.bk, dtype=jnp.int32)[None, :]
-        return self.predicate.allowed(rows, cols)
+        keep = self.predicate_with(arrays).allowed(rows, cols)
+        return keep.reshape((1,) * (3 - keep.ndim) + keep.shape)
 
-    def scores(self, qb: Array, kb: Array, i: Array, j: Array, masked: bool, precision) -> tuple[Array, Array | None]:
-        """Scaled scores ``(B, bq, bk)`` and, for a partial block, its mask ``(1, bq, bk)``."""
+    def scores(self, qb: Array, kb: Array, i: Array, j: Array, masked: bool, precision, arrays=()) -> tuple:
+        """Scaled scores ``(B, bq, bk)`` and, for a partial block, its mask ``(1|B, bq, bk)``."""
         s = _scaled_scores(qb, kb, self.scale, self.compute, precision)
-        return s, (self.allowed(i, j)[None] if masked else None)
+        return s, (self.allowed(i, j, arrays) if masked else None)
+
+    def run(self, arrays: tuple[Array, ...]) -> _Run:
+        """The traced schedule kinds: the static ones, refined on device where the mask has arrays."""
+        if not arrays:
+            return _Run(jnp.asarray(self.kind), jnp.asarray(self.kind_t), ())
+        kinds = tile_kinds(
+            self.predicate_with(arrays),
+            self.nq * self.bq,
+            self.nk * self.bk,
+            self.bq,
+            self.bk,
+            q_offset=self.q_offset,
+            kv_offset=self.kv_offset,
+        )  # (nq, nk)
+
+        def refine(static_kind, index, kinds):  # padding entries of the schedule stay EMPTY
+            rows = np.arange(index.shape[0])[:, None]
+            return jnp.where(jnp.asarray(static_kind) == EMPTY, jnp.int8(EMPTY), kinds[rows, index])
+
+        return _Run(refine(self.kind, self.index, kinds), refine(self.kind_t, self.index_t, kinds.T), arrays)
 
 
 def _blocks(x: Array, size: int) -> Array:
@@ -130,7 +174,7 @@ def _accumulate(state, s: Array, keep: Array | None, vb: Array, precision, compu
         s = jnp.where(keep, s, -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(s, axis=-1))
     m_safe = jnp.where(m_new == -jnp.inf, jnp.zeros_like(m_new), m_new)
-    p = jnp.exp(s - m_safe[..., None])  # exactly 0 at masked entries
+    p = shifted_exp(s, m_safe[..., None])  # exactly 0 at masked entries
     alpha = jnp.exp(jnp.where(m == -jnp.inf, -jnp.inf, m - m_safe))
     pv = jnp.einsum("bts,bse->bte", p.astype(vb.dtype), vb, precision=precision, preferred_element_type=compute)
     return m_new, norm * alpha + jnp.sum(p, -1), acc * alpha[..., None] + pv
@@ -149,16 +193,16 @@ def _score_grads(s, keep, lse, do, vb, delta, scale, precision, compute) -> tupl
 
     ``lse`` must be finite (0 for empty rows, whose ``p`` is 0 by the mask); ``delta = rowsum(dO ∘ O)``.
     """
-    p = jnp.exp(s - lse[..., None])
+    p = shifted_exp(s, lse[..., None])
     if keep is not None:
         p = jnp.where(keep, p, jnp.zeros((), p.dtype))
     dp = jnp.einsum("bte,bse->bts", do, vb, precision=precision, preferred_element_type=compute)
     return p, p * (dp - delta[..., None]) * scale
 
 
-def _forward(q, k, v, plan: _Plan, precision):
+def _forward(q, k, v, run: _Run, plan: _Plan, precision):
     qs, ks, vs = _blocks(q, plan.bq), _blocks(k, plan.bk), _blocks(v, plan.bk)  # (n, B, blk, X)
-    index, kind = jnp.asarray(plan.index), jnp.asarray(plan.kind)
+    index, kind = jnp.asarray(plan.index), run.kind
     b, e = q.shape[0], v.shape[-1]
 
     def query_block(args):
@@ -168,7 +212,7 @@ def _forward(q, k, v, plan: _Plan, precision):
             j, kd = jk
 
             def update(carry, masked):
-                s, keep = plan.scores(qb, ks[j], i, j, masked, precision)
+                s, keep = plan.scores(qb, ks[j], i, j, masked, precision, run.arrays)
                 return _accumulate(carry, s, keep, vs[j], precision, plan.compute)
 
             return _per_block(kd, update, carry), None
@@ -183,9 +227,9 @@ def _forward(q, k, v, plan: _Plan, precision):
     return out, lse
 
 
-def _flash_fwd(q, k, v, plan, precision):
-    out, lse = _forward(q, k, v, plan, precision)
-    return (out, lse), (q, k, v, out, lse)
+def _flash_fwd(q, k, v, run, plan, precision):
+    out, lse = _forward(q, k, v, run, plan, precision)
+    return (out, lse), (q, k, v, run, out, lse)
 
 
 def _flash_bwd(plan: _Plan, precision, res, cotangents):
@@ -194,7 +238,7 @@ def _flash_bwd(plan: _Plan, precision, res, cotangents):
     dq per query block over its key blocks, then dk and dv per key block over its query blocks
     (the transposed schedule).
     """
-    q, k, v, out, lse = res
+    q, k, v, run, out, lse = res
     d_out, _ = cotangents  # the log-sum-exp is an output for inspection, not differentiated
     b = q.shape[0]
     qs, dos = _blocks(q, plan.bq), _blocks(d_out, plan.bq)
@@ -207,7 +251,7 @@ def _flash_bwd(plan: _Plan, precision, res, cotangents):
 
     def grads_of_scores(i, j, masked):
         """``p`` and ``ds = p (dp - delta) scale`` of block (i, j), each ``(B, bq, bk)``."""
-        s, keep = plan.scores(qs[i], ks[j], i, j, masked, precision)
+        s, keep = plan.scores(qs[i], ks[j], i, j, masked, precision, run.arrays)
         return _score_grads(s, keep, lse_b[i], dos[i], vs[j], delta_b[i], scale, precision, plan.compute)
 
     def dq_block(i):
@@ -240,15 +284,15 @@ def _flash_bwd(plan: _Plan, precision, res, cotangents):
         (dk, dv), _ = jax.lax.scan(step, init, (plan_index_t[j], plan_kind_t[j]))
         return dk, dv
 
-    plan_index, plan_kind = jnp.asarray(plan.index), jnp.asarray(plan.kind)
-    plan_index_t, plan_kind_t = jnp.asarray(plan.index_t), jnp.asarray(plan.kind_t)
+    plan_index, plan_kind = jnp.asarray(plan.index), run.kind
+    plan_index_t, plan_kind_t = jnp.asarray(plan.index_t), run.kind_t
     dq = jax.lax.map(dq_block, jnp.arange(plan.nq, dtype=jnp.int32))  # (nq, B, bq, D)
     dk, dv = jax.lax.map(dkv_block, jnp.arange(plan.nk, dtype=jnp.int32))  # (nk, B, bk, D|E)
 
     def unblock(x, like):
         return jnp.moveaxis(x, 0, 1).reshape(like.shape).astype(like.dtype)
 
-    return unblock(dq, q), unblock(dk, k), unblock(dv, v)
+    return unblock(dq, q), unblock(dk, k), unblock(dv, v), None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -269,14 +313,48 @@ def blockwise_attention(
 ) -> tuple[Array, Array]:
     """Blockwise attention of validated ``q (..., T, D)``, ``k (..., S, D)``, ``v (..., S, E)``.
 
-    Returns ``out (..., T, E)`` and ``lse (..., T)``; see the module docstring.
+    ``mask`` is a position predicate, possibly with array leaves ``(..., T, S)`` that broadcast
+    against the leading dimensions. Returns ``out (..., T, E)`` and ``lse (..., T)``; see the
+    module docstring.
     """
-    lead = jnp.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
     T, S = q.shape[-2], k.shape[-2]
+    skeleton, arrays = (None, []) if mask is None else split_arrays(mask)
+    lead = jnp.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    lead = _mask_lead(arrays, lead, T, S)
     qf, kf, vf = (_flat_lead(x, lead) for x in (q, k, v))
+    arrays = tuple(_flat_mask(m, lead) for m in arrays)  # each (B|1, T|1, S|1)
+    if T == 0 or S == 0:  # no tiles: every row is empty
+        b = qf.shape[0]
+        out, lse = jnp.zeros((b, T, v.shape[-1]), v.dtype), jnp.full((b, T), -jnp.inf, _compute(q.dtype))
+        return out.reshape(*lead, T, -1), lse.reshape(*lead, T)
     bq, bk = min(block_q, T), min(block_kv, S)
-    compute = jnp.dtype(jnp.float64 if q.dtype == jnp.float64 else jnp.float32)
     q_offset = kv_offset + S - T if q_offset is None else q_offset
-    plan = _Plan(T, S, bq, bk, mask, int(q_offset), int(kv_offset), float(scale), compute)
-    out, lse = _flash(_pad(qf, 1, bq), _pad(kf, 1, bk), _pad(vf, 1, bk), plan, precision)
+    plan = _Plan(T, S, bq, bk, skeleton, int(q_offset), int(kv_offset), float(scale), _compute(q.dtype))
+    run = plan.run(arrays)
+    out, lse = _flash(_pad(qf, 1, bq), _pad(kf, 1, bk), _pad(vf, 1, bk), run, plan, precision)
     return out[:, :T].reshape(*lead, T, -1), lse[:, :T].reshape(*lead, T)
+
+
+def _compute(dtype) -> jnp.dtype:
+    return jnp.dtype(jnp.float64 if dtype == jnp.float64 else jnp.float32)
+
+
+def _mask_lead(arrays: list[Array], lead: tuple[int, ...], T: int, S: int) -> tuple[int, ...]:
+    """The leading shape of q, k, v and the mask arrays together, or an error naming the shapes."""
+    for m in arrays:
+        if m.shape[-2] not in (1, T) or m.shape[-1] not in (1, S):
+            raise ValueError(f"mask of shape {m.shape} does not broadcast to (..., T, S) = (..., {T}, {S})")
+        try:
+            lead = tuple(np.broadcast_shapes(lead, m.shape[:-2]))
+        except ValueError:
+            raise ValueError(
+                f"mask of shape {m.shape} does not broadcast against q, k, v of leading shape {lead}"
+            ) from None
+    return lead
+
+
+def _flat_mask(m: Array, lead: tuple[int, ...]) -> Array:
+    """A mask array ``(..., T|1, S|1)`` as ``(1, ...)`` when it has no leading extent, else ``(B, ...)``."""
+    if all(n == 1 for n in m.shape[:-2]):
+        return m.reshape(1, *m.shape[-2:])
+    return _flat_lead(m, lead)

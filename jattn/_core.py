@@ -16,6 +16,7 @@ values.
 from __future__ import annotations
 
 import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -24,10 +25,12 @@ from jax import Array
 from jax.typing import ArrayLike
 
 from jattn._blockwise import blockwise_attention
-from jattn._masks import EMPTY, Causal, Mask, SlidingWindow
+from jattn._checks import check_int, check_real
+from jattn._masks import EMPTY, ArrayMask, Causal, Mask, Padding, SlidingWindow, conjuncts
+from jattn._masks import array as masks_array
 from jattn._softmax import SoftmaxParts, softmax_parts
 
-__all__ = ["attention", "attention_weights"]
+__all__ = ["IMPLEMENTATIONS", "SUPPORT", "attention", "attention_weights", "choose_implementation"]
 
 _FLOATS = tuple(map(jnp.dtype, (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64)))
 
@@ -45,40 +48,77 @@ def _check_qkv(q: Array, k: Array, v: Array | None) -> None:
         raise TypeError(f"q, k and v must share one dtype, got {got}")
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(f"q and k must have the same depth D (last axis), got q {q.shape} and k {k.shape}")
+    if q.shape[-1] == 0:
+        raise ValueError(f"q and k need a depth D >= 1 (last axis), got q {q.shape} and k {k.shape}")
     if v is not None and k.shape[-2] != v.shape[-2]:
         raise ValueError(f"k and v must have the same length S (axis -2), got k {k.shape} and v {v.shape}")
 
 
-def _check_mask_bias(
-    mask: ArrayLike | Mask | None,
-    bias: ArrayLike | None,
-    q: Array,
-    k: Array,
-    q_offset: ArrayLike | None,
-    kv_offset: ArrayLike,
-) -> tuple[Array | None, Array | None]:
-    """Validates mask and bias; materialises a :class:`Mask`.
+def _check_scale(scale: float | ArrayLike | None) -> None:
+    """Raises unless ``scale`` is None, a real number or a 0-d floating array."""
+    if scale is None:
+        return
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real | np.ndarray | jax.Array):
+        raise TypeError(
+            f"scale must be a real number or a 0-d float array, got {scale!r} of type {type(scale).__name__}"
+        )
+    if isinstance(scale, np.ndarray | jax.Array) and (
+        np.ndim(scale) != 0 or not jnp.issubdtype(scale.dtype, jnp.floating)
+    ):
+        raise ValueError(
+            f"scale must be a scalar (0-d float array), got dtype {scale.dtype} with shape {np.shape(scale)}"
+        )
 
-    A per-example mask puts the batch on the first axis of q.
-    """
-    if isinstance(mask, Mask):
-        T, S = q.shape[-2], k.shape[-2]
-        mask = mask.dense(T, S, q_offset=q_offset, kv_offset=kv_offset)
-        if mask.ndim == 4:  # (B, 1, T, S): batch first
-            if q.ndim < 3:
-                raise ValueError(f"a per-example mask needs a batch axis in q, got q of shape {q.shape}")
-            mask = mask.reshape(mask.shape[0], *(1,) * (q.ndim - 3), T, S)
-    elif q_offset is not None or not (isinstance(kv_offset, int) and kv_offset == 0):
-        raise ValueError("q_offset and kv_offset apply only to a jattn.masks.Mask, not to an array mask")
-    if mask is not None:
-        mask = jnp.asarray(mask)
-        if mask.dtype != jnp.bool_:
-            raise TypeError(f"mask must be boolean (True = attend), got {mask.dtype} with shape {mask.shape}")
-    if bias is not None:
-        bias = jnp.asarray(bias)
-        if not jnp.issubdtype(bias.dtype, jnp.floating):
-            raise TypeError(f"bias must be floating point, got {bias.dtype} with shape {bias.shape}")
-    return mask, bias
+
+def _check_block_size(block_size: int | tuple[int, int] | None) -> tuple[int, int] | None:
+    """``(block_q, block_kv)`` of positive ints, or an error naming ``block_size``."""
+    if block_size is None:
+        return None
+    pair = block_size if isinstance(block_size, tuple | list) else (block_size, block_size)
+    if len(pair) != 2:
+        raise ValueError(f"block_size must be an int or a pair (block_q, block_kv), got {block_size!r}")
+    return check_int("block_size", pair[0], min=1), check_int("block_size", pair[1], min=1)
+
+
+def _as_mask(mask: ArrayLike | Mask | None) -> Mask | None:
+    """A boolean array mask as :class:`~jattn.masks.ArrayMask` (1-D and 0-D included), else unchanged."""
+    if mask is None or isinstance(mask, Mask):
+        return mask
+    return masks_array(mask)
+
+
+def _check_offsets(mask: Mask | None, q_offset: ArrayLike | None, kv_offset: ArrayLike) -> None:
+    """Offsets place predicates; with no predicate at all they would silently do nothing."""
+    given = q_offset is not None or not (isinstance(kv_offset, numbers.Integral) and kv_offset == 0)
+    if given and (mask is None or isinstance(mask, ArrayMask)):
+        raise ValueError(
+            "q_offset and kv_offset place a jattn.masks predicate; an array mask (or no mask) indexes the (T, S) grid "
+            f"itself, got mask={'None' if mask is None else 'an array'} with q_offset={q_offset!r}, kv_offset={kv_offset!r}"
+        )
+
+
+def _dense_mask(
+    mask: Mask | None, q: Array, k: Array, q_offset: ArrayLike | None, kv_offset: ArrayLike
+) -> Array | None:
+    """The boolean ``(..., T, S)`` of a mask (a per-example one puts the batch on the first axis of q)."""
+    if mask is None:
+        return None
+    T, S = q.shape[-2], k.shape[-2]
+    dense = mask.dense(T, S, q_offset=q_offset, kv_offset=kv_offset)
+    if mask.per_example and dense.ndim == 4:  # (B, 1, T, S): batch first
+        if q.ndim < 3:
+            raise ValueError(f"a per-example mask needs a batch axis in q, got q of shape {q.shape}")
+        dense = dense.reshape(dense.shape[0], *(1,) * (q.ndim - 3), T, S)
+    return dense
+
+
+def _check_bias(bias: ArrayLike | None) -> Array | None:
+    if bias is None:
+        return None
+    bias = jnp.asarray(bias)
+    if not jnp.issubdtype(bias.dtype, jnp.floating):
+        raise TypeError(f"bias must be floating point, got {bias.dtype} with shape {bias.shape}")
+    return bias.reshape((1,) * max(0, 2 - bias.ndim) + bias.shape)  # NumPy broadcasting: (S,) is (1, S)
 
 
 def _broadcast_all(**arrays: Array | None) -> tuple[int, ...]:
@@ -101,6 +141,11 @@ def _pad_rank(x: Array | None, ndim: int) -> Array | None:
     return None if x is None else x.reshape((1,) * (ndim - x.ndim) + x.shape)
 
 
+def _compute_dtype(dtype) -> jnp.dtype:
+    """float64 for float64 inputs, float32 for everything else (the softmax is never done in 16 bits)."""
+    return jnp.dtype(jnp.float64 if dtype == jnp.float64 else jnp.float32)
+
+
 def _logits(
     q: Array,
     k: Array,
@@ -110,7 +155,7 @@ def _logits(
     precision: jax.lax.PrecisionLike,
 ) -> tuple[SoftmaxParts, jnp.dtype]:
     """Scaled, biased, masked scores ``(..., T, S)`` split into softmax parts (all at one rank)."""
-    compute = jnp.dtype(jnp.float64 if q.dtype == jnp.float64 else jnp.float32)
+    compute = _compute_dtype(q.dtype)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     s = jnp.einsum("...td,...sd->...ts", q, k, precision=precision, preferred_element_type=compute)
@@ -122,13 +167,16 @@ def _logits(
     return softmax_parts(s, mask), compute
 
 
+def _check_dropout(rate: float, rng: Array | None) -> float:
+    rate = check_real("dropout_rate", rate, low=0.0, high=1.0)
+    if rate and rng is None:
+        raise ValueError(f"dropout_rate={rate} > 0 needs a dropout_rng key")
+    return rate
+
+
 def _dropout(p: Array, rate: float, rng: Array | None) -> Array:
     if rate == 0.0:
         return p
-    if not 0.0 <= rate < 1.0:
-        raise ValueError(f"dropout_rate must be in [0, 1), got {rate}")
-    if rng is None:
-        raise ValueError("dropout_rate > 0 needs a dropout_rng key")
     keep = jax.random.bernoulli(rng, 1.0 - rate, p.shape)
     return jnp.where(keep, p / (1.0 - rate), jnp.zeros_like(p))
 
@@ -138,28 +186,110 @@ BLOCK_OVERHEAD = 112 * 112  # fixed cost of one tile in score entries (fitted on
 AUTO_BLOCKWISE_MIN = 1024 * 1024  # T·S from which 'auto' prefers blockwise on CPU (bench/README)
 IMPLEMENTATIONS = ("dense", "blockwise", "xla", "cudnn")
 
+_YES = "yes"
+#: What each implementation does with each argument: "yes" (honoured); "partly: ..." (honoured
+#: where jax.nn has an argument for it, otherwise a ``ValueError`` that names the mask); or
+#: "no: ..." (a ``ValueError`` that names the argument, the path and the paths that take it).
+#: The README table is this dict; ``implementation=None`` picks a path whose cells are all "yes".
+SUPPORT: dict[str, dict[str, str]] = {
+    "mask (array, any leading dims, 1-D)": dict(dense=_YES, blockwise=_YES, xla=_YES, cudnn=_YES),
+    "mask (position predicate)": dict(
+        dense=_YES,
+        blockwise=_YES,
+        xla=_YES,
+        cudnn="partly: causal() and sliding_window(l, 0) aligned with the keys' end, and arrays",
+    ),
+    "mask (per-example predicate: padding, segment_ids)": dict(
+        dense=_YES,
+        blockwise="no: per-example predicates are not tiled yet",
+        xla=_YES,
+        cudnn="partly: padding() (as sequence lengths)",
+    ),
+    "q_offset / kv_offset (static ints)": dict(
+        dense=_YES, blockwise=_YES, xla=_YES, cudnn="partly: where the mask stays aligned with the keys' end"
+    ),
+    "q_offset / kv_offset (arrays, per example)": dict(
+        dense=_YES,
+        blockwise="no: offsets must be static ints",
+        xla="no: offsets must be static ints",
+        cudnn="no: offsets must be static ints",
+    ),
+    "bias": dict(dense=_YES, blockwise="no: bias is not tiled yet", xla=_YES, cudnn=_YES),
+    "dropout_rate": dict(
+        dense=_YES, blockwise="no: no dropout yet", xla="no: jax.nn has no dropout", cudnn="no: jax.nn has no dropout"
+    ),
+    "precision": dict(
+        dense=_YES, blockwise=_YES, xla="no: jax.nn takes no precision", cudnn="no: jax.nn takes no precision"
+    ),
+    "return_lse": dict(dense=_YES, blockwise=_YES, xla=_YES, cudnn=_YES),
+    "block_size": dict(
+        dense="no: it has no blocks", blockwise=_YES, xla="no: it has no blocks", cudnn="no: it has no blocks"
+    ),
+    "float64 inputs": dict(
+        dense=_YES, blockwise=_YES, xla="no: jax.nn computes in float32", cudnn="no: cuDNN has no float64 kernel"
+    ),
+    "value depth E != D": dict(
+        dense=_YES, blockwise=_YES, xla="no: jax.nn needs E == D", cudnn="no: jax.nn needs E == D"
+    ),
+}
 
-def _choose(implementation, q, k, mask, bias, q_offset, kv_offset, dropout_rate) -> str:
-    """The path for this call; an explicit choice that cannot run raises a ``ValueError``."""
+
+def _features(q, v, mask: Mask | None, bias, q_offset, kv_offset, dropout_rate, precision, return_lse, block_size):
+    """The rows of :data:`SUPPORT` this call uses."""
+    used = []
+    if mask is not None:
+        if mask.has_arrays:
+            used.append("mask (array, any leading dims, 1-D)")
+        if not isinstance(mask, ArrayMask):
+            used.append(
+                "mask (per-example predicate: padding, segment_ids)"
+                if mask.per_example
+                else "mask (position predicate)"
+            )
+    offsets = (q_offset if q_offset is not None else 0, kv_offset)
+    if not all(isinstance(o, numbers.Integral) for o in offsets):
+        used.append("q_offset / kv_offset (arrays, per example)")
+    elif q_offset is not None or kv_offset != 0:
+        used.append("q_offset / kv_offset (static ints)")
+    for flag, row in (
+        (bias is not None, "bias"),
+        (dropout_rate != 0, "dropout_rate"),
+        (precision is not None, "precision"),
+        (return_lse, "return_lse"),
+        (block_size is not None, "block_size"),
+        (q.dtype == jnp.float64, "float64 inputs"),
+        (v.shape[-1] != q.shape[-1], "value depth E != D"),
+    ):
+        if flag:
+            used.append(row)
+    return used
+
+
+def _refusal(path: str, used: list[str], *, partly: bool = True) -> str | None:
+    """Why ``path`` cannot honour this call (the first row it refuses), or None.
+
+    ``partly=True`` lets "partly" cells through (the jax.nn translation checks them case by case).
+    """
+    for row in used:
+        cell = SUPPORT[row][path]
+        if cell != _YES and not (partly and cell.startswith("partly")):
+            takes = [p for p in IMPLEMENTATIONS if SUPPORT[row][p] == _YES]
+            return f"implementation={path!r} cannot take {row}: {cell.removeprefix('no: ')}; use one of {takes}"
+    return None
+
+
+def _choose(implementation, q, k, used: list[str]) -> str:
+    """The path for this call; an explicit choice that cannot honour an argument raises a ``ValueError``."""
     if implementation is not None and implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
-    blockwise_ok = None
-    if bias is not None:
-        blockwise_ok = "bias"
-    elif dropout_rate:
-        blockwise_ok = "dropout_rate"
-    elif mask is not None and not isinstance(mask, Mask):
-        blockwise_ok = "an array mask (pass a jattn.masks predicate)"
-    elif isinstance(mask, Mask) and mask.per_example:
-        blockwise_ok = "a per-example mask"
-    elif not all(isinstance(o, int) for o in (q_offset if q_offset is not None else 0, kv_offset)):
-        blockwise_ok = "array offsets"
-    if implementation == "blockwise" and blockwise_ok:
-        raise ValueError(f"implementation='blockwise' does not take {blockwise_ok}; use 'dense'")
-    if implementation is None:
-        big = q.shape[-2] * k.shape[-2] >= AUTO_BLOCKWISE_MIN
-        return "blockwise" if big and not blockwise_ok else "dense"
-    return implementation
+    if implementation is not None:
+        why = _refusal(implementation, used)
+        if why:
+            raise ValueError(why)
+        return implementation
+    big = q.shape[-2] * k.shape[-2] >= AUTO_BLOCKWISE_MIN
+    order = ("blockwise", "dense") if big else ("dense", "blockwise")
+    return next((p for p in order if _refusal(p, used, partly=False) is None), "dense")
 
 
 def _auto_block(mask: Mask | None, T: int, S: int, q_offset: int | None, kv_offset: int) -> tuple[int, int]:
@@ -179,50 +309,90 @@ def _auto_block(mask: Mask | None, T: int, S: int, q_offset: int | None, kv_offs
     return best, best
 
 
-def _jax_nn(q, k, v, mask, bias, scale, implementation, return_lse):
-    """Hands the call to ``jax.nn.dot_product_attention`` where its arguments express it."""
-    T, S = q.shape[-2], k.shape[-2]
-    if return_lse:
-        raise ValueError(f"implementation={implementation!r} cannot return the log-sum-exp; use 'dense' or 'blockwise'")
-    if v.shape[-1] != q.shape[-1]:
-        raise ValueError(f"implementation={implementation!r} needs E == D, got q {q.shape} and v {v.shape}")
+def _jax_nn_args(mask: Mask | None, path: str, T: int, S: int, q_offset: int | None, kv_offset: int, lead) -> dict:
+    """jax.nn's own arguments for a jattn mask: ``is_causal``, ``local_window_size``, sequence lengths, ``mask``.
+
+    jax.nn aligns queries top-left (query t sees key s <= t); jattn places query t at position
+    ``q_offset + t`` and key s at ``kv_offset + s``, so a band ``i - L <= j <= i + R`` becomes
+    ``local_window_size = (L - d, R + d)`` with ``d = q_offset - kv_offset``. Terms jax.nn has no
+    argument for are materialised into its ``mask`` (xla) or refused (cudnn).
+    """
+    q_offset = S - T + kv_offset if q_offset is None else q_offset
+    d = q_offset - kv_offset
+    left = right = None  # the band s - t in [-left, right] (None: unbounded)
     kwargs: dict = {}
-    if isinstance(mask, Mask):
-        if mask == Causal() and T == S:
-            kwargs["is_causal"] = True
-        elif isinstance(mask, SlidingWindow) and T == S:
-            kwargs["local_window_size"] = (mask.left, mask.right)
+    rest: Mask | None = None
+    for term in [] if mask is None else conjuncts(mask):
+        if isinstance(term, Causal | SlidingWindow):
+            tl, tr = (None, d) if isinstance(term, Causal) else (term.left - d, term.right + d)
+            left = tl if left is None else (left if tl is None else min(left, tl))
+            right = tr if right is None else min(right, tr)
+        elif isinstance(term, Padding):
+            for name, x in (("query_seq_lengths", term.q_lengths), ("key_value_seq_lengths", term.kv_lengths)):
+                if x is not None:
+                    x = jnp.minimum(jnp.asarray(x, jnp.int32), T if name[0] == "q" else S)
+                    x = jnp.broadcast_to(x.reshape(-1, *(1,) * (len(lead) - 1)), lead).reshape(-1)
+                    kwargs[name] = x if name not in kwargs else jnp.minimum(kwargs[name], x)
         else:
+            rest = term if rest is None else rest & term
+    if right is not None or left is not None:
+        if path == "cudnn" and right != 0:
             raise ValueError(
-                f"implementation={implementation!r} expresses only causal() or sliding_window() with T == S, got {mask!r}"
+                f"implementation='cudnn' expresses causal() and sliding_window(l, 0) only with queries aligned to the "
+                f"keys' end (q_offset - kv_offset == S - T == 0), got {mask!r} with T={T}, S={S}, q_offset={q_offset}, "
+                f"kv_offset={kv_offset}; use 'xla', 'dense' or 'blockwise'"
             )
-        mask = None
-    lead = jnp.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+        if right == 0 and (path == "cudnn" or left is None):
+            kwargs["is_causal"] = True
+        if left is not None or right != 0:
+            kwargs["local_window_size"] = (T + S if left is None else left, T + S if right is None else right)
+    if rest is not None:
+        if path == "cudnn" and not rest.has_arrays:
+            raise ValueError(
+                f"implementation='cudnn' expresses causal(), sliding_window(l, 0), padding() and arrays only, got "
+                f"{rest!r}; use 'xla', 'dense' or 'blockwise'"
+            )
+        kwargs["mask"] = rest
+    return kwargs
+
+
+def _jax_nn(q, k, v, mask: Mask | None, bias, scale, path, q_offset, kv_offset, return_lse):
+    """Hands the call to ``jax.nn.dot_product_attention`` with its own arguments (see :data:`SUPPORT`)."""
+    T, S = q.shape[-2], k.shape[-2]
+    bias = _check_bias(bias)
+    lead = _broadcast_all(q=q, k=k, v=v, bias=bias)
+    kwargs = _jax_nn_args(mask, path, T, S, q_offset, kv_offset, lead or (1,))
+    rest = kwargs.pop("mask", None)
+    dense = _dense_mask(rest, q, k, q_offset, kv_offset)
+    lead = _broadcast_all(q=q, k=k, v=v, bias=bias, mask=dense) or (1,)
 
     def flat(x):  # (..., L, D) -> (B, L, 1, D)
         x = jnp.broadcast_to(x, (*lead, *x.shape[-2:]))
         return x.reshape(-1, x.shape[-2], 1, x.shape[-1])
 
     def flat_ts(x):  # (..., T, S) -> (B, 1, T, S)
-        x = jnp.broadcast_to(jnp.asarray(x), (*lead, T, S))
-        return x.reshape(-1, 1, T, S)
+        return jnp.broadcast_to(x, (*lead, T, S)).reshape(-1, 1, T, S)
 
-    mask, bias = _check_mask_bias(mask, bias, q, k, None, 0)
     out = jax.nn.dot_product_attention(
         flat(q),
         flat(k),
         flat(v),
         bias=None if bias is None else flat_ts(bias).astype(q.dtype),
-        mask=None if mask is None else flat_ts(mask),
-        scale=scale,
-        implementation=implementation,
+        mask=None if dense is None else flat_ts(dense),
+        scale=None if scale is None else scale,
+        implementation=path,
+        return_residual=return_lse,
         **kwargs,
     )
+    out, lse = out if return_lse else (out, None)
     out = out.reshape(*lead, T, v.shape[-1])
-    if mask is not None:  # jax.nn averages v over a fully masked row; the contract is 0
-        seen = jnp.any(jnp.broadcast_to(mask, (*lead, T, S)), axis=-1, keepdims=True)
-        out = jnp.where(seen, out, jnp.zeros((), out.dtype))
-    return out
+    if mask is not None:  # jax.nn averages v over a fully masked row; the contract is 0 (and lse -inf)
+        seen = jnp.any(jnp.broadcast_to(_dense_mask(mask, q, k, q_offset, kv_offset), (*lead, T, S)), axis=-1)
+        out = jnp.where(seen[..., None], out, jnp.zeros((), out.dtype))
+        lse = None if lse is None else jnp.where(seen, lse.reshape(*lead, T).astype(jnp.float32), -jnp.inf)
+    elif lse is not None:
+        lse = lse.reshape(*lead, T).astype(jnp.float32)
+    return (out, lse) if return_lse else out
 
 
 def attention(
@@ -311,21 +481,23 @@ def attention(
     """
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     _check_qkv(q, k, v)
-    path = _choose(implementation, q, k, mask, bias, q_offset, kv_offset, dropout_rate)
+    _check_scale(scale)
+    mask = _as_mask(mask)
+    _check_offsets(mask, q_offset, kv_offset)
+    dropout_rate = _check_dropout(dropout_rate, dropout_rng)
+    blocks = _check_block_size(block_size)
+    used = _features(q, v, mask, bias, q_offset, kv_offset, dropout_rate, precision, return_lse, block_size)
+    path = _choose(implementation, q, k, used)
     if path == "blockwise":
-        if block_size is None:
-            bq, bk = _auto_block(mask, q.shape[-2], k.shape[-2], q_offset, kv_offset)
-        else:
-            bq, bk = (block_size, block_size) if isinstance(block_size, int) else block_size
-        if scale is None:
-            scale = 1.0 / math.sqrt(q.shape[-1])
+        T, S = q.shape[-2], k.shape[-2]
+        bq, bk = _auto_block(mask, T, S, q_offset, kv_offset) if blocks is None else blocks
         _broadcast_all(q=q, k=k, v=v)
         out, lse = blockwise_attention(
             q,
             k,
             v,
             mask=mask,
-            scale=scale,
+            scale=1.0 / math.sqrt(q.shape[-1]) if scale is None else scale,
             q_offset=q_offset,
             kv_offset=kv_offset,
             block_q=bq,
@@ -334,19 +506,48 @@ def attention(
         )
         return (out, lse) if return_lse else out
     if path in ("xla", "cudnn"):
-        return _jax_nn(q, k, v, mask, bias, scale, path, return_lse)
-    mask, bias = _check_mask_bias(mask, bias, q, k, q_offset, kv_offset)
+        return _jax_nn(q, k, v, mask, bias, scale, path, q_offset, kv_offset, return_lse)
+    mask, bias = _dense_mask(mask, q, k, q_offset, kv_offset), _check_bias(bias)
     ndim = len(_broadcast_all(q=q, k=k, v=v, mask=mask, bias=bias)) + 2
     q, k, v, mask, bias = (_pad_rank(x, ndim) for x in (q, k, v, mask, bias))
     parts, compute = _logits(q, k, mask, bias, scale, precision)
     p = _dropout(parts.exp, dropout_rate, dropout_rng)
-    # Normalise after the weighted sum (one division per output row, as flash attention does);
-    # low-precision weights are rounded to v's dtype and accumulated in float32.
-    out = jnp.einsum("...ts,...se->...te", p.astype(v.dtype), v, precision=precision, preferred_element_type=compute)
+    # The weighted sum takes the float32 weights (v upcast for bf16/f16), normalised after it (one
+    # division per output row). Rounding the weights to 16 bits instead would round their gradient
+    # dO·vᵀ too, breaking its cancellation against the normaliser's share (and overflowing float16).
+    out = jnp.einsum("...ts,...se->...te", p, v.astype(compute), precision=precision, preferred_element_type=compute)
     out = (out / parts.safe_sum()).astype(v.dtype)
     if return_lse:
         return out, jnp.broadcast_to(parts.logsumexp(), out.shape[:-1])
     return out
+
+
+def choose_implementation(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    *,
+    mask: ArrayLike | Mask | None = None,
+    bias: ArrayLike | None = None,
+    q_offset: ArrayLike | None = None,
+    kv_offset: ArrayLike = 0,
+    dropout_rate: float = 0.0,
+    precision: jax.lax.PrecisionLike = None,
+    return_lse: bool = False,
+    block_size: int | tuple[int, int] | None = None,
+) -> str:
+    """The path :func:`attention` with ``implementation=None`` takes for these arguments.
+
+    One of :data:`IMPLEMENTATIONS`: blockwise where it honours every argument and the scores
+    would have at least ``AUTO_BLOCKWISE_MIN`` entries per head (or ``block_size`` is given),
+    dense otherwise (the dense path honours every argument; see :data:`SUPPORT`). Shapes as
+    for :func:`attention`; nothing is computed.
+    """
+    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+    _check_qkv(q, k, v)
+    mask = _as_mask(mask)
+    used = _features(q, v, mask, bias, q_offset, kv_offset, dropout_rate, precision, return_lse, block_size)
+    return _choose(None, q, k, used)
 
 
 def attention_weights(
@@ -369,7 +570,10 @@ def attention_weights(
     """
     q, k = jnp.asarray(q), jnp.asarray(k)
     _check_qkv(q, k, None)
-    mask, bias = _check_mask_bias(mask, bias, q, k, q_offset, kv_offset)
+    _check_scale(scale)
+    mask = _as_mask(mask)
+    _check_offsets(mask, q_offset, kv_offset)
+    mask, bias = _dense_mask(mask, q, k, q_offset, kv_offset), _check_bias(bias)
     ndim = len(_broadcast_all(q=q, k=k, mask=mask, bias=bias)) + 2
     q, k, mask, bias = (_pad_rank(x, ndim) for x in (q, k, mask, bias))
     parts, _ = _logits(q, k, mask, bias, scale, precision)

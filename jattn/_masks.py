@@ -17,6 +17,11 @@ Masks combine with ``&``, ``|`` and ``~``. Each can
   (example-dependent masks are reported partial), so that a blockwise kernel can skip empty
   blocks and drop the mask on full ones.
 
+An explicit boolean array is a mask too (:func:`array`, or implicitly when combined with a
+predicate by ``&``/``|``): it indexes the ``(t, s)`` grid of one call, broadcasts like NumPy
+(a 1-D ``(S,)`` array masks keys), and its blocks are classified at run time
+(:func:`tile_kinds`), so a blockwise kernel still skips its all-False tiles.
+
 Example: Longformer's global + sliding window is ``sliding_window(w, w) | global_tokens([0])``.
 """
 
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +43,9 @@ __all__ = [
     "EMPTY",
     "FULL",
     "PARTIAL",
+    "ArrayMask",
     "Mask",
+    "array",
     "causal",
     "chunked",
     "global_tokens",
@@ -54,6 +62,7 @@ class Mask:
     """A predicate ``allowed(i, j)`` of query position ``i`` and key position ``j``."""
 
     per_example = False  # True when the predicate reads per-example arrays (batch first)
+    has_arrays = False  # True when an explicit boolean array (ArrayMask) is part of the mask
 
     def allowed(self, i: Array, j: Array) -> Array:
         """Boolean, broadcasting ``i`` ``(..., T, 1)`` against ``j`` ``(..., 1, S)``."""
@@ -68,25 +77,43 @@ class Mask:
         shape = np.broadcast_shapes(np.shape(i0), np.shape(j0))
         return np.zeros(shape, bool), np.zeros(shape, bool)
 
-    def __and__(self, other: Mask) -> Mask:
-        return _And(self, _check(other))
+    def __and__(self, other: Mask | ArrayLike) -> Mask:
+        return _And(self, as_mask(other))
 
-    def __or__(self, other: Mask) -> Mask:
-        return _Or(self, _check(other))
+    def __rand__(self, other: ArrayLike) -> Mask:
+        return _And(as_mask(other), self)
+
+    def __or__(self, other: Mask | ArrayLike) -> Mask:
+        return _Or(self, as_mask(other))
+
+    def __ror__(self, other: ArrayLike) -> Mask:
+        return _Or(as_mask(other), self)
 
     def __invert__(self) -> Mask:
         return _Not(self)
 
+    __array_ufunc__ = None  # ``ndarray & mask`` defers to Mask.__rand__
+
+    def _bind(self, q0: ArrayLike, k0: ArrayLike) -> Mask:
+        """This mask with its array leaves told the positions of grid row 0 and column 0."""
+        return self
+
+    def _tiles(self, i0, i1, j0, j1, tiling) -> tuple[Array, Array]:
+        """Traced ``(empty, full)`` of each tile; array leaves are read at run time (see :func:`tile_kinds`)."""
+        empty, full = self._blocks(i0, i1, j0, j1)
+        return jnp.asarray(empty), jnp.asarray(full)
+
     def dense(self, T: int, S: int, *, q_offset: ArrayLike | None = None, kv_offset: ArrayLike = 0) -> Array:
-        """The boolean mask: ``(T, S)``, or ``(B, 1, T, S)`` when it depends on the example.
+        """The boolean mask: ``(T, S)``, ``(B, 1, T, S)`` when it depends on the example, or
+        ``(..., T, S)`` with the leading dimensions of its arrays.
 
         ``T`` and ``S`` are non-negative ints; offsets are scalars or per example ``(B,)``.
         """
         T, S = check_int("T", T, min=0), check_int("S", S, min=0)
         _check_lengths(self, T, S)
         i, j = _positions(T, S, q_offset, kv_offset, self.per_example)
-        m = self.allowed(i, j)
-        return jnp.broadcast_to(m, jnp.broadcast_shapes(m.shape, i.shape, j.shape))
+        m = self._bind(i[..., :1, :], j[..., :, :1]).allowed(i, j)
+        return jnp.broadcast_to(m, _broadcast_ranked(m.shape, i.shape, j.shape))
 
     def block_kinds(
         self, T: int, S: int, block_q: int, block_kv: int, *, q_offset: int | None = None, kv_offset: int = 0
@@ -115,10 +142,24 @@ class Mask:
         return "\n".join("".join("#" if a else "." for a in row) for row in m)
 
 
-def _check(m: object) -> Mask:
-    if not isinstance(m, Mask):
-        raise TypeError(f"masks combine only with masks, got {type(m).__name__}")
-    return m
+def as_mask(m: object) -> Mask:
+    """``m`` itself if a :class:`Mask`, else ``array(m)`` for a boolean array."""
+    if isinstance(m, Mask):
+        return m
+    if isinstance(m, (bool, int, float, str)) or m is None:
+        raise TypeError(f"masks combine only with masks or boolean arrays, got {type(m).__name__} {m!r}")
+    return array(m)
+
+
+def _broadcast_ranked(*shapes: tuple[int, ...]) -> tuple[int, ...]:
+    """NumPy broadcasting of shapes of any ranks (strict rank promotion is kept by callers)."""
+    return tuple(np.broadcast_shapes(*shapes))
+
+
+def _align(a: Array, b: Array) -> tuple[Array, Array]:
+    """``a`` and ``b`` left-padded with unit axes to one rank."""
+    n = max(a.ndim, b.ndim)
+    return a.reshape((1,) * (n - a.ndim) + a.shape), b.reshape((1,) * (n - b.ndim) + b.shape)
 
 
 def _positions(
@@ -150,22 +191,37 @@ class _Binary(Mask):
     def per_example(self) -> bool:  # type: ignore[override]
         return self.a.per_example or self.b.per_example
 
+    @property
+    def has_arrays(self) -> bool:  # type: ignore[override]
+        return self.a.has_arrays or self.b.has_arrays
+
+    def _bind(self, q0, k0):
+        return dataclasses.replace(self, a=self.a._bind(q0, k0), b=self.b._bind(q0, k0))
+
 
 class _And(_Binary):
     def allowed(self, i, j):
-        return self.a.allowed(i, j) & self.b.allowed(i, j)
+        return jnp.logical_and(*_align(self.a.allowed(i, j), self.b.allowed(i, j)))
 
     def _blocks(self, *box):
         (ea, fa), (eb, fb) = self.a._blocks(*box), self.b._blocks(*box)
         return ea | eb, fa & fb
 
+    def _tiles(self, *box):
+        (ea, fa), (eb, fb) = self.a._tiles(*box), self.b._tiles(*box)
+        return ea | eb, fa & fb
+
 
 class _Or(_Binary):
     def allowed(self, i, j):
-        return self.a.allowed(i, j) | self.b.allowed(i, j)
+        return jnp.logical_or(*_align(self.a.allowed(i, j), self.b.allowed(i, j)))
 
     def _blocks(self, *box):
         (ea, fa), (eb, fb) = self.a._blocks(*box), self.b._blocks(*box)
+        return ea & eb, fa | fb
+
+    def _tiles(self, *box):
+        (ea, fa), (eb, fb) = self.a._tiles(*box), self.b._tiles(*box)
         return ea & eb, fa | fb
 
 
@@ -177,12 +233,147 @@ class _Not(Mask):
     def per_example(self) -> bool:  # type: ignore[override]
         return self.a.per_example
 
+    @property
+    def has_arrays(self) -> bool:  # type: ignore[override]
+        return self.a.has_arrays
+
+    def _bind(self, q0, k0):
+        return _Not(self.a._bind(q0, k0))
+
     def allowed(self, i, j):
         return ~self.a.allowed(i, j)
 
     def _blocks(self, *box):
         empty, full = self.a._blocks(*box)
         return full, empty
+
+    def _tiles(self, *box):
+        empty, full = self.a._tiles(*box)
+        return full, empty
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ArrayMask(Mask):
+    """An explicit boolean array ``(..., T, S)`` over the ``(t, s)`` grid of one call (True = attend).
+
+    It broadcasts like NumPy against the call's ``(..., T, S)``; a 1-D array is ``(S,)``. Made by
+    :func:`array`. Its leading dimensions broadcast against those of q (they are not a batch
+    axis of their own); offsets place the grid: row ``t`` is query position ``q0 + t``.
+    """
+
+    array: Array
+    q0: Any = None  # positions of grid row 0 and column 0, bound per call (Mask._bind)
+    k0: Any = None
+
+    has_arrays = True
+
+    def _bind(self, q0, k0):
+        return dataclasses.replace(self, q0=q0, k0=k0)
+
+    def allowed(self, i, j):
+        if self.q0 is None:
+            raise ValueError("an array mask is read only inside a call that places it (attention, Mask.dense)")
+        t, s = i - self.q0, j - self.k0  # (..., T, 1), (..., 1, S) grid indices
+        if t.ndim != 2 or s.ndim != 2:
+            raise ValueError("an array mask takes no per-example offsets or per-example masks beside it")
+        m = self.array
+        rows = jnp.clip(t[:, 0], 0, m.shape[-2] - 1) if m.shape[-2] > 1 else jnp.zeros_like(t[:, 0])
+        cols = jnp.clip(s[0], 0, m.shape[-1] - 1) if m.shape[-1] > 1 else jnp.zeros_like(s[0])
+        return jnp.take(jnp.take(m, rows, axis=-2), cols, axis=-1)
+
+    def _tiles(self, i0, i1, j0, j1, tiling):
+        """Per tile, from the array: empty where no entry is True, full where every entry is."""
+        T, S, bq, bk = tiling  # the tiled grid, possibly padded past the array's own T and S
+        n = (-(-T // bq), -(-S // bk))
+        m = self.array.reshape(-1, *self.array.shape[-2:])  # (L, T|1, S|1)
+
+        def per_tile(fill, reduce):  # (nq, nk); padding is neutral for `reduce`
+            x, shape = m, [m.shape[0]]
+            for axis, (count, size) in enumerate(zip(n, (bq, bk), strict=True), start=1):
+                if x.shape[axis] > 1:
+                    widths = [(0, 0)] * 3
+                    widths[axis] = (0, count * size - x.shape[axis])
+                    x = jnp.pad(x, widths, constant_values=fill)
+                    shape += [count, size]
+                else:
+                    shape += [1, 1]
+            x = reduce(x.reshape(shape), axis=(0, 2, 4))
+            return jnp.broadcast_to(x, n)
+
+        return ~per_tile(False, jnp.any), per_tile(True, jnp.all)
+
+
+def array(m: ArrayLike) -> ArrayMask:
+    """An explicit boolean mask ``(..., T, S)`` (True = attend), broadcastable like NumPy.
+
+    A 1-D ``(S,)`` array masks keys for every query; 0-D masks everything or nothing. It combines
+    with predicates by ``&``, ``|`` and ``~``; a plain boolean array passed as ``mask=`` is read the
+    same way.
+    """
+    m = jnp.asarray(m)
+    if m.dtype != jnp.bool_:
+        raise TypeError(f"mask must be boolean (True = attend), got {m.dtype} with shape {m.shape}")
+    return ArrayMask(m.reshape((1,) * max(0, 2 - m.ndim) + m.shape))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Slot(Mask):
+    """Where an :class:`ArrayMask` stood in a static skeleton (see :func:`split_arrays`)."""
+
+    index: int
+    shape: tuple[int, ...]
+
+    has_arrays = True
+
+
+def split_arrays(mask: Mask) -> tuple[Mask, list[Array]]:
+    """``(skeleton, arrays)``: a hashable mask with each array leaf replaced by a slot, and the arrays.
+
+    The skeleton's static :meth:`Mask.block_kinds` treats the slots as unknown (every tile
+    partial); :func:`fill_arrays` puts the arrays back.
+    """
+    arrays: list[Array] = []
+
+    def split(m: Mask) -> Mask:
+        if isinstance(m, ArrayMask):
+            arrays.append(m.array)
+            return _Slot(len(arrays) - 1, tuple(m.array.shape))
+        if isinstance(m, _Binary):
+            return dataclasses.replace(m, a=split(m.a), b=split(m.b))
+        return _Not(split(m.a)) if isinstance(m, _Not) else m
+
+    return split(mask), arrays
+
+
+def fill_arrays(skeleton: Mask, arrays: Sequence[Array]) -> Mask:
+    """The inverse of :func:`split_arrays` (arrays may be reshaped, e.g. flattened, in between)."""
+    if isinstance(skeleton, _Slot):
+        return ArrayMask(arrays[skeleton.index])
+    if isinstance(skeleton, _Binary):
+        return dataclasses.replace(skeleton, a=fill_arrays(skeleton.a, arrays), b=fill_arrays(skeleton.b, arrays))
+    return _Not(fill_arrays(skeleton.a, arrays)) if isinstance(skeleton, _Not) else skeleton
+
+
+def conjuncts(mask: Mask) -> list[Mask]:
+    """The terms ``[a, b, ...]`` of a top-level ``a & b & ...`` (``[mask]`` for any other mask)."""
+    return [t for part in (mask.a, mask.b) for t in conjuncts(part)] if isinstance(mask, _And) else [mask]
+
+
+def tile_kinds(mask: Mask, T: int, S: int, block_q: int, block_kv: int, *, q_offset: int, kv_offset: int) -> Array:
+    """``(ceil(T/block_q), ceil(S/block_kv))`` int8 EMPTY / PARTIAL / FULL, traced.
+
+    As :meth:`Mask.block_kinds`, but array leaves are read on device (an all-False tile of every
+    example is empty, an all-True one full), so it works under ``jit`` with traced arrays.
+    Static ``q_offset``/``kv_offset``.
+    """
+    i0 = q_offset + np.arange(0, T, block_q)[:, None]
+    i1 = np.minimum(i0 + block_q, q_offset + T) - 1
+    j0 = kv_offset + np.arange(0, S, block_kv)[None, :]
+    j1 = np.minimum(j0 + block_kv, kv_offset + S) - 1
+    empty, full = mask._tiles(i0, i1, j0, j1, (T, S, block_q, block_kv))
+    shape = (i0.shape[0], j0.shape[1])
+    kinds = jnp.where(jnp.broadcast_to(full, shape), jnp.int8(FULL), jnp.int8(PARTIAL))
+    return jnp.where(jnp.broadcast_to(empty, shape), jnp.int8(EMPTY), kinds)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -388,6 +579,8 @@ def _check_lengths(mask: Mask, T: int, S: int) -> None:
             raise ValueError(
                 f"segment_ids q_segments {q} and kv_segments {kv} must have shapes (B, T={T}) and (B, S={S})"
             )
+    if isinstance(mask, ArrayMask) and (mask.array.shape[-2] not in (1, T) or mask.array.shape[-1] not in (1, S)):
+        raise ValueError(f"mask of shape {mask.array.shape} does not broadcast to (..., T, S) = (..., {T}, {S})")
     if dataclasses.is_dataclass(mask):
         for field in dataclasses.fields(mask):
             part = getattr(mask, field.name)

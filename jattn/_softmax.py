@@ -23,7 +23,20 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
-__all__ = ["SoftmaxParts", "softmax", "softmax_parts"]
+__all__ = ["SoftmaxParts", "shifted_exp", "softmax", "softmax_parts"]
+
+
+def shifted_exp(x: Array, m: Array) -> Array:
+    """``exp(x - m)`` for ``m`` a row maximum of ``x``, never above 1.
+
+    Compilers may evaluate ``x - m`` as one fused multiply-add of the unrounded score (XLA on CPU
+    does, under ``jit``), which can exceed the rounded maximum by half an ulp of the logit: for
+    logits near 1e8 that is ``exp(16)``. Clamping the exponent at 0 keeps every weight in
+    ``[0, 1]`` whatever the rounding; the clamp is held constant under differentiation, so the
+    gradient is that of ``exp(x - m)``.
+    """
+    d = x - m
+    return jnp.exp(d - jax.lax.stop_gradient(jnp.maximum(d, jnp.zeros_like(d))))
 
 
 class SoftmaxParts(NamedTuple):
@@ -70,7 +83,7 @@ def softmax_parts(x: Array, where: Array | None = None) -> SoftmaxParts:
     m = jax.lax.stop_gradient(jnp.where(m == -jnp.inf, jnp.zeros_like(m), m))
     # The inner `where` keeps masked entries (possibly NaN or inf) out of the exp and out of
     # its gradient; the outer one makes them exactly zero.
-    e = jnp.where(where, jnp.exp(jnp.where(where, x, m) - m), jnp.zeros_like(x))
+    e = jnp.where(where, shifted_exp(jnp.where(where, x, m), m), jnp.zeros_like(x))
     return SoftmaxParts(m, e, jnp.sum(e, axis=-1, keepdims=True))
 
 

@@ -71,7 +71,8 @@ def test_blockwise_gradients_equal_dense(mask):
 
     def loss(impl):
         def f(q, k, v):
-            out = jattn.attention(q, k, v, mask=mask, implementation=impl, block_size=(4, 3))
+            blocks = {"block_size": (4, 3)} if impl == "blockwise" else {}
+            out = jattn.attention(q, k, v, mask=mask, implementation=impl, **blocks)
             return jnp.sum(jnp.sin(out) * jnp.arange(3.0)[None, None, None])
 
         return jax.grad(f, argnums=(0, 1, 2))(q, k, v)
@@ -123,12 +124,14 @@ def test_no_scores_buffer_in_the_compiled_blockwise_path():
 
 
 def test_auto_chooses_blockwise_for_long_sequences():
-    from jattn._core import AUTO_BLOCKWISE_MIN, _choose
+    from jattn._core import AUTO_BLOCKWISE_MIN
 
     small, big = jnp.zeros((1, 64, 8)), jnp.zeros((1, int(AUTO_BLOCKWISE_MIN**0.5), 8))
-    assert _choose(None, small, small, None, None, None, 0, 0.0) == "dense"
-    assert _choose(None, big, big, masks.causal(), None, None, 0, 0.0) == "blockwise"
-    assert _choose(None, big, big, jnp.ones((1, 1), bool), None, None, 0, 0.0) == "dense"  # array masks stay dense
+    assert jattn.choose_implementation(small, small, small) == "dense"
+    assert jattn.choose_implementation(big, big, big, mask=masks.causal()) == "blockwise"
+    assert jattn.choose_implementation(big, big, big, mask=jnp.ones((1, 1), bool)) == "blockwise"  # arrays are tiled
+    assert jattn.choose_implementation(big, big, big, bias=jnp.ones((1, 1))) == "dense"  # bias is not (yet)
+    assert jattn.choose_implementation(small, small, small, block_size=16) == "blockwise"  # blocks asked for
 
 
 def test_xla_handover_matches_and_keeps_the_contract():
@@ -149,11 +152,13 @@ def test_xla_handover_matches_and_keeps_the_contract():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        (dict(implementation="blockwise", bias=np.zeros((9, 9), np.float32)), "does not take bias"),
-        (dict(implementation="blockwise", mask=np.ones((9, 9), bool)), "does not take an array mask"),
-        (dict(implementation="blockwise", mask=masks.padding(kv_lengths=np.array([3, 4]))), "per-example mask"),
-        (dict(implementation="xla", return_lse=True), "cannot return the log-sum-exp"),
-        (dict(implementation="xla", mask=masks.prefix_lm(2)), "expresses only causal"),
+        (dict(implementation="blockwise", bias=np.zeros((9, 9), np.float32)), "'blockwise' cannot take bias"),
+        (dict(implementation="blockwise", mask=masks.padding(kv_lengths=np.array([3, 4]))), "per-example predicate"),
+        (dict(implementation="dense", block_size=4), "'dense' cannot take block_size"),
+        (dict(implementation="xla", dropout_rate=0.5, dropout_rng=jax.random.key(0)), "'xla' cannot take dropout_rate"),
+        (dict(implementation="xla", precision="highest"), "'xla' cannot take precision"),
+        (dict(implementation="cudnn", mask=masks.prefix_lm(2)), "'cudnn' expresses causal"),
+        (dict(implementation="cudnn", mask=masks.causal(), q_offset=1), "'cudnn' expresses causal.*q_offset=1"),
         (dict(implementation="flash"), "implementation must be one of"),
     ],
 )

@@ -83,9 +83,11 @@ def test_bad_mask_arguments():
         masks.padding(kv_lengths=jnp.ones((2, 2), jnp.int32))
     with pytest.raises(ValueError, match=r"segment_ids q_segments must have shape \(B, T\)"):
         masks.segment_ids(jnp.ones((3,), jnp.int32))
-    with pytest.raises(TypeError, match="masks combine only with masks"):
-        masks.causal() & jnp.ones((2, 2), bool)
-    with pytest.raises(ValueError, match="q_offset and kv_offset apply only"):
+    with pytest.raises(TypeError, match="masks combine only with masks or boolean arrays"):
+        masks.causal() & 3
+    with pytest.raises(TypeError, match="mask must be boolean"):
+        masks.causal() & jnp.ones((2, 2), jnp.float32)
+    with pytest.raises(ValueError, match="q_offset and kv_offset place a jattn.masks predicate"):
         jattn.attention(jnp.ones((3, 2)), jnp.ones((3, 2)), jnp.ones((3, 2)), mask=jnp.ones((3, 3), bool), q_offset=1)
 
 
