@@ -10,7 +10,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
-from matplotlib.ticker import FuncFormatter
+from matplotlib.ticker import LogFormatter
 
 if TYPE_CHECKING:
     from train.loop import Experiment
@@ -51,9 +51,8 @@ def curves(runs: dict[str, list[dict]], path: Path, *, chance: float, title: str
             label=f"{label}: held-out sequence",
         )
     ax_loss.set(xlabel="step", ylabel="loss (answer tokens)", yscale="log", title=f"{title}: loss")
-    plain = FuncFormatter(lambda y, _: f"{y:g}")
-    ax_loss.yaxis.set_major_formatter(plain)
-    ax_loss.yaxis.set_minor_formatter(plain)
+    ax_loss.yaxis.set_major_formatter(LogFormatter(labelOnlyBase=False))  # 0.3, not 3 x 10^-1
+    ax_loss.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(1, 0.5)))
     ax_acc.axhline(chance, color="grey", ls=":", label=f"chance {chance:.1%}")
     ax_acc.set(xlabel="step", ylabel="accuracy", ylim=(0, 1.02), title=f"{title}: accuracy")
     ax_loss.legend(fontsize=7)

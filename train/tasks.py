@@ -199,7 +199,7 @@ class Induction(_TwoHalves):
     def pattern(self) -> str:
         return (
             f"each token of the repeat reads the token after its previous occurrence: position t reads "
-            f"t-{self.size - 1} (a stripe; a previous-token head below it)"
+            f"t-{self.size - 1} (a stripe {self.size - 1} positions below the diagonal)"
         )
 
     def sequence(self, key: Array) -> tuple[Array, Array]:
