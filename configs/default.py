@@ -15,6 +15,9 @@ def get_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.name = "mqar"  # run directory runs/<name> unless workdir is set
     c.workdir = ""
+    # An existing run directory of this name: True resumes it (the config must match on every key
+    # that shapes the run, README "Run directories"); False moves it aside to runs/<name>.old-<n>.
+    c.resume = True
     c.seed = 0
     c.task = ml_collections.ConfigDict(dict(name="mqar", num_pairs=8, num_queries=8, num_keys=32, num_values=32))
     c.model = ml_collections.ConfigDict(

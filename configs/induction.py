@@ -4,7 +4,7 @@ Run:      python -m train --config configs/induction.py
 Expect:   100% held-out sequence accuracy; chance per token 1/16. Its attention.png shows the
           two-layer induction circuit: a previous-token head in layer 0 and, in layer 1, queries
           of the repeat attending to the token after their first occurrence (an off-diagonal
-          stripe twelve positions back).
+          stripe eleven positions back: the token after the first occurrence).
 Time:     43-50 s on the 2-core CPU (measured 2026-11-30): 100.0% sequence accuracy.
 """
 

@@ -151,6 +151,11 @@ BAD_CONFIGS = [
     (["--config.steps=many"], "config key 'steps': bad value 'many'"),
     (["--config.model.mixer=rnn"], "config key 'model.mixer': unknown mixer 'rnn'"),
     (["--config", "configs/missing.py"], "config file 'configs/missing.py' does not exist"),
+    (["--config.name=../../x"], "config key 'name' must be one directory name inside runs/"),
+    (["--config.resume=maybe"], "config key 'resume': bad value 'maybe'"),
+    (["--config.seed=1.5"], "config key 'seed': bad value '1.5'"),
+    (["--config.learning_rate=-1e-3"], "config key 'learning_rate' must be positive, got -0.001"),
+    (["--config.weight_decay=nan"], "config key 'weight_decay'"),
 ]
 
 
@@ -172,7 +177,8 @@ def test_sigint_saves_a_checkpoint_and_the_same_command_resumes(tmp_path):
     import sys
     import time
 
-    cmd = [sys.executable, "-m", "train", "--quiet", f"--config.workdir={tmp_path}", "--config.control=False"]
+    same = [f"--config.workdir={tmp_path}", "--config.control=False", "--config.warmup_steps=10"]
+    cmd = [sys.executable, "-m", "train", "--quiet", *same]
     cmd += [
         "--config.steps=4000",
         "--config.log_every=10",
@@ -191,7 +197,9 @@ def test_sigint_saves_a_checkpoint_and_the_same_command_resumes(tmp_path):
     assert 0 < step < 4000 and f"interrupted at step {step}" in out
     _, _, saved = loop.restore(tmp_path)
     assert saved == step  # the checkpoint is the last logged step: nothing lost
-    summary = loop.train(tiny(tmp_path, steps=step + 20, log_every=10, eval_every=10, checkpoint_every=10))
+    longer = ["--config.steps=" + str(step + 20), "--config.eval_every=10", "--config.checkpoint_every=10"]
+    resumed = config.override(config.load(), [*same, "--config.log_every=10", *longer])
+    summary = loop.train(resumed, progress=False)  # the same run (steps and logging may change)
     assert summary["step"] == step + 20 and not summary["interrupted"]
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import ast
 import dataclasses
 import importlib.util
+import math
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -72,13 +74,83 @@ def override(cfg: ml_collections.ConfigDict, args: list[str]) -> ml_collections.
     return cfg
 
 
+def _get(cfg: ml_collections.ConfigDict, key: str) -> Any:
+    value = cfg
+    for part in key.split("."):
+        value = value[part]
+    return value
+
+
 def _positive(cfg: ml_collections.ConfigDict, *keys: str) -> None:
     for key in keys:
-        value = cfg
-        for part in key.split("."):
-            value = value[part]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        value = _get(cfg, key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
             raise ConfigError(f"config key {key!r} must be positive, got {value!r}")
+
+
+def _integer(cfg: ml_collections.ConfigDict, *keys: str) -> None:
+    for key in keys:
+        value = _get(cfg, key)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"config key {key!r} must be an integer, got {value!r}")
+
+
+def _non_negative(cfg: ml_collections.ConfigDict, *keys: str) -> None:
+    for key in keys:
+        value = _get(cfg, key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise ConfigError(f"config key {key!r} must be >= 0, got {value!r}")
+
+
+def _typed(cfg: ml_collections.ConfigDict, kind: type, *keys: str) -> None:
+    for key in keys:
+        value = _get(cfg, key)
+        if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+            raise ConfigError(f"config key {key!r} must be a {kind.__name__}, got {value!r}")
+
+
+NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+
+
+def _check_name(name: Any) -> None:
+    """A run name is one path component inside runs/: letters, digits, ``_``, ``.``, ``-``."""
+    if not isinstance(name, str) or not NAME.fullmatch(name) or ".." in name:
+        raise ConfigError(
+            f"config key 'name' must be one directory name inside runs/ (letters, digits, '_', '.', '-'; "
+            f"no separators, no '..', not starting with '.' or '-'), got {name!r}"
+        )
+
+
+def _check_keys(cfg: ml_collections.ConfigDict) -> None:
+    """Every key (outside ``task``, whose keys depend on the task) is one the default config has."""
+    defaults = load(DEFAULT_CONFIG)
+    for key in cfg:
+        if key not in defaults:
+            raise ConfigError(f"unknown config key {key!r} (value {cfg[key]!r})")
+        if key != "task" and isinstance(defaults[key], ml_collections.ConfigDict):
+            if not isinstance(cfg[key], ml_collections.ConfigDict):
+                raise ConfigError(f"config key {key!r} must be a group of keys, got {cfg[key]!r}")
+            for sub in cfg[key]:
+                if sub not in defaults[key]:
+                    raise ConfigError(f"unknown config key '{key}.{sub}' (value {cfg[key][sub]!r})")
+    for key in defaults:
+        if key not in cfg:
+            raise ConfigError(f"config key {key!r} is missing")
+
+
+def _check_run(cfg: ml_collections.ConfigDict) -> None:
+    """The keys of where and how long a run runs, and the distributed setup."""
+    _check_name(cfg.name)
+    _typed(cfg, str, "workdir", "distributed.coordinator_address")
+    _typed(cfg, bool, "resume", "control")
+    _integer(cfg, "seed", "steps", "batch_size", "log_every", "eval_every", "eval_batches", "checkpoint_every")
+    _integer(cfg, "warmup_steps", "distributed.num_processes", "distributed.process_id")
+    _positive(cfg, "steps", "batch_size", "log_every", "eval_every", "eval_batches", "checkpoint_every")
+    if cfg.distributed.num_processes < 0 or cfg.distributed.process_id < -1:
+        raise ConfigError(
+            f"config keys 'distributed.num_processes'={cfg.distributed.num_processes} must be >= 0 and "
+            f"'distributed.process_id'={cfg.distributed.process_id} >= -1"
+        )
 
 
 def make_task(cfg: ml_collections.ConfigDict) -> Task:
@@ -91,6 +163,7 @@ def make_task(cfg: ml_collections.ConfigDict) -> Task:
     for key, value in spec.items():
         if key not in fields:
             raise ConfigError(f"unknown config key 'task.{key}' for task {name!r} (value {value!r})")
+        _integer(cfg, f"task.{key}")
         _positive(cfg, f"task.{key}")
     task = TASKS[name](**spec)
     if isinstance(task, MQAR) and not task.num_queries <= task.num_pairs <= task.num_keys:
@@ -112,15 +185,18 @@ def _check_mesh(cfg: ml_collections.ConfigDict) -> None:
 
 def validate(cfg: ml_collections.ConfigDict) -> Task:
     """Checks every value the program depends on; returns the task. Raises :class:`ConfigError`."""
+    _check_keys(cfg)
+    _check_run(cfg)
     task = make_task(cfg)
     _check_mesh(cfg)
-    _positive(cfg, "steps", "batch_size", "log_every", "eval_every", "eval_batches", "checkpoint_every")
     _positive(cfg, "learning_rate", "grad_clip", "model.d_model", "model.num_heads", "model.num_layers")
     _positive(cfg, "model.mlp_ratio")
-    if cfg.warmup_steps < 0 or cfg.weight_decay < 0:
-        raise ConfigError(
-            f"config keys 'warmup_steps'={cfg.warmup_steps}, 'weight_decay'={cfg.weight_decay} must be >= 0"
-        )
+    _integer(cfg, "model.d_model", "model.num_heads", "model.num_layers", "model.mlp_ratio")
+    _integer(cfg, "model.num_kv_heads", "model.window")
+    _non_negative(cfg, "weight_decay", "warmup_steps")
+    tokens = cfg.model.global_tokens
+    if not isinstance(tokens, (tuple, list)) or not all(isinstance(g, int) and not isinstance(g, bool) for g in tokens):
+        raise ConfigError(f"config key 'model.global_tokens' must be a tuple of integers, got {tokens!r}")
     if cfg.warmup_steps >= cfg.steps:
         raise ConfigError(f"config key 'warmup_steps'={cfg.warmup_steps} must be below 'steps'={cfg.steps}")
     for key in ("eval_every", "checkpoint_every"):

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from train import loop
+from train.rundir import RunError
 
 
 def examples(exp: loop.Experiment, params, count: int) -> list[str]:
@@ -39,7 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run", required=True, help="run directory, e.g. runs/mqar")
     parser.add_argument("--examples", type=int, default=3)
     args = parser.parse_args(argv)
-    exp, params, step = loop.restore(args.run)
+    try:
+        exp, params, step = loop.restore(args.run)
+    except RunError as e:
+        parser.exit(1, f"{parser.prog}: error: {e}\n")
     metrics = {k: float(v) for k, v in loop.make_evaluate(exp)(params).items()}
     print(
         f"{args.run} at step {step}: held-out token accuracy {metrics['token_acc']:.2%}, "

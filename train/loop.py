@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import signal
 import threading
 import time
@@ -22,16 +21,19 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 from flax import nnx
 from jax import Array
 from jax.experimental import multihost_utils
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.console import Console
+from rich.progress import BarColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Column
+from rich.text import Text
 
-from train import plots, sharding
-from train.config import load as load_config
-from train.config import validate
+from train import plots, rundir, sharding
+from train.checkpoints import CheckpointError, Checkpoints
+from train.config import ConfigError, validate
 from train.model import Decoder
+from train.rundir import workdir_of
 from train.tasks import Task
 
 PyTree = Any
@@ -57,10 +59,6 @@ class Experiment:
 
     def model(self, params: nnx.State) -> Decoder:
         return nnx.merge(self.graphdef, params)
-
-
-def workdir_of(cfg: ml_collections.ConfigDict) -> Path:
-    return Path(cfg.workdir or Path("runs") / cfg.name)
 
 
 def build(cfg: ml_collections.ConfigDict) -> Experiment:
@@ -173,27 +171,56 @@ def _agree(flag: bool) -> bool:
     return bool(np.any(multihost_utils.process_allgather(np.asarray(flag))))
 
 
-def _metrics_log(path: Path, start: int, *, write: bool = True) -> list[dict]:
-    """Reads metrics.jsonl, dropping lines past the checkpoint we resume from."""
-    lines = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
-    lines = [x for x in lines if x["step"] <= start]
-    if write:
-        path.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    return lines
+def _barrier(name: str) -> None:
+    """All processes meet here (a no-op for one process)."""
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)
 
 
-def _progress(enabled: bool) -> Progress:
+class _StatsColumn(ProgressColumn):
+    """The loss/accuracy text: the column that gives way (with an ellipsis) on a narrow terminal."""
+
+    def render(self, task) -> Text:
+        return Text(task.fields.get("stats", ""), no_wrap=True, overflow="ellipsis")
+
+
+def progress_bar(enabled: bool = True, *, console: Console | None = None) -> Progress:
+    """The training progress bar: name, bar, steps, elapsed time, eta, then the latest stats.
+
+    Every column but the stats keeps its width, so a narrow terminal (80 columns) shortens the
+    stats, never the times.
+    """
+    fixed = {"table_column": Column(no_wrap=True)}
     return Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(bar_width=10),
-        TextColumn("{task.completed:>5.0f}/{task.total:.0f}"),
-        TextColumn("{task.fields[stats]}"),
-        TimeElapsedColumn(),
-        TextColumn("eta"),
-        TimeRemainingColumn(compact=True),
+        TextColumn("[bold]{task.description}", **fixed),
+        BarColumn(bar_width=10, **fixed),
+        TextColumn("{task.completed:>5.0f}/{task.total:.0f}", **fixed),
+        TimeElapsedColumn(**fixed),
+        TextColumn("eta", **fixed),
+        TimeRemainingColumn(compact=True, **fixed),
+        _StatsColumn(),
+        console=console,
         disable=not enabled,
         transient=False,
     )
+
+
+def _make_mesh(cfg: ml_collections.ConfigDict) -> jax.sharding.Mesh:
+    try:
+        return sharding.make_mesh(cfg)
+    except ValueError as e:  # more devices than there are
+        raise ConfigError(str(e)) from None
+
+
+def _open_run(cfg: ml_collections.ConfigDict, workdir: Path, main: bool) -> Path | None:
+    """Checks the run directory (and moves an old run aside when asked); returns where it went."""
+    action = rundir.plan(workdir, cfg)
+    _barrier("jattn-run-planned")
+    moved = rundir.move_aside(workdir) if action == "move_aside" and main else None
+    if main:
+        workdir.mkdir(parents=True, exist_ok=True)
+    _barrier("jattn-run-opened")
+    return moved
 
 
 def train(
@@ -206,30 +233,35 @@ def train(
     """Trains (or resumes) the run of ``cfg`` in its run directory; returns the summary.
 
     The run directory holds ``config.json``, ``metrics.jsonl``, ``checkpoints/``, pictures and
-    ``summary.json``. SIGINT/SIGTERM (or ``should_stop(step)`` returning True) saves a checkpoint
-    and returns early with ``summary['interrupted'] = True``.
+    ``summary.json``; :mod:`train.rundir` says when an existing one is resumed, refused or moved
+    aside (``summary['moved_aside']``), and ``config.json`` is written only once all checks have
+    passed. SIGINT/SIGTERM (or ``should_stop(step)`` returning True) saves a checkpoint and
+    returns early with ``summary['interrupted'] = True``.
+
+    Raises :class:`~train.config.ConfigError` for a config that cannot run and
+    :class:`~train.rundir.RunError` (a :class:`~train.checkpoints.CheckpointError` for
+    checkpoints) for a run directory that cannot be used; both carry a one-line message.
     """
     sharding.init_distributed(cfg)
     exp = build(cfg)
-    mesh = sharding.make_mesh(cfg)
+    mesh = _make_mesh(cfg)
     main = jax.process_index() == 0  # the process that writes logs, summaries and pictures
     workdir = workdir_of(cfg).resolve()
-    workdir.mkdir(parents=True, exist_ok=True)
-    if main:
-        (workdir / "config.json").write_text(cfg.to_json_best_effort(indent=2) + "\n")
-    options = ocp.CheckpointManagerOptions(max_to_keep=2, create=True)
-    with jax.set_mesh(mesh), ocp.CheckpointManager(workdir / "checkpoints", options=options) as manager:
-        state = sharding.place(_initial_state(exp), mesh)
-        start = manager.latest_step() or 0
-        if start:
-            state = _load(manager, start, state)
-        log = _metrics_log(workdir / "metrics.jsonl", start, write=main)
+    moved = _open_run(cfg, workdir, main)
+    metrics = rundir.MetricsLog(workdir / "metrics.jsonl")
+    rows = metrics.read()
+    with jax.set_mesh(mesh), Checkpoints(workdir / "checkpoints", write=True) as ckpt:
+        initial = sharding.place(_initial_state(exp), mesh)
+        start, state = ckpt.restore_latest(initial, quarantine=workdir / "checkpoints.damaged" if main else None)
+        state = initial if state is None else state
+        log = metrics.keep_until(start, rows) if main else []
+        if main:
+            rundir.write_config(workdir, cfg)  # every check passed: the run starts
         chunk, evaluate = make_train_chunk(exp), make_evaluate(exp)
         params, opt_state = state["params"], state["opt_state"]
         tokens_per_step = cfg.batch_size * exp.task.length
         step, interrupted = start, False
-        log_path = workdir / "metrics.jsonl" if main else os.devnull  # one process writes the log
-        with _progress(progress and main) as bar, _Stop(should_stop) as stop, open(log_path, "a") as metrics:
+        with progress_bar(progress and main) as bar, _Stop(should_stop) as stop:
             job = bar.add_task(f"{cfg.name}/{cfg.model.mixer}", total=cfg.steps, completed=start, stats="")
             while step < cfg.steps:
                 n = min(cfg.log_every, cfg.steps - step)
@@ -241,17 +273,17 @@ def train(
                 row["tokens_per_s"] = tokens_per_step * n / (time.perf_counter() - t0)
                 if step % cfg.eval_every == 0 or step == cfg.steps:
                     row["eval"] = {k: float(v) for k, v in evaluate(params).items()}
-                metrics.write(json.dumps(row) + "\n")
-                metrics.flush()
-                log.append(row)
+                if main:  # one process writes the log
+                    metrics.append(row)
+                    log.append(row)
                 stats = f"loss {row['loss']:.3f} acc {row['acc']:.3f} {row['tokens_per_s'] / 1e3:.0f}k tok/s"
                 bar.update(job, completed=step, stats=stats)
                 interrupted = _agree(stop(step)) and step < cfg.steps
                 if step % cfg.checkpoint_every == 0 or step == cfg.steps or interrupted:
-                    manager.save(step, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
+                    ckpt.save(step, {"params": params, "opt_state": opt_state})
                 if interrupted:
                     break
-        manager.wait_until_finished()
+        ckpt.wait()
         final = {k: float(v) for k, v in evaluate(params).items()}
         if jax.process_count() > 1:  # the pictures below run on one process: gather the parameters
             params = multihost_utils.process_allgather(params, tiled=True)
@@ -267,45 +299,47 @@ def train(
         "eval": final,
         "mesh": dict(mesh.shape),
         "processes": jax.process_count(),
+        "moved_aside": str(moved) if moved else None,
     }
     if not main:
         return summary
-    (workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    rundir.write_atomic(workdir / "summary.json", json.dumps(summary, indent=2) + "\n")
     if pictures and not interrupted:
-        plots.curves(
-            log,
-            workdir / "curves.png",
-            chance=exp.task.chance,
-            title=f"{cfg.name}: {exp.task.name}, mixer={cfg.model.mixer}",
-        )
+        label = f"{cfg.model.mixer} ({exp.task.name})"
+        plots.curves({label: log}, workdir / "curves.png", chance=exp.task.chance, title=cfg.name)
         if cfg.model.mixer == "attention":  # linear attention forms no weights to draw
             plots.attention_maps(exp, params, workdir / "attention.png")
     return summary
 
 
+def compare(summary: dict, control: dict) -> Path:
+    """Draws a run and its control on the same axes into the run's ``curves.png``; returns the path."""
+    runs = {
+        f"{summary['mixer']} ({summary['task']})": rundir.MetricsLog(Path(summary["workdir"]) / "metrics.jsonl"),
+        "control (no attention)": rundir.MetricsLog(Path(control["workdir"]) / "metrics.jsonl"),
+    }
+    path = Path(summary["workdir"]) / "curves.png"
+    plots.curves({k: m.read() for k, m in runs.items()}, path, chance=summary["chance"], title=summary["name"])
+    return path
+
+
 def restore(workdir: str | Path) -> tuple[Experiment, nnx.State, int]:
-    """Loads a run directory's config and latest checkpoint: ``(experiment, params, step)``."""
+    """Loads a run directory's config and newest readable checkpoint: ``(experiment, params, step)``.
+
+    Raises :class:`~train.rundir.RunError` with a one-line message when the directory is not a
+    run or has no readable checkpoint (damaged ones are skipped with a warning).
+    """
     workdir = Path(workdir)
-    saved = json.loads((workdir / "config.json").read_text())
-    defaults = load_config()  # keys added since the run was made (e.g. mesh) take their defaults
-    cfg = ml_collections.ConfigDict({**{k: defaults[k] for k in defaults if k not in saved}, **saved})
-    exp = build(cfg)
-    with ocp.CheckpointManager(workdir.resolve() / "checkpoints") as manager:
-        step = manager.latest_step()
-        if step is None:
-            raise FileNotFoundError(f"no checkpoint in {workdir / 'checkpoints'}")
-        state = _load(manager, step, _initial_state(exp))
+    exp = build(rundir.read_config(workdir))
+    with Checkpoints(workdir.resolve() / "checkpoints", write=False) as ckpt:
+        step, state = ckpt.restore_latest(_initial_state(exp))
+    if state is None:
+        raise CheckpointError(f"no checkpoint in {workdir / 'checkpoints'}")
     return exp, state["params"], step
 
 
 def _initial_state(exp: Experiment) -> dict:
     return {"params": exp.init_params, "opt_state": exp.tx.init(exp.init_params)}
-
-
-def _load(manager: ocp.CheckpointManager, step: int, like: dict) -> dict:
-    """Restores checkpoint ``step`` into the structure of ``like`` (params + optimizer state)."""
-    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
-    return manager.restore(step, args=ocp.args.StandardRestore(abstract))
 
 
 def verdict(summary: dict, control: dict | None = None) -> str:

@@ -17,6 +17,7 @@ from flax import nnx
 from jax import Array
 
 from train import loop
+from train.rundir import RunError
 
 
 def answer_positions(exp: loop.Experiment) -> np.ndarray:
@@ -66,7 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run", required=True, help="run directory, e.g. runs/mqar")
     parser.add_argument("--examples", type=int, default=4)
     args = parser.parse_args(argv)
-    exp, params, step = loop.restore(args.run)
+    try:
+        exp, params, step = loop.restore(args.run)
+    except RunError as e:
+        parser.exit(1, f"{parser.prog}: error: {e}\n")
     batch = exp.task.batch(jax.random.fold_in(exp.eval_key, 0), args.examples)
     cached, full = greedy_cached(exp, params, batch.inputs), greedy_full(exp, params, batch.inputs)
     want = batch.targets[:, answer_positions(exp)]

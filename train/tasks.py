@@ -43,6 +43,11 @@ class Task:
         """Per-token accuracy of the best guess that ignores the context."""
         raise NotImplementedError
 
+    @property
+    def pattern(self) -> str:
+        """What attention that solves the task looks like (for the title of attention pictures)."""
+        raise NotImplementedError
+
     def sequence(self, key: Array) -> tuple[Array, Array]:
         """One sequence ``(L + 1,)`` int32 and its answer mask over targets ``(L,)``."""
         raise NotImplementedError
@@ -84,6 +89,13 @@ class MQAR(Task):
     @property
     def chance(self) -> float:
         return 1.0 / self.num_values
+
+    @property
+    def pattern(self) -> str:
+        return (
+            f"each query key (positions {2 * self.num_pairs}, {2 * self.num_pairs + 2}, ...) reads the value "
+            "right after the same key in the context"
+        )
 
     def sequence(self, key: Array) -> tuple[Array, Array]:
         kk, kv, kq = jax.random.split(key, 3)
@@ -129,6 +141,13 @@ class Sort(_TwoHalves):
     size: int = 6
     vocab: int = 3
 
+    @property
+    def pattern(self) -> str:
+        return (
+            f"answers (positions {self.size - 1}-{self.length - 1}) read the unsorted first {self.size} tokens "
+            "holding the next value in order"
+        )
+
     def sequence(self, key: Array) -> tuple[Array, Array]:
         x = jax.random.randint(key, (self.size,), 0, self.vocab)
         seq = jnp.concatenate([x, jnp.sort(x)]).astype(jnp.int32)
@@ -151,6 +170,10 @@ class Reverse(_TwoHalves):
     def length(self) -> int:
         return 2 * self.size
 
+    @property
+    def pattern(self) -> str:
+        return f"an anti-diagonal: answer position t reads position {self.length - 1}-t"
+
     def sequence(self, key: Array) -> tuple[Array, Array]:
         x = jax.random.randint(key, (self.size,), 0, self.vocab)
         seq = jnp.concatenate([x, jnp.array([self.vocab]), x[::-1]]).astype(jnp.int32)
@@ -171,6 +194,13 @@ class Induction(_TwoHalves):
     name: ClassVar[str] = "induction"
     size: int = 12
     vocab: int = 16
+
+    @property
+    def pattern(self) -> str:
+        return (
+            f"each token of the repeat reads the token after its previous occurrence: position t reads "
+            f"t-{self.size - 1} (a stripe {self.size - 1} positions below the diagonal)"
+        )
 
     def sequence(self, key: Array) -> tuple[Array, Array]:
         b = jax.random.randint(key, (self.size,), 0, self.vocab)

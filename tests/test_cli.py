@@ -1,0 +1,342 @@
+"""Nothing silent: run-directory faults, config keys, progress bar, pictures, the README ring snippet.
+
+Every fault is provoked in a temporary run directory; every library call that could hang runs in
+a thread with a time limit, every command in a subprocess with a timeout.
+"""
+
+from __future__ import annotations
+
+import gc
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+import train.__main__ as cli
+from train import config, loop, plots, rundir
+from train.checkpoints import CheckpointError, DamagedCheckpointWarning
+from train.rundir import MetricsError, RunError
+from train.tasks import Induction, Reverse
+
+ROOT = Path(__file__).resolve().parent.parent
+LIMIT = 120  # seconds: generous on 2 shared cores, far below "hangs forever"
+
+TINY = {
+    "name": "tiny",
+    "steps": 40,
+    "warmup_steps": 5,
+    "log_every": 10,
+    "eval_every": 20,
+    "checkpoint_every": 10,
+    "batch_size": 8,
+    "eval_batches": 1,
+    "control": False,
+    "model.d_model": 16,
+    "model.num_heads": 1,
+    "model.num_layers": 1,
+}
+
+
+def overrides(workdir: Path, **changes) -> list[str]:
+    return [f"--config.{k}={v}" for k, v in ({**TINY, "workdir": workdir} | changes).items()]
+
+
+def tiny(workdir: Path, **changes):
+    return config.override(config.load(), overrides(workdir, **changes))
+
+
+def within(seconds: float, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` in a thread; fails the test if it runs past ``seconds`` (a hang)."""
+    result: dict = {}
+
+    def target():
+        try:
+            result["value"] = fn(*args, **kwargs)
+        except BaseException as e:
+            result["error"] = e
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        pytest.fail(f"{getattr(fn, '__name__', fn)} still running after {seconds} s")
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
+def train(cfg, **kwargs) -> dict:
+    return within(LIMIT, loop.train, cfg, progress=False, pictures=False, **kwargs)
+
+
+def rows(workdir: Path) -> list[tuple]:
+    """The numbers of metrics.jsonl (all but the timing)."""
+    lines = (workdir / "metrics.jsonl").read_text().splitlines()
+    return [(r["step"], r["loss"], r["acc"], r.get("eval")) for r in map(json.loads, lines)]
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory) -> Path:
+    """A finished 40-step run (checkpoints 30 and 40); tests copy it before changing it."""
+    workdir = tmp_path_factory.mktemp("finished") / "run"
+    train(tiny(workdir))
+    return workdir
+
+
+@pytest.fixture
+def run(finished, tmp_path) -> Path:
+    workdir = tmp_path / "run"
+    shutil.copytree(finished, workdir)
+    return workdir
+
+
+def snapshot(workdir: Path) -> dict[str, bytes]:
+    return {name: (workdir / name).read_bytes() for name in ("config.json", "metrics.jsonl")}
+
+
+# -- resuming ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"model.d_model": 32}, "model.d_model 16 -> 32"),
+        ({"seed": 1}, "seed 0 -> 1"),
+        ({"learning_rate": 0.003}, "learning_rate 0.001 -> 0.003"),
+        ({"task.num_pairs": 4, "task.num_queries": 4}, "task.num_pairs 8 -> 4; task.num_queries 8 -> 4"),
+    ],
+)
+def test_resuming_another_run_is_refused_and_the_old_run_stays_intact(run, change, named):
+    before = snapshot(run)
+    with pytest.raises(RunError) as error:
+        train(tiny(run, **change))
+    message = str(error.value)
+    assert "\n" not in message and named in message and "--config.resume=False" in message
+    assert snapshot(run) == before  # config.json and metrics.jsonl untouched
+    _, _, step = loop.restore(run)  # train.eval still reads the old run
+    assert step == 40
+
+
+def test_resume_false_moves_the_old_run_aside_and_starts_afresh(run):
+    summary = train(tiny(run, resume=False, seed=1, steps=10, eval_every=10))
+    aside = run.with_name("run.old-1")
+    assert summary["moved_aside"] == str(aside) and summary["step"] == 10
+    assert json.loads((aside / "config.json").read_text())["seed"] == 0  # the old run, whole
+    assert [r[0] for r in rows(aside)] == [10, 20, 30, 40]
+    assert json.loads((run / "config.json").read_text())["seed"] == 1
+    assert [r[0] for r in rows(run)] == [10]
+
+
+def test_a_resumed_run_may_run_longer_and_log_differently(run, finished):
+    summary = train(tiny(run, steps=50, eval_every=50, checkpoint_every=50))
+    assert summary["step"] == 50
+    assert rows(run)[:4] == rows(finished) and rows(run)[4][0] == 50
+    assert json.loads((run / "config.json").read_text())["steps"] == 50
+
+
+def test_a_directory_that_is_not_a_run_is_refused(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(RunError, match=r"holds files but no config\.json"):
+        train(tiny(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+@pytest.mark.parametrize("name", ["../../x", "a/b", "..", "", ".hidden"])
+def test_run_names_stay_inside_runs(name, capsys, monkeypatch):
+    monkeypatch.setattr(loop, "train", lambda *a, **k: pytest.fail("training started"))
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([f"--config.name={name}"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "config key 'name'" in err and repr(name) in err
+
+
+# -- checkpoints ---------------------------------------------------------------------------------
+
+
+def test_checkpoints_that_is_a_file_stops_the_command_at_once_in_one_line(run):
+    shutil.rmtree(run / "checkpoints")
+    (run / "checkpoints").write_text("not a directory")
+    before = snapshot(run)
+    cmd = [sys.executable, "-m", "train", "--quiet", *overrides(run)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=LIMIT)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert f"checkpoint directory {run / 'checkpoints'} is not a directory" in proc.stderr
+    assert snapshot(run) == before  # metrics.jsonl not truncated, config.json not rewritten
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
+def test_read_only_checkpoints_stop_the_run_at_once(run):
+    (run / "checkpoints").chmod(0o555)
+    try:
+        with pytest.raises(CheckpointError, match="cannot write checkpoints to"):
+            train(tiny(run, steps=60))
+    finally:
+        (run / "checkpoints").chmod(0o755)
+
+
+def test_a_failing_background_save_stops_the_run_at_once(tmp_path):
+    checkpoints = tmp_path / "checkpoints"
+
+    def break_checkpoints(step):  # after the save of step 10 has started in the background
+        if step == 20:
+            shutil.rmtree(checkpoints, ignore_errors=True)
+            checkpoints.write_text("the disk went away")
+        return False
+
+    with pytest.raises(CheckpointError) as error:
+        train(tiny(tmp_path), should_stop=break_checkpoints)
+    assert "\n" not in str(error.value) and str(checkpoints) in str(error.value)
+
+
+def damage(step_dir: Path, how: str) -> None:
+    if how == "empty":
+        shutil.rmtree(step_dir)
+        step_dir.mkdir()
+    elif how == "partial":
+        (step_dir / "default" / "_METADATA").unlink()
+    else:  # corrupted data
+        for f in (step_dir / "default").rglob("d/*"):
+            f.write_bytes(b"\0garbage" * 4)
+
+
+@pytest.fixture
+def reads_garbage():
+    """Swallows orbax's late "Event loop is closed" errors after a failed TensorStore read.
+
+    The reads of a damaged checkpoint that had not failed yet complete on TensorStore's threads
+    after orbax has closed the event loop of the restore: library noise ("Exception ignored")
+    after the error we report. They are swallowed here, waiting until none has come for 0.5 s,
+    instead of landing in whichever test runs next.
+    """
+    late, previous = [time.monotonic()], sys.unraisablehook
+
+    def hook(unraisable):
+        if isinstance(unraisable.exc_value, RuntimeError) and "Event loop is closed" in str(unraisable.exc_value):
+            late.append(time.monotonic())
+        else:
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+    yield
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while time.monotonic() - late[-1] < 0.5 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    sys.unraisablehook = previous
+
+
+@pytest.mark.usefixtures("reads_garbage")
+@pytest.mark.parametrize("how", ["empty", "partial", "corrupted"])
+def test_a_damaged_newest_checkpoint_is_skipped_for_the_previous_one(run, finished, how):
+    damage(run / "checkpoints" / "40", how)
+    with pytest.warns(DamagedCheckpointWarning, match="checkpoint step 40 .* cannot be read"):
+        summary = train(tiny(run))
+    assert summary["step"] == 40
+    assert rows(run) == rows(finished)  # steps 31-40 again, the same numbers; step 40 logged once
+    assert (run / "checkpoints.damaged" / "40").is_dir()
+    _, _, step = loop.restore(run)
+    assert step == 40
+
+
+@pytest.mark.usefixtures("reads_garbage")
+def test_no_readable_checkpoint_is_refused_in_one_line(run):
+    damage(run / "checkpoints" / "30", "corrupted")
+    damage(run / "checkpoints" / "40", "empty")
+    before = snapshot(run)
+    with pytest.raises(CheckpointError) as error, pytest.warns(DamagedCheckpointWarning):
+        train(tiny(run))
+    message = str(error.value)
+    assert "\n" not in message and len(message) < 300
+    assert f"no readable checkpoint in {run / 'checkpoints'} (steps 40, 30 are damaged)" in message
+    assert snapshot(run) == before
+
+
+# -- metrics -------------------------------------------------------------------------------------
+
+
+def test_a_damaged_metrics_line_is_named_by_file_and_line(run):
+    lines = (run / "metrics.jsonl").read_text().splitlines(keepends=True)
+    lines[2] = lines[2][:25] + "\n"  # a torn write
+    (run / "metrics.jsonl").write_text("".join(lines))
+    before = snapshot(run)
+    with pytest.raises(MetricsError) as error:
+        train(tiny(run))
+    assert str(error.value).startswith(f"{run / 'metrics.jsonl'} line 3 is damaged")
+    assert snapshot(run) == before
+
+
+def test_metrics_lines_are_appended_whole(tmp_path):
+    log = rundir.MetricsLog(tmp_path / "metrics.jsonl")
+    log.append({"step": 1, "loss": 2.0})
+    log.append({"step": 2, "loss": 1.0})
+    assert log.read() == [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.0}]
+    assert log.keep_until(1, log.read()) == [{"step": 1, "loss": 2.0}]
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "loss": 2.0}\n'
+    assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]  # no temporary file left
+
+
+# -- the command line ----------------------------------------------------------------------------
+
+
+def test_the_command_reports_another_run_in_one_line(run, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        within(LIMIT, cli.main, ["--quiet", *overrides(run, **{"model.num_layers": 2})])
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "model.num_layers 1 -> 2" in err
+
+
+def test_progress_bar_keeps_the_elapsed_time_at_80_columns():
+    console = Console(width=80, file=io.StringIO(), record=True, color_system=None)
+    bar = loop.progress_bar(console=console)
+    bar.add_task("induction/attention", total=2000, completed=350, stats="loss 0.123 acc 0.456 48k tok/s")
+    console.print(bar.make_tasks_table(bar.tasks))
+    line = console.export_text().rstrip("\n")
+    assert len(line) <= 80 and "\n" not in line
+    assert re.search(r"350/2000 \d:\d\d:\d\d eta --:--", line), line
+    assert "loss 0.123" in line
+
+
+# -- pictures ------------------------------------------------------------------------------------
+
+
+def test_curves_draw_the_run_and_its_control_on_the_same_axes(tmp_path, finished):
+    path = tmp_path / "curves.png"
+    log = rundir.MetricsLog(finished / "metrics.jsonl").read()
+    plots.curves({"attention": log, "control (no attention)": log[:2]}, path, chance=0.1, title="tiny")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_tasks_say_what_their_attention_pattern_looks_like():
+    assert Reverse(size=8).pattern == "an anti-diagonal: answer position t reads position 15-t"
+    assert "previous occurrence" in Induction(size=12).pattern and "t-11" in Induction(size=12).pattern
+
+
+# -- README ----------------------------------------------------------------------------------------
+
+
+def readme_block(heading: str) -> str:
+    text = (ROOT / "README.md").read_text()
+    return text.split(heading, 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def test_readme_ring_snippet_runs_as_shown():
+    code = readme_block("### Ring attention")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
+    env |= {"JAX_NUMPY_RANK_PROMOTION": "raise", "JAX_NUMPY_DTYPE_PROMOTION": "strict"}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=LIMIT
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert float(proc.stdout.split()[-1]) < 1e-5
