@@ -176,7 +176,9 @@ def _accumulate(state, s: Array, keep: Array | None, vb: Array, precision, compu
     m_safe = jnp.where(m_new == -jnp.inf, jnp.zeros_like(m_new), m_new)
     p = shifted_exp(s, m_safe[..., None])  # exactly 0 at masked entries
     alpha = jnp.exp(jnp.where(m == -jnp.inf, -jnp.inf, m - m_safe))
-    pv = jnp.einsum("bts,bse->bte", p.astype(vb.dtype), vb, precision=precision, preferred_element_type=compute)
+    # float32 weights against v upcast: rounding p to v's dtype here would leave the backward's
+    # delta = rowsum(dO·O) out of step with the unrounded p it recomputes (see jattn._core).
+    pv = jnp.einsum("bts,bse->bte", p, vb.astype(compute), precision=precision, preferred_element_type=compute)
     return m_new, norm * alpha + jnp.sum(p, -1), acc * alpha[..., None] + pv
 
 
@@ -219,7 +221,7 @@ def _forward(q, k, v, run: _Run, plan: _Plan, precision):
 
         init = _empty_state(b, plan.bq, e, plan.compute)
         state, _ = jax.lax.scan(key_block, init, (index[i], kind[i]))
-        return _finish(state, v.dtype)
+        return _finish(state, plan.compute)  # float32 (or 64): the backward's delta needs it unrounded
 
     out, lse = jax.lax.map(query_block, (jnp.arange(plan.nq, dtype=jnp.int32), qs))  # (nq, B, bq, E), (nq, B, bq)
     out = jnp.moveaxis(out, 0, 1).reshape(b, plan.nq * plan.bq, e)
@@ -332,7 +334,7 @@ def blockwise_attention(
     plan = _Plan(T, S, bq, bk, skeleton, int(q_offset), int(kv_offset), float(scale), _compute(q.dtype))
     run = plan.run(arrays)
     out, lse = _flash(_pad(qf, 1, bq), _pad(kf, 1, bk), _pad(vf, 1, bk), run, plan, precision)
-    return out[:, :T].reshape(*lead, T, -1), lse[:, :T].reshape(*lead, T)
+    return out[:, :T].reshape(*lead, T, -1).astype(v.dtype), lse[:, :T].reshape(*lead, T)
 
 
 def _compute(dtype) -> jnp.dtype:

@@ -511,12 +511,14 @@ def attention(
     ndim = len(_broadcast_all(q=q, k=k, v=v, mask=mask, bias=bias)) + 2
     q, k, v, mask, bias = (_pad_rank(x, ndim) for x in (q, k, v, mask, bias))
     parts, compute = _logits(q, k, mask, bias, scale, precision)
-    p = _dropout(parts.exp, dropout_rate, dropout_rng)
-    # The weighted sum takes the float32 weights (v upcast for bf16/f16), normalised after it (one
-    # division per output row). Rounding the weights to 16 bits instead would round their gradient
-    # dO·vᵀ too, breaking its cancellation against the normaliser's share (and overflowing float16).
+    p = _dropout(parts.weights(), dropout_rate, dropout_rng)
+    # The weighted sum takes the normalised float32 weights (v upcast for bf16/f16), so the
+    # gradient is the softmax's own p (dp - rowsum(p dp)) with dp = dO·vᵀ in float32: its two terms
+    # cancel exactly where they should (a one-hot row gives 0). Rounding the weights to 16 bits, or
+    # normalising after the sum, rounds or splits dp and breaks that cancellation (and dp overflows
+    # float16 for large v).
     out = jnp.einsum("...ts,...se->...te", p, v.astype(compute), precision=precision, preferred_element_type=compute)
-    out = (out / parts.safe_sum()).astype(v.dtype)
+    out = out.astype(v.dtype)
     if return_lse:
         return out, jnp.broadcast_to(parts.logsumexp(), out.shape[:-1])
     return out

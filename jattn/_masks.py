@@ -95,7 +95,7 @@ class Mask:
     __array_ufunc__ = None  # ``ndarray & mask`` defers to Mask.__rand__
 
     def _bind(self, q0: ArrayLike, k0: ArrayLike) -> Mask:
-        """This mask with its array leaves told the positions of grid row 0 and column 0."""
+        """The mask with its array leaves told the positions of grid row 0 and column 0."""
         return self
 
     def _tiles(self, i0, i1, j0, j1, tiling) -> tuple[Array, Array]:
@@ -104,8 +104,7 @@ class Mask:
         return jnp.asarray(empty), jnp.asarray(full)
 
     def dense(self, T: int, S: int, *, q_offset: ArrayLike | None = None, kv_offset: ArrayLike = 0) -> Array:
-        """The boolean mask: ``(T, S)``, ``(B, 1, T, S)`` when it depends on the example, or
-        ``(..., T, S)`` with the leading dimensions of its arrays.
+        """The boolean mask ``(T, S)``; ``(B, 1, T, S)`` per example; ``(..., T, S)`` with arrays.
 
         ``T`` and ``S`` are non-negative ints; offsets are scalars or per example ``(B,)``.
         """

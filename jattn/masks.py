@@ -1,7 +1,8 @@
 """Mask predicates of (query position, key position); combine with ``&``, ``|``, ``~``.
 
 Constructors: ``causal``, ``sliding_window``, ``global_tokens``, ``padding``, ``segment_ids``,
-``prefix_lm``, ``chunked``.
+``prefix_lm``, ``chunked``; ``array`` for an explicit boolean array (a plain array combines with
+predicates too). ``tile_kinds`` classifies tiles on device, arrays included.
 
 See :mod:`jattn._masks` for positions, offsets and block classification.
 """
@@ -10,7 +11,9 @@ from jattn._masks import (
     EMPTY,
     FULL,
     PARTIAL,
+    ArrayMask,
     Mask,
+    array,
     causal,
     chunked,
     global_tokens,
@@ -18,13 +21,16 @@ from jattn._masks import (
     prefix_lm,
     segment_ids,
     sliding_window,
+    tile_kinds,
 )
 
 __all__ = [
     "EMPTY",
     "FULL",
     "PARTIAL",
+    "ArrayMask",
     "Mask",
+    "array",
     "causal",
     "chunked",
     "global_tokens",
@@ -32,4 +38,5 @@ __all__ = [
     "prefix_lm",
     "segment_ids",
     "sliding_window",
+    "tile_kinds",
 ]
