@@ -3,10 +3,12 @@
 The dimension key (B, T, S, N, K, G, D, E) is stated in :mod:`jattn._core`. Flax modules live in
 :mod:`jattn.nnx` and :mod:`jattn.linen`; mask predicates in :mod:`jattn.masks`; sequence-parallel
 ring attention (``ring_attention`` inside ``jax.shard_map``, ``sequence_parallel_attention``
-outside it) in :mod:`jattn._ring`.
+outside it) in :mod:`jattn._ring`. :func:`dot_product_attention` takes ``jax.nn``'s signature and
+layout (top-left causal alignment); :mod:`jattn.flax` has an ``attention_fn`` for Flax's modules.
 """
 
 from jattn import masks
+from jattn._compat import dot_product_attention
 from jattn._core import IMPLEMENTATIONS, SUPPORT, attention, attention_weights, choose_implementation
 from jattn._linear import LinearState, linear_attention
 from jattn._ring import ring_attention, sequence_parallel_attention, unzigzag, zigzag
@@ -20,6 +22,7 @@ __all__ = [
     "attention",
     "attention_weights",
     "choose_implementation",
+    "dot_product_attention",
     "linear_attention",
     "masks",
     "ring_attention",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -157,6 +158,22 @@ BAD_CONFIGS = [
     (["--config.learning_rate=-1e-3"], "config key 'learning_rate' must be positive, got -0.001"),
     (["--config.weight_decay=nan"], "config key 'weight_decay'"),
 ]
+
+
+def test_config_flags_parse_a_file_and_typed_overrides():
+    path = list(sys.path)
+    argv = ["--config", "configs/gqa.py", "--config.steps", "5", "--config.model.global_tokens=(0, 3)"]
+    cfg = config.parse(argv)
+    assert (cfg.name, cfg.steps, cfg.model.num_kv_heads, cfg.model.global_tokens) == ("gqa", 5, 1, (0, 3))
+    assert sys.path == path  # `from configs import default` resolves without editing sys.path
+    for bad, named in [
+        (["--config.steps=5.5"], "'steps': bad value '5.5'"),
+        (["--config.x.y=1"], "'x'"),
+        (["z"], "'z'"),
+    ]:
+        with pytest.raises(config.ConfigError, match=named) as info:
+            config.parse(bad)
+        assert "\n" not in str(info.value)
 
 
 @pytest.mark.parametrize(("argv", "message"), BAD_CONFIGS)

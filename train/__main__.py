@@ -39,13 +39,17 @@ def quiet_libraries() -> Iterator[None]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m train", description=__doc__)
-    parser.add_argument("--config", default=str(config.DEFAULT_CONFIG), help="config file with get_config()")
+    parser = argparse.ArgumentParser(
+        prog="python -m train",
+        description=__doc__,
+        epilog="--config PATH (a file with get_config(), default configs/default.py) and --config.KEY=VALUE "
+        "are parsed by ml_collections.config_flags (absl flags).",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument("--debug", action="store_true", help="tracebacks and library logs for errors")
-    args, overrides = parser.parse_known_args(argv)
+    args, config_args = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     try:
-        cfg = config.override(config.load(args.config), overrides)
+        cfg = config.parse(config_args)
         config.validate(cfg)
     except config.ConfigError as e:
         parser.exit(2, f"python -m train: config error: {e}\n")

@@ -1,21 +1,23 @@
 """Config files (ml_collections, ``get_config()``), command-line overrides, and validation.
 
-Overrides use the ``ml_collections.config_flags`` syntax (``--config.model.d_model=64``); a bad
-key or value stops the program before anything is compiled, with the key and value named.
+``--config PATH`` and the overrides ``--config.model.d_model=64`` are parsed by
+``ml_collections.config_flags`` (absl flags, on a fresh ``FlagValues`` per call: nothing global);
+a bad key or value stops the program before anything is compiled, with the key and value named
+in one line (:class:`ConfigError`).
 """
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import importlib.util
 import math
 import re
-import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
 import ml_collections
+from absl import flags
+from ml_collections import config_flags
 
 from train.model import MIXERS
 from train.sharding import AXES
@@ -28,50 +30,122 @@ class ConfigError(ValueError):
     """A config key with a value the program cannot run with."""
 
 
+PROG = "python -m train"
+
+
+def _flag_values(argv: list[str], define, explain) -> flags.FlagValues:
+    """Fresh absl flags (nothing global) with ``define(flag_values, argv)`` run and ``argv`` parsed.
+
+    Raises :class:`ConfigError` with ``explain(error)`` for anything absl or ml_collections
+    reject, and for arguments that are not flags.
+    """
+    fv = flags.FlagValues()
+    full = [PROG, *argv]
+    try:
+        with warnings.catch_warnings():  # ml_collections loads config files with importlib's load_module()
+            warnings.filterwarnings("ignore", "the load_module", DeprecationWarning)
+            define(fv, full)
+            rest = fv(full, known_only=False)
+    except (flags.Error, KeyError, AttributeError, TypeError, ValueError, OSError) as e:
+        raise ConfigError(explain(e)) from None
+    if len(rest) > 1:
+        raise ConfigError(f"expected --config PATH and --config.KEY=VALUE arguments, got {rest[1]!r}")
+    return fv
+
+
+def _config_path(argv: list[str]) -> str:
+    """The value of ``--config`` in ``argv`` (for error messages only; absl parses it for real)."""
+    path = str(DEFAULT_CONFIG)
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            path = argv[i + 1]
+        elif arg.startswith("--config="):
+            path = arg.removeprefix("--config=")
+    return path
+
+
+def _overrides(argv: list[str]) -> list[tuple[str, str]]:
+    """``(key, value)`` of each ``--config.KEY=VALUE`` / ``--config.KEY VALUE`` in ``argv``."""
+    pairs = []
+    for i, arg in enumerate(argv):
+        if arg.startswith("--config."):
+            key, eq, value = arg.removeprefix("--config.").partition("=")
+            pairs.append((key, value if eq else (argv[i + 1] if i + 1 < len(argv) else "")))
+    return pairs
+
+
+def _explain(argv: list[str], error: Exception, cfg: ml_collections.ConfigDict | None = None) -> str:
+    """One line naming the key and value that absl/ml_collections refused."""
+    if cfg is None:
+        cfg = load(_config_path(argv))  # raises its own ConfigError for a missing or broken file
+    for key, value in _overrides(argv):
+        node = cfg
+        for depth, part in enumerate(key.split(".")):
+            if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+                where = ".".join(key.split(".")[: depth + 1])
+                return (
+                    f"unknown config key {where!r} (in --config.{key}={value})"
+                    if where != key
+                    else (f"unknown config key {key!r} (value {value!r})")
+                )
+            node = node[part]
+    bad = re.search(r"--config\.([\w.]+)=(.*?): (.*)", str(error).splitlines()[0] if str(error) else "")
+    if bad:
+        return f"config key {bad[1]!r}: bad value {bad[2]!r} ({bad[3].strip('()')})"
+    first = (str(error).splitlines() or [type(error).__name__])[0]
+    return f"bad arguments {' '.join(argv)!r}: {first}"
+
+
 def load(path: str | Path = DEFAULT_CONFIG) -> ml_collections.ConfigDict:
-    """Runs ``get_config()`` of a config file; the result is locked (no new keys)."""
+    """Runs ``get_config()`` of a config file (``ml_collections.config_flags``); locked (no new keys).
+
+    Config files import each other as ``from configs import default``, which resolves from the
+    repository root, where ``python -m train`` (and the tests) run.
+    """
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
-    root = str(path.resolve().parent.parent)  # so that a config can `from configs import default`
-    if root not in sys.path:
-        sys.path.insert(0, root)
-    spec = importlib.util.spec_from_file_location(f"_jattn_config_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    cfg = module.get_config()
-    cfg.lock()
-    return cfg
+
+    def define(fv, argv):
+        config_flags.DEFINE_config_file("config", str(path), "config file", flag_values=fv, sys_argv=argv)
+
+    def explain(e: Exception) -> str:
+        return f"config file {str(path)!r} could not be loaded: {(str(e).splitlines() or [type(e).__name__])[0]}"
+
+    return _flag_values([], define, explain).config
 
 
-def _parse(text: str) -> Any:
-    if text.lower() in ("true", "false"):
-        return text.lower() == "true"
-    try:
-        return ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        return text
+def parse(argv: list[str]) -> ml_collections.ConfigDict:
+    """The config of ``--config PATH`` (default ``configs/default.py``) with ``--config.KEY=VALUE`` applied.
+
+    Parsed by ``ml_collections.config_flags`` on a fresh ``absl.flags.FlagValues``: values are
+    parsed as the type of the existing field (bool, int, float, str, tuple). Not validated (see
+    :func:`validate`). Raises :class:`ConfigError` naming key and value.
+    """
+    path = _config_path(argv)
+    if not Path(path).is_file():
+        raise ConfigError(f"config file {path!r} does not exist")
+
+    def define(fv, full):
+        config_flags.DEFINE_config_file("config", str(DEFAULT_CONFIG), "config file", flag_values=fv, sys_argv=full)
+
+    return _flag_values(argv, define, lambda e: _explain(argv, e)).config
 
 
 def override(cfg: ml_collections.ConfigDict, args: list[str]) -> ml_collections.ConfigDict:
-    """Applies ``--config.a.b=value`` arguments (type-checked against the existing value)."""
+    """Applies ``--config.a.b=value`` arguments to ``cfg`` (in place) with ``config_flags``' parsers.
+
+    Each value is parsed as the type of the existing field; unknown keys and bad values raise
+    :class:`ConfigError` naming key and value.
+    """
     for arg in args:
-        if not arg.startswith("--config.") or "=" not in arg:
+        if not arg.startswith("--config."):
             raise ConfigError(f"expected --config.KEY=VALUE, got {arg!r}")
-        key, text = arg[len("--config.") :].split("=", 1)
-        *parents, leaf = key.split(".")
-        node = cfg
-        for i, part in enumerate(parents):
-            if not isinstance(node, ml_collections.ConfigDict) or part not in node:
-                raise ConfigError(f"unknown config key {'.'.join(parents[: i + 1])!r} (in --config.{key}={text})")
-            node = node[part]
-        if not isinstance(node, ml_collections.ConfigDict) or leaf not in node:
-            raise ConfigError(f"unknown config key {key!r} (value {text!r})")
-        try:
-            node[leaf] = _parse(text)
-        except TypeError as e:
-            raise ConfigError(f"config key {key!r}: bad value {text!r} ({e})") from None
-    return cfg
+
+    def define(fv, full):
+        config_flags.DEFINE_config_dict("config", cfg, "config", flag_values=fv, sys_argv=full)
+
+    return _flag_values(args, define, lambda e: _explain(args, e, cfg)).config
 
 
 def _get(cfg: ml_collections.ConfigDict, key: str) -> Any:

@@ -1,0 +1,200 @@
+"""``jax.nn.dot_product_attention``'s signature and layout, running on :func:`jattn.attention`.
+
+jax.nn lays heads out as ``(B, T, N, H)`` / ``(B, S, K, H)`` and aligns a causal mask or a
+local window **top-left** (query ``t`` sees key ``s <= t``, also when ``T != S``). jattn lays
+heads out as ``(..., T, D)`` and aligns its mask predicates bottom-right by default. This module
+translates one into the other: q becomes ``(B, K, G, T, H)`` against k, v ``(B, K, 1, S, H)``
+(grouped-query attention without repeating k or v), ``is_causal`` and ``local_window_size``
+become :func:`jattn.masks.causal` / :func:`jattn.masks.sliding_window` placed with
+``q_offset=0, kv_offset=0``, and sequence lengths become boolean array masks (which the
+blockwise path tiles at run time, so padded tiles are skipped).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import Array
+from jax.typing import ArrayLike
+
+from jattn import masks
+from jattn._checks import check_bool, check_int, int_array
+from jattn._core import IMPLEMENTATIONS, attention
+from jattn._masks import array as array_mask
+
+__all__ = ["dot_product_attention"]
+
+
+def _window(local_window_size: int | tuple[int, int]) -> tuple[int, int]:
+    """``(left, right)`` of jax.nn's ``local_window_size`` (an int is symmetric)."""
+    if isinstance(local_window_size, tuple | list):
+        if len(local_window_size) != 2:
+            raise ValueError(f"local_window_size must be an int or a pair (left, right), got {local_window_size!r}")
+        left, right = local_window_size
+    else:
+        left = right = local_window_size
+    return check_int("local_window_size left", left, min=0), check_int("local_window_size right", right, min=0)
+
+
+def _heads_grid(name: str, x: ArrayLike, B: int, N: int, K: int, T: int, S: int, dtype_kind: str) -> Array:
+    """A ``mask``/``bias`` in jax.nn's ``(B|1, N|1, T|1, S|1)`` layout as ``(B|1, K|1, G|1, T|1, S|1)``.
+
+    Fewer than 4 dimensions are left-padded with unit axes, as jax.nn does.
+    """
+    x = jnp.asarray(x)
+    if dtype_kind == "bool" and x.dtype != jnp.bool_:
+        raise TypeError(f"mask must be boolean (True = attend), got dtype {x.dtype} with shape {x.shape}")
+    if dtype_kind == "float" and not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"bias must be floating point, got dtype {x.dtype} with shape {x.shape}")
+    if x.ndim > 4:
+        raise ValueError(f"{name} must have at most 4 dimensions (B, N, T, S), got shape {x.shape}")
+    x = x.reshape((1,) * (4 - x.ndim) + x.shape)
+    if any(n not in (1, full) for n, full in zip(x.shape, (B, N, T, S), strict=True)):
+        raise ValueError(f"{name} of shape {x.shape} does not broadcast to (B, N, T, S) = {(B, N, T, S)}")
+    b, n, t, s = x.shape
+    return x.reshape(b, K, N // K, t, s) if n == N and N > 1 else x.reshape(b, 1, 1, t, s)
+
+
+def _lengths(name: str, x: ArrayLike, B: int, L: int, axis: int) -> Array:
+    """Valid positions ``arange(L) < x[b]`` as a boolean ``(B, 1, 1, L, 1)`` (axis -2) or ``(B, 1, 1, 1, L)``."""
+    x = int_array(name, x, ndim=1, shape=f"(B,) = ({B},)")
+    if x.shape[0] != B:
+        raise ValueError(f"{name} must have shape (B,) = ({B},), got {x.shape}")
+    valid = jnp.arange(L, dtype=jnp.int32)[None, :] < x.astype(jnp.int32)[:, None]  # (B, L)
+    return valid.reshape(B, 1, 1, L, 1) if axis == -2 else valid.reshape(B, 1, 1, 1, L)
+
+
+def dot_product_attention(
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    bias: ArrayLike | None = None,
+    mask: ArrayLike | None = None,
+    *,
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths: ArrayLike | None = None,
+    key_value_seq_lengths: ArrayLike | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    implementation: str | None = None,
+    return_residual: bool = False,
+) -> Array | tuple[Array, Array]:
+    """:func:`jax.nn.dot_product_attention`'s signature and semantics on jattn's core.
+
+    Shapes (jax.nn's letters; ``G = N // K`` query heads share a key/value head)::
+
+        query     (B, T, N, H) or (T, N, H)
+        key       (B, S, K, H) or (S, K, H)      N a multiple of K (GQA; K == 1 is MQA)
+        value     (B, S, K, E) or (S, K, E)      E == H in jax.nn; any E here
+        bias      broadcastable to (B, N, T, S): (B|1, N|1, T|1, S|1), fewer dims left-padded
+        mask      boolean, same layout as bias, True = attend
+        query_seq_lengths, key_value_seq_lengths   integer (B,); (1,) for unbatched inputs
+        out       like query (last axis E), in the inputs' dtype
+        residual  (B, T, N) or (T, N): the log-sum-exp of each row's logits
+
+    Alignment is jax.nn's (and torch's): **top-left**. With ``is_causal``, query ``t`` sees
+    keys ``s <= t`` even when ``T != S``; ``local_window_size=(left, right)`` (an int is
+    ``(w, w)``) lets query ``t`` see keys ``t - left <= s <= t + right``. (``jattn.attention``
+    aligns its predicates bottom-right by default; this function passes ``q_offset=0,
+    kv_offset=0``.) ``query_seq_lengths[b]`` masks queries ``t >= length`` (their output is
+    0) and ``key_value_seq_lengths[b]`` keys ``s >= length``.
+
+    Differences from jax.nn, by contract:
+      * A query row with no key left to attend to gives 0 (and a residual of ``-inf``), not
+        the mean of v (jax.nn fills masked logits with a large negative number).
+      * The residual keeps its gradient (jax.nn stops it); it is in the inputs' dtype, like
+        jax.nn's.
+      * ``value`` may have a depth E different from H; float64 inputs compute in float64.
+
+    Args:
+      query, key, value: one floating dtype, layouts above.
+      bias: additive logits bias, floating.
+      mask: boolean mask, True = attend.
+      scale: logit scale; default ``1 / sqrt(H)``.
+      is_causal: top-left causal mask.
+      query_seq_lengths: valid query lengths per example.
+      key_value_seq_lengths: valid key/value lengths per example.
+      local_window_size: ``w`` or ``(left, right)``, non-negative ints, top-left aligned.
+      implementation: ``None`` (jattn chooses dense or blockwise, see
+        :func:`jattn.choose_implementation`), ``'xla'``, ``'cudnn'`` (handed to jax.nn, as
+        jattn does), or jattn's ``'dense'`` / ``'blockwise'``.
+      return_residual: also return the log-sum-exp residual.
+
+    Returns:
+      ``out`` shaped like ``query`` (last axis E), or ``(out, residual)``.
+
+    Raises:
+      TypeError: non-floating or mismatched dtypes, a non-boolean mask, non-integer lengths.
+      ValueError: wrong ranks, mismatched B, S or H, N not a multiple of K, a mask, bias or
+        lengths shape that does not broadcast, a bad window or implementation.
+    """
+    q, k, v = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
+    if q.ndim not in (3, 4) or k.ndim != q.ndim or v.ndim != q.ndim:
+        raise ValueError(
+            "query, key and value must all be (B, T|S, N|K, H) or all (T|S, N|K, H), got "
+            f"query {q.shape}, key {k.shape}, value {v.shape}"
+        )
+    batched = q.ndim == 4
+    if not batched:
+        q, k, v = q[None], k[None], v[None]
+    B, T, N, H = q.shape
+    _, S, K, _ = k.shape
+    if k.shape[0] != B or v.shape[0] != B or k.shape[-1] != H or v.shape[1:3] != (S, K):
+        raise ValueError(
+            f"expected query (B, T, N, H), key (B, S, K, H), value (B, S, K, E) with one B, S, K and H, got "
+            f"query {jnp.shape(query)}, key {jnp.shape(key)}, value {jnp.shape(value)}"
+        )
+    if K == 0 or N % K:
+        raise ValueError(
+            f"the query heads N must be a multiple of the key/value heads K, got N={N} (query {jnp.shape(query)}) "
+            f"and K={K} (key {jnp.shape(key)})"
+        )
+    if implementation is not None and implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be None or one of {IMPLEMENTATIONS}, got {implementation!r}")
+    is_causal = check_bool("is_causal", is_causal)
+    return_residual = check_bool("return_residual", return_residual)
+    G = N // K
+
+    # (B, T, N, H) -> (B, K, G, T, H); (B, S, K, H) -> (B, K, 1, S, H)
+    qj = q.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4)
+    kj = k.transpose(0, 2, 1, 3)[:, :, None]
+    vj = v.transpose(0, 2, 1, 3)[:, :, None]
+
+    arrays = []
+    if mask is not None:
+        arrays.append(_heads_grid("mask", mask, B, N, K, T, S, "bool"))
+    if query_seq_lengths is not None:
+        arrays.append(_lengths("query_seq_lengths", query_seq_lengths, B, T, axis=-2))
+    if key_value_seq_lengths is not None:
+        arrays.append(_lengths("key_value_seq_lengths", key_value_seq_lengths, B, S, axis=-1))
+    predicates = []
+    if is_causal:
+        predicates.append(masks.causal())
+    if local_window_size is not None:
+        predicates.append(masks.sliding_window(*_window(local_window_size)))
+
+    combined = None
+    for term in [*predicates, *(array_mask(a) for a in arrays)]:
+        combined = term if combined is None else combined & term
+    offsets = dict(q_offset=0, kv_offset=0) if predicates else {}
+    jbias = None if bias is None else _heads_grid("bias", bias, B, N, K, T, S, "float")
+
+    result = attention(
+        qj,
+        kj,
+        vj,
+        mask=combined,
+        bias=jbias,
+        scale=scale,
+        return_lse=return_residual,
+        implementation=implementation,
+        **offsets,
+    )
+    out, lse = result if return_residual else (result, None)
+    E = v.shape[-1]
+    out = out.reshape(B, N, T, E).transpose(0, 2, 1, 3)  # (B, K, G, T, E) -> (B, T, N, E)
+    if not batched:
+        out = out[0]
+    if not return_residual:
+        return out
+    lse = lse.reshape(B, N, T).transpose(0, 2, 1).astype(out.dtype)  # (B, T, N)
+    return out, (lse if batched else lse[0])

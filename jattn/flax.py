@@ -1,0 +1,209 @@
+"""jattn inside Flax's own attention modules: ``attention_fn`` for NNX and Linen.
+
+:func:`attention_fn` plugs into ``nnx.MultiHeadAttention`` and ``linen.MultiHeadDotProductAttention``.
+
+::
+
+    from flax import nnx
+    import jattn.flax
+
+    layer = nnx.MultiHeadAttention(num_heads=8, in_features=512, attention_fn=jattn.flax.attention_fn, rngs=rngs)
+    y = layer(x, mask=jattn.masks.causal())  # a predicate: the blockwise path skips the empty tiles
+
+The function takes Flax's layout (q ``(batch..., T, N, H)``, k/v ``(batch..., S, K, H)``, mask and
+bias broadcastable to ``(batch..., N, T, S)``) and every argument the two modules pass, and runs
+:func:`jattn.attention` (GQA as q ``(batch..., K, G, T, H)`` against k/v ``(batch..., K, 1, S, H)``).
+With dropout or a request to sow the weights it computes the weights with
+:func:`jattn.attention_weights` and applies Flax's own dropout rule to them (the same
+``bernoulli(dropout_rng, 1 - rate, shape)`` draw, broadcast over batch and heads when
+``broadcast_dropout``), so a module gives the same numbers as with Flax's default on the same rng.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import Array
+from jax.typing import ArrayLike
+
+from jattn import masks
+from jattn._core import attention, attention_weights
+from jattn._masks import Mask
+from jattn._masks import array as array_mask
+
+__all__ = ["attention_fn"]
+
+
+def _heads_grid(name: str, x: ArrayLike, lead: tuple[int, ...], N: int, K: int, T: int, S: int) -> Array:
+    """A mask/bias broadcastable to ``(batch..., N, T, S)`` as ``(batch..., K|1, G|1, T|1, S|1)``."""
+    x = jnp.asarray(x)
+    full = (*lead, N, T, S)
+    if x.ndim > len(full):
+        raise ValueError(f"{name} of shape {x.shape} has more dimensions than (batch..., N, T, S) = {full}")
+    x = x.reshape((1,) * (len(full) - x.ndim) + x.shape)
+    if any(n not in (1, f) for n, f in zip(x.shape, full, strict=True)):
+        raise ValueError(f"{name} of shape {x.shape} does not broadcast to (batch..., N, T, S) = {full}")
+    *b, n, t, s = x.shape
+    return x.reshape(*b, K, N // K, t, s) if n == N and N > 1 else x.reshape(*b, 1, 1, t, s)
+
+
+def _sow(module: Any, weights: Array) -> None:
+    """Flax's own convention: NNX ``nnx.Intermediate``, Linen the ``intermediates`` collection."""
+    if isinstance(module, nnx.Module):
+        module.sow(nnx.Intermediate, "attention_weights", weights)
+    else:
+        module.sow("intermediates", "attention_weights", weights)
+
+
+def attention_fn(
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    bias: ArrayLike | None = None,
+    mask: ArrayLike | Mask | None = None,
+    broadcast_dropout: bool = True,
+    dropout_rng: Array | None = None,
+    dropout_rate: float = 0.0,
+    deterministic: bool = False,
+    dtype: Any = None,
+    precision: jax.lax.PrecisionLike = None,
+    module: Any = None,
+    is_causal: bool = False,
+    force_fp32_for_softmax: bool = False,
+    qk_attn_weights_einsum: Any = None,
+    attn_weights_value_einsum: Any = None,
+    *,
+    implementation: str | None = None,
+    block_size: int | tuple[int, int] | None = None,
+) -> Array:
+    """Flax's ``dot_product_attention`` contract on jattn's core; pass it as ``attention_fn=``.
+
+    Shapes (``batch...`` any number of leading dims, also none; ``G = N // K``)::
+
+        query   (batch..., T, N, H)
+        key     (batch..., S, K, H)        N a multiple of K (nnx's ``num_kv_heads``)
+        value   (batch..., S, K, E)
+        bias    broadcastable to (batch..., N, T, S), floating
+        mask    broadcastable to (batch..., N, T, S), nonzero = attend (Flax's float masks
+                from ``make_attention_mask`` work), or a :class:`jattn.masks.Mask` predicate
+        out     (batch..., T, N, E) in ``dtype``
+
+    Every argument Flax's modules pass is honoured:
+
+    * ``dtype``: q, k, v are cast to it (default: their common dtype); the output is in it.
+      The softmax is always computed in float32 (float64 for float64), so
+      ``force_fp32_for_softmax`` (Linen) is accepted and always in effect.
+    * ``precision``: passed to every matmul.
+    * ``is_causal`` (NNX): Flax's causal mask, aligned top-left (query ``t`` sees keys
+      ``s <= t``) as ``jnp.tril`` does. A mask *predicate* keeps jattn's own alignment
+      (bottom-right by default), so the two together need ``T == S``.
+    * ``dropout_rate``, ``deterministic``, ``dropout_rng``, ``broadcast_dropout``: when
+      ``not deterministic and dropout_rate > 0``, the weights are computed with
+      :func:`jattn.attention_weights`, cast to ``dtype`` and multiplied by Flax's draw
+      ``bernoulli(dropout_rng, 1 - dropout_rate, shape) / (1 - dropout_rate)`` with ``shape``
+      ``(1, ..., 1, T, S)`` (``broadcast_dropout``) or ``(batch..., N, T, S)``: the same mask
+      Flax draws from the same key. This path is dense (it materialises the weights).
+    * ``module``: given when the Flax module is called with ``sow_weights=True``; the weights
+      ``(batch..., N, T, S)`` (in ``dtype``, before dropout) are sown as Flax does
+      (``nnx.Intermediate`` for NNX, ``'intermediates'`` for Linen), on the dense path.
+    * ``qk_attn_weights_einsum`` / ``attn_weights_value_einsum`` (Linen's AQT hooks): jattn
+      has its own matmuls, so anything but ``None`` raises a ``ValueError``.
+
+    Otherwise the call runs :func:`jattn.attention`, which picks the dense or the blockwise
+    path (a predicate mask keeps its empty tiles skipped); ``implementation`` and
+    ``block_size`` are passed through (bind them with ``functools.partial``).
+
+    Differences from Flax's default, by contract: a query row whose keys are all masked gives
+    0 (Flax: the mean of v), and its weights are 0.
+
+    Raises:
+      ValueError: shapes that do not match or broadcast, dropout without ``dropout_rng``,
+        ``is_causal`` with a predicate mask and ``T != S``, AQT einsum hooks.
+      TypeError: a non-floating bias or dtype.
+    """
+    if qk_attn_weights_einsum is not None or attn_weights_value_einsum is not None:
+        raise ValueError(
+            "jattn.flax.attention_fn has its own matmuls: qk_attn_weights_einsum and attn_weights_value_einsum "
+            f"must be None, got {qk_attn_weights_einsum!r} and {attn_weights_value_einsum!r}"
+        )
+    q, k, v = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
+    if dtype is None:
+        dtype = jnp.result_type(q, k, v)
+    if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
+        raise TypeError(f"dtype must be a floating dtype, got {dtype!r}")
+    q, k, v = q.astype(dtype), k.astype(dtype), v.astype(dtype)
+    if q.ndim < 3 or k.ndim != q.ndim or v.ndim != q.ndim:
+        raise ValueError(
+            "query, key and value must be (batch..., T|S, N|K, H) with one rank of at least 3, got "
+            f"query {q.shape}, key {k.shape}, value {v.shape}"
+        )
+    *lead, T, N, H = q.shape
+    lead = tuple(lead)
+    S, K = k.shape[-3], k.shape[-2]
+    if k.shape[:-3] != lead or v.shape[:-3] != lead or k.shape[-1] != H or v.shape[-3:-1] != (S, K):
+        raise ValueError(
+            "expected query (batch..., T, N, H), key (batch..., S, K, H), value (batch..., S, K, E) with one batch..., "
+            f"S, K and H, got query {q.shape}, key {k.shape}, value {v.shape}"
+        )
+    if K == 0 or N % K:
+        raise ValueError(f"the query heads N={N} must be a multiple of the key/value heads K={K}")
+    G, nb = N // K, len(lead)
+
+    # Flax (batch..., L, heads, H) -> jattn (batch..., K, G|1, L, H)
+    qj = jnp.moveaxis(q.reshape(*lead, T, K, G, H), nb, nb + 2)
+    kj = jnp.moveaxis(k, nb, nb + 1)[..., None, :, :]
+    vj = jnp.moveaxis(v, nb, nb + 1)[..., None, :, :]
+
+    offsets: dict = {}
+    if isinstance(mask, Mask):
+        if is_causal and T != S:
+            raise ValueError(
+                f"is_causal (top-left, as Flax) and a jattn.masks predicate (bottom-right) align differently for "
+                f"T={T} != S={S}; put masks.causal() into the predicate instead"
+            )
+        jmask = mask & masks.causal() if is_causal else mask
+    else:
+        grid = None if mask is None else _heads_grid("mask", mask, lead, N, K, T, S)
+        grid = None if grid is None else array_mask(grid if grid.dtype == jnp.bool_ else grid != 0)
+        jmask = grid
+        if is_causal:
+            jmask = masks.causal() if grid is None else masks.causal() & grid
+            offsets = dict(q_offset=0, kv_offset=0)
+    jbias = None
+    if bias is not None:
+        jbias = _heads_grid("bias", bias, lead, N, K, T, S)
+        if not jnp.issubdtype(jbias.dtype, jnp.floating):
+            raise TypeError(f"bias must be floating point, got {jbias.dtype} with shape {jnp.shape(bias)}")
+
+    dropout = not deterministic and dropout_rate > 0.0
+    if not dropout and module is None:
+        out = attention(
+            qj,
+            kj,
+            vj,
+            mask=jmask,
+            bias=jbias,
+            precision=precision,
+            implementation=implementation,
+            block_size=block_size,
+            **offsets,
+        )  # (batch..., K, G, T, E)
+        return jnp.moveaxis(out, nb + 2, nb).reshape(*lead, T, N, v.shape[-1]).astype(dtype)
+
+    if dropout and dropout_rng is None:
+        raise ValueError(f"dropout_rate={dropout_rate} with deterministic=False needs a dropout_rng key, got None")
+    w = attention_weights(qj, kj, mask=jmask, bias=jbias, precision=precision, **offsets)
+    w = jnp.broadcast_to(w, (*lead, K, G, T, S)).astype(dtype)
+    if module is not None:
+        _sow(module, w.reshape(*lead, N, T, S))
+    if dropout:
+        keep_prob = 1.0 - dropout_rate
+        shape = (1,) * (nb + 1) + (T, S) if broadcast_dropout else (*lead, N, T, S)
+        keep = jax.random.bernoulli(dropout_rng, keep_prob, shape)
+        multiplier = keep.astype(dtype) / jnp.asarray(keep_prob, dtype=dtype)
+        w = w * multiplier.reshape(*multiplier.shape[:-3], *((K, G) if multiplier.shape[-3] == N else (1, 1)), T, S)
+    out = jnp.einsum("...hgts,...shd->...thgd", w, v, precision=precision)  # (batch..., T, K, G, E)
+    return out.reshape(*lead, T, N, v.shape[-1])
