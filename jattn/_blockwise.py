@@ -146,8 +146,8 @@ def _blocks(x: Array, size: int) -> Array:
 
 def _scaled_scores(qb: Array, kb: Array, scale: float, compute, precision) -> Array:
     """``scale · q kᵀ`` of one block: ``(B, t, D) x (B, s, D) -> (B, t, s)`` in the compute dtype."""
-    s = jnp.einsum("btd,bsd->bts", qb, kb, precision=precision, preferred_element_type=compute)
-    return s * jnp.asarray(scale, compute)
+    qs = qb.astype(compute) * jnp.asarray(scale, compute)  # scale q, not the scores: see jattn._core._logits
+    return jnp.einsum("btd,bsd->bts", qs, kb.astype(compute), precision=precision, preferred_element_type=compute)
 
 
 def _per_block(kind: Array, update, carry):

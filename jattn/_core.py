@@ -158,8 +158,11 @@ def _logits(
     compute = _compute_dtype(q.dtype)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    s = jnp.einsum("...td,...sd->...ts", q, k, precision=precision, preferred_element_type=compute)
-    s = s * jnp.asarray(scale, compute)
+    # The scale goes into q, not onto the scores: a product of scores and scale can be fused into
+    # one multiply-add with the max subtraction (XLA on CPU does), leaving the row maximum's own
+    # exponent at minus half an ulp of the logit instead of 0 (exp(-1e25) for logits near 1e32).
+    qs = q.astype(compute) * jnp.asarray(scale, compute)
+    s = jnp.einsum("...td,...sd->...ts", qs, k.astype(compute), precision=precision, preferred_element_type=compute)
     if bias is not None:
         s = s + bias.astype(compute)
     if mask is not None:
@@ -361,10 +364,10 @@ def _jax_nn(q, k, v, mask: Mask | None, bias, scale, path, q_offset, kv_offset, 
     T, S = q.shape[-2], k.shape[-2]
     bias = _check_bias(bias)
     lead = _broadcast_all(q=q, k=k, v=v, bias=bias)
-    kwargs = _jax_nn_args(mask, path, T, S, q_offset, kv_offset, lead or (1,))
+    kwargs = _jax_nn_args(mask, path, T, S, q_offset, kv_offset, lead or (1,))  # jax.nn needs a batch axis
     rest = kwargs.pop("mask", None)
     dense = _dense_mask(rest, q, k, q_offset, kv_offset)
-    lead = _broadcast_all(q=q, k=k, v=v, bias=bias, mask=dense) or (1,)
+    lead = _broadcast_all(q=q, k=k, v=v, bias=bias, mask=dense)
 
     def flat(x):  # (..., L, D) -> (B, L, 1, D)
         x = jnp.broadcast_to(x, (*lead, *x.shape[-2:]))
@@ -373,17 +376,18 @@ def _jax_nn(q, k, v, mask: Mask | None, bias, scale, path, q_offset, kv_offset, 
     def flat_ts(x):  # (..., T, S) -> (B, 1, T, S)
         return jnp.broadcast_to(x, (*lead, T, S)).reshape(-1, 1, T, S)
 
-    out = jax.nn.dot_product_attention(
-        flat(q),
-        flat(k),
-        flat(v),
-        bias=None if bias is None else flat_ts(bias).astype(q.dtype),
-        mask=None if dense is None else flat_ts(dense),
-        scale=None if scale is None else scale,
-        implementation=path,
-        return_residual=return_lse,
-        **kwargs,
-    )
+    with jax.numpy_dtype_promotion("standard"):  # jax.nn promotes bf16/f16 internally; callers may run strict
+        out = jax.nn.dot_product_attention(
+            flat(q),
+            flat(k),
+            flat(v),
+            bias=None if bias is None else flat_ts(bias).astype(q.dtype),
+            mask=None if dense is None else flat_ts(dense),
+            scale=scale,
+            implementation=path,
+            return_residual=return_lse,
+            **kwargs,
+        )
     out, lse = out if return_lse else (out, None)
     out = out.reshape(*lead, T, v.shape[-1])
     if mask is not None:  # jax.nn averages v over a fully masked row; the contract is 0 (and lse -inf)

@@ -1,5 +1,6 @@
 """JAX strict mode for the whole suite, and a repeatable hypothesis profile."""
 
+import os
 from pathlib import Path
 
 import jax
@@ -18,6 +19,15 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.load_profile("ci")
+
+
+def pytest_addoption(parser) -> None:
+    parser.addoption("--slow", action="store_true", help="long runs: the differential fuzz with 5,000 cases")
+
+
+def pytest_configure(config) -> None:
+    if config.getoption("--slow", default=False):
+        os.environ["JATTN_SLOW"] = "1"  # read by tests/test_contract.py when it is imported
 
 
 def pytest_ignore_collect(collection_path: Path, config) -> bool | None:

@@ -66,3 +66,46 @@ def article_self_attention(x, wq, wk, wv):
     scores = q @ np.swapaxes(k, -1, -2) / np.sqrt(wq.shape[1])
     w = np.exp(scores - scores.max(-1, keepdims=True))
     return (w / w.sum(-1, keepdims=True)) @ v
+
+
+def attention_grads(q, k, v, dout, mask=None, bias=None, scale=None):
+    """Float64 gradients of ``sum(attention(...) * dout)``: returns (dq, dk, dv, dbias), each reduced
+    back to its input's (broadcast) shape; dbias is None without a bias.
+
+    The softmax backward by hand: dP = dO Vᵀ, dS = P ∘ (dP - rowsum(P ∘ dP)), dQ = dS K · scale,
+    dK = dSᵀ Q · scale, dV = Pᵀ dO, dbias = dS.
+    """
+    _, w, _ = attention(q, k, v, mask, bias, scale)
+    q, k, v, dout = f64(q), f64(k), f64(v), np.asarray(dout, np.float64)
+    scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
+    dp = np.matmul(dout, np.swapaxes(v, -1, -2))
+    ds = w * (dp - np.sum(w * dp, -1, keepdims=True))
+    dq = np.matmul(ds, k) * scale
+    dk = np.matmul(np.swapaxes(ds, -1, -2), q) * scale
+    dv = np.matmul(np.swapaxes(w, -1, -2), dout)
+    return (
+        unbroadcast(dq, q.shape),
+        unbroadcast(dk, k.shape),
+        unbroadcast(dv, v.shape),
+        None if bias is None else unbroadcast(ds, np.shape(bias)),
+    )
+
+
+def unbroadcast(x, shape):
+    """Sums ``x`` over the axes that broadcasting added to ``shape``."""
+    x = np.sum(x, axis=tuple(range(x.ndim - len(shape)))) if x.ndim > len(shape) else x
+    axes = tuple(i for i, n in enumerate(shape) if n == 1 and x.shape[i] != 1)
+    return np.sum(x, axis=axes, keepdims=True) if axes else x
+
+
+def assert_grad_close(got, want, dtype, scale=0.0):
+    """Gradients against the float64 reference with the dtype's tolerance, relative to the gradient's size.
+
+    Low-precision gradients are rounded once at the end, so the error scales with the largest
+    entry; ``scale`` adds the float32 arithmetic noise of the problem (|dO|·|v|·|k|·scale·S) for
+    inputs of extreme magnitude.
+    """
+    got, want = f64(got), np.asarray(want, np.float64)
+    t = tol(dtype)
+    atol = t["atol"] * (1 + np.max(np.abs(want), initial=0.0)) + 64 * np.finfo(np.float32).eps * scale
+    np.testing.assert_allclose(got, want, rtol=t["rtol"], atol=atol)

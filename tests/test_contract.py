@@ -1,0 +1,432 @@
+"""One contract on every path (issue #10) and low precision under jit (issue #11).
+
+Regression tests for four defects found with peers' test cases, the argument x implementation
+table (``jattn.SUPPORT``) cell by cell, and a differential fuzz: every implementation that takes a
+random case agrees with the float64 reference (values and gradients), every one that refuses it
+raises the documented ``ValueError``. ``pytest --slow`` runs the fuzz with 5,000 cases.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import jattn
+from jattn import masks
+from tests import reference as ref
+
+FUZZ_EXAMPLES = int(os.environ.get("JATTN_FUZZ_EXAMPLES", 5000 if os.environ.get("JATTN_SLOW") else 120))
+
+
+def _loss(impl, g, **kw):
+    def f(*args):
+        out = jattn.attention(*args[:3], bias=args[3] if len(args) > 3 else None, implementation=impl, **kw)
+        return jnp.sum(out.astype(jnp.float32) * g)
+
+    return f
+
+
+def _jax_nn(q, k, v, bias=None):  # (B, N, T, D) -> jax.nn's (B, T, N, D) and back
+    def tr(x):
+        return jnp.swapaxes(x, 1, 2)
+
+    with jax.numpy_dtype_promotion("standard"):
+        return tr(jax.nn.dot_product_attention(tr(q), tr(k), tr(v), bias=bias))
+
+
+# -- (1) bfloat16 gradients ---------------------------------------------------------------------
+
+
+def test_bf16_gradients_no_worse_than_jax_nn():
+    """q = k = v = x (1, 4, 128, 32) with a bias, bfloat16, against float64: dense, blockwise and jax.nn."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(1, 4, 128, 32)), jnp.bfloat16)
+    bias = jnp.asarray(rng.normal(size=(1, 4, 128, 128)), jnp.bfloat16)
+    g = jnp.ones((1, 4, 128, 32), jnp.float32)
+    want_dx = sum(ref.attention_grads(x, x, x, g, bias=ref.f64(bias))[:3])
+    want_db = ref.attention_grads(x, x, x, g, bias=ref.f64(bias))[3]
+    want_dx_nobias = sum(ref.attention_grads(x, x, x, g)[:3])
+
+    def err(a, b):
+        return float(np.max(np.abs(ref.f64(a) - b)))
+
+    def grads(f, *args):
+        return jax.jit(jax.grad(lambda x, *b: jnp.sum(f(x, x, x, *b).astype(jnp.float32) * g), argnums=(0, 1)))(*args)
+
+    def ours(impl):
+        return lambda q, k, v, b=None: jattn.attention(q, k, v, bias=b, implementation=impl)
+
+    with jax.numpy_dtype_promotion("standard"):  # jax.nn's own backward promotes bf16 with f32 implicitly
+        nn_dx, nn_db = grads(_jax_nn, x, bias)
+        nn_dx_nobias = jax.grad(lambda x: jnp.sum(_jax_nn(x, x, x).astype(jnp.float32) * g))(x)
+    dx, db = grads(ours("dense"), x, bias)
+    assert err(dx, want_dx) <= err(nn_dx, want_dx) and err(db, want_db) <= err(nn_db, want_db)
+    dx = jax.grad(lambda x: jnp.sum(ours("blockwise")(x, x, x).astype(jnp.float32) * g))(x)
+    assert err(dx, want_dx_nobias) <= err(nn_dx_nobias, want_dx_nobias)
+
+
+@pytest.mark.parametrize("impl", ["dense", "blockwise"])
+def test_a_row_that_sees_one_key_has_zero_query_gradient(impl):
+    """Its softmax is exactly one-hot: p (dp - rowsum(p dp)) = 0, whatever the rounding of dp."""
+    rng = np.random.default_rng(1)
+    q, k, v = (jnp.asarray(rng.normal(size=(2, 9, 8)), jnp.bfloat16) for _ in range(3))
+    mask = np.ones((9, 9), bool)
+    mask[3] = False
+    mask[3, 5] = True
+    g = jnp.asarray(rng.normal(size=(2, 9, 8)), jnp.float32)
+    dq = jax.grad(_loss(impl, g, mask=mask))(q, k, v)
+    assert np.all(np.asarray(dq[:, 3], np.float32) == 0)
+
+
+# -- (2) the jax.nn hand-over honours or refuses ------------------------------------------------
+
+
+@pytest.mark.parametrize("q_offset", [-2, 0, 3, None])
+@pytest.mark.parametrize("mask", [masks.causal(), masks.sliding_window(2, 1), masks.causal() & masks.sliding_window(3)])
+def test_xla_takes_offsets_through_jax_nn_arguments(mask, q_offset):
+    rng = np.random.default_rng(2)
+    q, k, v = (jnp.asarray(rng.normal(size=(2, n, 6)), jnp.float32) for n in (7, 11, 11))
+    got = jattn.attention(q, k, v, mask=mask, q_offset=q_offset, implementation="xla")
+    dense = np.asarray(mask.dense(7, 11, q_offset=q_offset))
+    np.testing.assert_allclose(got, ref.attention(q, k, v, dense)[0], **ref.tol(jnp.float32))
+
+
+def test_xla_refuses_what_jax_nn_cannot_do():
+    q = jnp.ones((2, 5, 4))
+    with pytest.raises(ValueError, match="'xla' cannot take dropout_rate"):
+        jattn.attention(q, q, q, dropout_rate=0.5, dropout_rng=jax.random.key(0), implementation="xla")
+    with jax.enable_x64(True), pytest.raises(ValueError, match="'xla' cannot take float64"):
+        jattn.attention(*(jnp.ones((2, 5, 4), jnp.float64),) * 3, implementation="xla")
+
+
+@pytest.mark.parametrize("impl", ["dense", "blockwise", "xla", None])
+def test_an_array_mask_with_offsets_is_refused_on_every_path(impl):
+    q = jnp.ones((2, 5, 4))
+    with pytest.raises(ValueError, match="q_offset and kv_offset place"):
+        jattn.attention(q, q, q, mask=np.ones((5, 5), bool), q_offset=1, implementation=impl)
+
+
+# -- (3) 1-D masks and biases broadcast like NumPy -----------------------------------------------
+
+
+@pytest.mark.parametrize("impl", ["dense", "blockwise", "xla"])
+def test_one_dimensional_mask_and_bias_broadcast_like_numpy(impl):
+    rng = np.random.default_rng(3)
+    q, k, v = (jnp.asarray(rng.normal(size=(3, n, 5)), jnp.float32) for n in (4, 7, 7))
+    keys = np.array([True, False, True, True, False, True, True])
+    bias = rng.normal(size=(7,)).astype(np.float32)
+    kw = {} if impl == "blockwise" else {"bias": bias}
+    got = jattn.attention(q, k, v, mask=keys, implementation=impl, **kw)
+    want = ref.attention(q, k, v, np.broadcast_to(keys, (4, 7)), None if impl == "blockwise" else bias)[0]
+    np.testing.assert_allclose(got, want, **ref.tol(jnp.float32))
+
+
+# -- (4) array masks are masks ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", ["dense", "blockwise", "xla"])
+@pytest.mark.parametrize("op", ["and", "or", "not"])
+def test_array_masks_combine_with_predicates(impl, op):
+    rng = np.random.default_rng(4)
+    q, k, v = (jnp.asarray(rng.normal(size=(2, 3, n, 5)), jnp.float32) for n in (9, 13, 13))
+    arr = rng.random((2, 1, 9, 13)) < 0.5
+    arr[:, :, 4] = False  # rows masked by the array
+    pred = masks.causal()
+    mask = {"and": arr & pred, "or": pred | arr, "not": ~masks.array(arr) & pred}[op]
+    dense_pred = np.asarray(pred.dense(9, 13))
+    want_mask = {"and": arr & dense_pred, "or": arr | dense_pred, "not": ~arr & dense_pred}[op]
+    kw = {"block_size": (4, 3)} if impl == "blockwise" else {}
+    got = jattn.attention(q, k, v, mask=mask, implementation=impl, **kw)
+    np.testing.assert_allclose(got, ref.attention(q, k, v, want_mask)[0], **ref.tol(jnp.float32))
+    g = jnp.asarray(rng.normal(size=(2, 3, 9, 5)), jnp.float32)
+    grads = jax.grad(_loss(impl, g, mask=mask, **kw), argnums=(0, 1, 2))(q, k, v)
+    for a, b in zip(grads, ref.attention_grads(q, k, v, g, want_mask)[:3], strict=True):
+        ref.assert_grad_close(a, b, jnp.float32)
+
+
+def test_array_masks_keep_the_blockwise_path_and_their_tiles_are_classified_on_device():
+    big = jnp.zeros((1, 1024, 8))
+    arr = np.zeros((1024, 1024), bool)
+    arr[:, :100] = True
+    assert jattn.choose_implementation(big, big, big, mask=arr & masks.causal()) == "blockwise"
+    rng = np.random.default_rng(5)
+    arr = rng.random((2, 11, 13)) < 0.3
+    arr[:, :4, :6] = False  # an all-False tile of both examples
+    arr[:, 4:8, 6:9] = True  # an all-True one
+    mask = masks.sliding_window(6, 6) & arr
+    kinds = jax.jit(lambda a: masks.tile_kinds(mask & a, 11, 13, 4, 3, q_offset=2, kv_offset=0))(arr)
+    dense = np.asarray((masks.sliding_window(6, 6) & arr).dense(11, 13)).reshape(-1, 11, 13)
+    for i in range(3):
+        for j in range(5):
+            tile = dense[:, 4 * i : 4 * i + 4, 3 * j : 3 * j + 3]
+            want = masks.EMPTY if not tile.any() else masks.FULL if tile.all() else masks.PARTIAL
+            assert kinds[i, j] == want, (i, j)
+
+
+# -- the argument x implementation table -----------------------------------------------------------
+
+
+def _row_call(row):
+    """Arguments that use one row of jattn.SUPPORT, and the explicit mask they mean."""
+    rng = np.random.default_rng(6)
+    lengths = np.array([3, 6])
+    causal = np.asarray(masks.causal().dense(6, 6))
+    calls = {
+        "mask (array, any leading dims, 1-D)": (dict(mask=rng.random((2, 1, 6, 6)) < 0.6), None),
+        "mask (position predicate)": (dict(mask=masks.causal()), causal),
+        "mask (per-example predicate: padding, segment_ids)": (
+            dict(mask=masks.padding(kv_lengths=lengths)),
+            (np.arange(6) < lengths[:, None])[:, None, None, :],
+        ),
+        "q_offset / kv_offset (static ints)": (
+            dict(mask=masks.causal(), q_offset=2),
+            masks.causal().dense(6, 6, q_offset=2),
+        ),
+        "q_offset / kv_offset (arrays, per example)": (
+            dict(mask=masks.causal(), q_offset=jnp.array([0, 2])),
+            masks.causal().dense(6, 6, q_offset=jnp.array([0, 2])).reshape(2, 1, 6, 6),
+        ),
+        "bias": (dict(bias=rng.normal(size=(6, 6)).astype(np.float32)), None),
+        "dropout_rate": (dict(dropout_rate=0.3, dropout_rng=jax.random.key(1)), None),
+        "precision": (dict(precision="highest"), None),
+        "return_lse": (dict(return_lse=True), None),
+        "block_size": (dict(block_size=(4, 3)), None),
+        "float64 inputs": ({}, None),
+        "value depth E != D": ({}, None),
+    }
+    kw, dense = calls[row]
+    if "mask" in kw and dense is None:
+        dense = kw["mask"]
+    return kw, dense
+
+
+@pytest.mark.parametrize("row", list(jattn.SUPPORT))
+@pytest.mark.parametrize("impl", jattn.IMPLEMENTATIONS)
+def test_every_cell_of_the_support_table(row, impl):
+    """A "yes" cell matches the float64 reference; a "no" cell raises naming the argument and the path."""
+    cell = jattn.SUPPORT[row][impl]
+    x64 = row == "float64 inputs"
+    with jax.enable_x64(x64):
+        dtype = jnp.float64 if x64 else jnp.float32
+        rng = np.random.default_rng(7)
+        q, k = (jnp.asarray(rng.normal(size=(2, 3, 6, 5)), dtype) for _ in range(2))
+        v = jnp.asarray(rng.normal(size=(2, 3, 6, 4 if row == "value depth E != D" else 5)), dtype)
+        kw, dense = _row_call(row)
+        if cell.startswith("no"):
+            with pytest.raises(ValueError, match=f"implementation='{impl}' cannot take {row.split(' (')[0]}"):
+                jattn.attention(q, k, v, implementation=impl, **kw)
+            return
+        if impl == "cudnn":
+            pytest.skip("cuDNN needs an NVIDIA GPU; its translations are tested by their refusals and on 'xla'")
+        got = jattn.attention(q, k, v, implementation=impl, **kw)
+        out = got[0] if kw.get("return_lse") else got
+        bias = kw.get("bias")
+        want, _, want_lse = ref.attention(q, k, v, None if dense is None else np.asarray(dense), bias)
+        if row == "dropout_rate":  # unbiased: dropout averages out over many draws (dense is the only taker)
+            draws = jax.vmap(lambda key: jattn.attention(q, k, v, dropout_rate=0.3, dropout_rng=key))(
+                jax.random.split(jax.random.key(2), 2000)
+            )
+            np.testing.assert_allclose(np.mean(np.asarray(draws), 0), want, atol=0.08)
+            return
+        np.testing.assert_allclose(ref.f64(out), want, **ref.tol(dtype))
+        if kw.get("return_lse"):
+            np.testing.assert_allclose(ref.f64(got[1]), want_lse, **ref.tol(dtype))
+
+
+def test_automatic_choice_honours_everything():
+    """implementation=None never refuses: for every row, the chosen path's cell is "yes"."""
+    q = jnp.zeros((2, 3, 6, 5))
+    for row in jattn.SUPPORT:
+        if row in ("float64 inputs", "value depth E != D"):
+            continue
+        kw, _ = _row_call(row)
+        kw = {n: a for n, a in kw.items() if n != "dropout_rng"}
+        chosen = jattn.choose_implementation(q, q, q, **kw)
+        assert jattn.SUPPORT[row][chosen] == "yes", (row, chosen)
+
+
+# -- differential fuzz -------------------------------------------------------------------------------
+
+PREDICATES = [
+    masks.causal(),
+    masks.sliding_window(2, 1),
+    masks.sliding_window(3) | masks.global_tokens([0]),
+    masks.chunked(3),
+    masks.prefix_lm(2),
+    masks.causal() & ~masks.chunked(4),  # fully masked rows
+]
+
+
+@st.composite
+def fuzz_cases(draw):
+    dtype = draw(st.sampled_from([jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64]))
+    lead = draw(st.lists(st.integers(1, 3), min_size=0, max_size=2))
+    t, s, d = (draw(st.integers(1, 9)) for _ in range(3))
+    e = d if draw(st.booleans()) else draw(st.integers(1, 7))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+
+    def dims():  # each operand keeps a leading dim or broadcasts it from 1, or drops leading dims
+        kept = [n if draw(st.booleans()) else 1 for n in lead]
+        return kept[draw(st.integers(0, len(kept))) :]
+
+    q, k, v = rng.normal(size=(*dims(), t, d)), rng.normal(size=(*dims(), s, d)), rng.normal(size=(*dims(), s, e))
+    kind = draw(st.sampled_from(["none", "array", "1d", "predicate", "predicate&array"]))
+    pred = draw(st.sampled_from(PREDICATES))
+    arr = rng.random((*dims(), t, s)) < draw(st.sampled_from([0.3, 0.7]))
+    if arr.ndim and draw(st.booleans()):
+        arr[..., rng.integers(t), :] = False  # a row the array masks entirely
+    mask = {
+        "none": None,
+        "array": arr,
+        "1d": rng.random(s) < 0.7,
+        "predicate": pred,
+        "predicate&array": pred & arr,
+    }[kind]
+    q_offset = None
+    if kind.startswith("predicate") and kind == "predicate" and draw(st.booleans()):
+        q_offset = s - t + draw(st.integers(-3, 3))
+    bias = None
+    if draw(st.booleans()):
+        bias = rng.normal(size=(s,) if draw(st.booleans()) else (*dims(), t, s))
+    scale = draw(st.sampled_from([None, 0.3]))
+    blocks = (draw(st.integers(1, 5)), draw(st.integers(1, 5)))
+    return dtype, q, k, v, mask, q_offset, bias, scale, blocks
+
+
+def _explicit_mask(mask, t, s, q_offset):
+    if mask is None or isinstance(mask, np.ndarray):
+        return mask
+    return np.asarray(mask.dense(t, s, q_offset=q_offset))
+
+
+def _expect_refusal(impl, dtype, mask, bias, q_offset, d, e):
+    """Whether the table says ``impl`` refuses this case ("partly" cells may go either way)."""
+    rows = []
+    if mask is not None and not isinstance(mask, np.ndarray):
+        rows.append("mask (position predicate)")
+    if bias is not None:
+        rows.append("bias")
+    if q_offset is not None:
+        rows.append("q_offset / kv_offset (static ints)")
+    if dtype == jnp.float64:
+        rows.append("float64 inputs")
+    if d != e:
+        rows.append("value depth E != D")
+    cells = [jattn.SUPPORT[r][impl] for r in rows]
+    return any(c.startswith("no") for c in cells), any(c.startswith("partly") for c in cells)
+
+
+def test_differential_fuzz():
+    counts = collections.Counter()
+
+    @settings(max_examples=FUZZ_EXAMPLES)
+    @given(fuzz_cases())
+    def run(case):
+        dtype, q, k, v, mask, q_offset, bias, scale, blocks = case
+        with jax.enable_x64(dtype == jnp.float64):
+            q, k, v = (jnp.asarray(x, dtype) for x in (q, k, v))
+            b = None if bias is None else jnp.asarray(bias, dtype)
+            t, s = q.shape[-2], k.shape[-2]
+            dense = _explicit_mask(mask, t, s, q_offset)
+            b64 = None if b is None else ref.f64(b)
+            want, _, _ = ref.attention(q, k, v, dense, b64, scale)
+            g = np.random.default_rng(0).normal(size=want.shape)
+            want_grads = ref.attention_grads(q, k, v, g, dense, b64, scale)
+            counts["cases"] += 1
+            for impl in ("dense", "blockwise", "xla", "cudnn"):
+                if impl == "xla" and dtype == jnp.float16:
+                    continue  # XLA:CPU has no float16 dot with float32 results (jax.nn's own limit on CPU)
+                kw = dict(mask=mask, q_offset=q_offset, bias=b, scale=scale, implementation=impl)
+                if impl == "blockwise":
+                    kw["block_size"] = blocks
+                refuse, partly = _expect_refusal(impl, dtype, mask, b, q_offset, q.shape[-1], v.shape[-1])
+                if refuse or impl == "cudnn":
+                    if not (refuse or partly):
+                        continue  # cuDNN would take it, but needs a GPU
+                    try:
+                        jattn.attention(q, k, v, **kw)
+                    except ValueError as err:
+                        assert f"implementation='{impl}'" in str(err)
+                        counts["refused"] += 1
+                        continue
+                    assert not refuse, f"{impl} took a case the table says it refuses"
+                out = jattn.attention(q, k, v, **kw)
+                counts["nan"] += int(np.isnan(ref.f64(out)).any() != np.isnan(want).any())
+                np.testing.assert_allclose(ref.f64(out), want, **ref.tol(dtype))
+                argnums = (0, 1, 2) if b is None else (0, 1, 2, 3)
+
+                def loss(*args, kw=kw):
+                    kw = dict(kw, bias=args[3] if len(args) > 3 else kw["bias"])
+                    return jnp.sum(
+                        jattn.attention(*args[:3], **kw).astype(jnp.float32 if dtype != jnp.float64 else dtype) * g
+                    )
+
+                # jax.nn's own backward promotes bf16/f16 with f32 implicitly: it needs standard promotion.
+                promotion = "standard" if impl == "xla" and dtype in (jnp.bfloat16, jnp.float16) else "strict"
+                with jax.numpy_dtype_promotion(promotion):
+                    grads = jax.grad(loss, argnums=argnums)(*(q, k, v, b)[: len(argnums)])
+                for got, exp in zip(grads, want_grads, strict=False):
+                    counts["nan"] += int(np.isnan(ref.f64(got)).any())
+                    ref.assert_grad_close(got, exp, dtype)
+                counts[f"compared {impl}"] += 1
+
+    run()
+    print(dict(counts))
+    assert counts["nan"] == 0
+    assert counts["compared blockwise"] > 0 and counts["compared xla"] > 0 and counts["refused"] > 0
+
+
+# -- low precision under jit (issue #11) ---------------------------------------------------------------
+
+
+@settings(max_examples=12)
+@given(
+    st.sampled_from([jnp.float16, jnp.bfloat16]),
+    st.sampled_from(["dense", "blockwise"]),
+    st.integers(1, 9),
+    st.integers(1, 9),
+    st.integers(1, 9),
+    st.integers(0, 2**32 - 1),
+)
+def test_low_precision_under_jit_matches_eager_and_float32(dtype, impl, t, s, d, seed):
+    """N(0,1) clipped to ±3, times a large share of the dtype's range: jit == eager == float32 of the rounded inputs."""
+    rng = np.random.default_rng(seed)
+    big = 1e4 if dtype == jnp.float16 else 1e17  # logits stay inside the float32 range
+    q, k, v = (jnp.asarray(np.clip(rng.normal(size=(2, n, d)), -3, 3) * big, dtype) for n in (t, s, s))
+    g = jnp.asarray(rng.normal(size=(2, t, d)), jnp.float32)
+
+    def f(q, k, v):
+        return jattn.attention(q, k, v, implementation=impl)
+
+    def loss(q, k, v):
+        return jnp.sum(f(q, k, v).astype(jnp.float32) * g)
+
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    want = f(*f32)
+    for out in (f(q, k, v), jax.jit(f)(q, k, v)):
+        np.testing.assert_allclose(
+            ref.f64(out), ref.f64(want), rtol=ref.tol(dtype)["rtol"], atol=ref.tol(dtype)["atol"] * big
+        )
+    want_grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*f32)
+    noise = float(np.max(np.abs(g)) * 3 * big * 3 * big * s / np.sqrt(d))  # |dO|·|v|·|k|·scale·S
+    for grads in (jax.grad(loss, argnums=(0, 1, 2))(q, k, v), jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)):
+        for got, exp in zip(grads, want_grads, strict=True):
+            if np.max(np.abs(exp)) < float(jnp.finfo(dtype).max):
+                assert np.all(np.isfinite(ref.f64(got)))
+                ref.assert_grad_close(got, exp, dtype, scale=noise)
+
+
+def test_readme_table_is_the_support_table():
+    from pathlib import Path
+
+    head = "| argument | " + " | ".join(f"`{p}`" for p in jattn.IMPLEMENTATIONS) + " |"
+    rows = [head, "|---|" + "---|" * len(jattn.IMPLEMENTATIONS)]
+    rows += [f"| {r} | " + " | ".join(c[p] for p in jattn.IMPLEMENTATIONS) + " |" for r, c in jattn.SUPPORT.items()]
+    assert "\n".join(rows) in (Path(__file__).parent.parent / "README.md").read_text()
