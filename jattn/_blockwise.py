@@ -328,13 +328,13 @@ def blockwise_attention(
     if T == 0 or S == 0:  # no tiles: every row is empty
         b = qf.shape[0]
         out, lse = jnp.zeros((b, T, v.shape[-1]), v.dtype), jnp.full((b, T), -jnp.inf, _compute(q.dtype))
-        return out.reshape(*lead, T, -1), lse.reshape(*lead, T)
+        return out.reshape(*lead, T, v.shape[-1]), lse.reshape(*lead, T)
     bq, bk = min(block_q, T), min(block_kv, S)
     q_offset = kv_offset + S - T if q_offset is None else q_offset
     plan = _Plan(T, S, bq, bk, skeleton, int(q_offset), int(kv_offset), float(scale), _compute(q.dtype))
     run = plan.run(arrays)
     out, lse = _flash(_pad(qf, 1, bq), _pad(kf, 1, bk), _pad(vf, 1, bk), run, plan, precision)
-    return out[:, :T].reshape(*lead, T, -1).astype(v.dtype), lse[:, :T].reshape(*lead, T)
+    return out[:, :T].reshape(*lead, T, v.shape[-1]).astype(v.dtype), lse[:, :T].reshape(*lead, T)
 
 
 def _compute(dtype) -> jnp.dtype:

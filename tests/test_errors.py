@@ -395,3 +395,56 @@ def test_linear_attention_empty_causal_sequence():
     out, state = jattn.linear_attention(e, e, jnp.zeros((2, 0, 5)), causal=True, return_state=True)
     assert out.shape == (2, 0, 5) and state.kv.shape == (2, 4, 5)
     np.testing.assert_array_equal(state.kv, np.zeros((2, 4, 5)))
+
+
+# -- the core: jattn.attention --------------------------------------------------------------------
+
+_Q = jnp.ones((2, 5, 4))
+
+
+def _attend(**kw):
+    args = {"q": _Q, "k": _Q, "v": _Q} | {n: kw.pop(n) for n in ("q", "k", "v") if n in kw}
+    return lambda: jattn.attention(args["q"], args["k"], args["v"], **kw)
+
+
+CORE_BAD = [
+    ("block_size zero", _attend(block_size=0, implementation="blockwise"), ValueError, "block_size"),
+    ("block_size negative", _attend(block_size=(4, -1), implementation="blockwise"), ValueError, "block_size"),
+    ("block_size float", _attend(block_size=2.5, implementation="blockwise"), TypeError, "block_size"),
+    ("block_size bool", _attend(block_size=True, implementation="blockwise"), TypeError, "block_size"),
+    ("block_size triple", _attend(block_size=(1, 2, 3), implementation="blockwise"), ValueError, "block_size"),
+    ("scale string", _attend(scale="a"), TypeError, "scale"),
+    ("scale vector", _attend(scale=jnp.ones(2)), ValueError, "scale"),
+    ("depth zero", _attend(q=jnp.ones((2, 5, 0)), k=jnp.ones((2, 5, 0))), ValueError, "depth D"),
+    ("dropout_rate negative", _attend(dropout_rate=-0.5, dropout_rng=jax.random.key(0)), ValueError, "dropout_rate"),
+    ("dropout_rate one", _attend(dropout_rate=1.0, dropout_rng=jax.random.key(0)), ValueError, "dropout_rate"),
+    ("dropout_rate bool", _attend(dropout_rate=True, dropout_rng=jax.random.key(0)), TypeError, "dropout_rate"),
+    ("dropout without key", _attend(dropout_rate=0.5), ValueError, "dropout_rng"),
+    ("mask float", _attend(mask=jnp.ones((5, 5))), TypeError, "mask must be boolean"),
+    ("mask shape", _attend(mask=jnp.ones((4, 5), bool)), ValueError, "mask of shape"),
+    ("bias integer", _attend(bias=jnp.ones((5, 5), jnp.int32)), TypeError, "bias"),
+    ("bias shape", _attend(bias=jnp.ones((3,))), ValueError, "bias of shape"),
+    ("implementation unknown", _attend(implementation="flash"), ValueError, "implementation"),
+    ("q integer", _attend(q=jnp.ones((2, 5, 4), jnp.int32)), TypeError, "q must be"),
+    ("q rank one", _attend(q=jnp.ones((4,))), ValueError, "q must have at least 2"),
+    ("offsets without predicate", _attend(q_offset=1), ValueError, "q_offset"),
+    ("combine with a number", lambda: masks.causal() & 1.5, TypeError, "masks combine only"),
+]
+
+
+@pytest.mark.parametrize(("call", "error", "match"), [b[1:] for b in CORE_BAD], ids=[b[0] for b in CORE_BAD])
+def test_bad_core_input_is_named(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
+@pytest.mark.parametrize("impl", ["dense", "blockwise"])
+def test_empty_sequences_are_defined(impl):
+    """T = 0 gives an empty output; S = 0 leaves every row without keys: 0, log-sum-exp -inf, zero gradient."""
+    q, k = _rand((2, 3, 4), 0), _rand((2, 0, 4), 1)
+    out, lse = jattn.attention(q, k, k, return_lse=True, implementation=impl)
+    assert out.shape == (2, 3, 4) and np.all(np.asarray(out) == 0) and np.all(np.isneginf(lse))
+    dq = jax.grad(lambda q: jnp.sum(jattn.attention(q, k, k, implementation=impl)))(q)
+    assert np.all(np.asarray(dq) == 0)
+    out = jattn.attention(k, q, q, implementation=impl)
+    assert out.shape == (2, 0, 4)
