@@ -22,6 +22,7 @@ O(T) too: no ``(T, S)`` array is ever formed.
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -159,7 +160,7 @@ def _per_block(kind: Array, update, carry):
 
 def _flat_lead(x: Array, lead: tuple[int, ...]) -> Array:
     """``(..., L, X)`` broadcast to the leading shape ``lead`` and flattened: ``(B, L, X)``."""
-    return jnp.broadcast_to(x, (*lead, *x.shape[-2:])).reshape(-1, *x.shape[-2:])
+    return jnp.broadcast_to(x, (*lead, *x.shape[-2:])).reshape(math.prod(lead), *x.shape[-2:])
 
 
 def _empty_state(b: int, t: int, e: int, compute) -> tuple[Array, Array, Array]:
