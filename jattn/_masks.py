@@ -514,11 +514,11 @@ def chunked(size: int) -> Mask:
 
 def prefix_lm(prefix_length: int) -> Mask:
     """Bidirectional over the first ``prefix_length`` (a non-negative int) positions, causal after them."""
-    return Causal() | _KeyBelow(check_int("prefix_length", prefix_length, min=0))
+    return Causal() | KeyBelow(check_int("prefix_length", prefix_length, min=0))
 
 
 @dataclasses.dataclass(frozen=True)
-class _KeyBelow(Mask):
+class KeyBelow(Mask):
     """``j < n``."""
 
     n: int
