@@ -17,6 +17,7 @@ import numpy as np
 
 __all__ = [
     "broadcast_all",
+    "check_block_size",
     "check_bool",
     "check_dtype",
     "check_int",
@@ -142,3 +143,13 @@ def broadcast_all(**arrays: jax.Array | None) -> tuple[int, ...]:
     except ValueError:
         shapes = ", ".join(f"{n} {x.shape}" for n, x in named.items())
         raise ValueError(f"leading dimensions do not broadcast: {shapes}") from None
+
+
+def check_block_size(block_size: int | tuple[int, int] | None) -> tuple[int, int] | None:
+    """``(block_q, block_kv)`` of positive ints, or an error naming ``block_size``."""
+    if block_size is None:
+        return None
+    pair = block_size if isinstance(block_size, tuple | list) else (block_size, block_size)
+    if len(pair) != 2:
+        raise ValueError(f"block_size must be an int or a pair (block_q, block_kv), got {block_size!r}")
+    return check_int("block_size", pair[0], min=1), check_int("block_size", pair[1], min=1)

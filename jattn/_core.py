@@ -25,7 +25,7 @@ from jax import Array
 from jax.typing import ArrayLike
 
 from jattn._blockwise import blockwise_attention
-from jattn._checks import broadcast_all, check_int, check_qkv, check_real
+from jattn._checks import broadcast_all, check_block_size, check_qkv, check_real
 from jattn._masks import EMPTY, ArrayMask, Causal, Mask, Padding, SlidingWindow, conjuncts
 from jattn._masks import array as masks_array
 from jattn._online import compute_dtype
@@ -48,16 +48,6 @@ def _check_scale(scale: float | ArrayLike | None) -> None:
         raise ValueError(
             f"scale must be a scalar (0-d float array), got dtype {scale.dtype} with shape {np.shape(scale)}"
         )
-
-
-def _check_block_size(block_size: int | tuple[int, int] | None) -> tuple[int, int] | None:
-    """``(block_q, block_kv)`` of positive ints, or an error naming ``block_size``."""
-    if block_size is None:
-        return None
-    pair = block_size if isinstance(block_size, tuple | list) else (block_size, block_size)
-    if len(pair) != 2:
-        raise ValueError(f"block_size must be an int or a pair (block_q, block_kv), got {block_size!r}")
-    return check_int("block_size", pair[0], min=1), check_int("block_size", pair[1], min=1)
 
 
 def _as_mask(mask: ArrayLike | Mask | None) -> Mask | None:
@@ -445,7 +435,7 @@ def attention(
     mask = _as_mask(mask)
     _check_offsets(mask, q_offset, kv_offset)
     dropout_rate = _check_dropout(dropout_rate, dropout_rng)
-    blocks = _check_block_size(block_size)
+    blocks = check_block_size(block_size)
     used = _features(q, v, mask, bias, q_offset, kv_offset, dropout_rate, precision, return_lse, block_size)
     path = _choose(implementation, q, k, used)
     if path == "blockwise":

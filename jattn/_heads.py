@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
-from jattn._checks import check_bool, check_dtype, check_int, check_real
-from jattn._core import attention, attention_weights
+from jattn._checks import check_block_size, check_bool, check_dtype, check_int, check_real
+from jattn._core import IMPLEMENTATIONS, attention, attention_weights
 from jattn._linear import LinearState, feature_fn, linear_attention
 from jattn._masks import Causal, Mask
 from jattn._ring import sequence_parallel_attention
@@ -126,6 +126,13 @@ def _split_mask(mask: Array | None, shape: tuple[int, int, int, int], num_kv_hea
 KINDS = ("softmax", "linear")
 
 
+def check_path(implementation: str | None, block_size: int | tuple[int, int] | None) -> None:
+    """Validates a module's ``implementation`` and ``block_size`` (as :func:`jattn.attention` takes them)."""
+    if implementation is not None and implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
+    check_block_size(block_size)
+
+
 def check_kind(kind: str, feature_map: object) -> None:
     """Validates the attention kind."""
     if not isinstance(kind, str) or kind not in KINDS:
@@ -159,12 +166,16 @@ def multihead(
     return_weights: bool = False,
     linear_state: LinearState | None = None,
     sequence_axis: str | None = None,
+    implementation: str | None = None,
+    block_size: int | tuple[int, int] | None = None,
 ) -> tuple[Array, Array | None, LinearState | None]:
     """Attention over heads of projected ``q (B, T, N*D)``, ``k, v (B, S, K*D)``.
 
     ``mask`` is a boolean ``(T, S)``, ``(B, T, S)`` (per example, broadcast over heads) or
-    ``(B, N, T, S)`` array (any axis may be 1), or a :class:`~jattn.masks.Mask`;
-    ``kv_mask (B, S)`` marks valid keys (context padding). For ``kind='linear'`` the mask must
+    ``(B, N, T, S)`` array (any axis may be 1), or a :class:`~jattn.masks.Mask`, which goes to
+    the core as it is (so the blockwise path can skip its empty tiles); ``kv_mask (B, S)`` marks
+    valid keys (context padding). ``implementation`` and ``block_size`` are those of
+    :func:`jattn.attention` (``block_size`` is dropped for a path other than the blockwise one). For ``kind='linear'`` the mask must
     be None or ``causal()`` and ``linear_state`` continues a causal sequence.
 
     Returns ``out (B, T, N*E)``, the weights ``(B, N, T, S)`` (before dropout) if asked, and
@@ -207,13 +218,22 @@ def multihead(
         weights = attention_weights(qh, kh, mask=mask, precision=precision) if return_weights else None
         weights = None if weights is None else weights.reshape(b, num_heads, t, s)
     else:
-        if isinstance(mask, Mask):
-            mask = mask.dense(t, s)  # (T, S) or (B, 1, T, S)
-        mask = _split_mask(mask, (b, num_heads, t, s), num_kv_heads)  # (B|1, K|1, G|1, T|1, S|1)
+        if not isinstance(mask, Mask):  # a predicate broadcasts over (B, K, G) as it is
+            mask = _split_mask(mask, (b, num_heads, t, s), num_kv_heads)  # (B|1, K|1, G|1, T|1, S|1)
         if valid is not None:
             valid = valid.reshape(b, 1, 1, 1, s)
             mask = valid if mask is None else mask & valid
-        out = attention(qh, kh, vh, mask=mask, dropout_rate=dropout_rate, dropout_rng=dropout_rng, precision=precision)
+        out = attention(
+            qh,
+            kh,
+            vh,
+            mask=mask,
+            dropout_rate=dropout_rate,
+            dropout_rng=dropout_rng,
+            precision=precision,
+            implementation=implementation,
+            block_size=block_size if implementation in (None, "blockwise") else None,  # tiles of the blockwise path
+        )
         weights = None
         if return_weights:
             weights = attention_weights(qh, kh, mask=mask, precision=precision).reshape(b, num_heads, t, s)

@@ -95,7 +95,7 @@ class Mask:
     __array_ufunc__ = None  # ``ndarray & mask`` defers to Mask.__rand__
 
     def _bind(self, q0: ArrayLike, k0: ArrayLike) -> Mask:
-        """This mask with its array leaves told the positions of grid row 0 and column 0."""
+        """The mask with its array leaves told the positions of grid row 0 and column 0."""
         return self
 
     def _tiles(self, i0, i1, j0, j1, tiling) -> tuple[Array, Array]:
@@ -104,10 +104,10 @@ class Mask:
         return jnp.asarray(empty), jnp.asarray(full)
 
     def dense(self, T: int, S: int, *, q_offset: ArrayLike | None = None, kv_offset: ArrayLike = 0) -> Array:
-        """The boolean mask: ``(T, S)``, ``(B, 1, T, S)`` when it depends on the example, or
-        ``(..., T, S)`` with the leading dimensions of its arrays.
+        """The boolean mask over the ``(T, S)`` grid.
 
-        ``T`` and ``S`` are non-negative ints; offsets are scalars or per example ``(B,)``.
+        ``(T, S)``, ``(B, 1, T, S)`` when it depends on the example, or ``(..., T, S)`` with the
+        leading dimensions of its arrays. ``T`` and ``S`` are non-negative ints; offsets are scalars or per example ``(B,)``.
         """
         T, S = check_int("T", T, min=0), check_int("S", S, min=0)
         _check_lengths(self, T, S)

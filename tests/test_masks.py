@@ -87,7 +87,7 @@ def test_bad_mask_arguments():
         masks.causal() & 3
     with pytest.raises(TypeError, match="mask must be boolean"):
         masks.causal() & jnp.ones((2, 2), jnp.float32)
-    with pytest.raises(ValueError, match="q_offset and kv_offset place a jattn.masks predicate"):
+    with pytest.raises(ValueError, match=r"q_offset and kv_offset place a jattn\.masks predicate"):
         jattn.attention(jnp.ones((3, 2)), jnp.ones((3, 2)), jnp.ones((3, 2)), mask=jnp.ones((3, 3), bool), q_offset=1)
 
 
