@@ -89,16 +89,58 @@ def _pad(x: Array, axis: int, multiple: int) -> Array:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _flash(q: Array, k: Array, v: Array, run: _Run, plan: _Plan, precision) -> tuple[Array, Array]:
     """``out (B, T, E)`` and ``lse (B, T)`` of padded ``q (B, T, D)``, ``k (B, S, D)``, ``v (B, S, E)``."""
-    return _grouped_forward(q, k, v, run, plan, precision)
+    forward, _ = _kernels(plan, precision)
+    return forward(q, k, v, run.kind, run.arrays)
 
 
-def _grouped_forward(q, k, v, run: _Run, plan: _Plan, precision) -> tuple[Array, Array]:
-    """:func:`_forward` group by group (:func:`_by_group`)."""
+@functools.lru_cache(maxsize=256)
+def _kernels(plan: _Plan, precision):
+    """The forward and backward of one plan, group by group, each folding ``vmap`` into B (:func:`_folding`)."""
 
-    def body(xs, arrays):
-        return _forward(*xs, run.kind, arrays, plan, precision)
+    def forward(q, k, v, kind, arrays):
+        return _by_group(plan, lambda xs, a: _forward(*xs, kind, a, plan, precision), (q, k, v), arrays)
 
-    return _by_group(plan, body, (q, k, v), run.arrays)
+    def backward(q, k, v, out, lse, d_out, kind, arrays):
+        xs = (q, k, v, out, lse, d_out)
+        return _by_group(plan, lambda xs, a: _backward(*xs, kind, a, plan, precision), xs, arrays)
+
+    return _folding(forward), _folding(backward)
+
+
+def _folding(kernel):
+    """``kernel(*xs, kind, arrays)`` whose ``vmap`` folds the mapped axis into B.
+
+    Each of ``xs`` is ``(B, ...)`` and each mask array ``(B|1, ...)``; under ``vmap`` of size n
+    they become ``(n·B, ...)`` (broadcast where unmapped), so the tiles are those of an explicit
+    batch of n·B rather than n-fold larger ones. Where the run-time tile kinds are mapped (a
+    mapped array mask), every element needs its own schedule: plain batching then.
+    """
+    folding = jax.custom_batching.custom_vmap(kernel)
+
+    @folding.def_vmap
+    def rule(n, in_batched, *args):
+        *xs, kind, arrays = args
+        *xs_batched, kind_batched, arrays_batched = in_batched
+        if kind_batched:
+            axes = jax.tree.map(lambda batched: 0 if batched else None, tuple(in_batched))
+            outs = jax.vmap(kernel, in_axes=axes)(*args)
+            return outs, jax.tree.map(lambda _: True, outs)
+
+        def fold(x, batched, b):  # (n, b, ...) or (b, ...) -> (n·b, ...)
+            x = x if batched else jnp.broadcast_to(x, (n, *x.shape))
+            return jnp.broadcast_to(x, (n, b, *x.shape[2:])).reshape(n * b, *x.shape[2:])
+
+        b = xs[0].shape[1] if xs_batched[0] else xs[0].shape[0]
+        flat = tuple(fold(x, batched, b) for x, batched in zip(xs, xs_batched, strict=True))
+        masks = tuple(
+            fold(m, batched, b) if batched or m.shape[0] != 1 else m
+            for m, batched in zip(arrays, arrays_batched, strict=True)
+        )
+        outs = folding(*flat, kind, masks)
+        outs = jax.tree.map(lambda y: y.reshape(n, b, *y.shape[1:]), outs)
+        return outs, jax.tree.map(lambda _: True, outs)
+
+    return folding
 
 
 class _Run(NamedTuple):
@@ -120,8 +162,8 @@ class _Plan:
     every tile they touch is scheduled, and :class:`_Run` carries their arrays and run-time kinds.
     """
 
-    def __init__(self, T, S, bq, bk, mask, q_offset, kv_offset, scale, compute, group):
-        self.T, self.S, self.bq, self.bk, self.group = T, S, bq, bk, group
+    def __init__(self, T, S, bq, bk, mask, q_offset, kv_offset, scale, compute, platform):
+        self.T, self.S, self.bq, self.bk, self.platform = T, S, bq, bk, platform
         self.nq, self.nk = -(-T // bq), -(-S // bk)
         self.mask, self.q_offset, self.kv_offset = mask, q_offset, kv_offset
         self.scale, self.compute = scale, compute
@@ -133,13 +175,17 @@ class _Plan:
         self.index, self.kind = _schedule(kinds)  # per query block: its key blocks
         same = self.kind[0, 0] if np.all(self.kind == self.kind[0, 0]) else EMPTY
         self.uniform = None if same == EMPTY else int(same)  # every scheduled tile PARTIAL, or every one FULL
-        self._key = (T, S, bq, bk, mask, q_offset, kv_offset, scale, compute, group)
+        self._key = (T, S, bq, bk, mask, q_offset, kv_offset, scale, compute, platform)
 
     def __hash__(self) -> int:
         return hash(self._key)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, _Plan) and self._key == other._key
+
+    def group(self, b: int) -> int:
+        """Rows of a leading axis of ``b`` per tile on this plan's platform (:func:`group_size`)."""
+        return group_size(b, self.bq, self.bk, jnp.dtype(self.compute).itemsize, self.platform)
 
     def predicate_with(self, arrays: tuple[Array, ...]) -> Mask:
         """The mask with its arrays put back and placed at this call's offsets."""
@@ -183,12 +229,13 @@ def _blocks(x: Array, size: int) -> Array:
 
 
 def _by_group(plan: _Plan, body, xs: tuple[Array, ...], arrays: tuple[Array, ...]):
-    """``body(xs, arrays)`` over groups of ``plan.group`` rows of B, one group after another.
+    """``body(xs, arrays)`` over groups of ``plan.group(B)`` rows of B, one group after another.
 
     Each of ``xs`` is ``(B, ...)``; mask ``arrays`` are ``(B|1, ...)`` (shared when 1). The
     outputs of ``body`` are ``(group, ...)`` and come back as ``(B, ...)``.
     """
-    b, h = xs[0].shape[0], plan.group
+    b = xs[0].shape[0]
+    h = plan.group(b)
     if h == b:
         return body(xs, arrays)
 
@@ -280,7 +327,8 @@ def _backward(q, k, v, out, lse, d_out, kind: Array, arrays: tuple[Array, ...], 
 
 
 def _flash_fwd(q, k, v, run, plan, precision):
-    out, lse = _grouped_forward(q, k, v, run, plan, precision)
+    forward, _ = _kernels(plan, precision)
+    out, lse = forward(q, k, v, run.kind, run.arrays)
     return (out, lse), (q, k, v, run, out, lse)
 
 
@@ -289,10 +337,8 @@ def _flash_bwd(plan: _Plan, precision, res, cotangents):
     q, k, v, run, out, lse = res
     d_out, _ = cotangents  # the log-sum-exp is an output for inspection, not differentiated
 
-    def body(xs, arrays):
-        return _backward(*xs, run.kind, arrays, plan, precision)
-
-    dq, dk, dv = _by_group(plan, body, (q, k, v, out, lse, d_out), run.arrays)
+    _, backward = _kernels(plan, precision)
+    dq, dk, dv = backward(q, k, v, out, lse, d_out, run.kind, run.arrays)
     return dq, dk, dv, None
 
 
@@ -332,8 +378,7 @@ def blockwise_attention(
     bq, bk = min(block_q, T), min(block_kv, S)
     q_offset = kv_offset + S - T if q_offset is None else q_offset
     compute = compute_dtype(q.dtype)
-    group = group_size(qf.shape[0], bq, bk, compute.itemsize, platform())
-    plan = _Plan(T, S, bq, bk, skeleton, int(q_offset), int(kv_offset), float(scale), compute, group)
+    plan = _Plan(T, S, bq, bk, skeleton, int(q_offset), int(kv_offset), float(scale), compute, platform())
     run = plan.run(arrays)
     out, lse = _flash(_pad(qf, 1, bq), _pad(kf, 1, bk), _pad(vf, 1, bk), run, plan, precision)
     return out[:, :T].reshape(*lead, T, -1), lse[:, :T].reshape(*lead, T)

@@ -228,3 +228,43 @@ def test_cpu_tiles_are_fitted_to_tile_bytes():
     assert group_size(32, 512, 512, 4, "gpu") == 32
     assert group_size(7, 512, 512, 4, "cpu") == 1  # the largest divisor of B that fits
     assert group_size(32, 128, 128, 4, "cpu") == 32
+
+
+def _dot_shapes(fn, *args) -> set[str]:
+    """The result types of the matmuls in ``fn``'s jaxpr (the tile shapes)."""
+    import re
+
+    return set(re.findall(r"(\w+\[[\d,]*\]) = dot_general", str(jax.make_jaxpr(fn)(*args))))
+
+
+@pytest.mark.parametrize("mapped", ["qkv", "q", "kv", "array-mask"])
+def test_vmap_equals_a_loop_and_tiles_like_an_explicit_batch(monkeypatch, mapped):
+    """vmap folds the mapped axis into the tiled batch: the loop's values and gradients, the batch's tiles."""
+    import jattn._blockwise as bw
+
+    monkeypatch.setattr(bw, "TILE_BYTES", 2 * 4 * 3 * 4)  # CPU groups of 2 rows of B
+    q, k, v = _rand((3, 2, 2, 11, 5), 0), _rand((3, 2, 1, 7, 5), 1), _rand((3, 2, 1, 7, 4), 2)
+    arr = jnp.asarray(np.random.default_rng(0).random((3, 2, 2, 11, 7)) > 0.4)
+    axes = {"qkv": (0, 0, 0, None), "q": (0, None, None, None), "kv": (None, 0, 0, None), "array-mask": (0, 0, 0, 0)}
+    in_axes = axes[mapped]
+    args = tuple(x if a == 0 else x[0] for x, a in zip((q, k, v, arr), in_axes, strict=True))
+
+    def f(q, k, v, m):
+        mask = masks.causal() if mapped != "array-mask" else m
+        return jattn.attention(q, k, v, mask=mask, implementation="blockwise", block_size=(4, 3))
+
+    def loss(*a):
+        return jnp.sum(jnp.sin(jax.vmap(f, in_axes=in_axes)(*a)))
+
+    def loop_loss(*a):
+        pick = [[x[i] if ax == 0 else x for x, ax in zip(a, in_axes, strict=True)] for i in range(3)]
+        return sum(jnp.sum(jnp.sin(f(*p))) for p in pick)
+
+    np.testing.assert_allclose(loss(*args), loop_loss(*args), rtol=1e-5)
+    for a, b in zip(jax.grad(loss, (0, 1, 2))(*args), jax.grad(loop_loss, (0, 1, 2))(*args), strict=True):
+        np.testing.assert_allclose(a, b, **ref.tol(jnp.float32))
+    per_example = jax.vmap(jax.grad(lambda *a: jnp.sum(jnp.sin(f(*a))), (0, 1, 2)), in_axes=in_axes)(*args)
+    assert [g.shape[0] for g in per_example] == [3, 3, 3]
+    if mapped != "array-mask":  # a mapped array mask needs a schedule per element: plain batching
+        batch = (q.reshape(6, 2, 11, 5), k.reshape(6, 1, 7, 5), v.reshape(6, 1, 7, 4), None)
+        assert _dot_shapes(jax.vmap(f, in_axes=in_axes), *args) == _dot_shapes(f, *batch)
