@@ -9,14 +9,16 @@ mask, partial blocks apply it. Each query block runs a ``lax.scan`` over the lis
 non-empty key blocks only, so causal attention costs about half of full attention and a sliding
 window of width w costs O(T·w).
 
-Per query block the running state is the row max ``m``, the normaliser ``l`` and the unnormalised
-output ``acc``; a key block with scores ``x`` updates them as
+The maths of one tile (the online-softmax state and its update, the tile gradients) is in
+:mod:`jattn._online`, shared with ring attention. The backward pass (``jax.custom_vjp``)
+recomputes each tile's weights from the saved output and log-sum-exp and adds its shares of dq,
+dk and dv in one sweep over the same non-empty tiles, so training memory is O(T) too: no
+``(T, S)`` array is ever formed.
 
-    m' = max(m, rowmax x),  l' = l·e^(m - m') + rowsum e^(x - m'),  acc' = acc·e^(m - m') + e^(x - m') v
-
-The backward pass (``jax.custom_vjp``) recomputes each block's weights from the saved output and
-log-sum-exp (the flash-attention recurrence) and skips the same blocks, so training memory is
-O(T) too: no ``(T, S)`` array is ever formed.
+On CPU the leading axis B is cut into groups whose score tile ``(group, bq, bk)`` stays about
+:data:`TILE_BYTES`, and the groups run one after another (:func:`group_size`); GPU and TPU tile
+all of B at once. Under ``jax.vmap`` the mapped axis is folded into B (:func:`_folding`), so a
+vmapped call has the tiles of an explicit batch.
 """
 
 from __future__ import annotations
