@@ -49,9 +49,10 @@ __all__ = ["TILE_BYTES", "blockwise_attention", "group_size", "platform"]
 
 #: Bytes of one score tile on CPU: the leading axis B is cut into groups of rows whose tile
 #: ``(group, bq, bk)`` stays about this size, and the groups run one after another. A tile over all
-#: of B (32 MiB at B·N = 32 and 512 x 512 tiles) leaves the caches and halves the matmul rate
-#: (bench/README). GPU and TPU keep one tile over all of B.
-TILE_BYTES = 2 * 2**20
+#: of B (32 MiB at B·N = 32 and 512 x 512 tiles) leaves the caches and halves the matmul rate; 1 MiB
+#: (one head of a float32 512 x 512 tile) measured 5-12% faster than 2 MiB and 0.5 MiB (README).
+#: GPU and TPU keep one tile over all of B.
+TILE_BYTES = 2**20
 
 
 def platform() -> str:
@@ -200,9 +201,22 @@ class _Plan:
         keep = self.predicate_with(arrays).allowed(rows, cols)
         return keep.reshape((1,) * (3 - keep.ndim) + keep.shape)
 
-    def scores(self, qb: Array, kb: Array, i: Array, j: Array, masked: bool, precision, arrays=()) -> tuple:
-        """Scaled scores ``(B, bq, bk)`` and, for a partial block, its mask ``(1|B, bq, bk)``."""
-        s = scaled_scores(qb, kb, self.scale, self.compute, precision)
+    def prescale(self, q: Array) -> tuple[Array, float]:
+        """``q (B, T, D)`` with the logit scale folded in, and the scale left for the scores.
+
+        Folding it into q saves a pass over every score tile. A 16-bit q keeps its rounding: the
+        scale stays on the float32 scores.
+        """
+        if q.dtype != self.compute:
+            return q, self.scale
+        return q * jnp.asarray(self.scale, q.dtype), 1.0
+
+    def scores(self, qb: Array, kb: Array, i: Array, j: Array, masked: bool, precision, arrays=(), scale=None) -> tuple:
+        """Scaled scores ``(B, bq, bk)`` and, for a partial block, its mask ``(1|B, bq, bk)``.
+
+        ``scale`` (default the plan's) is what :meth:`prescale` left for the scores.
+        """
+        s = scaled_scores(qb, kb, self.scale if scale is None else scale, self.compute, precision)
         return s, (self.allowed(i, j, arrays) if masked else None)
 
     def run(self, arrays: tuple[Array, ...]) -> _Run:
@@ -258,6 +272,7 @@ def _by_group(plan: _Plan, body, xs: tuple[Array, ...], arrays: tuple[Array, ...
 
 def _forward(q, k, v, kind: Array, arrays: tuple[Array, ...], plan: _Plan, precision):
     """``out (b, nq·bq, E)`` and ``lse (b, nq·bq)`` of one group: per query block, a scan over its key blocks."""
+    q, scale = plan.prescale(q)
     qs, ks, vs = _blocks(q, plan.bq), _blocks(k, plan.bk), _blocks(v, plan.bk)  # (n, b, blk, X)
     index = jnp.asarray(plan.index)
     b, e = q.shape[0], v.shape[-1]
@@ -269,7 +284,7 @@ def _forward(q, k, v, kind: Array, arrays: tuple[Array, ...], plan: _Plan, preci
             j, kd = jk
 
             def update(carry, masked):
-                s, keep = plan.scores(qb, ks[j], i, j, masked, precision, arrays)
+                s, keep = plan.scores(qb, ks[j], i, j, masked, precision, arrays, scale)
                 return accumulate(carry, s, keep, vs[j], precision, plan.compute)
 
             return per_block(kd, update, carry, None if arrays else plan.uniform), None
@@ -296,21 +311,22 @@ def _backward(q, k, v, out, lse, d_out, kind: Array, arrays: tuple[Array, ...], 
     """
     compute = plan.compute
     lse, delta = backward_rows(out, d_out, lse, compute)  # (b, T) each
-    qs, dos = _blocks(q, plan.bq), _blocks(d_out, plan.bq)  # (nq, b, bq, D|E)
+    q_scaled, s_scale = plan.prescale(q)
+    qs, q_scaled, dos = (_blocks(x, plan.bq) for x in (q, q_scaled, d_out))  # (nq, b, bq, D|E)
     ks, vs = _blocks(k, plan.bk), _blocks(v, plan.bk)  # (nk, b, bk, D|E)
     rows = tuple(_blocks(x[..., None], plan.bq)[..., 0] for x in (lse, delta))  # (nq, b, bq) each
     index, scale = jnp.asarray(plan.index), jnp.asarray(plan.scale, compute)
     b = q.shape[0]
 
     def query_block(dkv, args):
-        i, qb, dob, lse_i, delta_i = args
+        i, qb, qb_scaled, dob, lse_i, delta_i = args
 
         def key_block(carry, jk):
             j, kd = jk
             dq, dk, dv = carry
 
             def update(_, masked):
-                s, keep = plan.scores(qb, ks[j], i, j, masked, precision, arrays)
+                s, keep = plan.scores(qb_scaled, ks[j], i, j, masked, precision, arrays, s_scale)
                 p, ds = score_grads(s, keep, lse_i, dob, vs[j], delta_i, scale, precision, compute)
                 return tile_grads(p, ds, qb, ks[j], dob, precision, compute)
 
@@ -323,7 +339,7 @@ def _backward(q, k, v, out, lse, d_out, kind: Array, arrays: tuple[Array, ...], 
         return (dk, dv), dq
 
     dkv = (jnp.zeros(ks.shape, compute), jnp.zeros(vs.shape, compute))
-    steps = (jnp.arange(plan.nq, dtype=jnp.int32), qs, dos, *rows)
+    steps = (jnp.arange(plan.nq, dtype=jnp.int32), qs, q_scaled, dos, *rows)
     (dk, dv), dq = jax.lax.scan(query_block, dkv, steps)
     return _unblock(dq).astype(q.dtype), _unblock(dk).astype(k.dtype), _unblock(dv).astype(v.dtype)
 

@@ -98,6 +98,17 @@ def _split(x: Array, heads: int, groups: int) -> Array:
     return x.reshape(b, length, heads, groups, f // (heads * groups)).transpose(0, 2, 3, 1, 4)
 
 
+def _check_mask_shape(got: tuple[int, ...], shape: tuple[int, int, int, int]) -> None:
+    """Raises unless a mask of shape ``got`` is ``(T, S)``, ``(B, T, S)`` or ``(B, N, T, S)`` for ``shape = (B, N, T, S)``."""
+    b, n, t, s = shape
+    want = {2: (t, s), 3: (b, t, s), 4: (b, n, t, s)}.get(len(got))
+    if want is None or any(m not in (1, w) for m, w in zip(got, want, strict=True)):
+        raise ValueError(
+            f"mask must have shape (T, S) = {(t, s)}, (B, T, S) = {(b, t, s)} or (B, N, T, S) = {shape} "
+            f"(each axis may be 1), got shape {tuple(got)}"
+        )
+
+
 def _split_mask(mask: Array | None, shape: tuple[int, int, int, int], num_kv_heads: int) -> Array | None:
     """A boolean mask for ``shape = (B, N, T, S)`` -> broadcastable to ``(B, K, G, T, S)``.
 
@@ -109,13 +120,8 @@ def _split_mask(mask: Array | None, shape: tuple[int, int, int, int], num_kv_hea
     mask = jnp.asarray(mask)
     if mask.dtype != jnp.bool_:
         raise TypeError(f"mask must be boolean (True = attend), got {mask.dtype} with shape {mask.shape}")
-    b, n, t, s = shape
-    want = {2: (t, s), 3: (b, t, s), 4: (b, n, t, s)}.get(mask.ndim)
-    if want is None or any(m not in (1, w) for m, w in zip(mask.shape, want, strict=True)):
-        raise ValueError(
-            f"mask must have shape (T, S) = {(t, s)}, (B, T, S) = {(b, t, s)} or (B, N, T, S) = {shape} "
-            f"(each axis may be 1), got shape {mask.shape}"
-        )
+    _check_mask_shape(mask.shape, shape)
+    n = shape[1]
     if mask.ndim == 3:
         mask = mask[:, None]  # (B, 1, T, S): the same mask for every head
     mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
@@ -220,6 +226,8 @@ def multihead(
     else:
         if not isinstance(mask, Mask):  # a predicate broadcasts over (B, K, G) as it is
             mask = _split_mask(mask, (b, num_heads, t, s), num_kv_heads)  # (B|1, K|1, G|1, T|1, S|1)
+        elif mask.per_example:  # its batch is checked on the shape of its dense form (nothing is formed)
+            _check_mask_shape(jax.eval_shape(lambda: mask.dense(t, s)).shape, (b, num_heads, t, s))
         if valid is not None:
             valid = valid.reshape(b, 1, 1, 1, s)
             mask = valid if mask is None else mask & valid

@@ -49,9 +49,12 @@ def flat_lead(x: Array, lead: tuple[int, ...]) -> Array:
 
 
 def scaled_scores(qb: Array, kb: Array, scale: float, compute, precision) -> Array:
-    """``scale · q kᵀ`` of one tile: ``(B, t, D) x (B, s, D) -> (B, t, s)`` in the compute dtype."""
+    """``scale · q kᵀ`` of one tile: ``(B, t, D) x (B, s, D) -> (B, t, s)`` in the compute dtype.
+
+    ``scale == 1.0`` (a q that carries the scale already) skips the multiplication.
+    """
     s = jnp.einsum("btd,bsd->bts", qb, kb, precision=precision, preferred_element_type=compute)
-    return s * jnp.asarray(scale, compute)
+    return s if isinstance(scale, float) and scale == 1.0 else s * jnp.asarray(scale, compute)
 
 
 def per_block(kind: Array, update, carry, uniform: int | None = None):
@@ -78,7 +81,9 @@ def accumulate(state, s: Array, keep: Array | None, vb: Array, precision, comput
         s = jnp.where(keep, s, -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(s, axis=-1))
     m_safe = jnp.where(m_new == -jnp.inf, jnp.zeros_like(m_new), m_new)
-    p = shifted_exp(s, m_safe[..., None])  # exactly 0 at masked entries
+    # exp(min(x - m, 0)): the clamp of shifted_exp in one pass (this update is never differentiated:
+    # the gradients are tile_grads'); exactly 0 at masked entries.
+    p = jnp.exp(jnp.minimum(s - m_safe[..., None], jnp.zeros((), s.dtype)))
     alpha = jnp.exp(jnp.where(m == -jnp.inf, -jnp.inf, m - m_safe))
     pv = jnp.einsum("bts,bse->bte", p.astype(vb.dtype), vb, precision=precision, preferred_element_type=compute)
     return m_new, norm * alpha + jnp.sum(p, -1), acc * alpha[..., None] + pv
