@@ -202,7 +202,7 @@ class _Plan:
         return keep.reshape((1,) * (3 - keep.ndim) + keep.shape)
 
     def prescale(self, q: Array) -> tuple[Array, float]:
-        """``q (B, T, D)`` with the logit scale folded in, and the scale left for the scores.
+        """A query block ``q (B, bq, D)`` with the logit scale folded in, and the scale left for the scores.
 
         Folding it into q saves a pass over every score tile. A 16-bit q keeps its rounding: the
         scale stays on the float32 scores.
@@ -272,13 +272,13 @@ def _by_group(plan: _Plan, body, xs: tuple[Array, ...], arrays: tuple[Array, ...
 
 def _forward(q, k, v, kind: Array, arrays: tuple[Array, ...], plan: _Plan, precision):
     """``out (b, nq·bq, E)`` and ``lse (b, nq·bq)`` of one group: per query block, a scan over its key blocks."""
-    q, scale = plan.prescale(q)
     qs, ks, vs = _blocks(q, plan.bq), _blocks(k, plan.bk), _blocks(v, plan.bk)  # (n, b, blk, X)
     index = jnp.asarray(plan.index)
     b, e = q.shape[0], v.shape[-1]
 
     def query_block(args):
         i, qb = args
+        qb, scale = plan.prescale(qb)  # per query block: no scaled copy of all of q
 
         def key_block(carry, jk):
             j, kd = jk
@@ -311,15 +311,15 @@ def _backward(q, k, v, out, lse, d_out, kind: Array, arrays: tuple[Array, ...], 
     """
     compute = plan.compute
     lse, delta = backward_rows(out, d_out, lse, compute)  # (b, T) each
-    q_scaled, s_scale = plan.prescale(q)
-    qs, q_scaled, dos = (_blocks(x, plan.bq) for x in (q, q_scaled, d_out))  # (nq, b, bq, D|E)
+    qs, dos = _blocks(q, plan.bq), _blocks(d_out, plan.bq)  # (nq, b, bq, D|E)
     ks, vs = _blocks(k, plan.bk), _blocks(v, plan.bk)  # (nk, b, bk, D|E)
     rows = tuple(_blocks(x[..., None], plan.bq)[..., 0] for x in (lse, delta))  # (nq, b, bq) each
     index, scale = jnp.asarray(plan.index), jnp.asarray(plan.scale, compute)
     b = q.shape[0]
 
     def query_block(dkv, args):
-        i, qb, qb_scaled, dob, lse_i, delta_i = args
+        i, qb, dob, lse_i, delta_i = args
+        qb_scaled, s_scale = plan.prescale(qb)  # per query block: no scaled copy of all of q
 
         def key_block(carry, jk):
             j, kd = jk
@@ -339,7 +339,7 @@ def _backward(q, k, v, out, lse, d_out, kind: Array, arrays: tuple[Array, ...], 
         return (dk, dv), dq
 
     dkv = (jnp.zeros(ks.shape, compute), jnp.zeros(vs.shape, compute))
-    steps = (jnp.arange(plan.nq, dtype=jnp.int32), qs, q_scaled, dos, *rows)
+    steps = (jnp.arange(plan.nq, dtype=jnp.int32), qs, dos, *rows)
     (dk, dv), dq = jax.lax.scan(query_block, dkv, steps)
     return _unblock(dq).astype(q.dtype), _unblock(dk).astype(k.dtype), _unblock(dv).astype(v.dtype)
 
