@@ -30,9 +30,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--candidates", nargs="+", default=["jattn", "jax.nn", "torch"], choices=suite.CANDIDATES)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", type=Path, default=Path("bench/results"))
+    p.add_argument("--module", action="store_true", help="jattn.nnx.SelfAttention(512, 8 heads), causal: paths")
     args = p.parse_args(argv)
 
     console = Console()
+    if args.module:
+        for T in args.T:
+            rows = {impl: suite.module_case(T, impl, args.repeats) for impl in ("dense", "blockwise")}
+            table = Table(title=f"nnx.SelfAttention(512, num_heads=8), causal, fwd+bwd, x (1, {T}, 512)")
+            for col in ("path", "ms", "scratch MiB"):
+                table.add_column(col, justify="right")
+            for impl, r in rows.items():
+                table.add_row(impl, f"{r['ms']:.1f}", f"{r['temp_mib']:.0f}")
+            console.print(table)
+        return 0
     peak = suite.matmul_peak()
     console.print(f"matmul peak (jitted float32 2048^3): {peak:.0f} GFLOP/s")
     results = []

@@ -21,7 +21,7 @@ import jattn
 from jattn import masks
 
 MASKS = ("none", "causal", "window", "global")
-CANDIDATES = ("jattn", "jattn-dense", "jattn-blockwise", "jax.nn", "flax", "torch")
+CANDIDATES = ("jattn", "jattn-dense", "jattn-blockwise", "jattn-vmap", "jax.nn", "flax", "torch")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,10 +75,13 @@ def _dense_mask(case: Case) -> jax.Array | None:
 def _jax_candidate(name: str, case: Case) -> Callable | None:
     pred = case.predicate()
     if name.startswith("jattn"):
-        impl = {"jattn": None, "jattn-dense": "dense", "jattn-blockwise": "blockwise"}[name]
+        impl = {"jattn": None, "jattn-dense": "dense", "jattn-blockwise": "blockwise", "jattn-vmap": None}[name]
 
         def f(q, k, v):
             return jattn.attention(q, k, v, mask=pred, implementation=impl)
+
+        if name == "jattn-vmap":  # the same work as "jattn", the batch axis mapped by jax.vmap
+            f = jax.vmap(f)
 
         layout = lambda x: x  # noqa: E731
     else:
@@ -147,6 +150,32 @@ def _torch_candidate(case: Case) -> Callable | None:
 
     run.temp_mib = float("nan")
     return run
+
+
+def module_case(T: int, implementation: str, repeats: int = 5, d_model: int = 512, heads: int = 8) -> dict:
+    """``jattn.nnx.SelfAttention(d_model, num_heads=heads)`` causal, forward + backward on ``x (1, T, d_model)``.
+
+    Median ms and the compiled scratch memory (MiB) of one path.
+    """
+    from flax import nnx
+
+    import jattn.nnx
+
+    model = jattn.nnx.SelfAttention(d_model, num_heads=heads, implementation=implementation, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model)
+    x = jax.random.normal(jax.random.key(0), (1, T, d_model))
+
+    def loss(params, x):
+        return jnp.sum(nnx.merge(graphdef, params)(x, masks.causal()))
+
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, x).compile()
+    jax.block_until_ready(compiled(params, x))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(compiled(params, x))
+        times.append(time.perf_counter() - t0)
+    return {"ms": 1e3 * statistics.median(times), "temp_mib": compiled.memory_analysis().temp_size_in_bytes / 2**20}
 
 
 def matmul_peak(n: int = 2048, repeats: int = 7) -> float:

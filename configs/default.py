@@ -30,6 +30,8 @@ def get_config() -> ml_collections.ConfigDict:
             mlp_ratio=4,
             window=0,  # > 0: causal sliding window of this many past keys (+ the query itself)
             global_tokens=(),  # with a window: positions that see and are seen by all (causally)
+            implementation="",  # jattn.attention's path: '' (chosen per call), 'dense', 'blockwise', 'xla', 'cudnn'
+            block_size=0,  # blockwise tiles (one int for both sides); 0: chosen from the mask
         )
     )
     c.steps = 2000

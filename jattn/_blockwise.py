@@ -9,20 +9,21 @@ mask, partial blocks apply it. Each query block runs a ``lax.scan`` over the lis
 non-empty key blocks only, so causal attention costs about half of full attention and a sliding
 window of width w costs O(T·w).
 
-Per query block the running state is the row max ``m``, the normaliser ``l`` and the unnormalised
-output ``acc``; a key block with scores ``x`` updates them as
+The maths of one tile (the online-softmax state and its update, the tile gradients) is in
+:mod:`jattn._online`, shared with ring attention. The backward pass (``jax.custom_vjp``)
+recomputes each tile's weights from the saved output and log-sum-exp and adds its shares of dq,
+dk and dv in one sweep over the same non-empty tiles, so training memory is O(T) too: no
+``(T, S)`` array is ever formed.
 
-    m' = max(m, rowmax x),  l' = l·e^(m - m') + rowsum e^(x - m'),  acc' = acc·e^(m - m') + e^(x - m') v
-
-The backward pass (``jax.custom_vjp``) recomputes each block's weights from the saved output and
-log-sum-exp (the flash-attention recurrence) and skips the same blocks, so training memory is
-O(T) too: no ``(T, S)`` array is ever formed.
+On CPU the leading axis B is cut into groups whose score tile ``(group, bq, bk)`` stays about
+:data:`TILE_BYTES`, and the groups run one after another (:func:`group_size`); GPU and TPU tile
+all of B at once. Under ``jax.vmap`` the mapped axis is folded into B (:func:`_folding`), so a
+vmapped call has the tiles of an explicit batch.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from typing import NamedTuple
 
 import jax
@@ -30,10 +31,41 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
-from jattn._masks import EMPTY, FULL, PARTIAL, Mask, _KeyBelow, fill_arrays, split_arrays, tile_kinds
-from jattn._softmax import shifted_exp
+from jattn._masks import EMPTY, KeyBelow, Mask, fill_arrays, split_arrays, tile_kinds
+from jattn._online import (
+    accumulate,
+    backward_rows,
+    compute_dtype,
+    empty_state,
+    finish,
+    flat_lead,
+    per_block,
+    scaled_scores,
+    score_grads,
+    tile_grads,
+)
 
-__all__ = ["blockwise_attention"]
+__all__ = ["TILE_BYTES", "blockwise_attention", "group_size", "platform"]
+
+#: Bytes of one score tile on CPU: the leading axis B is cut into groups of rows whose tile
+#: ``(group, bq, bk)`` stays about this size, and the groups run one after another. A tile over all
+#: of B (32 MiB at B·N = 32 and 512 x 512 tiles) leaves the caches and halves the matmul rate; 1 MiB
+#: (one head of a float32 512 x 512 tile) measured 5-12% faster than 2 MiB and 0.5 MiB (README).
+#: GPU and TPU keep one tile over all of B.
+TILE_BYTES = 2**20
+
+
+def platform() -> str:
+    """The platform the tiles are shaped for: JAX's default backend at trace time (``'cpu'``, ``'gpu'``, ``'tpu'``)."""
+    return jax.default_backend()
+
+
+def group_size(b: int, bq: int, bk: int, itemsize: int, platform: str) -> int:
+    """Rows of B per tile: all of them off CPU, else the largest divisor of B whose tile fits :data:`TILE_BYTES`."""
+    if platform != "cpu":
+        return b
+    cap = max(1, TILE_BYTES // (bq * bk * itemsize))
+    return max(d for d in range(1, min(b, cap) + 1) if b % d == 0)
 
 
 def _schedule(kinds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -59,19 +91,70 @@ def _pad(x: Array, axis: int, multiple: int) -> Array:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _flash(q: Array, k: Array, v: Array, run: _Run, plan: _Plan, precision) -> tuple[Array, Array]:
-    return _forward(q, k, v, run, plan, precision)
+    """``out (B, T, E)`` and ``lse (B, T)`` of padded ``q (B, T, D)``, ``k (B, S, D)``, ``v (B, S, E)``."""
+    forward, _ = _kernels(plan, precision)
+    return forward(q, k, v, run.kind, run.arrays)
+
+
+@functools.lru_cache(maxsize=256)
+def _kernels(plan: _Plan, precision):
+    """The forward and backward of one plan, group by group, each folding ``vmap`` into B (:func:`_folding`)."""
+
+    def forward(q, k, v, kind, arrays):
+        return _by_group(plan, lambda xs, a: _forward(*xs, kind, a, plan, precision), (q, k, v), arrays)
+
+    def backward(q, k, v, out, lse, d_out, kind, arrays):
+        xs = (q, k, v, out, lse, d_out)
+        return _by_group(plan, lambda xs, a: _backward(*xs, kind, a, plan, precision), xs, arrays)
+
+    return _folding(forward), _folding(backward)
+
+
+def _folding(kernel):
+    """``kernel(*xs, kind, arrays)`` whose ``vmap`` folds the mapped axis into B.
+
+    Each of ``xs`` is ``(B, ...)`` and each mask array ``(B|1, ...)``; under ``vmap`` of size n
+    they become ``(n·B, ...)`` (broadcast where unmapped), so the tiles are those of an explicit
+    batch of n·B rather than n-fold larger ones. Where the run-time tile kinds are mapped (a
+    mapped array mask), every element needs its own schedule: plain batching then.
+    """
+    folding = jax.custom_batching.custom_vmap(kernel)
+
+    @folding.def_vmap
+    def rule(n, in_batched, *args):
+        *xs, kind, arrays = args
+        *xs_batched, kind_batched, arrays_batched = in_batched
+        if kind_batched:
+            axes = jax.tree.map(lambda batched: 0 if batched else None, tuple(in_batched))
+            outs = jax.vmap(kernel, in_axes=axes)(*args)
+            return outs, jax.tree.map(lambda _: True, outs)
+
+        def fold(x, batched, b):  # (n, b, ...) or (b, ...) -> (n·b, ...)
+            x = x if batched else jnp.broadcast_to(x, (n, *x.shape))
+            return jnp.broadcast_to(x, (n, b, *x.shape[2:])).reshape(n * b, *x.shape[2:])
+
+        b = xs[0].shape[1] if xs_batched[0] else xs[0].shape[0]
+        flat = tuple(fold(x, batched, b) for x, batched in zip(xs, xs_batched, strict=True))
+        masks = tuple(
+            fold(m, batched, b) if batched or m.shape[0] != 1 else m
+            for m, batched in zip(arrays, arrays_batched, strict=True)
+        )
+        outs = folding(*flat, kind, masks)
+        outs = jax.tree.map(lambda y: y.reshape(n, b, *y.shape[1:]), outs)
+        return outs, jax.tree.map(lambda _: True, outs)
+
+    return folding
 
 
 class _Run(NamedTuple):
     """The traced part of a plan: the mask's arrays and the run-time kinds of the scheduled tiles.
 
-    ``kind (nq, width)`` and ``kind_t (nk, width_t)`` refine the static schedule's kinds with what the
-    arrays say (EMPTY tiles are skipped on device); ``arrays`` are the mask's array leaves, each
-    ``(B|1, T, S)`` (or with unit T, S axes). Both empty without array masks.
+    ``kind (nq, width)`` refines the static schedule's kinds with what the arrays say (EMPTY
+    tiles are skipped on device); ``arrays`` are the mask's array leaves, each ``(B|1, T, S)``
+    (or with unit T, S axes), empty without array masks.
     """
 
     kind: Array
-    kind_t: Array
     arrays: tuple[Array, ...]
 
 
@@ -82,25 +165,30 @@ class _Plan:
     every tile they touch is scheduled, and :class:`_Run` carries their arrays and run-time kinds.
     """
 
-    def __init__(self, T, S, bq, bk, mask, q_offset, kv_offset, scale, compute):
-        self.T, self.S, self.bq, self.bk = T, S, bq, bk
+    def __init__(self, T, S, bq, bk, mask, q_offset, kv_offset, scale, compute, platform):
+        self.T, self.S, self.bq, self.bk, self.platform = T, S, bq, bk, platform
         self.nq, self.nk = -(-T // bq), -(-S // bk)
         self.mask, self.q_offset, self.kv_offset = mask, q_offset, kv_offset
         self.scale, self.compute = scale, compute
         # Keys past S (block padding) are masked by a "key position < kv_offset + S" predicate.
-        limit = _KeyBelow(kv_offset + S)
+        limit = KeyBelow(kv_offset + S)
         full = limit if mask is None else mask & limit
         kinds = full.block_kinds(self.nq * bq, self.nk * bk, bq, bk, q_offset=q_offset, kv_offset=kv_offset)
         self.predicate = full
         self.index, self.kind = _schedule(kinds)  # per query block: its key blocks
-        self.index_t, self.kind_t = _schedule(kinds.T)  # per key block: its query blocks
-        self._key = (T, S, bq, bk, mask, q_offset, kv_offset, scale, compute)
+        same = self.kind[0, 0] if np.all(self.kind == self.kind[0, 0]) else EMPTY
+        self.uniform = None if same == EMPTY else int(same)  # every scheduled tile PARTIAL, or every one FULL
+        self._key = (T, S, bq, bk, mask, q_offset, kv_offset, scale, compute, platform)
 
     def __hash__(self) -> int:
         return hash(self._key)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, _Plan) and self._key == other._key
+
+    def group(self, b: int) -> int:
+        """Rows of a leading axis of ``b`` per tile on this plan's platform (:func:`group_size`)."""
+        return group_size(b, self.bq, self.bk, jnp.dtype(self.compute).itemsize, self.platform)
 
     def predicate_with(self, arrays: tuple[Array, ...]) -> Mask:
         """The mask with its arrays put back and placed at this call's offsets."""
@@ -113,15 +201,28 @@ class _Plan:
         keep = self.predicate_with(arrays).allowed(rows, cols)
         return keep.reshape((1,) * (3 - keep.ndim) + keep.shape)
 
-    def scores(self, qb: Array, kb: Array, i: Array, j: Array, masked: bool, precision, arrays=()) -> tuple:
-        """Scaled scores ``(B, bq, bk)`` and, for a partial block, its mask ``(1|B, bq, bk)``."""
-        s = _scaled_scores(qb, kb, self.scale, self.compute, precision)
+    def prescale(self, q: Array) -> tuple[Array, float]:
+        """A query block ``q (B, bq, D)`` with the logit scale folded in, and the scale left for the scores.
+
+        Folding it into q saves a pass over every score tile, and keeps the scores one rounded dot
+        product: a scale multiplied onto them can fuse with the max subtraction into one
+        multiply-add (XLA on CPU), leaving the row maximum's exponent below 0 (see jattn._core).
+        A 16-bit q is upcast first, so its scaled values are not rounded again.
+        """
+        return q.astype(self.compute) * jnp.asarray(self.scale, self.compute), 1.0
+
+    def scores(self, qb: Array, kb: Array, i: Array, j: Array, masked: bool, precision, arrays=(), scale=None) -> tuple:
+        """Scaled scores ``(B, bq, bk)`` and, for a partial block, its mask ``(1|B, bq, bk)``.
+
+        ``scale`` (default the plan's) is what :meth:`prescale` left for the scores.
+        """
+        s = scaled_scores(qb, kb, self.scale if scale is None else scale, self.compute, precision)
         return s, (self.allowed(i, j, arrays) if masked else None)
 
     def run(self, arrays: tuple[Array, ...]) -> _Run:
         """The traced schedule kinds: the static ones, refined on device where the mask has arrays."""
         if not arrays:
-            return _Run(jnp.asarray(self.kind), jnp.asarray(self.kind_t), ())
+            return _Run(jnp.asarray(self.kind), ())
         kinds = tile_kinds(
             self.predicate_with(arrays),
             self.nq * self.bq,
@@ -132,11 +233,9 @@ class _Plan:
             kv_offset=self.kv_offset,
         )  # (nq, nk)
 
-        def refine(static_kind, index, kinds):  # padding entries of the schedule stay EMPTY
-            rows = np.arange(index.shape[0])[:, None]
-            return jnp.where(jnp.asarray(static_kind) == EMPTY, jnp.int8(EMPTY), kinds[rows, index])
-
-        return _Run(refine(self.kind, self.index, kinds), refine(self.kind_t, self.index_t, kinds.T), arrays)
+        rows = np.arange(self.index.shape[0])[:, None]  # padding entries of the schedule stay EMPTY
+        kind = jnp.where(jnp.asarray(self.kind) == EMPTY, jnp.int8(EMPTY), kinds[rows, self.index])
+        return _Run(kind, arrays)
 
 
 def _blocks(x: Array, size: int) -> Array:
@@ -145,157 +244,120 @@ def _blocks(x: Array, size: int) -> Array:
     return jnp.moveaxis(x.reshape(b, length // size, size, f), 1, 0)
 
 
-def _scaled_scores(qb: Array, kb: Array, scale: float, compute, precision) -> Array:
-    """``scale · q kᵀ`` of one block: ``(B, t, D) x (B, s, D) -> (B, t, s)`` in the compute dtype."""
-    qs = qb.astype(compute) * jnp.asarray(scale, compute)  # scale q, not the scores: see jattn._core._logits
-    return jnp.einsum("btd,bsd->bts", qs, kb.astype(compute), precision=precision, preferred_element_type=compute)
+def _by_group(plan: _Plan, body, xs: tuple[Array, ...], arrays: tuple[Array, ...]):
+    """``body(xs, arrays)`` over groups of ``plan.group(B)`` rows of B, one group after another.
 
-
-def _per_block(kind: Array, update, carry):
-    """Runs ``update(carry, masked)`` on a PARTIAL or FULL block; an EMPTY one is skipped."""
-    branches = {EMPTY: lambda c: c, PARTIAL: functools.partial(update, masked=True)}
-    branches[FULL] = functools.partial(update, masked=False)
-    return jax.lax.switch(kind.astype(jnp.int32), [branches[k] for k in range(3)], carry)
-
-
-def _flat_lead(x: Array, lead: tuple[int, ...]) -> Array:
-    """``(..., L, X)`` broadcast to the leading shape ``lead`` and flattened: ``(B, L, X)``."""
-    return jnp.broadcast_to(x, (*lead, *x.shape[-2:])).reshape(math.prod(lead), *x.shape[-2:])
-
-
-def _empty_state(b: int, t: int, e: int, compute) -> tuple[Array, Array, Array]:
-    """The online-softmax state of ``t`` query rows before any key: ``m``, ``l`` ``(B, t)``, ``acc`` ``(B, t, E)``."""
-    return jnp.full((b, t), -jnp.inf, compute), jnp.zeros((b, t), compute), jnp.zeros((b, t, e), compute)
-
-
-def _accumulate(state, s: Array, keep: Array | None, vb: Array, precision, compute):
-    """Folds one key block (scores ``s (B, t, s)``, optional mask ``keep``, values ``vb (B, s, E)``) into the state."""
-    m, norm, acc = state
-    if keep is not None:
-        s = jnp.where(keep, s, -jnp.inf)
-    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-    m_safe = jnp.where(m_new == -jnp.inf, jnp.zeros_like(m_new), m_new)
-    p = shifted_exp(s, m_safe[..., None])  # exactly 0 at masked entries
-    alpha = jnp.exp(jnp.where(m == -jnp.inf, -jnp.inf, m - m_safe))
-    # float32 weights against v upcast: rounding p to v's dtype here would leave the backward's
-    # delta = rowsum(dO·O) out of step with the unrounded p it recomputes (see jattn._core).
-    pv = jnp.einsum("bts,bse->bte", p, vb.astype(compute), precision=precision, preferred_element_type=compute)
-    return m_new, norm * alpha + jnp.sum(p, -1), acc * alpha[..., None] + pv
-
-
-def _finish(state, dtype) -> tuple[Array, Array]:
-    """``out (B, t, E)`` in ``dtype`` and ``lse (B, t)`` (``-inf`` and 0 output for rows that saw no key)."""
-    m, norm, acc = state
-    safe = jnp.where(norm == 0, jnp.ones_like(norm), norm)
-    lse = jnp.where(norm == 0, -jnp.inf, m + jnp.log(safe))
-    return (acc / safe[..., None]).astype(dtype), lse
-
-
-def _score_grads(s, keep, lse, do, vb, delta, scale, precision, compute) -> tuple[Array, Array]:
-    """``p`` and ``ds = p (dp - delta) scale`` of one block, each ``(B, t, s)``, from the saved ``lse (B, t)``.
-
-    ``lse`` must be finite (0 for empty rows, whose ``p`` is 0 by the mask); ``delta = rowsum(dO ∘ O)``.
+    Each of ``xs`` is ``(B, ...)``; mask ``arrays`` are ``(B|1, ...)`` (shared when 1). The
+    outputs of ``body`` are ``(group, ...)`` and come back as ``(B, ...)``.
     """
-    p = shifted_exp(s, lse[..., None])
-    if keep is not None:
-        p = jnp.where(keep, p, jnp.zeros((), p.dtype))
-    dp = jnp.einsum("bte,bse->bts", do, vb, precision=precision, preferred_element_type=compute)
-    return p, p * (dp - delta[..., None]) * scale
+    b = xs[0].shape[0]
+    h = plan.group(b)
+    if h == b:
+        return body(xs, arrays)
+
+    def split(x):  # (B, ...) -> (B/h, h, ...)
+        return x.reshape(b // h, h, *x.shape[1:])
+
+    own = tuple(a.shape[0] != 1 for a in arrays)
+
+    def one(args):
+        xg, ag = args
+        ag = iter(ag)
+        return body(xg, tuple(next(ag) if o else a for a, o in zip(arrays, own, strict=True)))
+
+    per = tuple(split(a) for a, o in zip(arrays, own, strict=True) if o)
+    out = jax.lax.map(one, (tuple(map(split, xs)), per))
+    return jax.tree.map(lambda y: y.reshape(b, *y.shape[2:]), out)
 
 
-def _forward(q, k, v, run: _Run, plan: _Plan, precision):
-    qs, ks, vs = _blocks(q, plan.bq), _blocks(k, plan.bk), _blocks(v, plan.bk)  # (n, B, blk, X)
-    index, kind = jnp.asarray(plan.index), run.kind
+def _forward(q, k, v, kind: Array, arrays: tuple[Array, ...], plan: _Plan, precision):
+    """``out (b, nq·bq, E)`` and ``lse (b, nq·bq)`` of one group: per query block, a scan over its key blocks."""
+    qs, ks, vs = _blocks(q, plan.bq), _blocks(k, plan.bk), _blocks(v, plan.bk)  # (n, b, blk, X)
+    index = jnp.asarray(plan.index)
     b, e = q.shape[0], v.shape[-1]
 
     def query_block(args):
         i, qb = args
+        qb, scale = plan.prescale(qb)  # per query block: no scaled copy of all of q
 
         def key_block(carry, jk):
             j, kd = jk
 
             def update(carry, masked):
-                s, keep = plan.scores(qb, ks[j], i, j, masked, precision, run.arrays)
-                return _accumulate(carry, s, keep, vs[j], precision, plan.compute)
+                s, keep = plan.scores(qb, ks[j], i, j, masked, precision, arrays, scale)
+                return accumulate(carry, s, keep, vs[j], precision, plan.compute)
 
-            return _per_block(kd, update, carry), None
+            return per_block(kd, update, carry, None if arrays else plan.uniform), None
 
-        init = _empty_state(b, plan.bq, e, plan.compute)
+        init = empty_state(b, plan.bq, e, plan.compute)
         state, _ = jax.lax.scan(key_block, init, (index[i], kind[i]))
-        return _finish(state, plan.compute)  # float32 (or 64): the backward's delta needs it unrounded
+        return finish(state, plan.compute)  # float32 (or 64): the backward's delta needs it unrounded
 
-    out, lse = jax.lax.map(query_block, (jnp.arange(plan.nq, dtype=jnp.int32), qs))  # (nq, B, bq, E), (nq, B, bq)
-    out = jnp.moveaxis(out, 0, 1).reshape(b, plan.nq * plan.bq, e)
-    lse = jnp.moveaxis(lse, 0, 1).reshape(b, plan.nq * plan.bq)
-    return out, lse
+    out, lse = jax.lax.map(query_block, (jnp.arange(plan.nq, dtype=jnp.int32), qs))  # (nq, b, bq, E), (nq, b, bq)
+    return _unblock(out), _unblock(lse)
+
+
+def _unblock(x: Array) -> Array:
+    """``(n, b, blk, ...) -> (b, n·blk, ...)``, the inverse of :func:`_blocks`."""
+    return jnp.moveaxis(x, 0, 1).reshape(x.shape[1], x.shape[0] * x.shape[2], *x.shape[3:])
+
+
+def _backward(q, k, v, out, lse, d_out, kind: Array, arrays: tuple[Array, ...], plan: _Plan, precision):
+    """``dq (b, T, D)``, ``dk (b, S, D)``, ``dv (b, S, E)`` of one group in a single sweep over its tiles.
+
+    Per query block, a scan over its non-empty key blocks recomputes ``p`` from the saved
+    ``lse`` and adds each tile's shares (:func:`jattn._online.tile_grads`): dq in the small carry,
+    dk and dv into their key block of the ``(nk, b, bk, D|E)`` accumulators.
+    """
+    compute = plan.compute
+    lse, delta = backward_rows(out, d_out, lse, compute)  # (b, T) each
+    qs, dos = _blocks(q, plan.bq), _blocks(d_out, plan.bq)  # (nq, b, bq, D|E)
+    ks, vs = _blocks(k, plan.bk), _blocks(v, plan.bk)  # (nk, b, bk, D|E)
+    rows = tuple(_blocks(x[..., None], plan.bq)[..., 0] for x in (lse, delta))  # (nq, b, bq) each
+    index, scale = jnp.asarray(plan.index), jnp.asarray(plan.scale, compute)
+    b = q.shape[0]
+
+    def query_block(dkv, args):
+        i, qb, dob, lse_i, delta_i = args
+        qb_scaled, s_scale = plan.prescale(qb)  # per query block: no scaled copy of all of q
+
+        def key_block(carry, jk):
+            j, kd = jk
+            dq, dk, dv = carry
+
+            def update(_, masked):
+                s, keep = plan.scores(qb_scaled, ks[j], i, j, masked, precision, arrays, s_scale)
+                p, ds = score_grads(s, keep, lse_i, dob, vs[j], delta_i, scale, precision, compute)
+                return tile_grads(p, ds, qb, ks[j], dob, precision, compute)
+
+            zeros = (jnp.zeros_like(dq), jnp.zeros_like(dk[0]), jnp.zeros_like(dv[0]))
+            gq, gk, gv = per_block(kd, update, zeros, None if arrays else plan.uniform)
+            return (dq + gq, dk.at[j].add(gk), dv.at[j].add(gv)), None
+
+        init = (jnp.zeros((b, plan.bq, q.shape[-1]), compute), *dkv)
+        (dq, dk, dv), _ = jax.lax.scan(key_block, init, (index[i], kind[i]))
+        return (dk, dv), dq
+
+    dkv = (jnp.zeros(ks.shape, compute), jnp.zeros(vs.shape, compute))
+    steps = (jnp.arange(plan.nq, dtype=jnp.int32), qs, dos, *rows)
+    (dk, dv), dq = jax.lax.scan(query_block, dkv, steps)
+    return _unblock(dq).astype(q.dtype), _unblock(dk).astype(k.dtype), _unblock(dv).astype(v.dtype)
 
 
 def _flash_fwd(q, k, v, run, plan, precision):
-    out, lse = _forward(q, k, v, run, plan, precision)
+    forward, _ = _kernels(plan, precision)
+    out, lse = forward(q, k, v, run.kind, run.arrays)
     return (out, lse), (q, k, v, run, out, lse)
 
 
 def _flash_bwd(plan: _Plan, precision, res, cotangents):
-    """The flash-attention backward in two passes, each with small carries only.
-
-    dq per query block over its key blocks, then dk and dv per key block over its query blocks
-    (the transposed schedule).
-    """
+    """The flash-attention backward: one sweep over the non-empty tiles per group (:func:`_backward`)."""
     q, k, v, run, out, lse = res
     d_out, _ = cotangents  # the log-sum-exp is an output for inspection, not differentiated
-    b = q.shape[0]
-    qs, dos = _blocks(q, plan.bq), _blocks(d_out, plan.bq)
-    ks, vs = _blocks(k, plan.bk), _blocks(v, plan.bk)
-    lse = jnp.where(lse == -jnp.inf, jnp.zeros_like(lse), lse)  # empty rows have p = 0 anyway
-    delta = jnp.sum(d_out.astype(plan.compute) * out.astype(plan.compute), -1)  # (B, T) rowsum(dO ∘ O)
-    lse_b = jnp.moveaxis(lse.reshape(b, plan.nq, plan.bq), 1, 0)  # (nq, B, bq)
-    delta_b = jnp.moveaxis(delta.reshape(b, plan.nq, plan.bq), 1, 0)
-    scale = jnp.asarray(plan.scale, plan.compute)
 
-    def grads_of_scores(i, j, masked):
-        """``p`` and ``ds = p (dp - delta) scale`` of block (i, j), each ``(B, bq, bk)``."""
-        s, keep = plan.scores(qs[i], ks[j], i, j, masked, precision, run.arrays)
-        return _score_grads(s, keep, lse_b[i], dos[i], vs[j], delta_b[i], scale, precision, plan.compute)
-
-    def dq_block(i):
-        def step(dq, jk):
-            j, kd = jk
-
-            def update(dq, masked):
-                _, ds = grads_of_scores(i, j, masked)
-                return dq + jnp.einsum("bts,bsd->btd", ds, ks[j].astype(plan.compute), precision=precision)
-
-            return _per_block(kd, update, dq), None
-
-        dq, _ = jax.lax.scan(step, jnp.zeros((b, plan.bq, q.shape[-1]), plan.compute), (plan_index[i], plan_kind[i]))
-        return dq
-
-    def dkv_block(j):
-        def step(carry, ik):
-            i, kd = ik
-
-            def update(carry, masked):
-                dk, dv = carry
-                p, ds = grads_of_scores(i, j, masked)
-                dk = dk + jnp.einsum("bts,btd->bsd", ds, qs[i].astype(plan.compute), precision=precision)
-                dv = dv + jnp.einsum("bts,bte->bse", p, dos[i].astype(plan.compute), precision=precision)
-                return dk, dv
-
-            return _per_block(kd, update, carry), None
-
-        init = (jnp.zeros((b, plan.bk, k.shape[-1]), plan.compute), jnp.zeros((b, plan.bk, v.shape[-1]), plan.compute))
-        (dk, dv), _ = jax.lax.scan(step, init, (plan_index_t[j], plan_kind_t[j]))
-        return dk, dv
-
-    plan_index, plan_kind = jnp.asarray(plan.index), run.kind
-    plan_index_t, plan_kind_t = jnp.asarray(plan.index_t), run.kind_t
-    dq = jax.lax.map(dq_block, jnp.arange(plan.nq, dtype=jnp.int32))  # (nq, B, bq, D)
-    dk, dv = jax.lax.map(dkv_block, jnp.arange(plan.nk, dtype=jnp.int32))  # (nk, B, bk, D|E)
-
-    def unblock(x, like):
-        return jnp.moveaxis(x, 0, 1).reshape(like.shape).astype(like.dtype)
-
-    return unblock(dq, q), unblock(dk, k), unblock(dv, v), None
+    _, backward = _kernels(plan, precision)
+    dq, dk, dv = backward(q, k, v, out, lse, d_out, run.kind, run.arrays)
+    return dq, dk, dv, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -318,28 +380,26 @@ def blockwise_attention(
 
     ``mask`` is a position predicate, possibly with array leaves ``(..., T, S)`` that broadcast
     against the leading dimensions. Returns ``out (..., T, E)`` and ``lse (..., T)``; see the
-    module docstring.
+    module docstring. The platform (:func:`platform`) picks the tiling of the leading axis
+    (:func:`group_size`).
     """
     T, S = q.shape[-2], k.shape[-2]
     skeleton, arrays = (None, []) if mask is None else split_arrays(mask)
     lead = jnp.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
     lead = _mask_lead(arrays, lead, T, S)
-    qf, kf, vf = (_flat_lead(x, lead) for x in (q, k, v))
+    qf, kf, vf = (flat_lead(x, lead) for x in (q, k, v))
     arrays = tuple(_flat_mask(m, lead) for m in arrays)  # each (B|1, T|1, S|1)
     if T == 0 or S == 0:  # no tiles: every row is empty
         b = qf.shape[0]
-        out, lse = jnp.zeros((b, T, v.shape[-1]), v.dtype), jnp.full((b, T), -jnp.inf, _compute(q.dtype))
+        out, lse = jnp.zeros((b, T, v.shape[-1]), v.dtype), jnp.full((b, T), -jnp.inf, compute_dtype(q.dtype))
         return out.reshape(*lead, T, v.shape[-1]), lse.reshape(*lead, T)
     bq, bk = min(block_q, T), min(block_kv, S)
     q_offset = kv_offset + S - T if q_offset is None else q_offset
-    plan = _Plan(T, S, bq, bk, skeleton, int(q_offset), int(kv_offset), float(scale), _compute(q.dtype))
+    compute = compute_dtype(q.dtype)
+    plan = _Plan(T, S, bq, bk, skeleton, int(q_offset), int(kv_offset), float(scale), compute, platform())
     run = plan.run(arrays)
     out, lse = _flash(_pad(qf, 1, bq), _pad(kf, 1, bk), _pad(vf, 1, bk), run, plan, precision)
     return out[:, :T].reshape(*lead, T, v.shape[-1]).astype(v.dtype), lse[:, :T].reshape(*lead, T)
-
-
-def _compute(dtype) -> jnp.dtype:
-    return jnp.dtype(jnp.float64 if dtype == jnp.float64 else jnp.float32)
 
 
 def _mask_lead(arrays: list[Array], lead: tuple[int, ...], T: int, S: int) -> tuple[int, ...]:
@@ -360,4 +420,4 @@ def _flat_mask(m: Array, lead: tuple[int, ...]) -> Array:
     """A mask array ``(..., T|1, S|1)`` as ``(1, ...)`` when it has no leading extent, else ``(B, ...)``."""
     if all(n == 1 for n in m.shape[:-2]):
         return m.reshape(1, *m.shape[-2:])
-    return _flat_lead(m, lead)
+    return flat_lead(m, lead)

@@ -15,7 +15,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["check_bool", "check_dtype", "check_int", "check_real", "int_array", "is_traced"]
+__all__ = [
+    "broadcast_all",
+    "check_block_size",
+    "check_bool",
+    "check_dtype",
+    "check_int",
+    "check_qkv",
+    "check_real",
+    "int_array",
+    "is_traced",
+]
 
 
 def is_traced(x: Any) -> bool:
@@ -96,3 +106,50 @@ def int_array(name: str, x: Any, *, ndim: int, shape: str) -> jax.Array:
     if x.ndim != ndim:
         raise ValueError(f"{name} must have shape {shape}, got {x.shape}")
     return x
+
+
+_FLOATS = tuple(map(jnp.dtype, (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64)))
+
+
+def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array | None) -> None:
+    """Validates q ``(..., T, D)``, k ``(..., S, D)``, v ``(..., S, E)``: ranks, dtypes, depths."""
+    named = {"q": q, "k": k} if v is None else {"q": q, "k": k, "v": v}
+    for name, x in named.items():
+        if x.ndim < 2:
+            raise ValueError(f"{name} must have at least 2 dimensions (..., len, depth), got shape {x.shape}")
+        if x.dtype not in _FLOATS:
+            raise TypeError(f"{name} must be bfloat16, float16, float32 or float64, got {x.dtype}")
+    if len({x.dtype for x in named.values()}) > 1:
+        got = ", ".join(f"{n}={x.dtype}" for n, x in named.items())
+        raise TypeError(f"q, k and v must share one dtype, got {got}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k must have the same depth D (last axis), got q {q.shape} and k {k.shape}")
+    if q.shape[-1] == 0:
+        raise ValueError(f"q and k need a depth D >= 1 (last axis), got q {q.shape} and k {k.shape}")
+    if v is not None and k.shape[-2] != v.shape[-2]:
+        raise ValueError(f"k and v must have the same length S (axis -2), got k {k.shape} and v {v.shape}")
+
+
+def broadcast_all(**arrays: jax.Array | None) -> tuple[int, ...]:
+    """The broadcast leading shape ``...`` of the named arrays, or an error naming their shapes."""
+    named = {n: x for n, x in arrays.items() if x is not None}
+    t, s = named["q"].shape[-2], named["k"].shape[-2]
+    for name in ("mask", "bias"):
+        x = named.get(name)
+        if x is not None and (x.ndim < 2 or x.shape[-2] not in (1, t) or x.shape[-1] not in (1, s)):
+            raise ValueError(f"{name} of shape {x.shape} does not broadcast to (..., T, S) = (..., {t}, {s})")
+    try:
+        return tuple(jnp.broadcast_shapes(*(x.shape[:-2] for x in named.values())))
+    except ValueError:
+        shapes = ", ".join(f"{n} {x.shape}" for n, x in named.items())
+        raise ValueError(f"leading dimensions do not broadcast: {shapes}") from None
+
+
+def check_block_size(block_size: int | tuple[int, int] | None) -> tuple[int, int] | None:
+    """``(block_q, block_kv)`` of positive ints, or an error naming ``block_size``."""
+    if block_size is None:
+        return None
+    pair = block_size if isinstance(block_size, tuple | list) else (block_size, block_size)
+    if len(pair) != 2:
+        raise ValueError(f"block_size must be an int or a pair (block_q, block_kv), got {block_size!r}")
+    return check_int("block_size", pair[0], min=1), check_int("block_size", pair[1], min=1)

@@ -25,33 +25,13 @@ from jax import Array
 from jax.typing import ArrayLike
 
 from jattn._blockwise import blockwise_attention
-from jattn._checks import check_int, check_real
+from jattn._checks import broadcast_all, check_block_size, check_qkv, check_real
 from jattn._masks import EMPTY, ArrayMask, Causal, Mask, Padding, SlidingWindow, conjuncts
 from jattn._masks import array as masks_array
+from jattn._online import compute_dtype
 from jattn._softmax import SoftmaxParts, softmax_parts
 
 __all__ = ["IMPLEMENTATIONS", "SUPPORT", "attention", "attention_weights", "choose_implementation"]
-
-_FLOATS = tuple(map(jnp.dtype, (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64)))
-
-
-def _check_qkv(q: Array, k: Array, v: Array | None) -> None:
-    """Validates q ``(..., T, D)``, k ``(..., S, D)``, v ``(..., S, E)``: ranks, dtypes, depths."""
-    named = {"q": q, "k": k} if v is None else {"q": q, "k": k, "v": v}
-    for name, x in named.items():
-        if x.ndim < 2:
-            raise ValueError(f"{name} must have at least 2 dimensions (..., len, depth), got shape {x.shape}")
-        if x.dtype not in _FLOATS:
-            raise TypeError(f"{name} must be bfloat16, float16, float32 or float64, got {x.dtype}")
-    if len({x.dtype for x in named.values()}) > 1:
-        got = ", ".join(f"{n}={x.dtype}" for n, x in named.items())
-        raise TypeError(f"q, k and v must share one dtype, got {got}")
-    if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"q and k must have the same depth D (last axis), got q {q.shape} and k {k.shape}")
-    if q.shape[-1] == 0:
-        raise ValueError(f"q and k need a depth D >= 1 (last axis), got q {q.shape} and k {k.shape}")
-    if v is not None and k.shape[-2] != v.shape[-2]:
-        raise ValueError(f"k and v must have the same length S (axis -2), got k {k.shape} and v {v.shape}")
 
 
 def _check_scale(scale: float | ArrayLike | None) -> None:
@@ -68,16 +48,6 @@ def _check_scale(scale: float | ArrayLike | None) -> None:
         raise ValueError(
             f"scale must be a scalar (0-d float array), got dtype {scale.dtype} with shape {np.shape(scale)}"
         )
-
-
-def _check_block_size(block_size: int | tuple[int, int] | None) -> tuple[int, int] | None:
-    """``(block_q, block_kv)`` of positive ints, or an error naming ``block_size``."""
-    if block_size is None:
-        return None
-    pair = block_size if isinstance(block_size, tuple | list) else (block_size, block_size)
-    if len(pair) != 2:
-        raise ValueError(f"block_size must be an int or a pair (block_q, block_kv), got {block_size!r}")
-    return check_int("block_size", pair[0], min=1), check_int("block_size", pair[1], min=1)
 
 
 def _as_mask(mask: ArrayLike | Mask | None) -> Mask | None:
@@ -121,29 +91,9 @@ def _check_bias(bias: ArrayLike | None) -> Array | None:
     return bias.reshape((1,) * max(0, 2 - bias.ndim) + bias.shape)  # NumPy broadcasting: (S,) is (1, S)
 
 
-def _broadcast_all(**arrays: Array | None) -> tuple[int, ...]:
-    """The broadcast leading shape ``...`` of the named arrays, or an error naming their shapes."""
-    named = {n: x for n, x in arrays.items() if x is not None}
-    t, s = named["q"].shape[-2], named["k"].shape[-2]
-    for name in ("mask", "bias"):
-        x = named.get(name)
-        if x is not None and (x.ndim < 2 or x.shape[-2] not in (1, t) or x.shape[-1] not in (1, s)):
-            raise ValueError(f"{name} of shape {x.shape} does not broadcast to (..., T, S) = (..., {t}, {s})")
-    try:
-        return tuple(jnp.broadcast_shapes(*(x.shape[:-2] for x in named.values())))
-    except ValueError:
-        shapes = ", ".join(f"{n} {x.shape}" for n, x in named.items())
-        raise ValueError(f"leading dimensions do not broadcast: {shapes}") from None
-
-
 def _pad_rank(x: Array | None, ndim: int) -> Array | None:
     """Left-pads ``x`` with unit axes to ``ndim`` dimensions (strict rank promotion is kept)."""
     return None if x is None else x.reshape((1,) * (ndim - x.ndim) + x.shape)
-
-
-def _compute_dtype(dtype) -> jnp.dtype:
-    """float64 for float64 inputs, float32 for everything else (the softmax is never done in 16 bits)."""
-    return jnp.dtype(jnp.float64 if dtype == jnp.float64 else jnp.float32)
 
 
 def _logits(
@@ -155,7 +105,7 @@ def _logits(
     precision: jax.lax.PrecisionLike,
 ) -> tuple[SoftmaxParts, jnp.dtype]:
     """Scaled, biased, masked scores ``(..., T, S)`` split into softmax parts (all at one rank)."""
-    compute = _compute_dtype(q.dtype)
+    compute = compute_dtype(q.dtype)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     # The scale goes into q, not onto the scores: a product of scores and scale can be fused into
@@ -363,11 +313,11 @@ def _jax_nn(q, k, v, mask: Mask | None, bias, scale, path, q_offset, kv_offset, 
     """Hands the call to ``jax.nn.dot_product_attention`` with its own arguments (see :data:`SUPPORT`)."""
     T, S = q.shape[-2], k.shape[-2]
     bias = _check_bias(bias)
-    lead = _broadcast_all(q=q, k=k, v=v, bias=bias)
+    lead = broadcast_all(q=q, k=k, v=v, bias=bias)
     kwargs = _jax_nn_args(mask, path, T, S, q_offset, kv_offset, lead or (1,))  # jax.nn needs a batch axis
     rest = kwargs.pop("mask", None)
     dense = _dense_mask(rest, q, k, q_offset, kv_offset)
-    lead = _broadcast_all(q=q, k=k, v=v, bias=bias, mask=dense)
+    lead = broadcast_all(q=q, k=k, v=v, bias=bias, mask=dense)
 
     def flat(x):  # (..., L, D) -> (B, L, 1, D)
         x = jnp.broadcast_to(x, (*lead, *x.shape[-2:]))
@@ -484,18 +434,18 @@ def attention(
         that does not broadcast.
     """
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
-    _check_qkv(q, k, v)
+    check_qkv(q, k, v)
     _check_scale(scale)
     mask = _as_mask(mask)
     _check_offsets(mask, q_offset, kv_offset)
     dropout_rate = _check_dropout(dropout_rate, dropout_rng)
-    blocks = _check_block_size(block_size)
+    blocks = check_block_size(block_size)
     used = _features(q, v, mask, bias, q_offset, kv_offset, dropout_rate, precision, return_lse, block_size)
     path = _choose(implementation, q, k, used)
     if path == "blockwise":
         T, S = q.shape[-2], k.shape[-2]
         bq, bk = _auto_block(mask, T, S, q_offset, kv_offset) if blocks is None else blocks
-        _broadcast_all(q=q, k=k, v=v)
+        broadcast_all(q=q, k=k, v=v)
         out, lse = blockwise_attention(
             q,
             k,
@@ -512,7 +462,7 @@ def attention(
     if path in ("xla", "cudnn"):
         return _jax_nn(q, k, v, mask, bias, scale, path, q_offset, kv_offset, return_lse)
     mask, bias = _dense_mask(mask, q, k, q_offset, kv_offset), _check_bias(bias)
-    ndim = len(_broadcast_all(q=q, k=k, v=v, mask=mask, bias=bias)) + 2
+    ndim = len(broadcast_all(q=q, k=k, v=v, mask=mask, bias=bias)) + 2
     q, k, v, mask, bias = (_pad_rank(x, ndim) for x in (q, k, v, mask, bias))
     parts, compute = _logits(q, k, mask, bias, scale, precision)
     p = _dropout(parts.weights(), dropout_rate, dropout_rng)
@@ -550,7 +500,7 @@ def choose_implementation(
     for :func:`attention`; nothing is computed.
     """
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
-    _check_qkv(q, k, v)
+    check_qkv(q, k, v)
     mask = _as_mask(mask)
     used = _features(q, v, mask, bias, q_offset, kv_offset, dropout_rate, precision, return_lse, block_size)
     return _choose(None, q, k, used)
@@ -575,12 +525,12 @@ def attention_weights(
     float64 inputs.
     """
     q, k = jnp.asarray(q), jnp.asarray(k)
-    _check_qkv(q, k, None)
+    check_qkv(q, k, None)
     _check_scale(scale)
     mask = _as_mask(mask)
     _check_offsets(mask, q_offset, kv_offset)
     mask, bias = _dense_mask(mask, q, k, q_offset, kv_offset), _check_bias(bias)
-    ndim = len(_broadcast_all(q=q, k=k, mask=mask, bias=bias)) + 2
+    ndim = len(broadcast_all(q=q, k=k, mask=mask, bias=bias)) + 2
     q, k, mask, bias = (_pad_rank(x, ndim) for x in (q, k, mask, bias))
     parts, _ = _logits(q, k, mask, bias, scale, precision)
     return parts.weights()

@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
-from jattn._checks import check_bool, check_dtype, check_int, check_real
-from jattn._core import attention, attention_weights
+from jattn._checks import check_block_size, check_bool, check_dtype, check_int, check_real
+from jattn._core import IMPLEMENTATIONS, attention, attention_weights
 from jattn._linear import LinearState, feature_fn, linear_attention
 from jattn._masks import Causal, Mask
 from jattn._ring import sequence_parallel_attention
@@ -98,6 +98,17 @@ def _split(x: Array, heads: int, groups: int) -> Array:
     return x.reshape(b, length, heads, groups, f // (heads * groups)).transpose(0, 2, 3, 1, 4)
 
 
+def _check_mask_shape(got: tuple[int, ...], shape: tuple[int, int, int, int]) -> None:
+    """Raises unless a mask of shape ``got`` is ``(T, S)``, ``(B, T, S)`` or ``(B, N, T, S)`` for ``shape = (B, N, T, S)``."""
+    b, n, t, s = shape
+    want = {2: (t, s), 3: (b, t, s), 4: (b, n, t, s)}.get(len(got))
+    if want is None or any(m not in (1, w) for m, w in zip(got, want, strict=True)):
+        raise ValueError(
+            f"mask must have shape (T, S) = {(t, s)}, (B, T, S) = {(b, t, s)} or (B, N, T, S) = {shape} "
+            f"(each axis may be 1), got shape {tuple(got)}"
+        )
+
+
 def _split_mask(mask: Array | None, shape: tuple[int, int, int, int], num_kv_heads: int) -> Array | None:
     """A boolean mask for ``shape = (B, N, T, S)`` -> broadcastable to ``(B, K, G, T, S)``.
 
@@ -109,13 +120,8 @@ def _split_mask(mask: Array | None, shape: tuple[int, int, int, int], num_kv_hea
     mask = jnp.asarray(mask)
     if mask.dtype != jnp.bool_:
         raise TypeError(f"mask must be boolean (True = attend), got {mask.dtype} with shape {mask.shape}")
-    b, n, t, s = shape
-    want = {2: (t, s), 3: (b, t, s), 4: (b, n, t, s)}.get(mask.ndim)
-    if want is None or any(m not in (1, w) for m, w in zip(mask.shape, want, strict=True)):
-        raise ValueError(
-            f"mask must have shape (T, S) = {(t, s)}, (B, T, S) = {(b, t, s)} or (B, N, T, S) = {shape} "
-            f"(each axis may be 1), got shape {mask.shape}"
-        )
+    _check_mask_shape(mask.shape, shape)
+    n = shape[1]
     if mask.ndim == 3:
         mask = mask[:, None]  # (B, 1, T, S): the same mask for every head
     mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
@@ -124,6 +130,13 @@ def _split_mask(mask: Array | None, shape: tuple[int, int, int, int], num_kv_hea
 
 
 KINDS = ("softmax", "linear")
+
+
+def check_path(implementation: str | None, block_size: int | tuple[int, int] | None) -> None:
+    """Validates a module's ``implementation`` and ``block_size`` (as :func:`jattn.attention` takes them)."""
+    if implementation is not None and implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
+    check_block_size(block_size)
 
 
 def check_kind(kind: str, feature_map: object) -> None:
@@ -159,12 +172,16 @@ def multihead(
     return_weights: bool = False,
     linear_state: LinearState | None = None,
     sequence_axis: str | None = None,
+    implementation: str | None = None,
+    block_size: int | tuple[int, int] | None = None,
 ) -> tuple[Array, Array | None, LinearState | None]:
     """Attention over heads of projected ``q (B, T, N*D)``, ``k, v (B, S, K*D)``.
 
     ``mask`` is a boolean ``(T, S)``, ``(B, T, S)`` (per example, broadcast over heads) or
-    ``(B, N, T, S)`` array (any axis may be 1), or a :class:`~jattn.masks.Mask`;
-    ``kv_mask (B, S)`` marks valid keys (context padding). For ``kind='linear'`` the mask must
+    ``(B, N, T, S)`` array (any axis may be 1), or a :class:`~jattn.masks.Mask`, which goes to
+    the core as it is (so the blockwise path can skip its empty tiles); ``kv_mask (B, S)`` marks
+    valid keys (context padding). ``implementation`` and ``block_size`` are those of
+    :func:`jattn.attention` (``block_size`` is dropped for a path other than the blockwise one). For ``kind='linear'`` the mask must
     be None or ``causal()`` and ``linear_state`` continues a causal sequence.
 
     Returns ``out (B, T, N*E)``, the weights ``(B, N, T, S)`` (before dropout) if asked, and
@@ -207,13 +224,24 @@ def multihead(
         weights = attention_weights(qh, kh, mask=mask, precision=precision) if return_weights else None
         weights = None if weights is None else weights.reshape(b, num_heads, t, s)
     else:
-        if isinstance(mask, Mask):
-            mask = mask.dense(t, s)  # (T, S) or (B, 1, T, S)
-        mask = _split_mask(mask, (b, num_heads, t, s), num_kv_heads)  # (B|1, K|1, G|1, T|1, S|1)
+        if not isinstance(mask, Mask):  # a predicate broadcasts over (B, K, G) as it is
+            mask = _split_mask(mask, (b, num_heads, t, s), num_kv_heads)  # (B|1, K|1, G|1, T|1, S|1)
+        elif mask.per_example:  # its batch is checked on the shape of its dense form (nothing is formed)
+            _check_mask_shape(jax.eval_shape(lambda: mask.dense(t, s)).shape, (b, num_heads, t, s))
         if valid is not None:
             valid = valid.reshape(b, 1, 1, 1, s)
             mask = valid if mask is None else mask & valid
-        out = attention(qh, kh, vh, mask=mask, dropout_rate=dropout_rate, dropout_rng=dropout_rng, precision=precision)
+        out = attention(
+            qh,
+            kh,
+            vh,
+            mask=mask,
+            dropout_rate=dropout_rate,
+            dropout_rng=dropout_rng,
+            precision=precision,
+            implementation=implementation,
+            block_size=block_size if implementation in (None, "blockwise") else None,  # tiles of the blockwise path
+        )
         weights = None
         if return_weights:
             weights = attention_weights(qh, kh, mask=mask, precision=precision).reshape(b, num_heads, t, s)

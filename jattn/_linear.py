@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax import Array
 from jax.typing import ArrayLike
 
-from jattn._checks import check_bool, check_int, check_real, is_traced
+from jattn._checks import check_bool, check_int, check_qkv, check_real, is_traced
 
 __all__ = ["LinearState", "linear_attention"]
 
@@ -93,9 +93,7 @@ def linear_attention(
       :class:`LinearState` ``kv (..., F, E)``, ``z (..., F)`` when ``return_state``.
     """
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
-    from jattn._core import _check_qkv  # the same validation as the softmax core
-
-    _check_qkv(q, k, v)
+    check_qkv(q, k, v)
     causal, return_state = check_bool("causal", causal), check_bool("return_state", return_state)
     if causal and q.shape[-2] != k.shape[-2]:
         raise ValueError(f"causal linear attention needs T == S, got q {q.shape} and k {k.shape}")

@@ -106,7 +106,8 @@ class Mask:
     def dense(self, T: int, S: int, *, q_offset: ArrayLike | None = None, kv_offset: ArrayLike = 0) -> Array:
         """The boolean mask ``(T, S)``; ``(B, 1, T, S)`` per example; ``(..., T, S)`` with arrays.
 
-        ``T`` and ``S`` are non-negative ints; offsets are scalars or per example ``(B,)``.
+        ``(T, S)``, ``(B, 1, T, S)`` when it depends on the example, or ``(..., T, S)`` with the
+        leading dimensions of its arrays. ``T`` and ``S`` are non-negative ints; offsets are scalars or per example ``(B,)``.
         """
         T, S = check_int("T", T, min=0), check_int("S", S, min=0)
         _check_lengths(self, T, S)
@@ -513,11 +514,11 @@ def chunked(size: int) -> Mask:
 
 def prefix_lm(prefix_length: int) -> Mask:
     """Bidirectional over the first ``prefix_length`` (a non-negative int) positions, causal after them."""
-    return Causal() | _KeyBelow(check_int("prefix_length", prefix_length, min=0))
+    return Causal() | KeyBelow(check_int("prefix_length", prefix_length, min=0))
 
 
 @dataclasses.dataclass(frozen=True)
-class _KeyBelow(Mask):
+class KeyBelow(Mask):
     """``j < n``."""
 
     n: int

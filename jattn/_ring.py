@@ -4,7 +4,7 @@ Each of the P devices along a mesh axis holds one slice of the sequence: queries
 and keys/values ``(B, S, D|E)`` of a global sequence of P·T queries and P·S keys (dimension key:
 :mod:`jattn._core`, with T and S the *local* lengths). P steps; at step n device r holds the
 key/value slice of device ``r - n`` (mod P), folds it into its online-softmax state with the same
-update as the blockwise path (:func:`jattn._blockwise._accumulate`), then passes it on with
+update as the blockwise path (:func:`jattn._online.accumulate`), then passes it on with
 ``lax.ppermute`` to device ``r + 1``. After P steps every query has seen every key, and no device
 ever holds more than two slices.
 
@@ -37,9 +37,20 @@ import numpy as np
 from jax import Array
 from jax.typing import ArrayLike
 
-from jattn._blockwise import _accumulate, _empty_state, _finish, _flat_lead, _per_block, _scaled_scores, _score_grads
-from jattn._core import _broadcast_all, _check_qkv
-from jattn._masks import EMPTY, FULL, PARTIAL, Mask, _KeyBelow
+from jattn._checks import broadcast_all, check_qkv
+from jattn._masks import EMPTY, FULL, PARTIAL, KeyBelow, Mask
+from jattn._online import (
+    accumulate,
+    backward_rows,
+    compute_dtype,
+    empty_state,
+    finish,
+    flat_lead,
+    per_block,
+    scaled_scores,
+    score_grads,
+    tile_grads,
+)
 
 __all__ = ["ring_attention", "sequence_parallel_attention", "unzigzag", "zigzag"]
 
@@ -108,7 +119,7 @@ class _Ring:
 
     def scores(self, qc, kc, qsc, ksc, r, src, a, b, masked, precision):
         """Scaled scores ``(B, tc, sc)`` of local query chunk a against key chunk b of device src, and the mask."""
-        s = _scaled_scores(qc, kc, self.scale, self.compute, precision)
+        s = scaled_scores(qc, kc, self.scale, self.compute, precision)
         if not masked:
             return s, None
         owned = jnp.asarray(self.owned, jnp.int32)
@@ -177,14 +188,14 @@ def _ring_forward(q, k, v, q_seg, kv_seg, ring: _Ring, precision):
 
                 def update(state, masked, a=a, b=b):
                     s, keep = ring.scores(qc[a], kc[b], qsc[a], ksc[b], r, src, a, b, masked, precision)
-                    return _accumulate(state, s, keep, vc[b], precision, ring.compute)
+                    return accumulate(state, s, keep, vc[b], precision, ring.compute)
 
-                states[a] = _per_block(ring.kind(r, src, a, b), update, states[a])
+                states[a] = per_block(ring.kind(r, src, a, b), update, states[a])
         return tuple(states), travelling
 
-    init = tuple(_vary(_empty_state(q.shape[0], ring.tc, v.shape[-1], ring.compute), q) for _ in range(c))
+    init = tuple(_vary(empty_state(q.shape[0], ring.tc, v.shape[-1], ring.compute), q) for _ in range(c))
     states, _ = _around(ring, step, init, (k, v, kv_seg) if ring.segments else (k, v))
-    outs, lses = zip(*(_finish(st, v.dtype) for st in states), strict=True)
+    outs, lses = zip(*(finish(st, v.dtype) for st in states), strict=True)
     return jnp.concatenate(outs, 1), jnp.concatenate(lses, 1)
 
 
@@ -198,8 +209,7 @@ def _ring_bwd(ring: _Ring, precision, res, cotangents):
     d_out, _ = cotangents  # the log-sum-exp is returned for inspection, not differentiated
     c, compute = ring.owned.shape[1], ring.compute
     r = jax.lax.axis_index(ring.axis_name)
-    lse = jnp.where(lse == -jnp.inf, jnp.zeros_like(lse), lse)
-    delta = jnp.sum(d_out.astype(compute) * out.astype(compute), -1)  # (B, T) rowsum(dO ∘ O)
+    lse, delta = backward_rows(out, d_out, lse, compute)  # (B, T) each
     scale = jnp.asarray(ring.scale, compute)
     qc, qsc, doc = _chunks(q, c), _chunks(q_seg, c), _chunks(d_out, c)
     lsec, deltac = _chunks(lse, c), _chunks(delta, c)
@@ -214,13 +224,11 @@ def _ring_bwd(ring: _Ring, precision, res, cotangents):
                 def update(carry, masked, a=a, b=b):
                     dq_a, dk_b, dv_b = carry
                     s, keep = ring.scores(qc[a], kc[b], qsc[a], ksc[b], r, src, a, b, masked, precision)
-                    p, ds = _score_grads(s, keep, lsec[a], doc[a], vc[b], deltac[a], scale, precision, compute)
-                    dq_a = dq_a + jnp.einsum("bts,bsd->btd", ds, kc[b].astype(compute), precision=precision)
-                    dk_b = dk_b + jnp.einsum("bts,btd->bsd", ds, qc[a].astype(compute), precision=precision)
-                    dv_b = dv_b + jnp.einsum("bts,bte->bse", p, doc[a].astype(compute), precision=precision)
-                    return dq_a, dk_b, dv_b
+                    p, ds = score_grads(s, keep, lsec[a], doc[a], vc[b], deltac[a], scale, precision, compute)
+                    gq, gk, gv = tile_grads(p, ds, qc[a], kc[b], doc[a], precision, compute)
+                    return dq_a + gq, dk_b + gk, dv_b + gv
 
-                dq[a], dkc[b], dvc[b] = _per_block(ring.kind(r, src, a, b), update, (dq[a], dkc[b], dvc[b]))
+                dq[a], dkc[b], dvc[b] = per_block(ring.kind(r, src, a, b), update, (dq[a], dkc[b], dvc[b]))
         return tuple(dq), (jnp.concatenate(dkc, 1), jnp.concatenate(dvc, 1), *travelling[2:])
 
     dq = tuple(_vary(jnp.zeros(x.shape, compute), q) for x in qc)
@@ -309,7 +317,7 @@ def ring_attention(
       return_lse: also return the log-sum-exp ``(..., T)``.
     """
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
-    _check_qkv(q, k, v)
+    check_qkv(q, k, v)
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     _check_mask(mask)
@@ -318,7 +326,7 @@ def ring_attention(
     T, S = q.shape[-2], k.shape[-2]
     if T % c or S % c:
         raise ValueError(f"layout='zigzag' needs even local lengths, got q {q.shape} and k {k.shape}")
-    lead = _broadcast_all(q=q, k=k, v=v)
+    lead = broadcast_all(q=q, k=k, v=v)
     b = math.prod(lead)
     if segment_ids is None:
         q_seg, kv_seg = _vary((jnp.zeros((b, T), jnp.int32), jnp.zeros((b, S), jnp.int32)), k)
@@ -326,7 +334,7 @@ def ring_attention(
         q_seg, kv_seg = _check_segments(segment_ids, lead, T, S)
     predicate = mask
     if kv_length is not None:
-        predicate = _KeyBelow(int(kv_length)) if mask is None else mask & _KeyBelow(int(kv_length))
+        predicate = KeyBelow(int(kv_length)) if mask is None else mask & KeyBelow(int(kv_length))
     q_offset = p * S - p * T if q_offset is None else int(q_offset)
     if predicate is None:
         kinds = np.full((p * c, p * c), FULL, np.int8)
@@ -345,9 +353,9 @@ def ring_attention(
         q_offset=q_offset,
         scale=1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale),
         segments=segment_ids is not None,
-        compute=jnp.dtype(jnp.float64 if q.dtype == jnp.float64 else jnp.float32),
+        compute=compute_dtype(q.dtype),
     )
-    out, lse = _ring(*(_flat_lead(x, lead) for x in (q, k, v)), q_seg, kv_seg, ring, precision)
+    out, lse = _ring(*(flat_lead(x, lead) for x in (q, k, v)), q_seg, kv_seg, ring, precision)
     out, lse = out.reshape(*lead, T, v.shape[-1]), lse.reshape(*lead, T)
     return (out, lse) if return_lse else out
 
@@ -372,7 +380,7 @@ def sequence_parallel_attention(
     ``layout`` order. ``mesh`` defaults to the one set by ``jax.set_mesh``. Use inside ``jit``.
     """
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
-    _check_qkv(q, k, v)
+    check_qkv(q, k, v)
     _check_mask(mask)
     mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
     if axis_name not in mesh.axis_names:

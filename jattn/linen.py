@@ -39,6 +39,8 @@ class _Attention(nn.Module):
     param_dtype: Any = jnp.float32
     precision: jax.lax.PrecisionLike = None
     sequence_axis: str | None = None
+    implementation: str | None = None
+    block_size: int | tuple[int, int] | None = None
     kernel_init: nn.initializers.Initializer = nn.initializers.lecun_normal()
     bias_init: nn.initializers.Initializer = nn.initializers.zeros_init()
 
@@ -62,7 +64,11 @@ class _Attention(nn.Module):
         context_mask: Array | None,
         deterministic: bool | None,
         return_weights: bool,
+        path: tuple[str | None, int | tuple[int, int] | None] = (None, None),
     ) -> Array | tuple[Array, Array]:
+        implementation = self.implementation if path[0] is None else path[0]
+        block_size = self.block_size if path[1] is None else path[1]
+        _heads.check_path(implementation, block_size)
         kv_heads, depth = _heads.check_heads(self.d_model, self.num_heads, self.num_kv_heads, self.qkv_features)
         _heads.check_kind(self.kind, self.feature_map)
         _heads.check_options(
@@ -97,6 +103,8 @@ class _Attention(nn.Module):
             precision=self.precision,
             return_weights=return_weights,
             sequence_axis=self.sequence_axis,
+            implementation=implementation,
+            block_size=block_size,
         )
         if out_proj:
             out = self._dense(self.out_features or self.d_model, "wo")(out)
@@ -113,14 +121,17 @@ class SelfAttention(_Attention):
         mask: Array | Mask | None = None,
         deterministic: bool | None = None,
         return_weights: bool = False,
+        implementation: str | None = None,
+        block_size: int | tuple[int, int] | None = None,
     ) -> Array | tuple[Array, Array]:
         """Attends ``x (B, T, d_model)`` to itself.
 
         ``mask``: boolean ``(T, T)``, ``(B, T, T)`` (per example, the same for every head) or
-        ``(B, N, T, T)`` (any axis may be 1), or a Mask.
+        ``(B, N, T, T)`` (any axis may be 1), or a Mask. ``implementation`` and ``block_size``
+        override the module's fields (None: keep them).
         """
         _heads.check_input("x", x, self.d_model)
-        return self._run(x, x, mask, None, deterministic, return_weights)
+        return self._run(x, x, mask, None, deterministic, return_weights, (implementation, block_size))
 
 
 class CrossAttention(_Attention):
@@ -140,8 +151,14 @@ class CrossAttention(_Attention):
         context_mask: Array | None = None,
         deterministic: bool | None = None,
         return_weights: bool = False,
+        implementation: str | None = None,
+        block_size: int | tuple[int, int] | None = None,
     ) -> Array | tuple[Array, Array]:
-        """Attends ``x`` to ``context``; ``context_mask (B, S)`` is False at context padding."""
+        """Attends ``x`` to ``context``; ``context_mask (B, S)`` is False at context padding.
+
+        ``implementation`` and ``block_size`` override the module's fields (None: keep them).
+        """
         check_int("context_features", self.context_features, min=1)
         _heads.check_context(x, self.d_model, context, self.context_features, context_mask)
-        return self._run(x, context, mask, context_mask, deterministic, return_weights)
+        path = (implementation, block_size)
+        return self._run(x, context, mask, context_mask, deterministic, return_weights, path)

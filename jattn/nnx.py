@@ -52,6 +52,8 @@ class _Attention(nnx.Module):
         param_dtype: Any = jnp.float32,
         precision: jax.lax.PrecisionLike = None,
         sequence_axis: str | None = None,
+        implementation: str | None = None,
+        block_size: int | tuple[int, int] | None = None,
         kernel_init: nnx.Initializer = _KERNEL_INIT,
         bias_init: nnx.Initializer = _BIAS_INIT,
         rngs: nnx.Rngs,
@@ -75,6 +77,8 @@ class _Attention(nnx.Module):
         self.kind, self.feature_map = kind, feature_map
         self.dropout_rate, self.deterministic, self.precision = dropout_rate, deterministic, precision
         self.sequence_axis = sequence_axis
+        _heads.check_path(implementation, block_size)
+        self.implementation, self.block_size = implementation, block_size
         if out_proj is None:
             out_proj = num_heads > 1 or out_features is not None
         if out_features is not None and not out_proj:
@@ -118,7 +122,10 @@ class _Attention(nnx.Module):
         return_weights: bool,
         linear_state: LinearState | None = None,
         ring: bool = True,
+        path: tuple[str | None, int | tuple[int, int] | None] = (None, None),
     ) -> tuple[Array, Array | None, LinearState | None]:
+        implementation, block_size = path
+        _heads.check_path(implementation, block_size)
         out, weights, state = _heads.multihead(
             q,
             k,
@@ -135,6 +142,8 @@ class _Attention(nnx.Module):
             return_weights=return_weights,
             linear_state=linear_state,
             sequence_axis=self.sequence_axis if ring else None,
+            implementation=self.implementation if implementation is None else implementation,
+            block_size=self.block_size if block_size is None else block_size,
         )
         if self.wo is not None:
             out = self.wo(out)
@@ -170,6 +179,11 @@ class SelfAttention(_Attention):
         (``jax.set_mesh``) has it with more than one device, softmax attention runs as ring
         attention over it (:func:`jattn.sequence_parallel_attention`; masks: None or a
         position-only predicate, no dropout). Decoding uses the plain core.
+      implementation: the path of :func:`jattn.attention` (``'dense'``, ``'blockwise'``,
+        ``'xla'``, ``'cudnn'``; default None: chosen per call). Mask predicates reach the core
+        as they are, so the blockwise path skips their empty tiles; overridable per call.
+      block_size: the blockwise tiles ``(block_q, block_kv)`` or one int (default: chosen from
+        the mask); overridable per call.
       kernel_init, bias_init: initialisers of the projections.
       rngs: ``nnx.Rngs`` for the parameters (``params``) and dropout (``dropout``).
 
@@ -191,6 +205,8 @@ class SelfAttention(_Attention):
         return_weights: bool = False,
         decode: bool = False,
         lengths: Array | None = None,
+        implementation: str | None = None,
+        block_size: int | tuple[int, int] | None = None,
     ) -> Array | tuple[Array, Array]:
         """Attends ``x (B, T, d_model)`` to itself.
 
@@ -208,6 +224,7 @@ class SelfAttention(_Attention):
             real (a ragged batch), integers in ``[0, T]``; the rest are neither attended to nor
             cached. Out of range they raise a ValueError, or, traced (under ``jit``), are
             clipped to ``[0, T]`` and make that example's outputs NaN.
+          implementation, block_size: override the constructor's (None: keep them).
 
         Returns:
           ``(B, T, F)`` with F the out features (or qkv features without ``wo``), and the
@@ -218,10 +235,12 @@ class SelfAttention(_Attention):
         if lengths is not None and not decode:
             raise ValueError("lengths applies to decode=True only")
         rng = self._dropout_rng(deterministic, rngs)
+        path = (implementation, block_size)
         if decode:
-            out, weights = self._decode(x, mask, lengths, rng, return_weights)
+            out, weights = self._decode(x, mask, lengths, rng, return_weights, path)
         else:
-            out, weights, _ = self._attend(self.wq(x), self.wk(x), self.wv(x), mask, None, rng, return_weights)
+            q, k, v = self.wq(x), self.wk(x), self.wv(x)
+            out, weights, _ = self._attend(q, k, v, mask, None, rng, return_weights, path=path)
         return (out, weights) if return_weights else out
 
     # -- decoding ------------------------------------------------------------------------------
@@ -283,7 +302,13 @@ class SelfAttention(_Attention):
         self.cache_layout = (window, pinned)
 
     def _decode(
-        self, x: Array, mask: Array | Mask | None, lengths: Array | None, rng: Array | None, return_weights: bool
+        self,
+        x: Array,
+        mask: Array | Mask | None,
+        lengths: Array | None,
+        rng: Array | None,
+        return_weights: bool,
+        path: tuple[str | None, int | tuple[int, int] | None] = (None, None),
     ) -> tuple[Array, Array | None]:
         if self.cache is None:
             raise ValueError("decode=True needs init_cache(batch_size, max_length) first")
@@ -301,7 +326,7 @@ class SelfAttention(_Attention):
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
         if self.kind == "linear":
             state = LinearState(c["kv"], c["z"])
-            out, weights, state = self._attend(q, k, v, mask, valid, rng, return_weights, state, ring=False)
+            out, weights, state = self._attend(q, k, v, mask, valid, rng, return_weights, state, ring=False, path=path)
             self._store({"kv": state.kv, "z": state.z, "next": c["next"] + lengths})
             return _poison(out, bad), weights
         window, _ = self.cache_layout
@@ -320,7 +345,7 @@ class SelfAttention(_Attention):
         dense = mask.allowed(i, j) & (j >= 0)  # (B, 1, T, C + T)
         keys = jnp.concatenate([c["k"].reshape(b, -1, c["k"].shape[-2] * c["k"].shape[-1]).astype(k.dtype), k], 1)
         vals = jnp.concatenate([c["v"].reshape(b, -1, c["v"].shape[-2] * c["v"].shape[-1]).astype(v.dtype), v], 1)
-        out, weights, _ = self._attend(q, keys, vals, dense, None, rng, return_weights, ring=False)
+        out, weights, _ = self._attend(q, keys, vals, dense, None, rng, return_weights, ring=False, path=path)
         slot = self._slots(pos, valid, c["next"] + lengths, capacity)
         rows = jnp.broadcast_to(jnp.arange(b)[:, None], slot.shape)
         heads = (b, t, *c["k"].shape[-2:])
@@ -392,6 +417,8 @@ class CrossAttention(_Attention):
         deterministic: bool | None = None,
         rngs: nnx.Rngs | None = None,
         return_weights: bool = False,
+        implementation: str | None = None,
+        block_size: int | tuple[int, int] | None = None,
     ) -> Array | tuple[Array, Array]:
         """Attends ``x (B, T, d_model)`` to ``context (B, S, context_features)``.
 
@@ -399,12 +426,13 @@ class CrossAttention(_Attention):
           mask: as for :class:`SelfAttention`, over ``(B, N, T, S)``.
           context_mask: boolean ``(B, S)``, False marks context padding (never attended to);
             a query that sees no valid context returns 0 (before ``wo``).
-          deterministic, rngs, return_weights: as for :class:`SelfAttention`.
+          deterministic, rngs, return_weights, implementation, block_size: as for
+            :class:`SelfAttention`.
         """
         _heads.check_context(x, self.d_model, context, self.kv_features, context_mask)
         _heads.check_call(deterministic, return_weights, False)
         rng = self._dropout_rng(deterministic, rngs)
-        out, weights, _ = self._attend(
-            self.wq(x), self.wk(context), self.wv(context), mask, context_mask, rng, return_weights
-        )
+        q, k, v = self.wq(x), self.wk(context), self.wv(context)
+        path = (implementation, block_size)
+        out, weights, _ = self._attend(q, k, v, mask, context_mask, rng, return_weights, path=path)
         return (out, weights) if return_weights else out

@@ -181,3 +181,90 @@ def test_automatic_tiles_shrink_for_narrow_windows_and_keep_the_result():
     dense = jattn.attention(q, k, v, mask=mask, implementation="dense")
     block = jattn.attention(q, k, v, mask=mask, implementation="blockwise")  # 128 x 128 tiles, a ragged last one
     np.testing.assert_allclose(block, dense, **ref.tol(jnp.float32))
+
+
+@pytest.mark.parametrize("platform, tile_bytes", [("cpu", 4 * 3 * 4), ("cpu", 2 * 4 * 3 * 4), ("gpu", 4 * 3 * 4)])
+@pytest.mark.parametrize("dtype", [jnp.float64, jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("mask", ["causal-window", "array", "empty-rows"])
+def test_both_platform_tilings_equal_the_reference(monkeypatch, platform, tile_bytes, dtype, mask):
+    """CPU tiles by groups of B (here 1 and 2 rows of B = 6), GPU/TPU by all of B: same results and gradients."""
+    import jattn._blockwise as bw
+
+    monkeypatch.setattr(bw, "platform", lambda: platform)
+    monkeypatch.setattr(bw, "TILE_BYTES", tile_bytes)
+    group = bw.group_size(6, 4, 3, 4, platform)
+    assert group == {"gpu": 6}.get(platform, tile_bytes // (4 * 3 * 4))
+    with jax.enable_x64(dtype == jnp.float64):
+        q, k, v = _rand((2, 3, 11, 5), 0, dtype), _rand((2, 3, 7, 5), 1, dtype), _rand((2, 1, 7, 4), 2, dtype)
+        m = {
+            "causal-window": masks.causal() & masks.sliding_window(3),
+            "array": jnp.asarray(np.random.default_rng(0).random((2, 3, 11, 7)) > 0.4),
+            "empty-rows": masks.causal() & ~masks.chunked(4),
+        }[mask]
+
+        def loss(impl):
+            def f(q, k, v):
+                kw = {"block_size": (4, 3)} if impl == "blockwise" else {}
+                out = jattn.attention(q, k, v, mask=m, implementation=impl, **kw)
+                return jnp.sum(out.astype(jnp.float32) * jnp.arange(4, dtype=jnp.float32)[None, None, None]), out
+
+            return jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+
+        (_, out_b), grads_b = loss("blockwise")
+        (_, out_d), grads_d = loss("dense")
+        dense_mask = m if not isinstance(m, masks.Mask) else np.asarray(m.dense(11, 7))
+        want, _, _ = ref.attention(q, k, v, mask=dense_mask)
+        np.testing.assert_allclose(ref.f64(out_b), want, **ref.tol(dtype))
+        np.testing.assert_allclose(ref.f64(out_b), ref.f64(out_d), **ref.tol(dtype))
+        for a, b in zip(grads_b, grads_d, strict=True):
+            assert a.dtype == dtype and np.all(np.isfinite(ref.f64(a)))
+            np.testing.assert_allclose(ref.f64(a), ref.f64(b), **ref.tol(dtype))
+
+
+def test_cpu_tiles_are_fitted_to_tile_bytes():
+    from jattn._blockwise import TILE_BYTES, group_size
+
+    assert group_size(32, 512, 512, 4, "cpu") * 512 * 512 * 4 <= TILE_BYTES
+    assert group_size(32, 512, 512, 4, "gpu") == 32
+    assert group_size(7, 512, 512, 4, "cpu") == 1  # the largest divisor of B that fits
+    assert group_size(32, 128, 128, 4, "cpu") == min(32, TILE_BYTES // (128 * 128 * 4))  # 16 at 1 MiB
+
+
+def _dot_shapes(fn, *args) -> set[str]:
+    """The result types of the matmuls in ``fn``'s jaxpr (the tile shapes)."""
+    import re
+
+    return set(re.findall(r"(\w+\[[\d,]*\]) = dot_general", str(jax.make_jaxpr(fn)(*args))))
+
+
+@pytest.mark.parametrize("mapped", ["qkv", "q", "kv", "array-mask"])
+def test_vmap_equals_a_loop_and_tiles_like_an_explicit_batch(monkeypatch, mapped):
+    """vmap folds the mapped axis into the tiled batch: the loop's values and gradients, the batch's tiles."""
+    import jattn._blockwise as bw
+
+    monkeypatch.setattr(bw, "TILE_BYTES", 2 * 4 * 3 * 4)  # CPU groups of 2 rows of B
+    q, k, v = _rand((3, 2, 2, 11, 5), 0), _rand((3, 2, 1, 7, 5), 1), _rand((3, 2, 1, 7, 4), 2)
+    arr = jnp.asarray(np.random.default_rng(0).random((3, 2, 2, 11, 7)) > 0.4)
+    axes = {"qkv": (0, 0, 0, None), "q": (0, None, None, None), "kv": (None, 0, 0, None), "array-mask": (0, 0, 0, 0)}
+    in_axes = axes[mapped]
+    args = tuple(x if a == 0 else x[0] for x, a in zip((q, k, v, arr), in_axes, strict=True))
+
+    def f(q, k, v, m):
+        mask = masks.causal() if mapped != "array-mask" else m
+        return jattn.attention(q, k, v, mask=mask, implementation="blockwise", block_size=(4, 3))
+
+    def loss(*a):
+        return jnp.sum(jnp.sin(jax.vmap(f, in_axes=in_axes)(*a)))
+
+    def loop_loss(*a):
+        pick = [[x[i] if ax == 0 else x for x, ax in zip(a, in_axes, strict=True)] for i in range(3)]
+        return sum(jnp.sum(jnp.sin(f(*p))) for p in pick)
+
+    np.testing.assert_allclose(loss(*args), loop_loss(*args), rtol=1e-5)
+    for a, b in zip(jax.grad(loss, (0, 1, 2))(*args), jax.grad(loop_loss, (0, 1, 2))(*args), strict=True):
+        np.testing.assert_allclose(a, b, **ref.tol(jnp.float32))
+    per_example = jax.vmap(jax.grad(lambda *a: jnp.sum(jnp.sin(f(*a))), (0, 1, 2)), in_axes=in_axes)(*args)
+    assert [g.shape[0] for g in per_example] == [3, 3, 3]
+    if mapped != "array-mask":  # a mapped array mask needs a schedule per element: plain batching
+        batch = (q.reshape(6, 2, 11, 5), k.reshape(6, 1, 7, 5), v.reshape(6, 1, 7, 4), None)
+        assert _dot_shapes(jax.vmap(f, in_axes=in_axes), *args) == _dot_shapes(f, *batch)

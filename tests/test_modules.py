@@ -217,3 +217,68 @@ def test_bad_call_raises():
         m(_x(), jnp.ones((2, 3, 7, 7), bool))
     with pytest.raises(TypeError, match="mask must be boolean"):
         m(_x(), jnp.ones((7, 7)))
+
+
+def _paths(jaxpr_text: str, T: int, S: int) -> tuple[bool, bool]:
+    """(a (T, S) scores array appears, a scan over tiles appears) in a jaxpr's text."""
+    return f"{T},{S}]" in jaxpr_text, "scan[" in jaxpr_text
+
+
+@pytest.mark.parametrize("module", ["nnx", "linen"])
+def test_modules_hand_mask_predicates_to_the_blockwise_path(module):
+    """A predicate reaches the core as it is: the automatic choice tiles long sequences (no (T, S) array)."""
+    from jattn import masks
+
+    T = 1024  # T·S = AUTO_BLOCKWISE_MIN: the automatic choice is blockwise
+    x = jax.ShapeDtypeStruct((1, T, 8), jnp.float32)
+    if module == "nnx":
+        m = jattn.nnx.SelfAttention(8, num_heads=2, rngs=nnx.Rngs(0))
+        text = str(jax.make_jaxpr(lambda x: m(x, masks.causal()))(x))
+        dense = str(jax.make_jaxpr(lambda x: m(x, masks.causal(), implementation="dense"))(x))
+    else:
+        m = jattn.linen.SelfAttention(8, num_heads=2)
+        params = m.init(jax.random.key(0), jnp.ones((1, 4, 8)))
+        text = str(jax.make_jaxpr(lambda x: m.apply(params, x, masks.causal()))(x))
+        dense = str(jax.make_jaxpr(lambda x: m.apply(params, x, masks.causal(), implementation="dense"))(x))
+    assert _paths(text, T, T) == (False, True)
+    assert _paths(dense, T, T) == (True, False)
+
+
+@pytest.mark.parametrize("mask", ["causal", "window", "array"])
+def test_module_implementation_and_block_size_keep_the_result(mask):
+    """Constructor default, call-time override, NNX == Linen; a context mask joins a predicate."""
+    from jattn import masks
+
+    x, ctx = _x((2, 13, D_MODEL)), _x((2, 9, 5), seed=1)
+    m = {
+        "causal": masks.causal(),
+        "window": masks.sliding_window(3),
+        "array": np.random.default_rng(0).random((2, 4, 13, 13)) > 0.3,
+    }[mask]
+    blockwise = jattn.nnx.SelfAttention(
+        D_MODEL, num_heads=4, num_kv_heads=2, implementation="blockwise", block_size=4, rngs=nnx.Rngs(0)
+    )
+    dense = jattn.nnx.SelfAttention(D_MODEL, num_heads=4, num_kv_heads=2, rngs=nnx.Rngs(0))
+    want = dense(x, m, implementation="dense")
+    np.testing.assert_allclose(blockwise(x, m), want, **ref.tol(jnp.float32))
+    np.testing.assert_allclose(blockwise(x, m, implementation="dense"), want, **ref.tol(jnp.float32))
+    np.testing.assert_allclose(dense(x, m, implementation="blockwise", block_size=(3, 5)), want, **ref.tol(jnp.float32))
+    linen = jattn.linen.SelfAttention(D_MODEL, num_heads=4, num_kv_heads=2, implementation="blockwise", block_size=4)
+    np.testing.assert_allclose(linen.apply({"params": linen_params(dense)}, x, m), want, **ref.tol(jnp.float32))
+    cross = jattn.nnx.CrossAttention(D_MODEL, 5, num_heads=4, rngs=nnx.Rngs(0))
+    valid = jnp.arange(9)[None] < jnp.array([[4], [9]])  # (B, S)
+    pred = m if mask != "array" else masks.causal()
+    got = cross(x, ctx, pred, context_mask=valid, implementation="blockwise", block_size=4)
+    np.testing.assert_allclose(
+        got, cross(x, ctx, pred, context_mask=valid, implementation="dense"), **ref.tol(jnp.float32)
+    )
+
+
+def test_module_path_arguments_are_checked():
+    with pytest.raises(ValueError, match="implementation must be one of"):
+        jattn.nnx.SelfAttention(D_MODEL, implementation="flash", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="block_size"):
+        jattn.nnx.SelfAttention(D_MODEL, block_size=0, rngs=nnx.Rngs(0))
+    m = jattn.nnx.SelfAttention(D_MODEL, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="implementation must be one of"):
+        m(_x(), implementation="flash")

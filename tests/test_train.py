@@ -279,3 +279,32 @@ def test_decoder_is_causal_gradient_reaches_only_the_past():
         reach.append(np.abs(np.asarray(grads["pos"][...])).sum(-1) > 0)  # (L,) rows of the position table
     for t, r in zip((0, 7, length - 1), reach, strict=True):
         np.testing.assert_array_equal(r, np.arange(length) <= t)
+
+
+def test_long_context_config_trains_on_the_blockwise_path(tmp_path):
+    """configs/long_induction.py at a tiny size: blockwise attention (no (T, T) scores) and a falling loss."""
+    cfg = config.load("configs/long_induction.py")
+    assert cfg.model.implementation == "blockwise" and cfg.task.size * 2 >= 2048
+    tiny_cfg = tiny(tmp_path)
+    with cfg.unlocked():
+        for key in ("workdir", "name", "steps", "warmup_steps", "log_every", "eval_every", "checkpoint_every"):
+            cfg[key] = tiny_cfg[key]
+        cfg.batch_size, cfg.eval_batches = 16, 2
+        cfg.task.size, cfg.model.block_size = 24, 16  # T = 48 in tiles of 16
+    exp = loop.build(cfg)
+    tokens = exp.task.batch(jax.random.key(0), 2).inputs  # (2, 48)
+    jaxpr = str(jax.make_jaxpr(lambda p: exp.model(p)(tokens))(exp.init_params))
+    assert "scan[" in jaxpr and "48,48]" not in jaxpr
+    summary = loop.train(cfg, progress=False, pictures=False)
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert summary["step"] == 60 and rows[-1]["loss"] < rows[0]["loss"]
+
+
+def test_bad_attention_path_is_a_config_error():
+    for key, value, message in (
+        ("model.implementation", "'flash'", "'model.implementation'='flash'"),
+        ("model.block_size", -1, "'model.block_size'"),
+    ):
+        cfg = config.override(config.load(), [f"--config.{key}={value}"])
+        with pytest.raises(config.ConfigError, match=message):
+            config.validate(cfg)

@@ -19,7 +19,7 @@ import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
-from train.model import MIXERS
+from train.model import IMPLEMENTATIONS, MIXERS
 from train.sharding import AXES
 from train.tasks import MQAR, TASKS, Task
 
@@ -266,7 +266,12 @@ def validate(cfg: ml_collections.ConfigDict) -> Task:
     _positive(cfg, "learning_rate", "grad_clip", "model.d_model", "model.num_heads", "model.num_layers")
     _positive(cfg, "model.mlp_ratio")
     _integer(cfg, "model.d_model", "model.num_heads", "model.num_layers", "model.mlp_ratio")
-    _integer(cfg, "model.num_kv_heads", "model.window")
+    _integer(cfg, "model.num_kv_heads", "model.window", "model.block_size")
+    _non_negative(cfg, "model.block_size")
+    if cfg.model.implementation not in ("", *IMPLEMENTATIONS):
+        raise ConfigError(
+            f"config key 'model.implementation'={cfg.model.implementation!r}: choose from {IMPLEMENTATIONS} or ''"
+        )
     _non_negative(cfg, "weight_decay", "warmup_steps")
     tokens = cfg.model.global_tokens
     if not isinstance(tokens, (tuple, list)) or not all(isinstance(g, int) and not isinstance(g, bool) for g in tokens):

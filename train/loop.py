@@ -76,6 +76,8 @@ def build(cfg: ml_collections.ConfigDict) -> Experiment:
         mlp_ratio=m.mlp_ratio,
         window=m.window,
         global_tokens=tuple(m.global_tokens),
+        implementation=m.implementation or None,
+        block_size=m.block_size or None,
         rngs=nnx.Rngs(params=jax.random.fold_in(jax.random.key(cfg.seed), 2)),
     )
     graphdef, params = nnx.split(model)

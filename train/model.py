@@ -18,6 +18,7 @@ import jattn.nnx
 from jattn import masks
 
 MIXERS = ("attention", "linear", "none")
+IMPLEMENTATIONS = jattn.IMPLEMENTATIONS  # paths of softmax attention (jattn.attention's implementation=)
 SEQUENCE_AXIS = "seq"  # ring attention over this mesh axis when the current mesh has it (train/sharding.py)
 
 
@@ -33,7 +34,16 @@ class Block(nnx.Module):
     """Pre-norm residual block: sequence mixer then MLP."""
 
     def __init__(
-        self, d_model: int, num_heads: int, num_kv_heads: int | None, mixer: str, mlp_ratio: int, *, rngs: nnx.Rngs
+        self,
+        d_model: int,
+        num_heads: int,
+        num_kv_heads: int | None,
+        mixer: str,
+        mlp_ratio: int,
+        *,
+        implementation: str | None = None,
+        block_size: int | None = None,
+        rngs: nnx.Rngs,
     ) -> None:
         self.ln1 = nnx.LayerNorm(d_model, rngs=rngs)
         self.ln2 = nnx.LayerNorm(d_model, rngs=rngs)
@@ -48,6 +58,8 @@ class Block(nnx.Module):
                 out_proj=True,
                 kind=kind,
                 sequence_axis=SEQUENCE_AXIS,
+                implementation=implementation,
+                block_size=block_size,
                 rngs=rngs,
             )
         self.up = nnx.Linear(d_model, mlp_ratio * d_model, rngs=rngs)
@@ -81,12 +93,27 @@ class Decoder(nnx.Module):
         mlp_ratio: int = 4,
         window: int = 0,
         global_tokens: tuple[int, ...] = (),
+        implementation: str | None = None,
+        block_size: int | None = None,
         rngs: nnx.Rngs,
     ) -> None:
+        """``implementation`` and ``block_size`` choose softmax attention's path (:func:`jattn.attention`)."""
         self.embed = nnx.Embed(vocab_size, d_model, rngs=rngs)
         self.pos = nnx.Param(jax.random.normal(rngs.params(), (max_len, d_model)) / d_model**0.5)
         self.blocks = nnx.List(
-            [Block(d_model, num_heads, num_kv_heads, mixer, mlp_ratio, rngs=rngs) for _ in range(num_layers)]
+            [
+                Block(
+                    d_model,
+                    num_heads,
+                    num_kv_heads,
+                    mixer,
+                    mlp_ratio,
+                    implementation=implementation,
+                    block_size=block_size,
+                    rngs=rngs,
+                )
+                for _ in range(num_layers)
+            ]
         )
         self.ln_f = nnx.LayerNorm(d_model, rngs=rngs)
         self.head = nnx.Linear(d_model, vocab_size, rngs=rngs)
