@@ -22,7 +22,7 @@ import jattn
 from jattn import masks
 from tests import reference as ref
 
-FUZZ_EXAMPLES = int(os.environ.get("JATTN_FUZZ_EXAMPLES", 5000 if os.environ.get("JATTN_SLOW") else 120))
+FUZZ_EXAMPLES = int(os.environ.get("JATTN_FUZZ_EXAMPLES", 5000 if os.environ.get("JATTN_SLOW") else 40))
 
 
 def _loss(impl, g, **kw):

@@ -231,7 +231,7 @@ def test_sigint_saves_a_checkpoint_and_the_same_command_resumes(tmp_path):
         {"task.name": "'reverse'"},
         {"task.name": "'induction'"},
         {"model.window": 3, "model.global_tokens": "(0,1)"},
-        {"model.mixer": "'linear'"},
+        {"model.mixer": "linear"},
         {"model.num_heads": 4, "model.num_kv_heads": 1},
     ],
 )
@@ -302,7 +302,7 @@ def test_long_context_config_trains_on_the_blockwise_path(tmp_path):
 
 def test_bad_attention_path_is_a_config_error():
     for key, value, message in (
-        ("model.implementation", "'flash'", "'model.implementation'='flash'"),
+        ("model.implementation", "flash", "'model.implementation'='flash'"),
         ("model.block_size", -1, "'model.block_size'"),
     ):
         cfg = config.override(config.load(), [f"--config.{key}={value}"])
