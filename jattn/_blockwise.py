@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
+from jattn._checks import broadcast_all
 from jattn._masks import EMPTY, KeyBelow, Mask, fill_arrays, split_arrays, tile_kinds
 from jattn._online import (
     accumulate,
@@ -385,8 +386,8 @@ def blockwise_attention(
     """
     T, S = q.shape[-2], k.shape[-2]
     skeleton, arrays = (None, []) if mask is None else split_arrays(mask)
-    lead = jnp.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
-    lead = _mask_lead(arrays, lead, T, S)
+    leads = [broadcast_all(q=q, k=k, v=v, mask=m) for m in arrays] or [broadcast_all(q=q, k=k, v=v)]
+    lead = tuple(np.broadcast_shapes(*leads))  # each mask array checked against q, k, v by the shared check
     qf, kf, vf = (flat_lead(x, lead) for x in (q, k, v))
     arrays = tuple(_flat_mask(m, lead) for m in arrays)  # each (B|1, T|1, S|1)
     if T == 0 or S == 0:  # no tiles: every row is empty
@@ -400,20 +401,6 @@ def blockwise_attention(
     run = plan.run(arrays)
     out, lse = _flash(_pad(qf, 1, bq), _pad(kf, 1, bk), _pad(vf, 1, bk), run, plan, precision)
     return out[:, :T].reshape(*lead, T, v.shape[-1]).astype(v.dtype), lse[:, :T].reshape(*lead, T)
-
-
-def _mask_lead(arrays: list[Array], lead: tuple[int, ...], T: int, S: int) -> tuple[int, ...]:
-    """The leading shape of q, k, v and the mask arrays together, or an error naming the shapes."""
-    for m in arrays:
-        if m.shape[-2] not in (1, T) or m.shape[-1] not in (1, S):
-            raise ValueError(f"mask of shape {m.shape} does not broadcast to (..., T, S) = (..., {T}, {S})")
-        try:
-            lead = tuple(np.broadcast_shapes(lead, m.shape[:-2]))
-        except ValueError:
-            raise ValueError(
-                f"mask of shape {m.shape} does not broadcast against q, k, v of leading shape {lead}"
-            ) from None
-    return lead
 
 
 def _flat_mask(m: Array, lead: tuple[int, ...]) -> Array:
