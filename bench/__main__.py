@@ -54,7 +54,16 @@ def main(argv: list[str] | None = None) -> int:
                 timings = suite.run_case(case, tuple(args.candidates), args.repeats)
                 results.append({"case": dataclasses.asdict(case), "timings": timings})
                 table = Table(title=f"B={args.B} N={args.N} T={T} D={args.D} {args.dtype} mask={mask} {mode}")
-                for col in ("candidate", "ms", "GFLOP/s", "x torch", "x peak", "first call s", "scratch MiB"):
+                for col in (
+                    "candidate",
+                    "ms",
+                    "GFLOP/s",
+                    "x torch",
+                    "x peak",
+                    "first call s",
+                    "compile s (CPU s)",
+                    "scratch MiB",
+                ):
                     table.add_column(col, justify="right")
                 torch_ms = timings.get("torch", {}).get("ms")
                 for name, t in timings.items():
@@ -65,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"{torch_ms / t['ms']:.2f}" if torch_ms else "-",
                         f"{t['gflops'] / peak:.2f}",
                         f"{t['first_call_s']:.2f}",
+                        "-" if t["compile_s"] is None else f"{t['compile_s']:.2f} ({t['compile_cpu_s']:.2f})",
                         f"{t['temp_mib']:.0f}",
                     )
                 console.print(table)

@@ -116,11 +116,14 @@ def _jax_candidate(name: str, case: Case) -> Callable | None:
 
     jitted = jax.jit(f)
     args = tuple(layout(x) for x in _inputs(case))
+    t0, c0 = time.perf_counter(), time.process_time()
     compiled = jitted.lower(*args).compile()
+    compile_s = (time.perf_counter() - t0, time.process_time() - c0)
 
     def run():
         return jax.block_until_ready(compiled(*args))
 
+    run.compile_s = compile_s  # (wall, this process's CPU): trace, lower and compile, no execution
     run.temp_mib = compiled.memory_analysis().temp_size_in_bytes / 2**20
     return run
 
@@ -214,6 +217,8 @@ def run_case(case: Case, candidates: tuple[str, ...], repeats: int) -> dict[str,
             "ms": 1e3 * statistics.median(t),
             "gflops": flops / statistics.median(t) / 1e9,
             "first_call_s": compile_s[name],
+            "compile_s": getattr(runs[name], "compile_s", (None, None))[0],
+            "compile_cpu_s": getattr(runs[name], "compile_s", (None, None))[1],
             "temp_mib": runs[name].temp_mib,
         }
         for name, t in times.items()
