@@ -1,0 +1,198 @@
+"""``implementation='pallas'``: jattn's arguments translated to a fused Pallas kernel.
+
+The kernel is JAX's own flash attention for GPU,
+:func:`jax.experimental.pallas.ops.gpu.attention.mha` (layout ``(B, T, N, D)``, one head dim for
+q, k and v, causal top-left, lengths multiples of its blocks). On CPU the same kernel runs in
+Pallas *interpret* mode: exact, slow, and how jattn tests the translation (there is no GPU in CI).
+On TPU the path refuses for now (splash attention runs in interpret mode on CPU too, but its
+translation is not written yet; see the README).
+
+The translation (dimension key in :mod:`jattn._core`):
+
+* Leading dimensions ``...`` are broadcast (grouped-query kv heads are repeated) and flattened to
+  the kernel's batch ``B`` with one head: q ``(B, L, 1, H)``, k and v ``(B, L, 1, H)``.
+* Lengths are padded to one ``L``, a multiple of the blocks (the kernel's backward wants as
+  many query blocks as key blocks); the head dims are padded with zeros to
+  ``H = max(D (+1), E)`` (zero columns change no score; v's extra columns are dropped).
+* ``causal()`` placed by the offsets, ``d = q_offset - kv_offset``: with ``d >= 0`` the queries
+  are shifted down by ``d`` rows (query t at row ``t + d``), so the kernel's top-left
+  ``row >= key`` is jattn's ``s <= t + d``; with ``d < 0`` the first ``-d`` queries see no key
+  and are left out (they return 0).
+* Keys to hide (beyond ``kv_lengths`` of ``padding()``, or the padding that reaches past S
+  where a query could see it) are masked through one extra head column: q gets 1, k gets 0 for
+  a visible key and a large negative value for a hidden one, so the kernel's logit of a hidden
+  key underflows ``exp`` to exactly 0.
+* Queries beyond ``q_lengths`` and padded query rows are dropped: their output is 0 and, as the
+  output is cut there, they send no gradient.
+* ``scale`` as a Python float is the kernel's ``sm_scale``; a traced scale is folded into q.
+
+Everything else (arrays, windows, segment ids, bias, dropout, ...) raises the ``ValueError`` of
+:data:`jattn.SUPPORT`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import Array
+
+from jattn import _blockwise
+from jattn._checks import broadcast_all
+from jattn._masks import Causal, Mask, Padding, conjuncts
+
+__all__ = ["KERNEL_BLOCK", "kernel_platform", "pallas_attention"]
+
+#: Largest square block the GPU kernel gets (its default forward block); smaller sequences take
+#: the next power of two of their length (16 at least).
+KERNEL_BLOCK = 128
+
+
+def kernel_platform() -> tuple[str, bool]:
+    """The kernel for this platform and whether it runs in interpret mode.
+
+    ``('gpu', False)`` on GPU, ``('gpu', True)`` on CPU (interpret mode), ``('tpu', False)`` on TPU.
+    """
+    p = _blockwise.platform()  # one switch for the tiling and the kernel (tests set it)
+    return ("tpu", False) if p == "tpu" else ("gpu", p == "cpu")
+
+
+def _terms(mask: Mask | None) -> tuple[bool, Padding | None]:
+    """``(causal, padding)`` of a conjunction of causal() and padding(); raises for anything else."""
+    causal, pad = False, None
+    for term in [] if mask is None else conjuncts(mask):
+        if isinstance(term, Causal):
+            causal = True
+        elif isinstance(term, Padding) and pad is None:
+            pad = term
+        else:
+            raise ValueError(
+                f"implementation='pallas' expresses causal(), padding() and their '&' only, got {term!r} in {mask!r}; "
+                "use 'dense' or 'blockwise'"
+            )
+    return causal, pad
+
+
+def _static_scale(scale, D: int) -> float | None:
+    """The scale as a Python float, or None when it is traced (then it is folded into q)."""
+    if scale is None:
+        return 1.0 / math.sqrt(D)
+    if isinstance(scale, jax.core.Tracer):
+        return None
+    return float(np.asarray(scale))
+
+
+def _lengths(x, lead: tuple[int, ...], limit: int) -> Array:
+    """Per-example lengths ``(B,)`` (or ``(1,)``) as ``(*lead)`` int32, clipped to ``[0, limit]``."""
+    x = jnp.clip(jnp.asarray(x, jnp.int32), 0, limit)
+    return jnp.broadcast_to(x.reshape(-1, *(1,) * (len(lead) - 1)), lead)
+
+
+def _row(n: int, ndim: int) -> Array:
+    """``arange(n)`` with ``ndim`` unit axes in front (strict rank promotion)."""
+    return jnp.arange(n, dtype=jnp.int32).reshape((1,) * ndim + (n,))
+
+
+def pallas_attention(
+    q: Array,
+    k: Array,
+    v: Array,
+    *,
+    mask: Mask | None,
+    scale,
+    q_offset: int | None,
+    kv_offset: int,
+    blocks: tuple[int, int] | None,
+) -> Array:
+    """Attention through the platform's Pallas kernel; q ``(..., T, D)``, k ``(..., S, D)``, v ``(..., S, E)``.
+
+    Returns ``(..., T, E)`` in the dtype of q. ``mask`` is None or a conjunction of ``causal()``
+    and ``padding()`` (anything else raises a ``ValueError``); ``q_offset``/``kv_offset`` are
+    static ints; ``blocks`` is the kernel's ``(block_q, block_kv)``, default square
+    ``min(KERNEL_BLOCK, next power of two of the padded length)``.
+    """
+    from jax.experimental.pallas.ops.gpu import attention as gpu_attention  # imported on use: Triton bits
+
+    kernel, interpret = kernel_platform()
+    if kernel == "tpu":
+        raise ValueError(
+            "implementation='pallas' has no TPU translation yet (splash attention is not wired in); "
+            "use 'xla', 'dense' or 'blockwise'"
+        )
+    T, S, D, E = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
+    causal, pad = _terms(mask)
+    lead = broadcast_all(q=q, k=k, v=v)
+    if pad is not None:
+        if q.ndim < 3:
+            raise ValueError(f"a per-example mask needs a batch axis in q, got q of shape {q.shape}")
+        B = max((jnp.shape(x)[0] for x in (pad.q_lengths, pad.kv_lengths) if x is not None), default=1)
+        lead = jnp.broadcast_shapes(lead, (B, *(1,) * (len(lead) - 1)))
+    d = (S - T + kv_offset if q_offset is None else q_offset) - kv_offset
+    drop = min(max(-d, 0), T) if causal else 0  # queries that see no key at all
+    front = max(d, 0) if causal else 0  # rows above the first query (query t sits at row t + front)
+    Tk = T - drop
+    if Tk == 0:
+        return jnp.zeros((*lead, T, E), q.dtype)
+    n = max(Tk + front, S)
+    if blocks is None:
+        b = min(KERNEL_BLOCK, max(16, pl_next_pow2(n)))
+        blocks = (b, b)
+    bq, bk = blocks
+    L = -(-n // math.lcm(bq, bk)) * math.lcm(bq, bk)
+    # Keys past S are visible where the kernel's causal bound reaches them (every row without causal).
+    hide_tail = L > S and (not causal or Tk + front > S)
+    column = (pad is not None and pad.kv_lengths is not None) or hide_tail
+    H = max(D + column, E)
+
+    sm = _static_scale(scale, D)
+    if sm is None:  # traced scale: into q (in the compute dtype, rounded once to q's dtype)
+        q = (q.astype(jnp.float32) * jnp.asarray(scale, jnp.float32)).astype(q.dtype)
+        sm = 1.0
+    q = jnp.broadcast_to(q[..., drop:, :], (*lead, Tk, D))
+    k = jnp.broadcast_to(k, (*lead, S, D))
+    v = jnp.broadcast_to(v, (*lead, S, E))
+    cols_q = [q]
+    cols_k = [k]
+    if column:
+        kv_len = S if pad is None or pad.kv_lengths is None else _lengths(pad.kv_lengths, lead, S)[..., None]
+        valid = _row(S, len(lead)) < kv_len
+        hidden = -float(jnp.finfo(q.dtype).max) / 16 / max(sm, 1.0)
+        cols_q.append(jnp.ones((*lead, Tk, 1), q.dtype))
+        cols_k.append(jnp.broadcast_to(jnp.where(valid, 0.0, hidden).astype(k.dtype), (*lead, S))[..., None])
+    q = jnp.concatenate(cols_q, axis=-1) if column else q
+    k = jnp.concatenate(cols_k, axis=-1) if column else k
+
+    def flat(x, before):  # (*lead, l, h) -> (B, L, 1, H), zero rows before/after and zero columns after
+        x = x.reshape(-1, *x.shape[-2:])
+        x = jnp.pad(x, ((0, 0), (before, L - before - x.shape[1]), (0, H - x.shape[2])))
+        return x[:, :, None, :]
+
+    k = flat(k, 0)
+    if hide_tail:  # padded keys past S carry the hiding column too
+        k = k.at[:, S:, 0, D].set(jnp.asarray(hidden, k.dtype))
+    b2 = math.gcd(bq, bk, 32)
+    sizes = gpu_attention.BlockSizes(
+        block_q=bq, block_k=bk, block_q_dkv=b2, block_kv_dkv=b2, block_q_dq=b2, block_kv_dq=b2
+    )
+    with jax.numpy_dtype_promotion("standard"):  # the kernel mixes dtypes internally; callers may run strict
+        out = gpu_attention.mha(
+            flat(q, front), k, flat(v, 0), None, sm_scale=sm, causal=causal, block_sizes=sizes, interpret=interpret
+        )
+    out = out[:, front : front + Tk, 0, :E].reshape(*lead, Tk, E)
+    if pad is not None:  # rows past q_lengths, or of an example without keys, return 0
+        seen = jnp.ones((*lead, Tk), bool)
+        if pad.q_lengths is not None:
+            seen = drop + _row(Tk, len(lead)) < _lengths(pad.q_lengths, lead, T)[..., None]
+        if pad.kv_lengths is not None:
+            seen = seen & (_lengths(pad.kv_lengths, lead, S) > 0)[..., None]
+        out = jnp.where(seen[..., None], out, jnp.zeros((), out.dtype))
+    if drop:
+        out = jnp.concatenate([jnp.zeros((*lead, drop, E), out.dtype), out], axis=-2)
+    return out
+
+
+def pl_next_pow2(n: int) -> int:
+    """The smallest power of two ``>= n``."""
+    return 1 << max(0, int(n) - 1).bit_length()
