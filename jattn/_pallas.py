@@ -111,7 +111,8 @@ def pallas_attention(
     Returns ``(..., T, E)`` in the dtype of q. ``mask`` is None or a conjunction of ``causal()``
     and ``padding()`` (anything else raises a ``ValueError``); ``q_offset``/``kv_offset`` are
     static ints; ``blocks`` is the kernel's ``(block_q, block_kv)``, default square
-    ``min(KERNEL_BLOCK, next power of two of the padded length)``.
+    ``min(KERNEL_BLOCK, next power of two of the padded length)``; compiled for a GPU (not
+    interpreted) each is rounded up to a power of two of at least 16, as Triton needs.
     """
     from jax.experimental.pallas.ops.gpu import attention as gpu_attention  # imported on use: Triton bits
 
@@ -139,6 +140,8 @@ def pallas_attention(
     if blocks is None:
         b = min(KERNEL_BLOCK, max(16, pl_next_pow2(n)))
         blocks = (b, b)
+    if not interpret:  # Triton's dots want powers of two of at least 16 (the results are the same)
+        blocks = tuple(max(16, pl_next_pow2(x)) for x in blocks)
     bq, bk = blocks
     L = -(-n // math.lcm(bq, bk)) * math.lcm(bq, bk)
     # Keys past S are visible where the kernel's causal bound reaches them (every row without causal).
