@@ -146,7 +146,7 @@ _YES = "yes"
 #: where jax.nn has an argument for it, otherwise a ``ValueError`` that names the mask); or
 #: "no: ..." (a ``ValueError`` that names the argument, the path and the paths that take it).
 #: The README table is this dict; ``implementation=None`` picks a path whose cells are all "yes".
-#: The 'pallas' column is the GPU flash kernel's (run in interpret mode on CPU; refused on TPU).
+#: The 'pallas' column is JAX's GPU flash kernel (interpreted on CPU) and splash attention on TPU.
 SUPPORT: dict[str, dict[str, str]] = {
     "mask (array, any leading dims, 1-D)": dict(
         dense=_YES, blockwise=_YES, xla=_YES, cudnn=_YES, pallas="no: the kernel takes no mask array"
@@ -156,14 +156,14 @@ SUPPORT: dict[str, dict[str, str]] = {
         blockwise=_YES,
         xla=_YES,
         cudnn="partly: causal() and sliding_window(l, 0) aligned with the keys' end, and arrays",
-        pallas="partly: causal() (any static offsets)",
+        pallas="partly: GPU causal() (any static offsets); TPU any (splash masks)",
     ),
     "mask (per-example predicate: padding, segment_ids)": dict(
         dense=_YES,
         blockwise="no: per-example predicates are not tiled yet",
         xla=_YES,
         cudnn="partly: padding() (as sequence lengths)",
-        pallas="partly: padding() (keys hidden through an extra head column)",
+        pallas="partly: GPU padding(); TPU padding(), segment_ids(), in an '&'",
     ),
     "q_offset / kv_offset (static ints)": dict(
         dense=_YES,
@@ -278,7 +278,7 @@ def _choose(implementation, q, k, used: list[str]) -> str:
         return implementation
     big = q.shape[-2] * k.shape[-2] >= AUTO_BLOCKWISE_MIN
     order = ("blockwise", "dense") if big else ("dense", "blockwise")
-    if _blockwise.platform() == "gpu":  # the fused kernel first, where it honours everything
+    if _blockwise.platform() in ("gpu", "tpu"):  # the fused kernel first, where it honours everything
         order = ("pallas", *order)
     return next((p for p in order if _refusal(p, used, partly=False) is None), "dense")
 
@@ -458,10 +458,11 @@ def attention(
         memory, empty blocks of a mask predicate skipped, same contract; ``'xla'`` /
         ``'cudnn'`` hand the call to :func:`jax.nn.dot_product_attention` and raise a
         ``ValueError`` for arguments it cannot express; ``'pallas'`` runs JAX's fused Pallas
-        flash-attention kernel for GPU (:mod:`jattn._pallas`; on CPU the same kernel in Pallas
-        interpret mode, exact but slow, meant for tests; refused on TPU for now), with causal(),
-        padding(), any static offsets, lengths and head dims padded by jattn; ``None``
-        chooses: on GPU 'pallas' where every argument's cell is "yes", then blockwise where it
+        kernel of the platform (:mod:`jattn._pallas`): the flash-attention kernel for GPU
+        (causal() at any static offsets, padding()), on CPU that same kernel in Pallas
+        interpret mode (exact but slow, meant for tests), splash attention on TPU (any static
+        predicate, padding(), segment_ids()); lengths and head dims are padded by jattn; ``None``
+        chooses: on GPU and TPU 'pallas' where every argument's cell is "yes", then blockwise where it
         applies and the scores would have at least ``AUTO_BLOCKWISE_MIN`` entries per head,
         dense otherwise.
       block_size: ``(block_q, block_kv)`` (or one int for both) of the blockwise path;
@@ -540,7 +541,7 @@ def choose_implementation(
 ) -> str:
     """The path :func:`attention` with ``implementation=None`` takes for these arguments.
 
-    One of :data:`IMPLEMENTATIONS`: on GPU, 'pallas' where it honours every argument (every cell
+    One of :data:`IMPLEMENTATIONS`: on GPU and TPU, 'pallas' where it honours every argument (every cell
     "yes": no mask, or only static offsets, block_size, E != D); then blockwise where it honours
     every argument and the scores
     would have at least ``AUTO_BLOCKWISE_MIN`` entries per head (or ``block_size`` is given),
