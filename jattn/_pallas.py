@@ -276,7 +276,14 @@ def _splash(q, k, v, mask: Mask | None, scale, q_offset, kv_offset, blocks, inte
             kinds.append(
                 sm.CausalMask((Tp, Sp), offset=d) if isinstance(t, Causal) else sm.LocalMask((Tp, Sp), window, d)
             )
-        dense, first = _host_rows(static, T, S, q0, kv_offset)
+        # Row t sees the band t + d - left <= s <= t + d + right: its first key without a (T, S) array.
+        left = min((t.left for t in natives if isinstance(t, SlidingWindow)), default=T + S)
+        right = min((0 if isinstance(t, Causal) else t.right for t in natives), default=T + S)
+        lo, hi = np.maximum(np.arange(T) + d - left, 0), np.minimum(np.arange(T) + d + right, S - 1)
+        first = np.where(lo <= hi, lo, S)
+        dense = None  # formed below only for segment ids (and only then of the band)
+        if seg is not None and natives:
+            dense = (np.arange(S) >= lo[:, None]) & (np.arange(S) <= hi[:, None])
     else:  # anything else: the predicate itself, on the host, as one NumpyMask
         dense, first = _host_rows(static, T, S, q0, kv_offset)
         kinds = [sm.NumpyMask(np.pad(dense, ((0, Tp - T), (0, Sp - S))))]
