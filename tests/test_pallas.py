@@ -131,13 +131,13 @@ SPLASH_CASES = {
     ),
     "numpy-mask-padding-segments-bf16": (
         (masks.chunked(50) | masks.sliding_window(4))
-        & masks.padding(np.array([100, 131]), np.array([0, 120]))
-        & masks.segment_ids(np.arange(2 * 131).reshape(2, 131) // 60, np.arange(2 * 157).reshape(2, 157) // 60),
+        & masks.padding(np.array([100, 131]), np.array([0, 90]))
+        & masks.segment_ids(np.arange(2 * 131).reshape(2, 131) // 60, np.arange(2 * 101).reshape(2, 101) // 60),
         {},
         (2, 1),
         (2, 1),
         131,
-        157,
+        101,
         7,
         jnp.bfloat16,
         None,
