@@ -31,7 +31,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", type=Path, default=Path("bench/results"))
     p.add_argument("--module", action="store_true", help="jattn.nnx.SelfAttention(512, 8 heads), causal: paths")
+    p.add_argument("--gpu", action="store_true", help="the GPU preset (bench/gpu.sh): " + str(suite.GPU_PRESET))
     args = p.parse_args(argv)
+    if args.gpu:
+        import jax
+
+        if jax.default_backend() != "gpu":
+            p.error(f"--gpu needs JAX on an NVIDIA GPU, got backend {jax.default_backend()!r}")
+        args = gpu_args(args)
 
     console = Console()
     if args.module:
@@ -67,6 +74,9 @@ def main(argv: list[str] | None = None) -> int:
                     table.add_column(col, justify="right")
                 torch_ms = timings.get("torch", {}).get("ms")
                 for name, t in timings.items():
+                    if "ms" not in t:
+                        table.add_row(name, t["error"][:60], *("-",) * 5)
+                        continue
                     table.add_row(
                         name,
                         f"{t['ms']:.1f}",
@@ -81,6 +91,11 @@ def main(argv: list[str] | None = None) -> int:
                 path, png = suite.save(results, peak, args.out)  # after every case: nothing lost on Ctrl-C
     console.print(f"wrote {path} and {png}")
     return 0
+
+
+def gpu_args(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` with the GPU preset (:data:`bench.suite.GPU_PRESET`) in place of its shapes and candidates."""
+    return argparse.Namespace(**(vars(args) | suite.GPU_PRESET))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,29 @@ import jattn
 from jattn import masks
 
 MASKS = ("none", "causal", "window", "global")
-CANDIDATES = ("jattn", "jattn-dense", "jattn-blockwise", "jattn-vmap", "jax.nn", "flax", "torch")
+CANDIDATES = (
+    "jattn",
+    "jattn-dense",
+    "jattn-blockwise",
+    "jattn-vmap",
+    "jattn-pallas",
+    "jattn-cudnn",
+    "jax.nn",
+    "jax.nn-cudnn",
+    "flax",
+    "torch",
+)
+#: ``python -m bench --gpu`` (bench/gpu.sh): bf16, fwd and fwd+bwd, T = 2048..32768, on one NVIDIA GPU.
+GPU_PRESET = dict(
+    T=[2048, 4096, 8192, 16384, 32768],
+    B=1,
+    N=16,
+    D=128,
+    dtype="bfloat16",
+    modes=["fwd", "fwdbwd"],
+    masks=["none", "causal"],
+    candidates=["jattn", "jattn-pallas", "jattn-cudnn", "jattn-blockwise", "jax.nn-cudnn", "torch"],
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +97,14 @@ def _dense_mask(case: Case) -> jax.Array | None:
 def _jax_candidate(name: str, case: Case) -> Callable | None:
     pred = case.predicate()
     if name.startswith("jattn"):
-        impl = {"jattn": None, "jattn-dense": "dense", "jattn-blockwise": "blockwise", "jattn-vmap": None}[name]
+        impl = {
+            "jattn": None,
+            "jattn-dense": "dense",
+            "jattn-blockwise": "blockwise",
+            "jattn-vmap": None,
+            "jattn-pallas": "pallas",
+            "jattn-cudnn": "cudnn",
+        }[name]
 
         def f(q, k, v):
             return jattn.attention(q, k, v, mask=pred, implementation=impl)
@@ -86,8 +115,8 @@ def _jax_candidate(name: str, case: Case) -> Callable | None:
         layout = lambda x: x  # noqa: E731
     else:
         layout = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731  (B, T, N, D)
-        if name == "jax.nn":
-            kw: dict = {}
+        if name in ("jax.nn", "jax.nn-cudnn"):
+            kw: dict = {"implementation": "cudnn"} if name == "jax.nn-cudnn" else {}
             if case.mask in ("causal", "window"):
                 kw["is_causal"] = True
             if case.mask == "window":
@@ -135,20 +164,31 @@ def _torch_candidate(case: Case) -> Callable | None:
     except ImportError:
         return None
     dtype = getattr(torch, case.dtype)
-    q, k, v = (torch.from_numpy(np.array(x, np.float32)).to(dtype) for x in _inputs(case))
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # on a GPU: the flash kernel (below)
+    q, k, v = (torch.from_numpy(np.array(x, np.float32)).to(device, dtype) for x in _inputs(case))
     kw: dict = {}
     if case.mask == "causal":
         kw["is_causal"] = True
     elif case.mask in ("window", "global"):
-        kw["attn_mask"] = torch.from_numpy(np.array(_dense_mask(case)))
+        kw["attn_mask"] = torch.from_numpy(np.array(_dense_mask(case))).to(device)
     if case.mode == "fwdbwd":
         for x in (q, k, v):
             x.requires_grad_(True)
 
+    def sdpa():
+        if device != "cuda" or "attn_mask" in kw:
+            return functional.scaled_dot_product_attention(q, k, v, **kw)
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return functional.scaled_dot_product_attention(q, k, v, **kw)
+
     def run():
-        out = functional.scaled_dot_product_attention(q, k, v, **kw)
+        out = sdpa()
         if case.mode == "fwdbwd":
             out.sum().backward()
+        if device == "cuda":
+            torch.cuda.synchronize()
         return out
 
     run.temp_mib = float("nan")
@@ -196,13 +236,17 @@ def matmul_peak(n: int = 2048, repeats: int = 7) -> float:
 
 def run_case(case: Case, candidates: tuple[str, ...], repeats: int) -> dict[str, dict]:
     """Median time of each candidate (alternated), its useful GFLOP/s, compile time and memory."""
-    runs, compile_s = {}, {}
+    runs, compile_s, errors = {}, {}, {}
     for name in candidates:
         t0 = time.perf_counter()
-        fn = _torch_candidate(case) if name == "torch" else _jax_candidate(name, case)
-        if fn is None:
+        try:  # a path that refuses the case (or runs out of memory) is recorded, not fatal
+            fn = _torch_candidate(case) if name == "torch" else _jax_candidate(name, case)
+            if fn is None:
+                continue
+            fn()  # warm-up
+        except Exception as e:
+            errors[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             continue
-        fn()  # warm-up
         compile_s[name] = time.perf_counter() - t0
         runs[name] = fn
     times: dict[str, list[float]] = {n: [] for n in runs}
@@ -222,7 +266,7 @@ def run_case(case: Case, candidates: tuple[str, ...], repeats: int) -> dict[str,
             "temp_mib": runs[name].temp_mib,
         }
         for name, t in times.items()
-    }
+    } | errors
 
 
 def save(results: list[dict], peak: float, out: Path) -> tuple[Path, Path]:
@@ -240,7 +284,7 @@ def save(results: list[dict], peak: float, out: Path) -> tuple[Path, Path]:
     for ax, (mask, mode) in zip(axes[0], groups, strict=True):
         rows = [r for r in results if (r["case"]["mask"], r["case"]["mode"]) == (mask, mode)]
         for name in CANDIDATES:
-            pts = sorted((r["case"]["T"], r["timings"][name]["ms"]) for r in rows if name in r["timings"])
+            pts = sorted((r["case"]["T"], r["timings"][name]["ms"]) for r in rows if "ms" in r["timings"].get(name, {}))
             if pts:
                 ax.plot(*zip(*pts, strict=True), "o-", label=name)
         ax.set(xscale="log", yscale="log", xlabel="T", ylabel="ms", title=f"mask={mask}, {mode}")

@@ -24,11 +24,13 @@ import numpy as np
 from jax import Array
 from jax.typing import ArrayLike
 
+from jattn import _blockwise
 from jattn._blockwise import blockwise_attention
 from jattn._checks import broadcast_all, check_block_size, check_qkv, check_real
 from jattn._masks import EMPTY, ArrayMask, Causal, Mask, Padding, SlidingWindow, conjuncts
 from jattn._masks import array as masks_array
 from jattn._online import compute_dtype
+from jattn._pallas import pallas_attention
 from jattn._softmax import SoftmaxParts, softmax_parts
 
 __all__ = ["IMPLEMENTATIONS", "SUPPORT", "attention", "attention_weights", "choose_implementation"]
@@ -137,52 +139,86 @@ def _dropout(p: Array, rate: float, rng: Array | None) -> Array:
 BLOCKS = (512, 256, 128)  # square tiles the blockwise path chooses from (bench/README)
 BLOCK_OVERHEAD = 112 * 112  # fixed cost of one tile in score entries (fitted on the 2-core CPU: ~1 ms a tile)
 AUTO_BLOCKWISE_MIN = 1024 * 1024  # T·S from which 'auto' prefers blockwise on CPU (bench/README)
-IMPLEMENTATIONS = ("dense", "blockwise", "xla", "cudnn")
+IMPLEMENTATIONS = ("dense", "blockwise", "xla", "cudnn", "pallas")
 
 _YES = "yes"
 #: What each implementation does with each argument: "yes" (honoured); "partly: ..." (honoured
 #: where jax.nn has an argument for it, otherwise a ``ValueError`` that names the mask); or
 #: "no: ..." (a ``ValueError`` that names the argument, the path and the paths that take it).
 #: The README table is this dict; ``implementation=None`` picks a path whose cells are all "yes".
+#: The 'pallas' column is JAX's GPU flash kernel (interpreted on CPU) and splash attention on TPU.
 SUPPORT: dict[str, dict[str, str]] = {
-    "mask (array, any leading dims, 1-D)": dict(dense=_YES, blockwise=_YES, xla=_YES, cudnn=_YES),
+    "mask (array, any leading dims, 1-D)": dict(
+        dense=_YES, blockwise=_YES, xla=_YES, cudnn=_YES, pallas="no: the kernel takes no mask array"
+    ),
     "mask (position predicate)": dict(
         dense=_YES,
         blockwise=_YES,
         xla=_YES,
         cudnn="partly: causal() and sliding_window(l, 0) aligned with the keys' end, and arrays",
+        pallas="partly: GPU causal() (any static offsets); TPU any (splash masks)",
     ),
     "mask (per-example predicate: padding, segment_ids)": dict(
         dense=_YES,
         blockwise="no: per-example predicates are not tiled yet",
         xla=_YES,
         cudnn="partly: padding() (as sequence lengths)",
+        pallas="partly: GPU padding(); TPU padding(), segment_ids(), in an '&'",
     ),
     "q_offset / kv_offset (static ints)": dict(
-        dense=_YES, blockwise=_YES, xla=_YES, cudnn="partly: where the mask stays aligned with the keys' end"
+        dense=_YES,
+        blockwise=_YES,
+        xla=_YES,
+        cudnn="partly: where the mask stays aligned with the keys' end",
+        pallas=_YES,
     ),
     "q_offset / kv_offset (arrays, per example)": dict(
         dense=_YES,
         blockwise="no: offsets must be static ints",
         xla="no: offsets must be static ints",
         cudnn="no: offsets must be static ints",
+        pallas="no: offsets must be static ints",
     ),
-    "bias": dict(dense=_YES, blockwise="no: bias is not tiled yet", xla=_YES, cudnn=_YES),
+    "bias": dict(
+        dense=_YES, blockwise="no: bias is not tiled yet", xla=_YES, cudnn=_YES, pallas="no: the kernel takes no bias"
+    ),
     "dropout_rate": dict(
-        dense=_YES, blockwise="no: no dropout yet", xla="no: jax.nn has no dropout", cudnn="no: jax.nn has no dropout"
+        dense=_YES,
+        blockwise="no: no dropout yet",
+        xla="no: jax.nn has no dropout",
+        cudnn="no: jax.nn has no dropout",
+        pallas="no: the kernel has no dropout",
     ),
     "precision": dict(
-        dense=_YES, blockwise=_YES, xla="no: jax.nn takes no precision", cudnn="no: jax.nn takes no precision"
+        dense=_YES,
+        blockwise=_YES,
+        xla="no: jax.nn takes no precision",
+        cudnn="no: jax.nn takes no precision",
+        pallas="no: the kernel fixes its own precision",
     ),
-    "return_lse": dict(dense=_YES, blockwise=_YES, xla=_YES, cudnn=_YES),
+    "return_lse": dict(
+        dense=_YES,
+        blockwise=_YES,
+        xla=_YES,
+        cudnn=_YES,
+        pallas="no: the kernel's log-sum-exp cannot be differentiated",
+    ),
     "block_size": dict(
-        dense="no: it has no blocks", blockwise=_YES, xla="no: it has no blocks", cudnn="no: it has no blocks"
+        dense="no: it has no blocks",
+        blockwise=_YES,
+        xla="no: it has no blocks",
+        cudnn="no: it has no blocks",
+        pallas=_YES,
     ),
     "float64 inputs": dict(
-        dense=_YES, blockwise=_YES, xla="no: jax.nn computes in float32", cudnn="no: cuDNN has no float64 kernel"
+        dense=_YES,
+        blockwise=_YES,
+        xla="no: jax.nn computes in float32",
+        cudnn="no: cuDNN has no float64 kernel",
+        pallas="no: the kernel computes in float32",
     ),
     "value depth E != D": dict(
-        dense=_YES, blockwise=_YES, xla="no: jax.nn needs E == D", cudnn="no: jax.nn needs E == D"
+        dense=_YES, blockwise=_YES, xla="no: jax.nn needs E == D", cudnn="no: jax.nn needs E == D", pallas=_YES
     ),
 }
 
@@ -242,6 +278,8 @@ def _choose(implementation, q, k, used: list[str]) -> str:
         return implementation
     big = q.shape[-2] * k.shape[-2] >= AUTO_BLOCKWISE_MIN
     order = ("blockwise", "dense") if big else ("dense", "blockwise")
+    if _blockwise.platform() in ("gpu", "tpu"):  # the fused kernel first, where it honours everything
+        order = ("pallas", *order)
     return next((p for p in order if _refusal(p, used, partly=False) is None), "dense")
 
 
@@ -419,11 +457,17 @@ def attention(
         ``'blockwise'`` runs an online softmax over blocks (:mod:`jattn._blockwise`): O(T)
         memory, empty blocks of a mask predicate skipped, same contract; ``'xla'`` /
         ``'cudnn'`` hand the call to :func:`jax.nn.dot_product_attention` and raise a
-        ``ValueError`` for arguments it cannot express; ``None`` chooses: blockwise where it
+        ``ValueError`` for arguments it cannot express; ``'pallas'`` runs JAX's fused Pallas
+        kernel of the platform (:mod:`jattn._pallas`): the flash-attention kernel for GPU
+        (causal() at any static offsets, padding()), on CPU that same kernel in Pallas
+        interpret mode (exact but slow, meant for tests), splash attention on TPU (any static
+        predicate, padding(), segment_ids()); lengths and head dims are padded by jattn; ``None``
+        chooses: on GPU and TPU 'pallas' where every argument's cell is "yes", then blockwise where it
         applies and the scores would have at least ``AUTO_BLOCKWISE_MIN`` entries per head,
         dense otherwise.
       block_size: ``(block_q, block_kv)`` (or one int for both) of the blockwise path;
-        ``None`` chooses square tiles of 512, 256 or 128 from the mask (``_auto_block``).
+        ``None`` chooses square tiles of 512, 256 or 128 from the mask (``_auto_block``). On
+        'pallas' the kernel's blocks (default: 128, or the padded length's power of two).
 
     Returns:
       ``out`` of shape ``(..., T, E)``, or ``(out, lse)`` when ``return_lse``.
@@ -459,6 +503,9 @@ def attention(
             precision=precision,
         )
         return (out, lse) if return_lse else out
+    if path == "pallas":
+        out = pallas_attention(q, k, v, mask=mask, scale=scale, q_offset=q_offset, kv_offset=kv_offset, blocks=blocks)
+        return out
     if path in ("xla", "cudnn"):
         return _jax_nn(q, k, v, mask, bias, scale, path, q_offset, kv_offset, return_lse)
     mask, bias = _dense_mask(mask, q, k, q_offset, kv_offset), _check_bias(bias)
@@ -494,7 +541,9 @@ def choose_implementation(
 ) -> str:
     """The path :func:`attention` with ``implementation=None`` takes for these arguments.
 
-    One of :data:`IMPLEMENTATIONS`: blockwise where it honours every argument and the scores
+    One of :data:`IMPLEMENTATIONS`: on GPU and TPU, 'pallas' where it honours every argument (every cell
+    "yes": no mask, or only static offsets, block_size, E != D); then blockwise where it honours
+    every argument and the scores
     would have at least ``AUTO_BLOCKWISE_MIN`` entries per head (or ``block_size`` is given),
     dense otherwise (the dense path honours every argument; see :data:`SUPPORT`). Shapes as
     for :func:`attention`; nothing is computed.

@@ -1,7 +1,14 @@
 """The benchmark's FLOP accounting (useful work counts only unmasked pairs)."""
 
+import argparse
+import dataclasses
+import json
+import subprocess
+from pathlib import Path
+
 import pytest
 
+from bench import __main__ as bench_main
 from bench import suite
 
 
@@ -19,3 +26,46 @@ def test_density_counts_exactly_the_attended_pairs(mask, kept):
     assert case.density() == pytest.approx(kept(37, 5) / 37**2)
     assert case.flops() == pytest.approx(4 * 2 * 3 * 37 * 37 * 8 * case.density())
     assert suite.Case(2, 3, 37, 8, mask, "fwdbwd", 5).flops() == pytest.approx(3.5 * case.flops())
+
+
+def test_save_writes_the_json_and_a_png_of_fake_timings(tmp_path):
+    """The GPU run's writer on made-up timings: JSON round-trips, failed candidates are kept, the PNG is a PNG."""
+    results = [
+        {
+            "case": {**dataclasses.asdict(suite.Case(1, 16, T, 128, mask, mode, dtype="bfloat16"))},
+            "timings": {
+                "jattn-pallas": {"ms": T / 1000, "gflops": 1.0, "first_call_s": 0.1, "temp_mib": 0.0},
+                "torch": {"ms": T / 900, "gflops": 1.0, "first_call_s": 0.1, "temp_mib": float("nan")},
+                "jattn-cudnn": {"error": "ValueError: no GPU"},
+            },
+        }
+        for T in (2048, 4096)
+        for mask in ("none", "causal")
+        for mode in ("fwd", "fwdbwd")
+    ]
+    path, png = suite.save(results, 123.0, tmp_path / "out")
+    back = json.loads(path.read_text())
+    assert back["matmul_gflops"] == 123.0 and len(back["results"]) == 8
+    assert back["results"][3]["timings"]["jattn-cudnn"] == {"error": "ValueError: no GPU"}
+    assert back["results"][7]["timings"]["jattn-pallas"]["ms"] == pytest.approx(4.096)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_gpu_preset_and_script():
+    """``--gpu`` swaps in the preset (bf16, T = 2048..32768, the issue's candidates); gpu.sh parses."""
+    args = bench_main.gpu_args(argparse.Namespace(T=[512], dtype="float32", repeats=3, out="x", module=False))
+    assert args.T == [2048, 4096, 8192, 16384, 32768] and args.dtype == "bfloat16" and args.repeats == 3
+    assert args.modes == ["fwd", "fwdbwd"]
+    assert set(args.candidates) == {"jattn", "jattn-pallas", "jattn-cudnn", "jattn-blockwise", "jax.nn-cudnn", "torch"}
+    assert set(args.candidates) <= set(suite.CANDIDATES)
+    script = Path(__file__).parents[1] / "bench" / "gpu.sh"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    with pytest.raises(SystemExit):  # no GPU here: --gpu refuses before timing anything
+        bench_main.main(["--gpu"])
+
+
+def test_a_failing_candidate_is_recorded_not_fatal():
+    """jax.nn's cuDNN path cannot run on CPU: run_case keeps its error and times the rest."""
+    timings = suite.run_case(suite.Case(1, 1, 16, 8), ("jattn-dense", "jax.nn-cudnn"), repeats=1)
+    assert timings["jattn-dense"]["ms"] > 0
+    assert set(timings["jax.nn-cudnn"]) == {"error"}

@@ -1,0 +1,169 @@
+"""implementation='pallas' (issue #15): JAX's GPU flash kernel and TPU splash attention, run here in
+Pallas interpret mode.
+
+Every translation (causal placed by offsets, windows, other predicates as a NumPy mask, padding,
+segment ids, GQA broadcasting, odd lengths padded to the blocks, T != S, E != D, scale) against
+the float64 reference, values and gradients, at small sizes: interpret mode runs the kernel's
+grid as loops (splash needs blocks of 128, so its cases are T, S ~ 100-160). The TPU kernel and
+the automatic choice are selected by setting the platform switch, as the blockwise tests do.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jattn
+import jattn._blockwise as bw
+from jattn import masks
+from tests import reference as ref
+
+CASES = {
+    # name: (mask, kw, q lead, kv lead, T, S, E, dtype, scale); D = 7
+    "full-gqa-odd": (None, {}, (2, 3), (2, 1), 11, 13, 7, jnp.float32, None),
+    "causal-bottom-right": (masks.causal(), {}, (2, 3), (2, 3), 11, 13, 5, jnp.float32, 0.3),
+    # queries before every key (dropped rows), padding of both sides, an example without keys
+    "padding-causal-queries-before-keys": (
+        masks.padding(np.array([5, 11]), np.array([0, 9])) & masks.causal(),
+        dict(q_offset=-3),
+        (2, 3),
+        (2, 1),
+        11,
+        13,
+        4,
+        jnp.float32,
+        None,
+    ),
+    # queries past the keys' end: the kernel's causal bound reaches the padded keys (hidden by the column)
+    "padding-causal-queries-past-keys-bf16": (
+        masks.padding(kv_lengths=np.array([3, 20])) & masks.causal(),
+        dict(q_offset=6, kv_offset=1),
+        (2,),
+        (2,),
+        7,
+        9,
+        6,
+        jnp.bfloat16,
+        None,
+    ),
+}
+
+
+def _rand(shape, seed, dtype):
+    return jnp.asarray(np.random.default_rng(seed).normal(size=shape), dtype)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_pallas_equals_the_reference(case):
+    """Values and gradients of q, k, v against the float64 reference (blocks of 8: several per axis)."""
+    mask, kw, lq, lkv, T, S, E, dtype, scale = CASES[case]
+    q, k, v = _rand((*lq, T, 7), 0, dtype), _rand((*lkv, S, 7), 1, dtype), _rand((*lkv, S, E), 2, dtype)
+    g = np.random.default_rng(3).normal(size=(*np.broadcast_shapes(lq, lkv), T, E))
+    dense = None if mask is None else np.asarray(mask.dense(T, S, **kw))
+    if dense is not None and dense.ndim == 4:  # per example (B, 1, T, S) against q (B, N, T, D)
+        dense = dense.reshape(dense.shape[0], *(1,) * (len(lq) - 1), T, S)
+
+    def loss(q, k, v):
+        out = jattn.attention(q, k, v, mask=mask, scale=scale, implementation="pallas", block_size=8, **kw)
+        return jnp.sum(out.astype(jnp.float32) * jnp.asarray(g, jnp.float32)), out
+
+    (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    want, _, _ = ref.attention(q, k, v, dense, None, scale)
+    assert out.dtype == dtype and out.shape == want.shape
+    np.testing.assert_allclose(ref.f64(out), want, **ref.tol(dtype))
+    for got, w in zip(grads, ref.attention_grads(q, k, v, g, dense, None, scale)[:3], strict=True):
+        ref.assert_grad_close(got, w, dtype)
+
+
+def test_pallas_traced_scale_and_default_blocks():
+    """A scale traced under jit is folded into q; without block_size the kernel takes 16 x 16 here."""
+    q, k, v = _rand((3, 7, 8), 0, jnp.float32), _rand((3, 19, 8), 1, jnp.float32), _rand((3, 19, 8), 2, jnp.float32)
+    out = jax.jit(lambda s: jattn.attention(q, k, v, mask=masks.causal(), scale=s, implementation="pallas"))(0.7)
+    want, _, _ = ref.attention(q, k, v, np.asarray(masks.causal().dense(7, 19)), None, 0.7)
+    np.testing.assert_allclose(ref.f64(out), want, **ref.tol(jnp.float32))
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [masks.sliding_window(2), masks.segment_ids(np.zeros((1, 6), int)), masks.causal() | masks.chunked(2)],
+)
+def test_pallas_refuses_what_the_kernel_cannot_express(mask):
+    q = jnp.ones((1, 6, 4))
+    with pytest.raises(ValueError, match=r"implementation='pallas' expresses causal\(\), padding\(\)"):
+        jattn.attention(q, q, q, mask=mask, implementation="pallas")
+
+
+@pytest.mark.parametrize("mask", [masks.padding(kv_lengths=np.array([2])) | masks.causal(), np.eye(6, dtype=bool)])
+def test_splash_translation_refuses_per_example_disjunctions_and_arrays(monkeypatch, mask):
+    monkeypatch.setattr(bw, "platform", lambda: "tpu")
+    q = jnp.ones((1, 6, 4))
+    with pytest.raises(ValueError, match="implementation='pallas'"):
+        jattn.attention(q, q, q, mask=mask, implementation="pallas")
+
+
+@pytest.mark.parametrize("platform", ["cpu", "gpu", "tpu"])
+def test_automatic_choice_prefers_pallas_on_gpu_and_tpu_where_every_cell_is_yes(monkeypatch, platform):
+    """On GPU and TPU: 'pallas' for what it fully honours; a "partly"/"no" cell falls back to the CPU order."""
+    monkeypatch.setattr(bw, "platform", lambda: platform)
+    q = jnp.zeros((2, 3, 6, 5))
+    on_gpu = "dense" if platform == "cpu" else "pallas"
+    assert jattn.choose_implementation(q, q, q) == on_gpu
+    assert jattn.choose_implementation(q, q, q, mask=masks.causal(), q_offset=1) == "dense"  # partly: a mask
+    assert jattn.choose_implementation(q, q, q, return_lse=True) == "dense"
+    assert jattn.choose_implementation(q, q, q, bias=q[..., :6]) == "dense"
+    assert jattn.choose_implementation(q, q, q, block_size=4) == ("blockwise" if platform == "cpu" else "pallas")
+
+
+SPLASH_CASES = {
+    # name: (mask, kw, q lead, kv lead, T, S, E, dtype, scale); D = 7, blocks of 128 (splash's least)
+    "native-causal-window-gqa-shifted": (
+        masks.causal() & masks.sliding_window(40, 3),
+        dict(q_offset=-9),
+        (2, 2),
+        (2, 1),
+        131,
+        97,
+        5,
+        jnp.float32,
+        0.3,
+    ),
+    "numpy-mask-padding-segments-bf16": (
+        (masks.chunked(50) | masks.sliding_window(4))
+        & masks.padding(np.array([100, 131]), np.array([0, 90]))
+        & masks.segment_ids(np.arange(2 * 131).reshape(2, 131) // 60, np.arange(2 * 101).reshape(2, 101) // 60),
+        {},
+        (2, 1),
+        (2, 1),
+        131,
+        101,
+        7,
+        jnp.bfloat16,
+        None,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(SPLASH_CASES))
+def test_splash_translation_equals_the_reference(monkeypatch, case):
+    """The TPU translation (splash attention in interpret mode): native and NumPy masks, padding and segment ids."""
+    monkeypatch.setattr(bw, "platform", lambda: "tpu")
+    mask, kw, lq, lkv, T, S, E, dtype, scale = SPLASH_CASES[case]
+    q, k, v = _rand((*lq, T, 7), 0, dtype), _rand((*lkv, S, 7), 1, dtype), _rand((*lkv, S, E), 2, dtype)
+    g = np.random.default_rng(3).normal(size=(*np.broadcast_shapes(lq, lkv), T, E))
+    dense = np.asarray(mask.dense(T, S, **kw))
+    if dense.ndim == 4:
+        dense = dense.reshape(dense.shape[0], *(1,) * (len(lq) - 1), T, S)
+    assert not dense.any(-1).all()  # some rows see no key: they must give 0 (splash gives NaN or the mean of v)
+
+    def loss(q, k, v):
+        out = jattn.attention(q, k, v, mask=mask, scale=scale, implementation="pallas", **kw)
+        return jnp.sum(out.astype(jnp.float32) * jnp.asarray(g, jnp.float32)), out
+
+    (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    want, _, _ = ref.attention(q, k, v, dense, None, scale)
+    assert out.dtype == dtype
+    np.testing.assert_allclose(ref.f64(out), want, **ref.tol(dtype))
+    for got, w in zip(grads, ref.attention_grads(q, k, v, g, dense, None, scale)[:3], strict=True):
+        ref.assert_grad_close(got, w, dtype)
