@@ -379,7 +379,8 @@ def _jax_nn(q, k, v, mask: Mask | None, bias, scale, path, q_offset, kv_offset, 
     out, lse = out if return_lse else (out, None)
     out = out.reshape(*lead, T, v.shape[-1])
     if mask is not None:  # jax.nn averages v over a fully masked row; the contract is 0 (and lse -inf)
-        seen = jnp.any(jnp.broadcast_to(_dense_mask(mask, q, k, q_offset, kv_offset), (*lead, T, S)), axis=-1)
+        dense = _dense_mask(mask, q, k, q_offset, kv_offset)  # (..., T, S): reduced before it is broadcast
+        seen = jnp.broadcast_to(jnp.any(jnp.broadcast_to(dense, (*dense.shape[:-2], T, S)), axis=-1), (*lead, T))
         out = jnp.where(seen[..., None], out, jnp.zeros((), out.dtype))
         lse = None if lse is None else jnp.where(seen, lse.reshape(*lead, T).astype(jnp.float32), -jnp.inf)
     elif lse is not None:
