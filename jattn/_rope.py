@@ -50,7 +50,7 @@ def rope(x: Array, positions: Array, base: float = 10000.0) -> Array:
     ct = jnp.float64 if x.dtype == jnp.float64 else jnp.float32
     half = x.shape[-1] // 2
     freq = jnp.asarray(base, ct) ** (-jnp.arange(half, dtype=ct) * (2.0 / x.shape[-1]))  # (D/2,)
-    angle = positions.astype(ct)[..., None] * freq  # (..., D/2)
+    angle = positions.astype(ct)[..., None] * freq.reshape((1,) * positions.ndim + (half,))  # (..., D/2)
     cos, sin = jnp.cos(angle), jnp.sin(angle)
     x1, x2 = x[..., :half].astype(ct), x[..., half:].astype(ct)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
