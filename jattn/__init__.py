@@ -12,6 +12,7 @@ from jattn._compat import dot_product_attention
 from jattn._core import IMPLEMENTATIONS, SUPPORT, attention, attention_weights, choose_implementation
 from jattn._linear import LinearState, linear_attention
 from jattn._ring import ring_attention, sequence_parallel_attention, unzigzag, zigzag
+from jattn._rope import rope
 from jattn._softmax import SoftmaxParts, softmax, softmax_parts
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "linear_attention",
     "masks",
     "ring_attention",
+    "rope",
     "sequence_parallel_attention",
     "softmax",
     "softmax_parts",

@@ -7,6 +7,7 @@ nothing is repeated in memory. Dimension key: :mod:`jattn._core`.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -14,11 +15,13 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
+from jattn import _cache
 from jattn._checks import check_block_size, check_bool, check_dtype, check_int, check_real
 from jattn._core import IMPLEMENTATIONS, attention, attention_weights
 from jattn._linear import LinearState, feature_fn, linear_attention
 from jattn._masks import Causal, Mask
 from jattn._ring import sequence_parallel_attention
+from jattn._rope import rope as rotate
 
 
 def check_heads(d_model: int, num_heads: int, num_kv_heads: int | None, qkv_features: int | None) -> tuple[int, int]:
@@ -60,33 +63,39 @@ def check_options(
         raise TypeError(f"sequence_axis must be a mesh axis name (str) or None, got {sequence_axis!r}")
 
 
-def check_call(deterministic: bool | None, return_weights: bool, decode: bool = False) -> None:
+def check_call(
+    deterministic: bool | None, return_weights: bool, decode: bool | None = False, sow_weights: bool = False
+) -> None:
     """Validates the switches of a module call."""
     if deterministic is not None:
         check_bool("deterministic", deterministic)
     check_bool("return_weights", return_weights)
-    check_bool("decode", decode)
+    if decode is not None:
+        check_bool("decode", decode)
+    check_bool("sow_weights", sow_weights)
 
 
 def check_input(name: str, x: Array, features: int) -> None:
-    """Raises unless ``x`` is a floating ``(B, T, features)`` array with ``B, T >= 1``."""
+    """Raises unless ``x`` is a floating ``(..., T, features)`` array, ``T >= 1``, batch dims ``>= 1``."""
     shape = jnp.shape(x)
-    if len(shape) != 3 or shape[-1] != features or 0 in shape:
-        raise ValueError(f"{name} must have shape (batch >= 1, length >= 1, {features}), got {shape}")
+    if len(shape) < 2 or shape[-1] != features or 0 in shape:
+        raise ValueError(
+            f"{name} must have shape (..., length >= 1, {features}), got {shape} (any batch dims, each >= 1)"
+        )
     if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
         raise TypeError(f"{name} must be floating point, got {jnp.result_type(x)} with shape {shape}")
 
 
 def check_context(x: Array, d_model: int, context: Array, features: int, context_mask: Array | None) -> None:
-    """Raises unless ``x (B, T, d_model)``, ``context (B, S, features)``, boolean ``context_mask (B, S)``."""
+    """Raises unless ``x (..., T, d_model)``, ``context (..., S, features)``, boolean ``context_mask (..., S)``."""
     check_input("x", x, d_model)
     check_input("context", context, features)
-    if context.shape[0] != x.shape[0]:
-        raise ValueError(f"x and context must share the batch size, got {x.shape} and {context.shape}")
+    if context.shape[:-2] != x.shape[:-2]:
+        raise ValueError(f"x and context must share the batch dims, got {x.shape} and {context.shape}")
     if context_mask is not None:
-        if jnp.shape(context_mask) != context.shape[:2]:
+        if jnp.shape(context_mask) != context.shape[:-1]:
             raise ValueError(
-                f"context_mask must have shape (B, S) = {context.shape[:2]}, got {jnp.shape(context_mask)}"
+                f"context_mask must have shape (..., S) = {context.shape[:-1]}, got {jnp.shape(context_mask)}"
             )
         if jnp.result_type(context_mask) != jnp.bool_:
             raise TypeError(f"context_mask must be boolean (True = attend), got {jnp.result_type(context_mask)}")
@@ -247,3 +256,267 @@ def multihead(
             weights = attention_weights(qh, kh, mask=mask, precision=precision).reshape(b, num_heads, t, s)
     out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, -1)  # (B, K, G, T, E) -> (B, T, N*E)
     return out, weights, state
+
+
+# -- the module call, shared by NNX and Linen ---------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The checked, static configuration of an attention module (NNX or Linen)."""
+
+    d_model: int
+    kv_features: int
+    num_heads: int
+    num_kv_heads: int
+    head_depth: int
+    out_features: int | None  # features of ``wo``; None: no output projection
+    kind: str
+    feature_map: str | Callable[[Array], Array]
+    dropout_rate: float
+    deterministic: bool
+    precision: jax.lax.PrecisionLike
+    sequence_axis: str | None
+    implementation: str | None
+    block_size: int | tuple[int, int] | None
+    normalize_qk: bool
+    rope: bool
+    rope_base: float
+    decode: bool
+
+
+def options(
+    d_model: int,
+    kv_features: int,
+    *,
+    num_heads: int,
+    num_kv_heads: int | None,
+    qkv_features: int | None,
+    out_features: int | None,
+    out_proj: bool | None,
+    use_bias: bool,
+    kind: str,
+    feature_map: str | Callable[[Array], Array],
+    dropout_rate: float,
+    deterministic: bool,
+    dtype: Any,
+    param_dtype: Any,
+    precision: jax.lax.PrecisionLike,
+    sequence_axis: str | None,
+    implementation: str | None,
+    block_size: int | tuple[int, int] | None,
+    normalize_qk: bool,
+    rope: bool,
+    rope_base: float,
+    decode: bool,
+) -> Options:
+    """Checks a module's options (ValueError/TypeError naming the option) and resolves defaults."""
+    kv_heads, depth = check_heads(d_model, num_heads, num_kv_heads, qkv_features)
+    check_kind(kind, feature_map)
+    check_options(
+        kv_features=kv_features,
+        out_features=out_features,
+        out_proj=out_proj,
+        use_bias=use_bias,
+        dropout_rate=dropout_rate,
+        deterministic=deterministic,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        sequence_axis=sequence_axis,
+    )
+    check_path(implementation, block_size)
+    check_bool("normalize_qk", normalize_qk)
+    check_bool("rope", rope)
+    check_bool("decode", decode)
+    rope_base = check_real("rope_base", rope_base, low=0.0, open_low=True)
+    if rope and depth % 2:
+        raise ValueError(f"rope=True needs an even head depth D = qkv_features / num_heads, got D={depth}")
+    if out_proj is None:
+        out_proj = num_heads > 1 or out_features is not None
+    if out_features is not None and not out_proj:
+        raise ValueError(f"out_features={out_features} needs out_proj=True")
+    return Options(
+        d_model=int(d_model),
+        kv_features=int(kv_features),
+        num_heads=int(num_heads),
+        num_kv_heads=kv_heads,
+        head_depth=depth,
+        out_features=(int(out_features or d_model) if out_proj else None),
+        kind=kind,
+        feature_map=feature_map,
+        dropout_rate=float(dropout_rate),
+        deterministic=bool(deterministic),
+        precision=precision,
+        sequence_axis=sequence_axis,
+        implementation=implementation,
+        block_size=tuple(block_size) if isinstance(block_size, list) else block_size,
+        normalize_qk=bool(normalize_qk),
+        rope=bool(rope),
+        rope_base=rope_base,
+        decode=bool(decode),
+    )
+
+
+def init_cache(
+    opts: Options, batch_size: int, max_length: int, window: int | None, pinned: tuple[int, ...], dtype: Any
+) -> _cache.Cache:
+    """An empty decoding cache for a module with options ``opts`` (see :mod:`jattn._cache`)."""
+    return _cache.init(
+        kind=opts.kind,
+        num_heads=opts.num_heads,
+        num_kv_heads=opts.num_kv_heads,
+        head_depth=opts.head_depth,
+        feature_map=opts.feature_map,
+        batch_size=batch_size,
+        max_length=max_length,
+        window=window,
+        pinned=pinned,
+        dtype=dtype,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Layers:
+    """A module's projections ``(B, L, features) -> (B, L, features')`` and QK norms over ``D``."""
+
+    wq: Callable[[Array], Array]
+    wk: Callable[[Array], Array]
+    wv: Callable[[Array], Array]
+    wo: Callable[[Array], Array] | None
+    query_ln: Callable[[Array], Array] | None
+    key_ln: Callable[[Array], Array] | None
+
+
+def _flat_mask(mask: Array | Mask | None, batch: tuple[int, ...], n: int, t: int, s: int) -> Array | Mask | None:
+    """A mask over ``x``'s batch dims ``batch`` as one over the flattened batch (the rule of :func:`multihead`).
+
+    Arrays: ``(T, S)``, ``(*batch, T, S)`` (per example) or ``(*batch, N, T, S)``, any axis 1.
+    """
+    if mask is None or isinstance(mask, Mask):
+        return mask
+    mask = jnp.asarray(mask)
+    if mask.dtype != jnp.bool_:
+        raise TypeError(f"mask must be boolean (True = attend), got {mask.dtype} with shape {mask.shape}")
+    if mask.ndim == 2:
+        return mask
+    want = {len(batch) + 2: (*batch, t, s), len(batch) + 3: (*batch, n, t, s)}.get(mask.ndim)
+    if want is None or any(m not in (1, w) for m, w in zip(mask.shape, want, strict=True)):
+        raise ValueError(
+            f"mask must have shape (T, S) = {(t, s)}, (B, T, S) = {(*batch, t, s)} or "
+            f"(B, N, T, S) = {(*batch, n, t, s)} (each axis may be 1; B: the batch dims of x), got shape {mask.shape}"
+        )
+    rest = mask.shape[len(batch) :]
+    if all(d == 1 for d in mask.shape[: len(batch)]):
+        return mask.reshape(1, *rest)
+    return jnp.broadcast_to(mask, (*batch, *rest)).reshape(-1, *rest)
+
+
+def _qk(opts: Options, layers: Layers, q: Array, k: Array, q_pos: Array, k_pos: Array) -> tuple[Array, Array]:
+    """QK normalisation then rotary embedding of ``q (B, T, N*D)`` and ``k (B, S, K*D)`` per head.
+
+    ``q_pos`` and ``k_pos`` broadcast to ``(B, T)`` and ``(B, S)``: the absolute positions.
+    """
+
+    def per_head(a: Array, heads: int, norm: Callable[[Array], Array] | None, pos: Array) -> Array:
+        b, length, f = a.shape
+        a = a.reshape(b, length, heads, f // heads)  # (B, L, H, D)
+        if norm is not None:
+            a = norm(a)
+        if opts.rope:
+            a = rotate(a, jnp.broadcast_to(pos, (b, length))[:, :, None], opts.rope_base)  # positions (B, L, 1)
+        return a.reshape(b, length, f)
+
+    if not (opts.normalize_qk or opts.rope):
+        return q, k
+    return per_head(q, opts.num_heads, layers.query_ln, q_pos), per_head(k, opts.num_kv_heads, layers.key_ln, k_pos)
+
+
+def forward(
+    opts: Options,
+    layers: Layers,
+    x: Array,
+    context: Array | None,
+    mask: Array | Mask | None,
+    *,
+    context_mask: Array | None = None,
+    cache: _cache.Cache | None = None,
+    lengths: Array | None = None,
+    dropout_rng: Array | None = None,
+    return_weights: bool = False,
+    implementation: str | None = None,
+    block_size: int | tuple[int, int] | None = None,
+) -> tuple[Array, Array | None, _cache.Cache | None]:
+    """One module call: ``x (..., T, F)`` attends to itself (``context=None``) or ``context (..., S, F')``.
+
+    The batch dims ``...`` (any number, none for unbatched input) are flattened to one ``B``;
+    masks over them follow (:func:`_flat_mask`), ``context_mask (..., S)``, ``lengths (...)``.
+    With ``cache`` (self-attention), the tokens continue the cached ones (:mod:`jattn._cache`);
+    ``mask`` must then be a predicate (default causal). Returns ``out (..., T, F_out)``, the
+    weights ``(..., N, T, S)`` when asked (S: all keys attended, cached ones first) and the
+    updated cache (None without one). Dropout is applied when ``dropout_rng`` is given.
+    """
+    implementation = opts.implementation if implementation is None else implementation
+    block_size = opts.block_size if block_size is None else block_size
+    check_path(implementation, block_size)
+    batch, t = x.shape[:-2], x.shape[-2]
+    ctx = x if context is None else context
+    s = ctx.shape[-2]
+    xs = x.reshape(-1, t, x.shape[-1])  # (B, T, F): the batch dims flattened
+    cs = ctx.reshape(-1, s, ctx.shape[-1])  # (B, S, F')
+    b = xs.shape[0]
+    q, k, v = layers.wq(xs), layers.wk(cs), layers.wv(cs)
+    attend = dict(
+        num_heads=opts.num_heads,
+        num_kv_heads=opts.num_kv_heads,
+        kind=opts.kind,
+        feature_map=opts.feature_map,
+        dropout_rate=opts.dropout_rate if dropout_rng is not None else 0.0,
+        dropout_rng=dropout_rng,
+        precision=opts.precision,
+        return_weights=return_weights,
+        implementation=implementation,
+        block_size=block_size,
+    )
+    bad, new = None, None
+    if cache is None:
+        if lengths is not None:
+            raise ValueError("lengths applies to decode=True only")
+        kv_mask = None if context_mask is None else jnp.asarray(context_mask).reshape(b, s)  # (B, S)
+        pos = jnp.arange(t, dtype=jnp.int32)[None]  # (1, T): positions of a self-attention pass
+        q, k = _qk(opts, layers, q, k, pos, pos)
+        mask = _flat_mask(mask, batch, opts.num_heads, t, s)
+        out, weights, _ = multihead(q, k, v, mask=mask, kv_mask=kv_mask, sequence_axis=opts.sequence_axis, **attend)
+    else:
+        if cache["next"].shape[0] != b:
+            raise ValueError(
+                f"x has batch dims {batch} ({b} sequences) but the cache was made for batch_size={cache['next'].shape[0]}"
+            )
+        mask = Causal() if mask is None else mask
+        if not isinstance(mask, Mask):
+            raise TypeError("with decode=True, mask must be a jattn.masks.Mask predicate (default causal())")
+        if lengths is not None:
+            lengths = jnp.asarray(lengths)
+            if lengths.shape != batch:
+                raise ValueError(
+                    f"lengths must have shape (B,) = {batch}, got {lengths.shape} (B: the batch dims of x)"
+                )
+            lengths = lengths.reshape(b)
+        pos, valid, lengths, bad = _cache.positions(cache, t, lengths)  # (B, T), (B, T), (B,), (B, T)
+        q, k = _qk(opts, layers, q, k, pos, pos)
+        if opts.kind == "linear":
+            out, weights, state = multihead(
+                q, k, v, mask=mask, kv_mask=valid, linear_state=_cache.linear_state(cache), **attend
+            )
+            new = _cache.write_linear(cache, state, lengths)
+        else:
+            keys, values, allowed = _cache.read(cache, k, v, pos, valid, mask)  # (B, C + T, K*D) x2, (B, 1, T, C + T)
+            out, weights, _ = multihead(q, keys, values, mask=allowed, **attend)
+            new = _cache.write(cache, k, v, pos, valid, lengths)
+    if layers.wo is not None:
+        out = layers.wo(out)
+    if bad is not None:  # NaN where a traced fault could not raise
+        out = jnp.where(bad[..., None], jnp.full((), jnp.nan, out.dtype), out)
+    out = out.reshape(*batch, t, out.shape[-1])
+    if weights is not None:
+        weights = weights.reshape(*batch, *weights.shape[1:])  # (..., N, T, S)
+    return out, weights, new

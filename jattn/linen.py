@@ -1,9 +1,17 @@
 """Flax Linen attention modules: thin layers over :func:`jattn.attention`.
 
-The same modules as :mod:`jattn.nnx` (see there for every option) with the same parameter names
-(``wq``, ``wk``, ``wv`` and, with an output projection, ``wo``; each an ``nn.Dense``); given the
-same weights both return the same output. Dropout draws from the ``'dropout'`` rng collection
-when not deterministic. Decoding with a cache is in the NNX modules.
+The same modules as :mod:`jattn.nnx` (see there for every option) with the same option names and
+parameter names (``wq``, ``wk``, ``wv`` and, with an output projection, ``wo``, each an
+``nn.Dense``; ``query_ln``, ``key_ln`` with ``normalize_qk``); given the same weights both return
+the same output. The call itself is shared with NNX in ``jattn._heads``.
+
+Dropout draws from the ``'dropout'`` rng collection when not deterministic, or from a call-time
+``dropout_rng``. Decoding keeps the cache in the ``'cache'`` collection (Flax's convention)::
+
+    cache = layer.init(key, batch_size, max_length, method="init_cache")["cache"]
+    y, vars = layer.apply({"params": params, "cache": cache}, x, decode=True, mutable=["cache"])
+
+Weights are sown into ``'intermediates'`` under ``'attention_weights'`` with ``sow_weights``.
 """
 
 from __future__ import annotations
@@ -22,8 +30,19 @@ from jattn._masks import Mask
 
 __all__ = ["CrossAttention", "SelfAttention"]
 
+SOW_NAME = "attention_weights"
+
 
 class _Attention(nn.Module):
+    """Options: as :class:`jattn.nnx.SelfAttention` (the same names, types and defaults).
+
+    Attributes:
+      d_model, num_heads, num_kv_heads, qkv_features, out_features, out_proj, use_bias, kind,
+      feature_map, dropout_rate, deterministic, dtype, param_dtype, precision, sequence_axis,
+      implementation, block_size, normalize_qk, kernel_init, bias_init: see
+      :class:`jattn.nnx.SelfAttention`.
+    """
+
     d_model: int
     num_heads: int = 1
     num_kv_heads: int | None = None
@@ -41,78 +60,127 @@ class _Attention(nn.Module):
     sequence_axis: str | None = None
     implementation: str | None = None
     block_size: int | tuple[int, int] | None = None
+    normalize_qk: bool = False
     kernel_init: nn.initializers.Initializer = nn.initializers.lecun_normal()
     bias_init: nn.initializers.Initializer = nn.initializers.zeros_init()
 
-    def _dense(self, features: int, name: str) -> nn.Dense:
-        return nn.Dense(
-            features,
+    def _options(self, kv_features: int) -> _heads.Options:
+        return _heads.options(
+            self.d_model,
+            kv_features,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            qkv_features=self.qkv_features,
+            out_features=self.out_features,
+            out_proj=self.out_proj,
             use_bias=self.use_bias,
+            kind=self.kind,
+            feature_map=self.feature_map,
+            dropout_rate=self.dropout_rate,
+            deterministic=self.deterministic,
             dtype=self.dtype,
             param_dtype=self.param_dtype,
             precision=self.precision,
-            kernel_init=self.kernel_init,
-            bias_init=self.bias_init,
-            name=name,
+            sequence_axis=self.sequence_axis,
+            implementation=self.implementation,
+            block_size=self.block_size,
+            normalize_qk=self.normalize_qk,
+            rope=getattr(self, "rope", False),
+            rope_base=getattr(self, "rope_base", 10000.0),
+            decode=getattr(self, "decode", False),
         )
 
     def _run(
         self,
         x: Array,
-        context: Array,
+        context: Array | None,
         mask: Array | Mask | None,
-        context_mask: Array | None,
+        *,
+        kv_features: int,
+        context_mask: Array | None = None,
         deterministic: bool | None,
+        dropout_rng: Array | None,
         return_weights: bool,
-        path: tuple[str | None, int | tuple[int, int] | None] = (None, None),
+        sow_weights: bool,
+        decode: bool | None = False,
+        lengths: Array | None = None,
+        implementation: str | None,
+        block_size: int | tuple[int, int] | None,
     ) -> Array | tuple[Array, Array]:
-        implementation = self.implementation if path[0] is None else path[0]
-        block_size = self.block_size if path[1] is None else path[1]
-        _heads.check_path(implementation, block_size)
-        kv_heads, depth = _heads.check_heads(self.d_model, self.num_heads, self.num_kv_heads, self.qkv_features)
-        _heads.check_kind(self.kind, self.feature_map)
-        _heads.check_options(
-            kv_features=context.shape[-1],
-            out_features=self.out_features,
-            out_proj=self.out_proj,
-            use_bias=self.use_bias,
-            dropout_rate=self.dropout_rate,
-            deterministic=self.deterministic,
-            dtype=self.dtype,
-            param_dtype=self.param_dtype,
-            sequence_axis=self.sequence_axis,
+        o = self._options(kv_features)
+        _heads.check_call(deterministic, return_weights, decode, sow_weights)
+        decode = o.decode if decode is None else decode
+        deterministic = o.deterministic if deterministic is None else deterministic
+        rng = None
+        if o.dropout_rate > 0 and not deterministic:
+            rng = self.make_rng("dropout") if dropout_rng is None else dropout_rng
+        cache = None
+        if decode:
+            cache = self.variables.get("cache")
+            if not cache:
+                raise ValueError(
+                    "decode=True needs a cache: variables from module.init(key, batch_size, max_length, "
+                    "method='init_cache')['cache']"
+                )
+            cache = dict(cache)
+
+        def dense(features: int, name: str) -> nn.Dense:
+            return nn.Dense(
+                features,
+                use_bias=self.use_bias,
+                dtype=self.dtype,
+                param_dtype=self.param_dtype,
+                precision=self.precision,
+                kernel_init=self.kernel_init,
+                bias_init=self.bias_init,
+                name=name,
+            )
+
+        def norm(name: str) -> nn.LayerNorm:  # Flax's QK norm: LayerNorm over D without bias, epsilon 1e-6
+            return nn.LayerNorm(use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype, name=name)
+
+        kv = o.num_kv_heads * o.head_depth
+        layers = _heads.Layers(
+            dense(o.num_heads * o.head_depth, "wq"),
+            dense(kv, "wk"),
+            dense(kv, "wv"),
+            dense(o.out_features, "wo") if o.out_features is not None else None,
+            norm("query_ln") if o.normalize_qk else None,
+            norm("key_ln") if o.normalize_qk else None,
         )
-        _heads.check_call(deterministic, return_weights)
-        out_proj = self.out_proj if self.out_proj is not None else self.num_heads > 1 or self.out_features is not None
-        if self.out_features is not None and not out_proj:
-            raise ValueError(f"out_features={self.out_features} needs out_proj=True")
-        deterministic = self.deterministic if deterministic is None else deterministic
-        use_dropout = self.dropout_rate > 0 and not deterministic
-        out, weights, _ = _heads.multihead(
-            self._dense(self.num_heads * depth, "wq")(x),
-            self._dense(kv_heads * depth, "wk")(context),
-            self._dense(kv_heads * depth, "wv")(context),
-            num_heads=self.num_heads,
-            num_kv_heads=kv_heads,
-            mask=mask,
-            kv_mask=context_mask,
-            kind=self.kind,
-            feature_map=self.feature_map,
-            dropout_rate=self.dropout_rate if use_dropout else 0.0,
-            dropout_rng=self.make_rng("dropout") if use_dropout else None,
-            precision=self.precision,
-            return_weights=return_weights,
-            sequence_axis=self.sequence_axis,
+        out, weights, cache = _heads.forward(
+            o,
+            layers,
+            x,
+            context,
+            mask,
+            context_mask=context_mask,
+            cache=cache,
+            lengths=lengths,
+            dropout_rng=rng,
+            return_weights=return_weights or sow_weights,
             implementation=implementation,
             block_size=block_size,
         )
-        if out_proj:
-            out = self._dense(self.out_features or self.d_model, "wo")(out)
+        if cache is not None:
+            for name, value in cache.items():
+                self.put_variable("cache", name, value)
+        if sow_weights:
+            self.sow("intermediates", SOW_NAME, weights)
         return (out, weights) if return_weights else out
 
 
 class SelfAttention(_Attention):
-    """Multi-head self-attention over ``x (B, T, d_model)``; see :class:`jattn.nnx.SelfAttention`."""
+    """Multi-head self-attention over ``x (..., T, d_model)``; see :class:`jattn.nnx.SelfAttention`.
+
+    Attributes:
+      rope, rope_base: rotary position embeddings, as :class:`jattn.nnx.SelfAttention`.
+      decode: default for the call-time ``decode`` (Flax's field of that name).
+    """
+
+    rope: bool = False
+    rope_base: float = 10000.0
+    decode: bool = False
 
     @nn.compact
     def __call__(
@@ -123,19 +191,57 @@ class SelfAttention(_Attention):
         return_weights: bool = False,
         implementation: str | None = None,
         block_size: int | tuple[int, int] | None = None,
+        *,
+        dropout_rng: Array | None = None,
+        sow_weights: bool = False,
+        decode: bool | None = None,
+        lengths: Array | None = None,
     ) -> Array | tuple[Array, Array]:
-        """Attends ``x (B, T, d_model)`` to itself.
+        """Attends ``x (..., T, d_model)`` to itself.
 
-        ``mask``: boolean ``(T, T)``, ``(B, T, T)`` (per example, the same for every head) or
-        ``(B, N, T, T)`` (any axis may be 1), or a Mask. ``implementation`` and ``block_size``
-        override the module's fields (None: keep them).
+        Args: as :meth:`jattn.nnx.SelfAttention.__call__`, and
+          dropout_rng: a key for dropout, instead of the ``'dropout'`` rng collection.
+          sow_weights: sow the weights ``(..., N, T, S)`` into ``'intermediates'`` under
+            ``'attention_weights'`` (read them with ``mutable=['intermediates']``).
+          decode: continue the cached tokens (the ``'cache'`` collection from
+            :meth:`init_cache`, passed mutable); None: the ``decode`` field.
         """
         _heads.check_input("x", x, self.d_model)
-        return self._run(x, x, mask, None, deterministic, return_weights, (implementation, block_size))
+        return self._run(
+            x,
+            None,
+            mask,
+            kv_features=self.d_model,
+            deterministic=deterministic,
+            dropout_rng=dropout_rng,
+            return_weights=return_weights,
+            sow_weights=sow_weights,
+            decode=decode,
+            lengths=lengths,
+            implementation=implementation,
+            block_size=block_size,
+        )
+
+    def init_cache(
+        self,
+        batch_size: int,
+        max_length: int,
+        *,
+        window: int | None = None,
+        pinned: tuple[int, ...] = (),
+        dtype: Any = jnp.float32,
+    ) -> None:
+        """Creates the empty ``'cache'`` collection, as :meth:`jattn.nnx.SelfAttention.init_cache`.
+
+        Run it as ``module.init(key, batch_size, max_length, window=..., method="init_cache")``.
+        """
+        cache = _heads.init_cache(self._options(self.d_model), batch_size, max_length, window, pinned, dtype)
+        for name, value in cache.items():
+            self.put_variable("cache", name, value)
 
 
 class CrossAttention(_Attention):
-    """Cross-attention from ``x (B, T, d_model)`` to ``context (B, S, context_features)``.
+    """Cross-attention from ``x (..., T, d_model)`` to ``context (..., S, context_features)``.
 
     See :class:`jattn.nnx.CrossAttention`.
     """
@@ -153,12 +259,26 @@ class CrossAttention(_Attention):
         return_weights: bool = False,
         implementation: str | None = None,
         block_size: int | tuple[int, int] | None = None,
+        *,
+        dropout_rng: Array | None = None,
+        sow_weights: bool = False,
     ) -> Array | tuple[Array, Array]:
-        """Attends ``x`` to ``context``; ``context_mask (B, S)`` is False at context padding.
+        """Attends ``x`` to ``context``; ``context_mask (..., S)`` is False at context padding.
 
-        ``implementation`` and ``block_size`` override the module's fields (None: keep them).
+        Other arguments as :meth:`SelfAttention.__call__`.
         """
         check_int("context_features", self.context_features, min=1)
         _heads.check_context(x, self.d_model, context, self.context_features, context_mask)
-        path = (implementation, block_size)
-        return self._run(x, context, mask, context_mask, deterministic, return_weights, path)
+        return self._run(
+            x,
+            context,
+            mask,
+            kv_features=self.context_features,
+            context_mask=context_mask,
+            deterministic=deterministic,
+            dropout_rng=dropout_rng,
+            return_weights=return_weights,
+            sow_weights=sow_weights,
+            implementation=implementation,
+            block_size=block_size,
+        )

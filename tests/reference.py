@@ -109,3 +109,13 @@ def assert_grad_close(got, want, dtype, scale=0.0):
     t = tol(dtype)
     atol = t["atol"] * (1 + np.max(np.abs(want), initial=0.0)) + 64 * np.finfo(np.float32).eps * scale
     np.testing.assert_allclose(got, want, rtol=t["rtol"], atol=atol)
+
+
+def rope(x, positions, base=10000.0):
+    """Rotary embedding in float64, rotate-half pairs (i, i + D/2), one position per row of x (..., D)."""
+    x = f64(x)
+    half = x.shape[-1] // 2
+    pos = np.broadcast_to(np.asarray(positions, np.float64), x.shape[:-1])
+    a = pos[..., None] * base ** (-2.0 * np.arange(half) / x.shape[-1])  # (..., D/2) angles
+    x1, x2 = x[..., :half], x[..., half:]
+    return np.concatenate([x1 * np.cos(a) - x2 * np.sin(a), x2 * np.cos(a) + x1 * np.sin(a)], axis=-1)

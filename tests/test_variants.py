@@ -65,7 +65,7 @@ def test_cross_attention_nnx_linen_reference_and_context_padding():
     assert np.all(np.asarray(out[1]) == 0.0)
     g = jax.grad(lambda c: jnp.sum(m(x, c, context_mask=context_mask) ** 2))(ctx)
     assert np.all(np.asarray(g[0, 6:]) == 0.0) and np.all(np.asarray(g[1]) == 0.0)
-    with pytest.raises(ValueError, match=r"context must have shape \(batch >= 1, length >= 1, 7\), got \(2, 9, 6\)"):
+    with pytest.raises(ValueError, match=r"context must have shape \(\.\.\., length >= 1, 7\), got \(2, 9, 6\)"):
         m(x, ctx[..., :6])
 
 
