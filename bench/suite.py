@@ -245,3 +245,38 @@ def save(results: list[dict], peak: float, out: Path) -> tuple[Path, Path]:
     fig.savefig(png, dpi=110)
     plt.close(fig)
     return path, png
+
+
+FLEX_VARIANTS = ("plain", "softcap", "alibi", "sinks")
+
+
+def flex_case(T: int = 2048, B: int = 1, N: int = 8, D: int = 64, repeats: int = 7, mask: str = "causal") -> dict:
+    """Blockwise forward with a score modification or sinks against the plain one (issue 13's targets).
+
+    Each variant of :data:`FLEX_VARIANTS` is jitted and warmed up, then the variants are timed
+    alternately ``repeats`` times in this process; returns each one's median ms and its ratio to
+    ``plain`` (targets: softcap and alibi <= 1.15, sinks <= 1.05).
+    """
+    case = Case(B, N, T, D, mask)
+    q, k, v = _inputs(case)
+    extra = {
+        "plain": {},
+        "softcap": dict(score_mod=jattn.score_mods.softcap(30.0)),
+        "alibi": dict(score_mod=jattn.score_mods.alibi(jattn.score_mods.alibi_slopes(N))),
+        "sinks": dict(sinks=jnp.zeros((N,), jnp.float32)),
+    }
+    fns = {}
+    for name, kw in extra.items():
+        f = jax.jit(
+            lambda q, k, v, kw=kw: jattn.attention(q, k, v, mask=case.predicate(), implementation="blockwise", **kw)
+        )
+        jax.block_until_ready(f(q, k, v))
+        fns[name] = f
+    times: dict[str, list[float]] = {n: [] for n in fns}
+    for _ in range(repeats):
+        for name, f in fns.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(q, k, v))
+            times[name].append(time.perf_counter() - t0)
+    ms = {n: 1e3 * statistics.median(t) for n, t in times.items()}
+    return {n: {"ms": ms[n], "ratio": ms[n] / ms["plain"]} for n in ms}
