@@ -94,16 +94,16 @@ def _pad(x: Array, axis: int, multiple: int) -> Array:
     return jnp.pad(x, widths)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def _flash(q, k, v, rows, sinks, consts, run: _Run, plan: _Plan, precision) -> tuple[Array, Array, Array]:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9))
+def _flash(q, k, v, rows, sinks, consts, bias, run: _Run, plan: _Plan, precision) -> tuple[Array, Array, Array]:
     """``out (B, T, E)``, ``lse (B, T)`` and the row max logit ``(B, T)`` of padded q, k, v.
 
     ``q (B, T, D)``, ``k (B, S, D)``, ``v (B, S, E)``; ``rows (B, 2)`` int32 (batch, head) of each
     row for the score modification, ``sinks (B,)`` (read only with ``plan.sinks``), ``consts`` the
-    modification's arrays.
+    modification's arrays; ``bias`` ``()`` or ``(bias (B|1, T|1, S|1),)`` padded like q and k.
     """
     forward, _ = _kernels(plan, precision)
-    return forward(q, k, v, rows, sinks, run.kind, run.arrays, consts)[0]
+    return forward(q, k, v, rows, sinks, run.kind, run.arrays + bias, consts)[0]
 
 
 @functools.lru_cache(maxsize=256)
@@ -116,13 +116,13 @@ def _kernels(plan: _Plan, precision):
 
         return _by_group(plan, body, (q, k, v, rows, sinks), arrays)
 
-    def backward(q, k, v, out, lse, d_out, rows, kind, arrays, consts):
+    def backward(q, k, v, out, lse, d_out, rows, kind, arrays, consts):  # ((dq, dk, dv), own db), (dc, shared db)
         def body(xs, a):
             return _backward(*xs, kind, a, consts, plan, precision)
 
         return _by_group(plan, body, (q, k, v, out, lse, d_out, rows), arrays)
 
-    foldable = plan.mod is None
+    foldable = plan.mod is None and not plan.bias
     return _folding(forward, foldable), _folding(backward, foldable)
 
 
@@ -164,6 +164,9 @@ def _folding(kernel, foldable: bool = True):
     return folding
 
 
+_SHARED, _OWN = 1, 2  # a bias (1, T|1, S|1) shared by every row of B, or one (B, T|1, S|1)
+
+
 class _Run(NamedTuple):
     """The traced part of a plan: the mask's arrays and the run-time kinds of the scheduled tiles.
 
@@ -183,9 +186,12 @@ class _Plan:
     every tile they touch is scheduled, and :class:`_Run` carries their arrays and run-time kinds.
     """
 
-    def __init__(self, T, S, bq, bk, mask, q_offset, kv_offset, scale, compute, platform, mod=None, sinks=False):
+    def __init__(
+        self, T, S, bq, bk, mask, q_offset, kv_offset, scale, compute, platform, mod=None, sinks=False, bias=False
+    ):
         self.T, self.S, self.bq, self.bk, self.platform = T, S, bq, bk, platform
         self.mod, self.sinks = mod, sinks  # the closure-converted score_mod (or None); whether rows have sinks
+        self.bias = bias  # 0, or the last of the kernels' arrays is a bias with _SHARED or _OWN rows
         self.nq, self.nk = -(-T // bq), -(-S // bk)
         self.mask, self.q_offset, self.kv_offset = mask, q_offset, kv_offset
         self.scale, self.compute = scale, compute
@@ -197,7 +203,7 @@ class _Plan:
         self.index, self.kind = _schedule(kinds)  # per query block: its key blocks
         same = self.kind[0, 0] if np.all(self.kind == self.kind[0, 0]) else EMPTY
         self.uniform = None if same == EMPTY else int(same)  # every scheduled tile PARTIAL, or every one FULL
-        self._key = (T, S, bq, bk, mask, q_offset, kv_offset, scale, compute, platform, mod, sinks)
+        self._key = (T, S, bq, bk, mask, q_offset, kv_offset, scale, compute, platform, mod, sinks, bias)
 
     def __hash__(self) -> int:
         return hash(self._key)
@@ -217,6 +223,23 @@ class _Plan:
         """Absolute positions ``(bq,)`` of query block i and ``(bk,)`` of key block j (int32, traced)."""
         rows = self.q_offset + i * self.bq + jnp.arange(self.bq, dtype=jnp.int32)
         return rows, self.kv_offset + j * self.bk + jnp.arange(self.bk, dtype=jnp.int32)
+
+    def split(self, arrays: tuple[Array, ...]) -> tuple[tuple[Array, ...], Array | None]:
+        """The kernels' arrays as the mask's arrays and the bias ``(b|1, T|1, S|1)`` (or None)."""
+        return (arrays[:-1], arrays[-1]) if self.bias else (arrays, None)
+
+    def bias_window(self, bias: Array, i: Array, j: Array) -> tuple[tuple, tuple]:
+        """Start and size of tile (i, j) in a bias ``(b|1, T|1, S|1)`` (a unit axis is read whole)."""
+        start = (0, i * self.bq if bias.shape[1] > 1 else 0, j * self.bk if bias.shape[2] > 1 else 0)
+        size = (bias.shape[0], self.bq if bias.shape[1] > 1 else 1, self.bk if bias.shape[2] > 1 else 1)
+        return start, size
+
+    def biased(self, s: Array, bias: Array | None, i: Array, j: Array) -> Array:
+        """Scores ``s (b, bq, bk)`` plus the bias's tile (i, j)."""
+        if bias is None:
+            return s
+        start, size = self.bias_window(bias, i, j)
+        return s + jax.lax.dynamic_slice(bias, start, size).astype(self.compute)
 
     def modifier(self, i: Array, j: Array, rows: Array):
         """``mod(s, consts)`` of tile (i, j) for the rows ``(B, 2)`` (:func:`jattn._online.bind_mod`), or None."""
@@ -300,6 +323,7 @@ def _by_group(plan: _Plan, body, xs: tuple[Array, ...], arrays: tuple[Array, ...
 
 def _forward(q, k, v, rows, sinks, kind: Array, arrays: tuple[Array, ...], consts, plan: _Plan, precision):
     """``out (b, nq·bq, E)``, ``lse`` and max logit ``(b, nq·bq)`` of one group: per query block, a scan over its key blocks."""
+    arrays, bias = plan.split(arrays)
     qs, ks, vs = _blocks(q, plan.bq), _blocks(k, plan.bk), _blocks(v, plan.bk)  # (n, b, blk, X)
     index = jnp.asarray(plan.index)
     b, e = q.shape[0], v.shape[-1]
@@ -313,6 +337,7 @@ def _forward(q, k, v, rows, sinks, kind: Array, arrays: tuple[Array, ...], const
 
             def update(carry, masked):
                 s, keep = plan.scores(qb, ks[j], i, j, masked, precision, arrays, scale)
+                s = plan.biased(s, bias, i, j)
                 mod = plan.modifier(i, j, rows)
                 s = s if mod is None else mod(s, consts)
                 return accumulate(carry, s, keep, vs[j], precision, plan.compute)
@@ -341,6 +366,7 @@ def _backward(q, k, v, out, lse, d_out, rows, kind: Array, arrays: tuple[Array, 
     dk and dv into their key block of the ``(nk, b, bk, D|E)`` accumulators.
     """
     compute = plan.compute
+    arrays, bias = plan.split(arrays)
     lse, delta = backward_rows(out, d_out, lse, compute)  # (b, T) each
     qs, dos = _blocks(q, plan.bq), _blocks(d_out, plan.bq)  # (nq, b, bq, D|E)
     ks, vs = _blocks(k, plan.bk), _blocks(v, plan.bk)  # (nk, b, bk, D|E)
@@ -354,48 +380,66 @@ def _backward(q, k, v, out, lse, d_out, rows, kind: Array, arrays: tuple[Array, 
 
         def key_block(carry, jk):
             j, kd = jk
-            dq, dk, dv, dc = carry
+            dq, dk, dv, dc, db = carry
+            window = None if bias is None else plan.bias_window(bias, i, j)
 
             def update(_, masked):
                 s, keep = plan.scores(qb_scaled, ks[j], i, j, masked, precision, arrays, s_scale)
+                s = plan.biased(s, bias, i, j)
                 mod = plan.modifier(i, j, rows)
-                p, ds, gc = score_grads(s, keep, lse_i, dob, vs[j], delta_i, scale, precision, compute, mod, consts)
-                return (*tile_grads(p, ds, qb, ks[j], dob, precision, compute), gc)
+                p, ds, gc, dx = score_grads(
+                    s, keep, lse_i, dob, vs[j], delta_i, scale, precision, compute, mod, consts
+                )  # fmt: skip
+                if bias is None:
+                    gb = ()
+                else:  # the tile's dx summed over the axes where the bias broadcasts
+                    axes = tuple(a for a, n in enumerate(window[1]) if n == 1 and dx.shape[a] != 1)
+                    gb = jnp.sum(dx, axes, keepdims=True) if axes else dx
+                return (*tile_grads(p, ds, qb, ks[j], dob, precision, compute), gc, gb)
 
-            zeros = (jnp.zeros_like(dq), jnp.zeros_like(dk[0]), jnp.zeros_like(dv[0]), jax.tree.map(jnp.zeros_like, dc))
-            gq, gk, gv, gc = per_block(kd, update, zeros, None if arrays else plan.uniform)
+            zeros = (
+                jnp.zeros_like(dq), jnp.zeros_like(dk[0]), jnp.zeros_like(dv[0]), jax.tree.map(jnp.zeros_like, dc),
+                () if bias is None else jnp.zeros(window[1], compute),
+            )  # fmt: skip
+            gq, gk, gv, gc, gb = per_block(kd, update, zeros, None if arrays else plan.uniform)
             dc = jax.tree.map(jnp.add, dc, gc)
-            return (dq + gq, dk.at[j].add(gk), dv.at[j].add(gv), dc), None
+            if bias is not None:
+                db = jax.lax.dynamic_update_slice(db, jax.lax.dynamic_slice(db, *window) + gb, window[0])
+            return (dq + gq, dk.at[j].add(gk), dv.at[j].add(gv), dc, db), None
 
         init = (jnp.zeros((b, plan.bq, q.shape[-1]), compute), *carry)
-        (dq, dk, dv, dc), _ = jax.lax.scan(key_block, init, (index[i], kind[i]))
-        return (dk, dv, dc), dq
+        (dq, dk, dv, dc, db), _ = jax.lax.scan(key_block, init, (index[i], kind[i]))
+        return (dk, dv, dc, db), dq
 
-    carry = (jnp.zeros(ks.shape, compute), jnp.zeros(vs.shape, compute), jax.tree.map(jnp.zeros_like, consts))
+    db = () if bias is None else jnp.zeros(bias.shape, compute)
+    carry = (jnp.zeros(ks.shape, compute), jnp.zeros(vs.shape, compute), jax.tree.map(jnp.zeros_like, consts), db)
     steps = (jnp.arange(plan.nq, dtype=jnp.int32), qs, dos, *row_stats)
-    (dk, dv, dc), dq = jax.lax.scan(query_block, carry, steps)
+    (dk, dv, dc, db), dq = jax.lax.scan(query_block, carry, steps)
     grads = _unblock(dq).astype(q.dtype), _unblock(dk).astype(k.dtype), _unblock(dv).astype(v.dtype)
-    return grads, dc
+    db = () if bias is None else (db.astype(bias.dtype),)
+    own = plan.bias == _OWN  # a bias with rows of its own comes back by rows, a shared one summed over groups
+    return ((grads, db), (dc, ())) if own else ((grads, ()), (dc, db))
 
 
-def _flash_fwd(q, k, v, rows, sinks, consts, run, plan, precision):
+def _flash_fwd(q, k, v, rows, sinks, consts, bias, run, plan, precision):
     forward, _ = _kernels(plan, precision)
-    (out, lse, mx), _ = forward(q, k, v, rows, sinks, run.kind, run.arrays, consts)
-    return (out, lse, mx), (q, k, v, rows, sinks, consts, run, out, lse)
+    (out, lse, mx), _ = forward(q, k, v, rows, sinks, run.kind, run.arrays + bias, consts)
+    return (out, lse, mx), (q, k, v, rows, sinks, consts, bias, run, out, lse)
 
 
 def _flash_bwd(plan: _Plan, precision, res, cotangents):
     """The flash-attention backward: one sweep over the non-empty tiles per group (:func:`_backward`)."""
-    q, k, v, rows, sinks, consts, run, out, lse = res
+    q, k, v, rows, sinks, consts, bias, run, out, lse = res
     d_out, _, _ = cotangents  # the log-sum-exp and max logit are outputs for inspection, not differentiated
 
     _, backward = _kernels(plan, precision)
-    (dq, dk, dv), dconsts = backward(q, k, v, out, lse, d_out, rows, run.kind, run.arrays, consts)
+    arrays = run.arrays + bias
+    ((dq, dk, dv), own), (dconsts, shared) = backward(q, k, v, out, lse, d_out, rows, run.kind, arrays, consts)
     dsinks = jnp.zeros_like(sinks)
     if plan.sinks:
         _, delta = backward_rows(out, d_out, lse, plan.compute)
         dsinks = sink_grads(sinks[:, None].astype(plan.compute), lse, delta).sum(-1).astype(sinks.dtype)
-    return dq, dk, dv, None, dsinks, dconsts, None
+    return dq, dk, dv, None, dsinks, dconsts, own + shared, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -415,6 +459,7 @@ def blockwise_attention(
     precision: jax.lax.PrecisionLike = None,
     score_mod=None,
     sinks: Array | None = None,
+    bias: Array | None = None,
 ) -> tuple[Array, Array, Array]:
     """Blockwise attention of validated ``q (..., T, D)``, ``k (..., S, D)``, ``v (..., S, E)``.
 
@@ -426,7 +471,7 @@ def blockwise_attention(
     """
     T, S = q.shape[-2], k.shape[-2]
     skeleton, arrays = (None, []) if mask is None else split_arrays(mask)
-    leads = [broadcast_all(q=q, k=k, v=v, mask=m) for m in arrays] or [broadcast_all(q=q, k=k, v=v)]
+    leads = [broadcast_all(q=q, k=k, v=v, mask=m) for m in arrays] + [broadcast_all(q=q, k=k, v=v, bias=bias)]
     lead = tuple(np.broadcast_shapes(*leads))  # each mask array checked against q, k, v by the shared check
     qf, kf, vf = (flat_lead(x, lead) for x in (q, k, v))
     arrays = tuple(_flat_mask(m, lead) for m in arrays)  # each (B|1, T|1, S|1)
@@ -441,12 +486,21 @@ def blockwise_attention(
     q_offset = kv_offset + S - T if q_offset is None else q_offset
     g = group_size(b, bq, bk, jnp.dtype(compute).itemsize, platform())
     mod, consts = convert_mod(score_mod, g, bq, bk, compute)
+    bias_t, kind = (), 0
+    if bias is not None:  # (B|1, T|1, S|1), padded like q and k where it has those axes
+        bias_f = _flat_mask(bias, lead)
+        bias_f = _pad(bias_f, 1, bq) if bias_f.shape[1] > 1 else bias_f
+        bias_t, kind = (
+            (_pad(bias_f, 2, bk) if bias_f.shape[2] > 1 else bias_f,),
+            _OWN if bias_f.shape[0] > 1 else _SHARED,
+        )
     plan = _Plan(
-        T, S, bq, bk, skeleton, int(q_offset), int(kv_offset), float(scale), compute, platform(), mod, sinks is not None
-    )
+        T, S, bq, bk, skeleton, int(q_offset), int(kv_offset), float(scale), compute, platform(), mod,
+        sinks is not None, kind,
+    )  # fmt: skip
     run = plan.run(arrays)
     padded = _pad(qf, 1, bq), _pad(kf, 1, bk), _pad(vf, 1, bk)
-    out, lse, mx = _flash(*padded, head_rows(lead), sinks_f, consts, run, plan, precision)
+    out, lse, mx = _flash(*padded, head_rows(lead), sinks_f, consts, bias_t, run, plan, precision)
     out = out[:, :T].reshape(*lead, T, v.shape[-1]).astype(v.dtype)
     return out, lse[:, :T].reshape(*lead, T), mx[:, :T].reshape(*lead, T)
 

@@ -205,7 +205,7 @@ SUPPORT: dict[str, dict[str, str]] = {
         xla="no: offsets must be static ints",
         cudnn="no: offsets must be static ints",
     ),
-    "bias": dict(dense=_YES, blockwise="no: bias is not tiled yet", xla=_YES, cudnn=_YES),
+    "bias": dict(dense=_YES, blockwise=_YES, xla=_YES, cudnn=_YES),
     "dropout_rate": dict(
         dense=_YES, blockwise="no: no dropout yet", xla="no: jax.nn has no dropout", cudnn="no: jax.nn has no dropout"
     ),
@@ -546,7 +546,8 @@ def attention(
     if path == "blockwise":
         T, S = q.shape[-2], k.shape[-2]
         bq, bk = _auto_block(mask, T, S, q_offset, kv_offset) if blocks is None else blocks
-        lead = broadcast_all(q=q, k=k, v=v)
+        bias = _check_bias(bias)
+        lead = broadcast_all(q=q, k=k, v=v, bias=bias)
         if sinks is not None:
             check_sinks(sinks, lead, q.dtype)
         out, lse, top = blockwise_attention(
@@ -562,6 +563,7 @@ def attention(
             precision=precision,
             score_mod=score_mod,
             sinks=sinks,
+            bias=bias,
         )
         return result(out, lse, top)
     if path in ("xla", "cudnn"):

@@ -203,12 +203,13 @@ def bind_mod(fn, rows: Array, q_pos: Array, kv_pos: Array, compute):
 
 
 def score_grads(s, keep, lse, do, vb, delta, scale, precision, compute, mod=None, consts=()) -> tuple:
-    """``p``, ``ds = p (dp - delta) scale`` of one tile, each ``(B, t, s)``, and the gradients of ``consts``.
+    """``p``, ``ds = p (dp - delta) scale`` of one tile, each ``(B, t, s)``, the gradients of ``consts`` and ``ds / scale``.
 
     From the saved ``lse (B, t)``, which must be finite (0 for empty rows, whose ``p`` is 0 by
     the mask); ``delta = rowsum(dO ∘ O)``. ``mod(s, consts)`` (optional) is the score
     modification: ``p`` is taken at ``mod(s)`` and ``p (dp - delta)`` is pulled back through it
-    to ``s`` and to ``consts`` (a tuple of arrays; ``()`` without a modification).
+    to ``s`` and to ``consts`` (a tuple of arrays; ``()`` without a modification). The last
+    result, the gradient of the unscaled logits ``s``, is an additive bias's gradient.
     """
     if mod is None:
         x, pull = s, None
@@ -222,7 +223,7 @@ def score_grads(s, keep, lse, do, vb, delta, scale, precision, compute, mod=None
     dconsts = ()
     if pull is not None:
         dx, dconsts = pull(dx)
-    return p, dx * scale, dconsts
+    return p, dx * scale, dconsts, dx
 
 
 def tile_grads(p: Array, ds: Array, qb: Array, kb: Array, do: Array, precision, compute) -> tuple[Array, Array, Array]:

@@ -260,7 +260,7 @@ def _ring_bwd(ring: _Ring, precision, res, cotangents):
                     s, keep = ring.scores(qc[a], kc[b], qsc[a], ksc[b], r, src, a, b, masked, precision)
                     keep = keep if live is None else keep & live
                     mod = ring.modifier(rows, r, src, a, b)
-                    p, ds, gc = score_grads(
+                    p, ds, gc, _ = score_grads(
                         s, keep, lsec[a], doc[a], vc[b], deltac[a], scale, precision, compute, mod, consts
                     )
                     gq, gk, gv = tile_grads(p, ds, qc[a], kc[b], doc[a], precision, compute)
