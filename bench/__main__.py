@@ -44,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
             for name, r in rows.items():
                 table.add_row(name, f"{r['ms']:.1f}", f"{r['ratio']:.3f}")
             console.print(table)
+            console.print(f"bias (B, 2, {T}, {T}) fwd+bwd scratch MiB: {suite.bias_memory_case(T, args.B)}")
         return 0
     if args.module:
         for T in args.T:
