@@ -9,6 +9,12 @@ mask, partial blocks apply it. Each query block runs a ``lax.scan`` over the lis
 non-empty key blocks only, so causal attention costs about half of full attention and a sliding
 window of width w costs O(T·w).
 
+An additive bias ``(B|1, T|1, S|1)`` is read tile by tile (:meth:`_Plan.biased`) and its gradient
+accumulated tile by tile into one buffer of its shape; a score modification (``score_mod``,
+closure-converted so the arrays it captures get gradients) acts on each tile after the bias;
+sinks join each row's denominator at the end (:func:`jattn._online.finish`). Under ``vmap`` a
+call with a modification or a bias is batched element by element rather than folded.
+
 The maths of one tile (the online-softmax state and its update, the tile gradients) is in
 :mod:`jattn._online`, shared with ring attention. The backward pass (``jax.custom_vjp``)
 recomputes each tile's weights from the saved output and log-sum-exp and adds its shares of dq,

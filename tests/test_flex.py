@@ -360,3 +360,18 @@ def test_blockwise_bias_memory_is_the_bias_and_its_gradient():
     extra = temp("blockwise", True) - temp("blockwise", False)
     assert extra <= 2.5 * bias_bytes
     assert temp("dense", True) >= scores_bytes  # the check can fail: dense holds the scores
+
+
+def test_blockwise_bias_under_vmap_equals_dense():
+    """vmap over biases (each its own gradient) and over q with one shared bias: blockwise == dense."""
+    q, k, v = _rand((3, N, T, D), 40), _rand((N, S, D), 41), _rand((N, S, E), 42)
+    biases = _rand((3, T, S), 43)
+
+    def grads(impl):
+        def loss(q, b):
+            return jnp.sum(_call(impl, q, k, v, bias=b, mask=masks.causal()) ** 2)
+
+        return jax.vmap(jax.grad(loss, (0, 1)))(q, biases), jax.vmap(jax.grad(loss, (0, 1)), (0, None))(q, biases[0])
+
+    for got, want in zip(jax.tree.leaves(grads("blockwise")), jax.tree.leaves(grads("dense")), strict=True):
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
