@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("bench/results"))
     p.add_argument("--module", action="store_true", help="jattn.nnx.SelfAttention(512, 8 heads), causal: paths")
     p.add_argument("--gpu", action="store_true", help="the GPU preset (bench/gpu.sh): " + str(suite.GPU_PRESET))
+    p.add_argument("--flex", action="store_true", help="blockwise forward with softcap, alibi, sinks vs plain (ratios)")
     args = p.parse_args(argv)
     if args.gpu:
         import jax
@@ -41,6 +42,17 @@ def main(argv: list[str] | None = None) -> int:
         args = gpu_args(args)
 
     console = Console()
+    if args.flex:
+        for T in args.T:
+            rows = suite.flex_case(T, args.B, args.N, args.D, args.repeats)
+            table = Table(title=f"blockwise causal forward, B={args.B} N={args.N} T={T} D={args.D}: modifications")
+            for col in ("variant", "ms", "ratio to plain"):
+                table.add_column(col, justify="right")
+            for name, r in rows.items():
+                table.add_row(name, f"{r['ms']:.1f}", f"{r['ratio']:.3f}")
+            console.print(table)
+            console.print(f"bias (B, 2, {T}, {T}) fwd+bwd scratch MiB: {suite.bias_memory_case(T, args.B)}")
+        return 0
     if args.module:
         for T in args.T:
             rows = {impl: suite.module_case(T, impl, args.repeats) for impl in ("dense", "blockwise")}

@@ -294,3 +294,63 @@ def save(results: list[dict], peak: float, out: Path) -> tuple[Path, Path]:
     fig.savefig(png, dpi=110)
     plt.close(fig)
     return path, png
+
+
+FLEX_VARIANTS = ("plain", "softcap", "alibi", "sinks")
+
+
+def flex_case(T: int = 2048, B: int = 1, N: int = 8, D: int = 64, repeats: int = 7, mask: str = "causal") -> dict:
+    """Blockwise forward with a score modification or sinks against the plain one (issue 13's targets).
+
+    Each variant of :data:`FLEX_VARIANTS` is jitted and warmed up, then the variants are timed
+    alternately ``repeats`` times in this process; returns each one's median ms and its ratio to
+    ``plain`` (targets: softcap and alibi <= 1.15, sinks <= 1.05).
+    """
+    case = Case(B, N, T, D, mask)
+    q, k, v = _inputs(case)
+    extra = {
+        "plain": {},
+        "softcap": dict(score_mod=jattn.score_mods.softcap(30.0)),
+        "alibi": dict(score_mod=jattn.score_mods.alibi(jattn.score_mods.alibi_slopes(N))),
+        "sinks": dict(sinks=jnp.zeros((N,), jnp.float32)),
+    }
+    fns = {}
+    for name, kw in extra.items():
+        f = jax.jit(
+            lambda q, k, v, kw=kw: jattn.attention(q, k, v, mask=case.predicate(), implementation="blockwise", **kw)
+        )
+        jax.block_until_ready(f(q, k, v))
+        fns[name] = f
+    times: dict[str, list[float]] = {n: [] for n in fns}
+    for _ in range(repeats):
+        for name, f in fns.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(q, k, v))
+            times[name].append(time.perf_counter() - t0)
+    ms = {n: 1e3 * statistics.median(t) for n, t in times.items()}
+    return {n: {"ms": ms[n], "ratio": ms[n] / ms["plain"]} for n in ms}
+
+
+def bias_memory_case(T: int = 2048, B: int = 1, N: int = 2, D: int = 64) -> dict:
+    """Compiled scratch memory (MiB) of causal forward + backward with a ``(B, N, T, T)`` bias (its gradient too).
+
+    For the blockwise path without and with the bias, and the dense path with it; ``bias_mib`` is
+    the bias itself (issue 13: blockwise memory O(T) apart from the bias).
+    """
+    spec = jax.ShapeDtypeStruct((B, N, T, D), jnp.float32)
+    bias = jax.ShapeDtypeStruct((B, N, T, T), jnp.float32)
+
+    def temp(impl, with_bias):
+        def loss(q, k, v, b):
+            out = jattn.attention(q, k, v, bias=b if with_bias else None, mask=masks.causal(), implementation=impl)
+            return jnp.sum(out)
+
+        compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).lower(spec, spec, spec, bias).compile()
+        return compiled.memory_analysis().temp_size_in_bytes / 2**20
+
+    return {
+        "bias_mib": B * N * T * T * 4 / 2**20,
+        "blockwise_mib": temp("blockwise", False),
+        "blockwise_bias_mib": temp("blockwise", True),
+        "dense_bias_mib": temp("dense", True),
+    }

@@ -1,13 +1,14 @@
 """jattn: attention for JAX and Flax, one pure core and thin modules over it.
 
 The dimension key (B, T, S, N, K, G, D, E) is stated in :mod:`jattn._core`. Flax modules live in
-:mod:`jattn.nnx` and :mod:`jattn.linen`; mask predicates in :mod:`jattn.masks`; sequence-parallel
+:mod:`jattn.nnx` and :mod:`jattn.linen`; mask predicates in :mod:`jattn.masks`; score modifications
+(``score_mod``) in :mod:`jattn.score_mods`; sequence-parallel
 ring attention (``ring_attention`` inside ``jax.shard_map``, ``sequence_parallel_attention``
 outside it) in :mod:`jattn._ring`. :func:`dot_product_attention` takes ``jax.nn``'s signature and
 layout (top-left causal alignment); :mod:`jattn.flax` has an ``attention_fn`` for Flax's modules.
 """
 
-from jattn import masks
+from jattn import masks, score_mods
 from jattn._compat import dot_product_attention
 from jattn._core import IMPLEMENTATIONS, SUPPORT, attention, attention_weights, choose_implementation
 from jattn._linear import LinearState, linear_attention
@@ -28,6 +29,7 @@ __all__ = [
     "masks",
     "ring_attention",
     "rope",
+    "score_mods",
     "sequence_parallel_attention",
     "softmax",
     "softmax_parts",

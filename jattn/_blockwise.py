@@ -9,6 +9,12 @@ mask, partial blocks apply it. Each query block runs a ``lax.scan`` over the lis
 non-empty key blocks only, so causal attention costs about half of full attention and a sliding
 window of width w costs O(T·w).
 
+An additive bias ``(B|1, T|1, S|1)`` is read tile by tile (:meth:`_Plan.biased`) and its gradient
+accumulated tile by tile into one buffer of its shape; a score modification (``score_mod``,
+closure-converted so the arrays it captures get gradients) acts on each tile after the bias;
+sinks join each row's denominator at the end (:func:`jattn._online.finish`). Under ``vmap`` a
+call with a modification or a bias is batched element by element rather than folded.
+
 The maths of one tile (the online-softmax state and its update, the tile gradients) is in
 :mod:`jattn._online`, shared with ring attention. The backward pass (``jax.custom_vjp``)
 recomputes each tile's weights from the saved output and log-sum-exp and adds its shares of dq,
@@ -36,13 +42,17 @@ from jattn._masks import EMPTY, KeyBelow, Mask, fill_arrays, split_arrays, tile_
 from jattn._online import (
     accumulate,
     backward_rows,
+    bind_mod,
     compute_dtype,
+    convert_mod,
     empty_state,
     finish,
     flat_lead,
+    head_rows,
     per_block,
     scaled_scores,
     score_grads,
+    sink_grads,
     tile_grads,
 )
 
@@ -90,42 +100,55 @@ def _pad(x: Array, axis: int, multiple: int) -> Array:
     return jnp.pad(x, widths)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _flash(q: Array, k: Array, v: Array, run: _Run, plan: _Plan, precision) -> tuple[Array, Array]:
-    """``out (B, T, E)`` and ``lse (B, T)`` of padded ``q (B, T, D)``, ``k (B, S, D)``, ``v (B, S, E)``."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9))
+def _flash(q, k, v, rows, sinks, consts, bias, run: _Run, plan: _Plan, precision) -> tuple[Array, Array, Array]:
+    """``out (B, T, E)``, ``lse (B, T)`` and the row max logit ``(B, T)`` of padded q, k, v.
+
+    ``q (B, T, D)``, ``k (B, S, D)``, ``v (B, S, E)``; ``rows (B, 2)`` int32 (batch, head) of each
+    row for the score modification, ``sinks (B,)`` (read only with ``plan.sinks``), ``consts`` the
+    modification's arrays; ``bias`` ``()`` or ``(bias (B|1, T|1, S|1),)`` padded like q and k.
+    """
     forward, _ = _kernels(plan, precision)
-    return forward(q, k, v, run.kind, run.arrays)
+    return forward(q, k, v, rows, sinks, run.kind, run.arrays + bias, consts)[0]
 
 
 @functools.lru_cache(maxsize=256)
 def _kernels(plan: _Plan, precision):
     """The forward and backward of one plan, group by group, each folding ``vmap`` into B (:func:`_folding`)."""
 
-    def forward(q, k, v, kind, arrays):
-        return _by_group(plan, lambda xs, a: _forward(*xs, kind, a, plan, precision), (q, k, v), arrays)
+    def forward(q, k, v, rows, sinks, kind, arrays, consts):
+        def body(xs, a):
+            return _forward(*xs, kind, a, consts, plan, precision), ()
 
-    def backward(q, k, v, out, lse, d_out, kind, arrays):
-        xs = (q, k, v, out, lse, d_out)
-        return _by_group(plan, lambda xs, a: _backward(*xs, kind, a, plan, precision), xs, arrays)
+        return _by_group(plan, body, (q, k, v, rows, sinks), arrays)
 
-    return _folding(forward), _folding(backward)
+    def backward(q, k, v, out, lse, d_out, rows, kind, arrays, consts):  # ((dq, dk, dv), own db), (dc, shared db)
+        def body(xs, a):
+            return _backward(*xs, kind, a, consts, plan, precision)
+
+        return _by_group(plan, body, (q, k, v, out, lse, d_out, rows), arrays)
+
+    foldable = plan.mod is None and not plan.bias
+    return _folding(forward, foldable), _folding(backward, foldable)
 
 
-def _folding(kernel):
-    """``kernel(*xs, kind, arrays)`` whose ``vmap`` folds the mapped axis into B.
+def _folding(kernel, foldable: bool = True):
+    """``kernel(*xs, kind, arrays, consts)`` whose ``vmap`` folds the mapped axis into B.
 
     Each of ``xs`` is ``(B, ...)`` and each mask array ``(B|1, ...)``; under ``vmap`` of size n
     they become ``(n·B, ...)`` (broadcast where unmapped), so the tiles are those of an explicit
     batch of n·B rather than n-fold larger ones. Where the run-time tile kinds are mapped (a
-    mapped array mask), every element needs its own schedule: plain batching then.
+    mapped array mask), every element needs its own schedule: plain batching then. So too with
+    a score modification (``foldable=False``): its converted function is specialised to the tile
+    shapes, and the gradients of the arrays it closes over belong to each mapped element.
     """
     folding = jax.custom_batching.custom_vmap(kernel)
 
     @folding.def_vmap
     def rule(n, in_batched, *args):
-        *xs, kind, arrays = args
-        *xs_batched, kind_batched, arrays_batched = in_batched
-        if kind_batched:
+        *xs, kind, arrays, consts = args
+        *xs_batched, kind_batched, arrays_batched, _ = in_batched
+        if kind_batched or not foldable:
             axes = jax.tree.map(lambda batched: 0 if batched else None, tuple(in_batched))
             outs = jax.vmap(kernel, in_axes=axes)(*args)
             return outs, jax.tree.map(lambda _: True, outs)
@@ -140,11 +163,14 @@ def _folding(kernel):
             fold(m, batched, b) if batched or m.shape[0] != 1 else m
             for m, batched in zip(arrays, arrays_batched, strict=True)
         )
-        outs = folding(*flat, kind, masks)
+        outs = folding(*flat, kind, masks, consts)
         outs = jax.tree.map(lambda y: y.reshape(n, b, *y.shape[1:]), outs)
         return outs, jax.tree.map(lambda _: True, outs)
 
     return folding
+
+
+_SHARED, _OWN = 1, 2  # a bias (1, T|1, S|1) shared by every row of B, or one (B, T|1, S|1)
 
 
 class _Run(NamedTuple):
@@ -166,8 +192,12 @@ class _Plan:
     every tile they touch is scheduled, and :class:`_Run` carries their arrays and run-time kinds.
     """
 
-    def __init__(self, T, S, bq, bk, mask, q_offset, kv_offset, scale, compute, platform):
+    def __init__(
+        self, T, S, bq, bk, mask, q_offset, kv_offset, scale, compute, platform, mod=None, sinks=False, bias=False
+    ):
         self.T, self.S, self.bq, self.bk, self.platform = T, S, bq, bk, platform
+        self.mod, self.sinks = mod, sinks  # the closure-converted score_mod (or None); whether rows have sinks
+        self.bias = bias  # 0, or the last of the kernels' arrays is a bias with _SHARED or _OWN rows
         self.nq, self.nk = -(-T // bq), -(-S // bk)
         self.mask, self.q_offset, self.kv_offset = mask, q_offset, kv_offset
         self.scale, self.compute = scale, compute
@@ -179,7 +209,7 @@ class _Plan:
         self.index, self.kind = _schedule(kinds)  # per query block: its key blocks
         same = self.kind[0, 0] if np.all(self.kind == self.kind[0, 0]) else EMPTY
         self.uniform = None if same == EMPTY else int(same)  # every scheduled tile PARTIAL, or every one FULL
-        self._key = (T, S, bq, bk, mask, q_offset, kv_offset, scale, compute, platform)
+        self._key = (T, S, bq, bk, mask, q_offset, kv_offset, scale, compute, platform, mod, sinks, bias)
 
     def __hash__(self) -> int:
         return hash(self._key)
@@ -195,11 +225,36 @@ class _Plan:
         """The mask with its arrays put back and placed at this call's offsets."""
         return fill_arrays(self.predicate, arrays)._bind(self.q_offset, self.kv_offset)
 
+    def positions(self, i: Array, j: Array) -> tuple[Array, Array]:
+        """Absolute positions ``(bq,)`` of query block i and ``(bk,)`` of key block j (int32, traced)."""
+        rows = self.q_offset + i * self.bq + jnp.arange(self.bq, dtype=jnp.int32)
+        return rows, self.kv_offset + j * self.bk + jnp.arange(self.bk, dtype=jnp.int32)
+
+    def split(self, arrays: tuple[Array, ...]) -> tuple[tuple[Array, ...], Array | None]:
+        """The kernels' arrays as the mask's arrays and the bias ``(b|1, T|1, S|1)`` (or None)."""
+        return (arrays[:-1], arrays[-1]) if self.bias else (arrays, None)
+
+    def bias_window(self, bias: Array, i: Array, j: Array) -> tuple[tuple, tuple]:
+        """Start and size of tile (i, j) in a bias ``(b|1, T|1, S|1)`` (a unit axis is read whole)."""
+        start = (0, i * self.bq if bias.shape[1] > 1 else 0, j * self.bk if bias.shape[2] > 1 else 0)
+        size = (bias.shape[0], self.bq if bias.shape[1] > 1 else 1, self.bk if bias.shape[2] > 1 else 1)
+        return start, size
+
+    def biased(self, s: Array, bias: Array | None, i: Array, j: Array) -> Array:
+        """Scores ``s (b, bq, bk)`` plus the bias's tile (i, j)."""
+        if bias is None:
+            return s
+        start, size = self.bias_window(bias, i, j)
+        return s + jax.lax.dynamic_slice(bias, start, size).astype(self.compute)
+
+    def modifier(self, i: Array, j: Array, rows: Array):
+        """``mod(s, consts)`` of tile (i, j) for the rows ``(B, 2)`` (:func:`jattn._online.bind_mod`), or None."""
+        return None if self.mod is None else bind_mod(self.mod, rows, *self.positions(i, j), self.compute)
+
     def allowed(self, i: Array, j: Array, arrays: tuple[Array, ...]) -> Array:
         """``(1|B, bq, bk)`` mask of query block i against key block j (block indices, traced)."""
-        rows = self.q_offset + i * self.bq + jnp.arange(self.bq, dtype=jnp.int32)[:, None]
-        cols = self.kv_offset + j * self.bk + jnp.arange(self.bk, dtype=jnp.int32)[None, :]
-        keep = self.predicate_with(arrays).allowed(rows, cols)
+        rows, cols = self.positions(i, j)
+        keep = self.predicate_with(arrays).allowed(rows[:, None], cols[None, :])
         return keep.reshape((1,) * (3 - keep.ndim) + keep.shape)
 
     def prescale(self, q: Array) -> tuple[Array, float]:
@@ -248,8 +303,9 @@ def _blocks(x: Array, size: int) -> Array:
 def _by_group(plan: _Plan, body, xs: tuple[Array, ...], arrays: tuple[Array, ...]):
     """``body(xs, arrays)`` over groups of ``plan.group(B)`` rows of B, one group after another.
 
-    Each of ``xs`` is ``(B, ...)``; mask ``arrays`` are ``(B|1, ...)`` (shared when 1). The
-    outputs of ``body`` are ``(group, ...)`` and come back as ``(B, ...)``.
+    Each of ``xs`` is ``(B, ...)``; mask ``arrays`` are ``(B|1, ...)`` (shared when 1). ``body``
+    returns ``(rows, summed)``: the leaves of ``rows`` are ``(group, ...)`` and come back as
+    ``(B, ...)``; those of ``summed`` (gradients of shared arrays) are summed over the groups.
     """
     b = xs[0].shape[0]
     h = plan.group(b)
@@ -267,12 +323,13 @@ def _by_group(plan: _Plan, body, xs: tuple[Array, ...], arrays: tuple[Array, ...
         return body(xg, tuple(next(ag) if o else a for a, o in zip(arrays, own, strict=True)))
 
     per = tuple(split(a) for a, o in zip(arrays, own, strict=True) if o)
-    out = jax.lax.map(one, (tuple(map(split, xs)), per))
-    return jax.tree.map(lambda y: y.reshape(b, *y.shape[2:]), out)
+    out, summed = jax.lax.map(one, (tuple(map(split, xs)), per))
+    return jax.tree.map(lambda y: y.reshape(b, *y.shape[2:]), out), jax.tree.map(lambda y: y.sum(0), summed)
 
 
-def _forward(q, k, v, kind: Array, arrays: tuple[Array, ...], plan: _Plan, precision):
-    """``out (b, nq·bq, E)`` and ``lse (b, nq·bq)`` of one group: per query block, a scan over its key blocks."""
+def _forward(q, k, v, rows, sinks, kind: Array, arrays: tuple[Array, ...], consts, plan: _Plan, precision):
+    """``out (b, nq·bq, E)``, ``lse`` and max logit ``(b, nq·bq)`` of one group: per query block, a scan over its key blocks."""
+    arrays, bias = plan.split(arrays)
     qs, ks, vs = _blocks(q, plan.bq), _blocks(k, plan.bk), _blocks(v, plan.bk)  # (n, b, blk, X)
     index = jnp.asarray(plan.index)
     b, e = q.shape[0], v.shape[-1]
@@ -286,16 +343,20 @@ def _forward(q, k, v, kind: Array, arrays: tuple[Array, ...], plan: _Plan, preci
 
             def update(carry, masked):
                 s, keep = plan.scores(qb, ks[j], i, j, masked, precision, arrays, scale)
+                s = plan.biased(s, bias, i, j)
+                mod = plan.modifier(i, j, rows)
+                s = s if mod is None else mod(s, consts)
                 return accumulate(carry, s, keep, vs[j], precision, plan.compute)
 
             return per_block(kd, update, carry, None if arrays else plan.uniform), None
 
         init = empty_state(b, plan.bq, e, plan.compute)
         state, _ = jax.lax.scan(key_block, init, (index[i], kind[i]))
-        return finish(state, plan.compute)  # float32 (or 64): the backward's delta needs it unrounded
+        sink = sinks[:, None].astype(plan.compute) if plan.sinks else None
+        return finish(state, plan.compute, sink)  # float32 (or 64): the backward's delta needs it unrounded
 
-    out, lse = jax.lax.map(query_block, (jnp.arange(plan.nq, dtype=jnp.int32), qs))  # (nq, b, bq, E), (nq, b, bq)
-    return _unblock(out), _unblock(lse)
+    outs = jax.lax.map(query_block, (jnp.arange(plan.nq, dtype=jnp.int32), qs))  # (nq, b, bq, E), 2 x (nq, b, bq)
+    return tuple(map(_unblock, outs))
 
 
 def _unblock(x: Array) -> Array:
@@ -303,62 +364,88 @@ def _unblock(x: Array) -> Array:
     return jnp.moveaxis(x, 0, 1).reshape(x.shape[1], x.shape[0] * x.shape[2], *x.shape[3:])
 
 
-def _backward(q, k, v, out, lse, d_out, kind: Array, arrays: tuple[Array, ...], plan: _Plan, precision):
-    """``dq (b, T, D)``, ``dk (b, S, D)``, ``dv (b, S, E)`` of one group in a single sweep over its tiles.
+def _backward(q, k, v, out, lse, d_out, rows, kind: Array, arrays: tuple[Array, ...], consts, plan: _Plan, precision):
+    """``(dq (b, T, D), dk (b, S, D), dv (b, S, E))`` and the consts' gradients of one group, one sweep over its tiles.
 
     Per query block, a scan over its non-empty key blocks recomputes ``p`` from the saved
     ``lse`` and adds each tile's shares (:func:`jattn._online.tile_grads`): dq in the small carry,
     dk and dv into their key block of the ``(nk, b, bk, D|E)`` accumulators.
     """
     compute = plan.compute
+    arrays, bias = plan.split(arrays)
     lse, delta = backward_rows(out, d_out, lse, compute)  # (b, T) each
     qs, dos = _blocks(q, plan.bq), _blocks(d_out, plan.bq)  # (nq, b, bq, D|E)
     ks, vs = _blocks(k, plan.bk), _blocks(v, plan.bk)  # (nk, b, bk, D|E)
-    rows = tuple(_blocks(x[..., None], plan.bq)[..., 0] for x in (lse, delta))  # (nq, b, bq) each
+    row_stats = tuple(_blocks(x[..., None], plan.bq)[..., 0] for x in (lse, delta))  # (nq, b, bq) each
     index, scale = jnp.asarray(plan.index), jnp.asarray(plan.scale, compute)
     b = q.shape[0]
 
-    def query_block(dkv, args):
+    def query_block(carry, args):
         i, qb, dob, lse_i, delta_i = args
         qb_scaled, s_scale = plan.prescale(qb)  # per query block: no scaled copy of all of q
 
         def key_block(carry, jk):
             j, kd = jk
-            dq, dk, dv = carry
+            dq, dk, dv, dc, db = carry
+            window = None if bias is None else plan.bias_window(bias, i, j)
 
             def update(_, masked):
                 s, keep = plan.scores(qb_scaled, ks[j], i, j, masked, precision, arrays, s_scale)
-                p, ds = score_grads(s, keep, lse_i, dob, vs[j], delta_i, scale, precision, compute)
-                return tile_grads(p, ds, qb, ks[j], dob, precision, compute)
+                s = plan.biased(s, bias, i, j)
+                mod = plan.modifier(i, j, rows)
+                p, ds, gc, dx = score_grads(
+                    s, keep, lse_i, dob, vs[j], delta_i, scale, precision, compute, mod, consts
+                )  # fmt: skip
+                if bias is None:
+                    gb = ()
+                else:  # the tile's dx summed over the axes where the bias broadcasts
+                    axes = tuple(a for a, n in enumerate(window[1]) if n == 1 and dx.shape[a] != 1)
+                    gb = jnp.sum(dx, axes, keepdims=True) if axes else dx
+                return (*tile_grads(p, ds, qb, ks[j], dob, precision, compute), gc, gb)
 
-            zeros = (jnp.zeros_like(dq), jnp.zeros_like(dk[0]), jnp.zeros_like(dv[0]))
-            gq, gk, gv = per_block(kd, update, zeros, None if arrays else plan.uniform)
-            return (dq + gq, dk.at[j].add(gk), dv.at[j].add(gv)), None
+            zeros = (
+                jnp.zeros_like(dq), jnp.zeros_like(dk[0]), jnp.zeros_like(dv[0]), jax.tree.map(jnp.zeros_like, dc),
+                () if bias is None else jnp.zeros(window[1], compute),
+            )  # fmt: skip
+            gq, gk, gv, gc, gb = per_block(kd, update, zeros, None if arrays else plan.uniform)
+            dc = jax.tree.map(jnp.add, dc, gc)
+            if bias is not None:
+                db = jax.lax.dynamic_update_slice(db, jax.lax.dynamic_slice(db, *window) + gb, window[0])
+            return (dq + gq, dk.at[j].add(gk), dv.at[j].add(gv), dc, db), None
 
-        init = (jnp.zeros((b, plan.bq, q.shape[-1]), compute), *dkv)
-        (dq, dk, dv), _ = jax.lax.scan(key_block, init, (index[i], kind[i]))
-        return (dk, dv), dq
+        init = (jnp.zeros((b, plan.bq, q.shape[-1]), compute), *carry)
+        (dq, dk, dv, dc, db), _ = jax.lax.scan(key_block, init, (index[i], kind[i]))
+        return (dk, dv, dc, db), dq
 
-    dkv = (jnp.zeros(ks.shape, compute), jnp.zeros(vs.shape, compute))
-    steps = (jnp.arange(plan.nq, dtype=jnp.int32), qs, dos, *rows)
-    (dk, dv), dq = jax.lax.scan(query_block, dkv, steps)
-    return _unblock(dq).astype(q.dtype), _unblock(dk).astype(k.dtype), _unblock(dv).astype(v.dtype)
+    db = () if bias is None else jnp.zeros(bias.shape, compute)
+    carry = (jnp.zeros(ks.shape, compute), jnp.zeros(vs.shape, compute), jax.tree.map(jnp.zeros_like, consts), db)
+    steps = (jnp.arange(plan.nq, dtype=jnp.int32), qs, dos, *row_stats)
+    (dk, dv, dc, db), dq = jax.lax.scan(query_block, carry, steps)
+    grads = _unblock(dq).astype(q.dtype), _unblock(dk).astype(k.dtype), _unblock(dv).astype(v.dtype)
+    db = () if bias is None else (db.astype(bias.dtype),)
+    own = plan.bias == _OWN  # a bias with rows of its own comes back by rows, a shared one summed over groups
+    return ((grads, db), (dc, ())) if own else ((grads, ()), (dc, db))
 
 
-def _flash_fwd(q, k, v, run, plan, precision):
+def _flash_fwd(q, k, v, rows, sinks, consts, bias, run, plan, precision):
     forward, _ = _kernels(plan, precision)
-    out, lse = forward(q, k, v, run.kind, run.arrays)
-    return (out, lse), (q, k, v, run, out, lse)
+    (out, lse, mx), _ = forward(q, k, v, rows, sinks, run.kind, run.arrays + bias, consts)
+    return (out, lse, mx), (q, k, v, rows, sinks, consts, bias, run, out, lse)
 
 
 def _flash_bwd(plan: _Plan, precision, res, cotangents):
     """The flash-attention backward: one sweep over the non-empty tiles per group (:func:`_backward`)."""
-    q, k, v, run, out, lse = res
-    d_out, _ = cotangents  # the log-sum-exp is an output for inspection, not differentiated
+    q, k, v, rows, sinks, consts, bias, run, out, lse = res
+    d_out, _, _ = cotangents  # the log-sum-exp and max logit are outputs for inspection, not differentiated
 
     _, backward = _kernels(plan, precision)
-    dq, dk, dv = backward(q, k, v, out, lse, d_out, run.kind, run.arrays)
-    return dq, dk, dv, None
+    arrays = run.arrays + bias
+    ((dq, dk, dv), own), (dconsts, shared) = backward(q, k, v, out, lse, d_out, rows, run.kind, arrays, consts)
+    dsinks = jnp.zeros_like(sinks)
+    if plan.sinks:
+        _, delta = backward_rows(out, d_out, lse, plan.compute)
+        dsinks = sink_grads(sinks[:, None].astype(plan.compute), lse, delta).sum(-1).astype(sinks.dtype)
+    return dq, dk, dv, None, dsinks, dconsts, own + shared, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -376,31 +463,52 @@ def blockwise_attention(
     block_q: int,
     block_kv: int,
     precision: jax.lax.PrecisionLike = None,
-) -> tuple[Array, Array]:
+    score_mod=None,
+    sinks: Array | None = None,
+    bias: Array | None = None,
+) -> tuple[Array, Array, Array]:
     """Blockwise attention of validated ``q (..., T, D)``, ``k (..., S, D)``, ``v (..., S, E)``.
 
     ``mask`` is a position predicate, possibly with array leaves ``(..., T, S)`` that broadcast
-    against the leading dimensions. Returns ``out (..., T, E)`` and ``lse (..., T)``; see the
-    module docstring. The platform (:func:`platform`) picks the tiling of the leading axis
-    (:func:`group_size`).
+    against the leading dimensions. ``score_mod`` and ``sinks`` (broadcastable to the leading
+    dimensions) are as for :func:`jattn.attention`. Returns ``out (..., T, E)``, ``lse (..., T)``
+    and the row max logit ``(..., T)``; see the module docstring. The platform
+    (:func:`platform`) picks the tiling of the leading axis (:func:`group_size`).
     """
     T, S = q.shape[-2], k.shape[-2]
     skeleton, arrays = (None, []) if mask is None else split_arrays(mask)
-    leads = [broadcast_all(q=q, k=k, v=v, mask=m) for m in arrays] or [broadcast_all(q=q, k=k, v=v)]
+    leads = [broadcast_all(q=q, k=k, v=v, mask=m) for m in arrays] + [broadcast_all(q=q, k=k, v=v, bias=bias)]
     lead = tuple(np.broadcast_shapes(*leads))  # each mask array checked against q, k, v by the shared check
     qf, kf, vf = (flat_lead(x, lead) for x in (q, k, v))
     arrays = tuple(_flat_mask(m, lead) for m in arrays)  # each (B|1, T|1, S|1)
-    if T == 0 or S == 0:  # no tiles: every row is empty
-        b = qf.shape[0]
-        out, lse = jnp.zeros((b, T, v.shape[-1]), v.dtype), jnp.full((b, T), -jnp.inf, compute_dtype(q.dtype))
-        return out.reshape(*lead, T, v.shape[-1]), lse.reshape(*lead, T)
+    compute = compute_dtype(q.dtype)
+    b = qf.shape[0]
+    sinks_f = jnp.zeros((b,), compute) if sinks is None else jnp.broadcast_to(sinks, lead).reshape(b)
+    if T == 0 or S == 0:  # no tiles: every row is empty (a sink alone gives lse = sink)
+        out, empty = jnp.zeros((b, T, v.shape[-1]), v.dtype), jnp.full((b, T), -jnp.inf, compute)
+        lse = empty if sinks is None else jnp.broadcast_to(sinks_f[:, None].astype(compute), (b, T))
+        return out.reshape(*lead, T, v.shape[-1]), lse.reshape(*lead, T), empty.reshape(*lead, T)
     bq, bk = min(block_q, T), min(block_kv, S)
     q_offset = kv_offset + S - T if q_offset is None else q_offset
-    compute = compute_dtype(q.dtype)
-    plan = _Plan(T, S, bq, bk, skeleton, int(q_offset), int(kv_offset), float(scale), compute, platform())
+    g = group_size(b, bq, bk, jnp.dtype(compute).itemsize, platform())
+    mod, consts = convert_mod(score_mod, g, bq, bk, compute)
+    bias_t, kind = (), 0
+    if bias is not None:  # (B|1, T|1, S|1), padded like q and k where it has those axes
+        bias_f = _flat_mask(bias, lead)
+        bias_f = _pad(bias_f, 1, bq) if bias_f.shape[1] > 1 else bias_f
+        bias_t, kind = (
+            (_pad(bias_f, 2, bk) if bias_f.shape[2] > 1 else bias_f,),
+            _OWN if bias_f.shape[0] > 1 else _SHARED,
+        )
+    plan = _Plan(
+        T, S, bq, bk, skeleton, int(q_offset), int(kv_offset), float(scale), compute, platform(), mod,
+        sinks is not None, kind,
+    )  # fmt: skip
     run = plan.run(arrays)
-    out, lse = _flash(_pad(qf, 1, bq), _pad(kf, 1, bk), _pad(vf, 1, bk), run, plan, precision)
-    return out[:, :T].reshape(*lead, T, v.shape[-1]).astype(v.dtype), lse[:, :T].reshape(*lead, T)
+    padded = _pad(qf, 1, bq), _pad(kf, 1, bk), _pad(vf, 1, bk)
+    out, lse, mx = _flash(*padded, head_rows(lead), sinks_f, consts, bias_t, run, plan, precision)
+    out = out[:, :T].reshape(*lead, T, v.shape[-1]).astype(v.dtype)
+    return out, lse[:, :T].reshape(*lead, T), mx[:, :T].reshape(*lead, T)
 
 
 def _flat_mask(m: Array, lead: tuple[int, ...]) -> Array:

@@ -23,6 +23,8 @@ __all__ = [
     "check_int",
     "check_qkv",
     "check_real",
+    "check_score_mod",
+    "check_sinks",
     "int_array",
     "is_traced",
 ]
@@ -153,3 +155,27 @@ def check_block_size(block_size: int | tuple[int, int] | None) -> tuple[int, int
     if len(pair) != 2:
         raise ValueError(f"block_size must be an int or a pair (block_q, block_kv), got {block_size!r}")
     return check_int("block_size", pair[0], min=1), check_int("block_size", pair[1], min=1)
+
+
+def check_score_mod(score_mod: Any) -> None:
+    """Raises a TypeError unless ``score_mod`` is None or callable."""
+    if score_mod is not None and not callable(score_mod):
+        raise TypeError(
+            "score_mod must be a callable (score, batch, head, q_pos, kv_pos) -> score or None, "
+            f"got {score_mod!r} of type {type(score_mod).__name__}"
+        )
+
+
+def check_sinks(sinks: jax.Array, lead: tuple[int, ...], dtype) -> None:
+    """Raises unless ``sinks`` is floating and broadcasts to the leading shape ``lead`` of q, k, v."""
+    if not jnp.issubdtype(sinks.dtype, jnp.floating):
+        raise TypeError(f"sinks must be floating point, got {sinks.dtype} with shape {sinks.shape}")
+    try:
+        ok = np.broadcast_shapes(sinks.shape, lead) == tuple(lead)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"sinks of shape {sinks.shape} does not broadcast to the leading dimensions {tuple(lead)} of q, k, v "
+            "(one logit per head: (N,) against (B, N, T, D); (K, G) against (B, K, G, T, D))"
+        )

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -26,10 +27,10 @@ from jax.typing import ArrayLike
 
 from jattn import _blockwise
 from jattn._blockwise import blockwise_attention
-from jattn._checks import broadcast_all, check_block_size, check_qkv, check_real
+from jattn._checks import broadcast_all, check_block_size, check_qkv, check_real, check_score_mod, check_sinks
 from jattn._masks import EMPTY, ArrayMask, Causal, Mask, Padding, SlidingWindow, conjuncts
 from jattn._masks import array as masks_array
-from jattn._online import compute_dtype
+from jattn._online import compute_dtype, lead_index
 from jattn._pallas import pallas_attention
 from jattn._softmax import SoftmaxParts, softmax_parts
 
@@ -98,6 +99,24 @@ def _pad_rank(x: Array | None, ndim: int) -> Array | None:
     return None if x is None else x.reshape((1,) * (ndim - x.ndim) + x.shape)
 
 
+def _positions(q_offset, kv_offset, T: int, S: int, ndim: int) -> tuple[Array, Array]:
+    """Absolute positions for ``score_mod``: ``q_pos (..., T, 1)`` and ``kv_pos (..., 1, S)`` int32 at rank ``ndim``.
+
+    Per-example offsets ``(B,)`` put the batch on the first axis, as for masks.
+    """
+
+    def place(offset, n, axis):
+        offset = jnp.asarray(offset, jnp.int32)
+        if offset.ndim:  # (B,): batch first
+            offset = offset.reshape(-1, *(1,) * (ndim - 1))
+        pos = jnp.arange(n, dtype=jnp.int32).reshape((n, 1) if axis == 0 else (1, n))
+        pos = pos.reshape((1,) * (ndim - 2) + pos.shape)
+        return offset + pos if offset.ndim else pos + offset
+
+    q_offset = S - T + jnp.asarray(kv_offset, jnp.int32) if q_offset is None else q_offset
+    return place(q_offset, T, 0), place(kv_offset, S, 1)
+
+
 def _logits(
     q: Array,
     k: Array,
@@ -105,8 +124,17 @@ def _logits(
     bias: Array | None,
     scale: float | ArrayLike | None,
     precision: jax.lax.PrecisionLike,
-) -> tuple[SoftmaxParts, jnp.dtype]:
-    """Scaled, biased, masked scores ``(..., T, S)`` split into softmax parts (all at one rank)."""
+    score_mod=None,
+    mod_index: tuple = (),
+    sinks: Array | None = None,
+) -> tuple[SoftmaxParts, jnp.dtype, Array]:
+    """Scaled, biased, modified, masked scores ``(..., T, S)`` split into softmax parts (all at one rank).
+
+    ``mod_index`` is ``(batch, head, q_pos, kv_pos)`` for ``score_mod``; ``sinks`` ``(..., 1, 1)``
+    joins each row as one more always-kept column without a value (the parts then span S + 1
+    columns). Also returns the row max logit ``(..., T)`` over the kept scores (``-inf`` for a row
+    with none), sinks left out.
+    """
     compute = compute_dtype(q.dtype)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
@@ -117,9 +145,19 @@ def _logits(
     s = jnp.einsum("...td,...sd->...ts", qs, k.astype(compute), precision=precision, preferred_element_type=compute)
     if bias is not None:
         s = s + bias.astype(compute)
+    if score_mod is not None:
+        x = jnp.asarray(score_mod(s, *mod_index)).astype(compute)
+        s = jnp.broadcast_to(x, jnp.broadcast_shapes(s.shape, x.shape))
     if mask is not None:
         s = jnp.broadcast_to(s, jnp.broadcast_shapes(s.shape, mask.shape))
-    return softmax_parts(s, mask), compute
+    keep = jnp.ones((1,) * s.ndim, bool) if mask is None else mask
+    top = jnp.max(s, axis=-1, where=keep, initial=-jnp.inf)
+    if sinks is not None:
+        shape = jnp.broadcast_shapes(s.shape, (*sinks.shape[:-1], 1))
+        s = jnp.concatenate([jnp.broadcast_to(s, shape), jnp.broadcast_to(sinks.astype(compute), (*shape[:-1], 1))], -1)
+        keep = jnp.concatenate([jnp.broadcast_to(keep, shape), jnp.ones((*shape[:-1], 1), bool)], -1)
+        return softmax_parts(s, keep), compute, top
+    return softmax_parts(s, mask), compute, top
 
 
 def _check_dropout(rate: float, rng: Array | None) -> float:
@@ -179,9 +217,7 @@ SUPPORT: dict[str, dict[str, str]] = {
         cudnn="no: offsets must be static ints",
         pallas="no: offsets must be static ints",
     ),
-    "bias": dict(
-        dense=_YES, blockwise="no: bias is not tiled yet", xla=_YES, cudnn=_YES, pallas="no: the kernel takes no bias"
-    ),
+    "bias": dict(dense=_YES, blockwise=_YES, xla=_YES, cudnn=_YES, pallas="no: the kernel takes no bias"),
     "dropout_rate": dict(
         dense=_YES,
         blockwise="no: no dropout yet",
@@ -203,6 +239,27 @@ SUPPORT: dict[str, dict[str, str]] = {
         cudnn=_YES,
         pallas="no: the kernel's log-sum-exp cannot be differentiated",
     ),
+    "return_max_logit": dict(
+        dense=_YES,
+        blockwise=_YES,
+        xla="no: jax.nn returns no max logit",
+        cudnn="no: jax.nn returns no max logit",
+        pallas="no: the kernel returns no max logit",
+    ),
+    "score_mod": dict(
+        dense=_YES,
+        blockwise=_YES,
+        xla="no: jax.nn takes no score modification",
+        cudnn="no: jax.nn takes no score modification",
+        pallas="no: the kernel takes no score modification",
+    ),
+    "sinks": dict(
+        dense=_YES,
+        blockwise=_YES,
+        xla="no: jax.nn takes no sinks",
+        cudnn="no: jax.nn takes no sinks",
+        pallas="no: the kernel takes no sinks",
+    ),
     "block_size": dict(
         dense="no: it has no blocks",
         blockwise=_YES,
@@ -223,7 +280,21 @@ SUPPORT: dict[str, dict[str, str]] = {
 }
 
 
-def _features(q, v, mask: Mask | None, bias, q_offset, kv_offset, dropout_rate, precision, return_lse, block_size):
+def _features(
+    q,
+    v,
+    mask: Mask | None,
+    bias,
+    q_offset,
+    kv_offset,
+    dropout_rate,
+    precision,
+    return_lse,
+    block_size,
+    score_mod=None,
+    sinks=None,
+    return_max_logit=False,
+):
     """The rows of :data:`SUPPORT` this call uses."""
     used = []
     if mask is not None:
@@ -245,6 +316,9 @@ def _features(q, v, mask: Mask | None, bias, q_offset, kv_offset, dropout_rate, 
         (dropout_rate != 0, "dropout_rate"),
         (precision is not None, "precision"),
         (return_lse, "return_lse"),
+        (return_max_logit, "return_max_logit"),
+        (score_mod is not None, "score_mod"),
+        (sinks is not None, "sinks"),
         (block_size is not None, "block_size"),
         (q.dtype == jnp.float64, "float64 inputs"),
         (v.shape[-1] != q.shape[-1], "value depth E != D"),
@@ -404,8 +478,11 @@ def attention(
     return_lse: bool = False,
     implementation: str | None = None,
     block_size: int | tuple[int, int] | None = None,
-) -> Array | tuple[Array, Array]:
-    r"""Scaled dot-product attention: ``softmax(q kᵀ · scale + bias, masked) v``.
+    score_mod: Callable[..., Array] | None = None,
+    sinks: ArrayLike | None = None,
+    return_max_logit: bool = False,
+) -> Array | tuple[Array, ...]:
+    r"""Scaled dot-product attention: ``softmax(score_mod(q kᵀ · scale + bias), masked) v``.
 
     Shapes (dimension key in :mod:`jattn._core`)::
 
@@ -416,6 +493,8 @@ def attention(
         bias  (..., T, S)      additive, floating; broadcastable
         out   (..., T, E)      in the dtype of q, k, v
         lse   (..., T)         log-sum-exp of each row's logits (float32, or float64)
+        sinks (...)            one logit per row of the leading dims, e.g. (N,) against (B, N)
+        max_logit (..., T)     each row's largest (modified, kept) logit; -inf for an empty row
 
     The leading dimensions ``...`` of q, k, v, mask and bias broadcast like NumPy, so a head axis
     of size 1 in k and v gives multi-query attention, and grouped-query attention is q of shape
@@ -428,10 +507,24 @@ def attention(
 
     with the sums and the max over attended keys only.
 
+    Score modifications and sinks (see :mod:`jattn.score_mods`): ``score_mod(score, batch, head,
+    q_pos, kv_pos)`` replaces each logit ``x_ts`` before the mask. Its arguments are arrays that
+    broadcast against ``score``: int32 ``batch`` indexes the first leading axis (after
+    broadcasting q, k, v, mask, bias), ``head`` the remaining leading axes flattened row-major
+    (for ``(B, N, T, D)``: head = n; for the grouped layout ``(B, K, G, T, D)``: head =
+    k·G + g; both 0 where there is no such axis); ``q_pos``, ``kv_pos`` are the absolute
+    positions of the mask predicates (``q_offset + t``, ``kv_offset + s``). It must act element
+    by element with NumPy broadcasting (the blockwise path calls it on tiles). Arrays it closes
+    over receive gradients on every path. ``sinks`` adds ``e^sink`` to each row's denominator
+    without a value: ``out_t = Σ_s e^{x_ts} v_s / (Σ_s e^{x_ts} + e^{sink})``; the log-sum-exp
+    includes it, the max logit does not.
+
     Contract:
       * A query row whose keys are all masked out returns exactly 0 and contributes zero
-        gradient to q, k, v and bias (its log-sum-exp is ``-inf``); never NaN, never the
-        mean of v. A row whose every logit is ``-inf`` through ``bias`` is treated the same.
+        gradient to q, k, v, bias, sinks and the arrays of ``score_mod`` (its log-sum-exp is
+        ``-inf``, or its sink with ``sinks``: a sink alone keeps the row's output at 0); never
+        NaN, never the mean of v. A row whose every logit is ``-inf`` through ``bias`` or
+        ``score_mod`` is treated the same.
       * NaN in an unmasked entry of q, k, v or bias propagates to the rows it touches.
       * bfloat16/float16 inputs: logits and softmax are computed and accumulated in float32
         (no overflow for logits up to the float32 range); the output is in the input dtype.
@@ -469,9 +562,13 @@ def attention(
       block_size: ``(block_q, block_kv)`` (or one int for both) of the blockwise path;
         ``None`` chooses square tiles of 512, 256 or 128 from the mask (``_auto_block``). On
         'pallas' the kernel's blocks (default: 128, or the padded length's power of two).
+      score_mod: ``(score, batch, head, q_pos, kv_pos) -> score``, see above.
+      sinks: floating sink logits, broadcastable to the leading dimensions ``...``.
+      return_max_logit: also return the ``(..., T)`` row max logit (QK-clip monitoring).
 
     Returns:
-      ``out`` of shape ``(..., T, E)``, or ``(out, lse)`` when ``return_lse``.
+      ``out`` of shape ``(..., T, E)``, followed by ``lse`` when ``return_lse`` and then
+      ``max_logit`` when ``return_max_logit`` (a tuple when either is asked for).
 
     Raises:
       TypeError: non-floating or mismatched dtypes of q, k, v; non-bool mask; non-float bias.
@@ -485,13 +582,26 @@ def attention(
     _check_offsets(mask, q_offset, kv_offset)
     dropout_rate = _check_dropout(dropout_rate, dropout_rng)
     blocks = check_block_size(block_size)
-    used = _features(q, v, mask, bias, q_offset, kv_offset, dropout_rate, precision, return_lse, block_size)
+    check_score_mod(score_mod)
+    sinks = None if sinks is None else jnp.asarray(sinks)
+    used = _features(
+        q, v, mask, bias, q_offset, kv_offset, dropout_rate, precision, return_lse, block_size,
+        score_mod, sinks, return_max_logit,
+    )  # fmt: skip
     path = _choose(implementation, q, k, used)
+
+    def result(out, lse, top):
+        extra = ((lse,) if return_lse else ()) + ((top,) if return_max_logit else ())
+        return (out, *extra) if extra else out
+
     if path == "blockwise":
         T, S = q.shape[-2], k.shape[-2]
         bq, bk = _auto_block(mask, T, S, q_offset, kv_offset) if blocks is None else blocks
-        broadcast_all(q=q, k=k, v=v)
-        out, lse = blockwise_attention(
+        bias = _check_bias(bias)
+        lead = broadcast_all(q=q, k=k, v=v, bias=bias)
+        if sinks is not None:
+            check_sinks(sinks, lead, q.dtype)
+        out, lse, top = blockwise_attention(
             q,
             k,
             v,
@@ -502,18 +612,27 @@ def attention(
             block_q=bq,
             block_kv=bk,
             precision=precision,
+            score_mod=score_mod,
+            sinks=sinks,
+            bias=bias,
         )
-        return (out, lse) if return_lse else out
+        return result(out, lse, top)
     if path == "pallas":
-        out = pallas_attention(q, k, v, mask=mask, scale=scale, q_offset=q_offset, kv_offset=kv_offset, blocks=blocks)
-        return out
+        return pallas_attention(q, k, v, mask=mask, scale=scale, q_offset=q_offset, kv_offset=kv_offset, blocks=blocks)
     if path in ("xla", "cudnn"):
         return _jax_nn(q, k, v, mask, bias, scale, path, q_offset, kv_offset, return_lse)
+    T, S = q.shape[-2], k.shape[-2]
     mask, bias = _dense_mask(mask, q, k, q_offset, kv_offset), _check_bias(bias)
-    ndim = len(broadcast_all(q=q, k=k, v=v, mask=mask, bias=bias)) + 2
+    lead = broadcast_all(q=q, k=k, v=v, mask=mask, bias=bias)
+    ndim = len(lead) + 2
     q, k, v, mask, bias = (_pad_rank(x, ndim) for x in (q, k, v, mask, bias))
-    parts, compute = _logits(q, k, mask, bias, scale, precision)
-    p = _dropout(parts.weights(), dropout_rate, dropout_rng)
+    mod_index = (*lead_index(lead), *_positions(q_offset, kv_offset, T, S, ndim)) if score_mod else ()
+    if sinks is not None:
+        check_sinks(sinks, lead, q.dtype)
+        sinks = jnp.broadcast_to(sinks, lead)[..., None, None]
+    parts, compute, top = _logits(q, k, mask, bias, scale, precision, score_mod, mod_index, sinks)
+    weights = parts.weights()
+    p = _dropout(weights if sinks is None else weights[..., :-1], dropout_rate, dropout_rng)
     # The weighted sum takes the normalised float32 weights (v upcast for bf16/f16), so the
     # gradient is the softmax's own p (dp - rowsum(p dp)) with dp = dO·vᵀ in float32: its two terms
     # cancel exactly where they should (a one-hot row gives 0). Rounding the weights to 16 bits, or
@@ -521,9 +640,8 @@ def attention(
     # float16 for large v).
     out = jnp.einsum("...ts,...se->...te", p, v.astype(compute), precision=precision, preferred_element_type=compute)
     out = out.astype(v.dtype)
-    if return_lse:
-        return out, jnp.broadcast_to(parts.logsumexp(), out.shape[:-1])
-    return out
+    rows = out.shape[:-1]
+    return result(out, jnp.broadcast_to(parts.logsumexp(), rows), jnp.broadcast_to(top, rows))
 
 
 def choose_implementation(
@@ -539,6 +657,9 @@ def choose_implementation(
     precision: jax.lax.PrecisionLike = None,
     return_lse: bool = False,
     block_size: int | tuple[int, int] | None = None,
+    score_mod: Callable[..., Array] | None = None,
+    sinks: ArrayLike | None = None,
+    return_max_logit: bool = False,
 ) -> str:
     """The path :func:`attention` with ``implementation=None`` takes for these arguments.
 
@@ -552,7 +673,10 @@ def choose_implementation(
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     check_qkv(q, k, v)
     mask = _as_mask(mask)
-    used = _features(q, v, mask, bias, q_offset, kv_offset, dropout_rate, precision, return_lse, block_size)
+    used = _features(
+        q, v, mask, bias, q_offset, kv_offset, dropout_rate, precision, return_lse, block_size,
+        score_mod, sinks, return_max_logit,
+    )  # fmt: skip
     return _choose(None, q, k, used)
 
 
@@ -582,5 +706,5 @@ def attention_weights(
     mask, bias = _dense_mask(mask, q, k, q_offset, kv_offset), _check_bias(bias)
     ndim = len(broadcast_all(q=q, k=k, mask=mask, bias=bias)) + 2
     q, k, mask, bias = (_pad_rank(x, ndim) for x in (q, k, mask, bias))
-    parts, _ = _logits(q, k, mask, bias, scale, precision)
+    parts, _, _ = _logits(q, k, mask, bias, scale, precision)
     return parts.weights()

@@ -11,6 +11,14 @@ The backward pass recomputes a tile's weights ``p = e^(x - lse)`` from the saved
 accumulates ``dq += ds k``, ``dk += dsᵀ q``, ``dv += pᵀ dO`` with ``ds = p (dO vᵀ - delta) scale``
 and ``delta = rowsum(dO ∘ O)`` (:func:`tile_grads`). Everything accumulates in
 :func:`compute_dtype`: float32 for bf16/f16/f32, float64 for float64.
+
+Score modifications (``score_mod``) change a tile's scaled scores before the mask: the forward
+folds ``x = mod(s)`` instead of ``s``; the backward recomputes ``x`` under ``jax.vjp`` and pulls
+``dx = p (dp - delta)`` back to ``ds`` and to the arrays the modification closes over
+(:func:`score_grads`). Attention sinks (a logit per row that joins the denominator without a
+value) enter only at the end (:func:`finish`): the log-sum-exp then includes them, so the
+backward's ``p = e^(x - lse)`` and ``ds`` are unchanged, and the sink's own gradient is
+``-e^(sink - lse) · delta`` per row (:func:`sink_grads`).
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import Array
 
 from jattn._masks import EMPTY, FULL, PARTIAL
@@ -28,13 +37,19 @@ from jattn._softmax import shifted_exp
 __all__ = [
     "accumulate",
     "backward_rows",
+    "bind_mod",
     "compute_dtype",
+    "convert_mod",
     "empty_state",
     "finish",
     "flat_lead",
+    "head_rows",
+    "lead_index",
+    "mod_args",
     "per_block",
     "scaled_scores",
     "score_grads",
+    "sink_grads",
     "tile_grads",
 ]
 
@@ -47,6 +62,29 @@ def compute_dtype(dtype) -> jnp.dtype:
 def flat_lead(x: Array, lead: tuple[int, ...]) -> Array:
     """``(..., L, X)`` broadcast to the leading shape ``lead`` and flattened: ``(B, L, X)``."""
     return jnp.broadcast_to(x, (*lead, *x.shape[-2:])).reshape(math.prod(lead), *x.shape[-2:])
+
+
+def head_rows(lead: tuple[int, ...]) -> Array:
+    """``(B, 2)`` int32: the (batch, head) of each row of the leading shape ``lead`` flattened to ``B``.
+
+    ``batch`` indexes the first leading axis, ``head`` the remaining ones flattened row-major
+    (``(B, K, G)``: head = k·G + g); both 0 where there is no such axis.
+    """
+    return jnp.asarray(_rows(lead))
+
+
+def _rows(lead: tuple[int, ...]) -> np.ndarray:
+    b, n = math.prod(lead), math.prod(lead[1:])
+    r = np.arange(b, dtype=np.int32)
+    return np.stack([r // n, r % n], 1)
+
+
+def lead_index(lead: tuple[int, ...]) -> tuple[Array, Array]:
+    """``batch`` and ``head`` (:func:`head_rows`) unflattened: ``(B|1, 1, ..., 1, 1, 1)`` and ``(1, *lead[1:], 1, 1)``."""
+    rows = _rows(lead).reshape(*lead, 2)
+    batch = rows[..., 0][(slice(None),) + (slice(0, 1),) * (len(lead) - 1)] if lead else rows[..., 0]
+    head = rows[..., 1][:1] if lead else rows[..., 1]
+    return jnp.asarray(batch[..., None, None]), jnp.asarray(head[..., None, None])
 
 
 def scaled_scores(qb: Array, kb: Array, scale: float, compute, precision) -> Array:
@@ -94,12 +132,41 @@ def accumulate(state, s: Array, keep: Array | None, vb: Array, precision, comput
     return m_new, norm * alpha + jnp.sum(p, -1), acc * alpha[..., None] + pv
 
 
-def finish(state, dtype) -> tuple[Array, Array]:
-    """``out (B, t, E)`` in ``dtype`` and ``lse (B, t)`` (``-inf`` and 0 output for rows that saw no key)."""
+def finish(state, dtype, sink: Array | None = None) -> tuple[Array, Array, Array]:
+    """``out (B, t, E)`` in ``dtype``, ``lse (B, t)`` and the row max logit ``(B, t)``.
+
+    Rows that saw no key give 0 output, max ``-inf`` and lse ``-inf``. ``sink`` ``(B, 1)`` (or
+    ``(B, t)``) adds ``e^sink`` to each row's denominator without a value: the lse includes it
+    (an empty row's lse is its sink), the max logit does not (it is the max over scored keys).
+    """
     m, norm, acc = state
+    top = m
+    if sink is not None:
+        top = jnp.maximum(m, sink)
+        safe_top = jnp.where(top == -jnp.inf, jnp.zeros_like(top), top)
+        alpha = jnp.exp(jnp.where(m == -jnp.inf, -jnp.inf, m - safe_top))
+        norm = norm * alpha + jnp.exp(sink - safe_top)
+        acc = acc * alpha[..., None]
     safe = jnp.where(norm == 0, jnp.ones_like(norm), norm)
-    lse = jnp.where(norm == 0, -jnp.inf, m + jnp.log(safe))
-    return (acc / safe[..., None]).astype(dtype), lse
+    lse = jnp.where(norm == 0, -jnp.inf, top + jnp.log(safe))
+    return (acc / safe[..., None]).astype(dtype), lse, m
+
+
+def sink_grads(sink: Array, lse: Array, delta: Array) -> Array:
+    """``d sink (B, t)`` per row: ``-e^(sink - lse) · delta`` (0 on rows with 0 output, whose delta is 0).
+
+    ``sink`` ``(B, 1|t)``, ``lse (B, t)`` the saved log-sum-exp (sink included), ``delta = rowsum(dO ∘ O)``.
+    """
+    w = jnp.exp(jnp.where(lse == -jnp.inf, -jnp.inf, sink - jnp.where(lse == -jnp.inf, 0, lse).astype(sink.dtype)))
+    return -w * delta
+
+
+def mod_args(rows: Array, q_pos: Array, kv_pos: Array) -> tuple[Array, Array, Array, Array]:
+    """``score_mod``'s index arguments for a tile: ``batch``, ``head`` ``(B, 1, 1)``, ``q_pos (1, t, 1)``, ``kv_pos (1, 1, s)``.
+
+    ``rows (B, 2)`` holds each flattened leading row's (batch, head); positions are int32.
+    """
+    return rows[:, 0, None, None], rows[:, 1, None, None], q_pos[None, :, None], kv_pos[None, None, :]
 
 
 def backward_rows(out: Array, d_out: Array, lse: Array, compute) -> tuple[Array, Array]:
@@ -108,16 +175,55 @@ def backward_rows(out: Array, d_out: Array, lse: Array, compute) -> tuple[Array,
     return lse, jnp.sum(d_out.astype(compute) * out.astype(compute), -1)
 
 
-def score_grads(s, keep, lse, do, vb, delta, scale, precision, compute) -> tuple[Array, Array]:
-    """``p`` and ``ds = p (dp - delta) scale`` of one tile, each ``(B, t, s)``, from the saved ``lse (B, t)``.
+def convert_mod(score_mod, b: int, t: int, s: int, compute, like=None) -> tuple:
+    """``score_mod`` closure-converted for tiles ``(b, t, s)``: ``(fn, consts)``, or ``(None, ())`` without one.
 
-    ``lse`` must be finite (0 for empty rows, whose ``p`` is 0 by the mask); ``delta = rowsum(dO ∘ O)``.
+    ``fn(score, batch, head, q_pos, kv_pos, *consts)`` takes the arrays ``score_mod`` closes over
+    (a learned table, slopes) as explicit arguments (:func:`jax.closure_convert`), so a custom VJP
+    can return their gradients. ``fn`` is specialised to these tile shapes (and, with ``like``,
+    a function applied to the example arguments, to their types: inside ``shard_map`` they vary
+    over the ring's axis).
     """
-    p = shifted_exp(s, lse[..., None])
+    if score_mod is None:
+        return None, ()
+    rows = jnp.zeros((b, 2), jnp.int32)
+    example = (jnp.zeros((b, t, s), compute), *mod_args(rows, jnp.zeros((t,), jnp.int32), jnp.zeros((s,), jnp.int32)))
+    fn, consts = jax.closure_convert(score_mod, *(example if like is None else like(example)))
+    return fn, tuple(consts)
+
+
+def bind_mod(fn, rows: Array, q_pos: Array, kv_pos: Array, compute):
+    """``mod(s, consts)`` for one tile: ``fn`` of :func:`convert_mod` at this tile's rows and positions."""
+
+    def mod(s, consts):
+        x = fn(s, *mod_args(rows, q_pos, kv_pos), *consts)
+        return jnp.broadcast_to(jnp.asarray(x).astype(compute), s.shape)
+
+    return mod
+
+
+def score_grads(s, keep, lse, do, vb, delta, scale, precision, compute, mod=None, consts=()) -> tuple:
+    """``p``, ``ds = p (dp - delta) scale`` of one tile, each ``(B, t, s)``, the gradients of ``consts`` and ``ds / scale``.
+
+    From the saved ``lse (B, t)``, which must be finite (0 for empty rows, whose ``p`` is 0 by
+    the mask); ``delta = rowsum(dO ∘ O)``. ``mod(s, consts)`` (optional) is the score
+    modification: ``p`` is taken at ``mod(s)`` and ``p (dp - delta)`` is pulled back through it
+    to ``s`` and to ``consts`` (a tuple of arrays; ``()`` without a modification). The last
+    result, the gradient of the unscaled logits ``s``, is an additive bias's gradient.
+    """
+    if mod is None:
+        x, pull = s, None
+    else:
+        x, pull = jax.vjp(mod, s, consts)
+    p = shifted_exp(x, lse[..., None])
     if keep is not None:
         p = jnp.where(keep, p, jnp.zeros((), p.dtype))
     dp = jnp.einsum("bte,bse->bts", do, vb, precision=precision, preferred_element_type=compute)
-    return p, p * (dp - delta[..., None]) * scale
+    dx = p * (dp - delta[..., None])
+    dconsts = ()
+    if pull is not None:
+        dx, dconsts = pull(dx)
+    return p, dx * scale, dconsts, dx
 
 
 def tile_grads(p: Array, ds: Array, qb: Array, kb: Array, do: Array, precision, compute) -> tuple[Array, Array, Array]:

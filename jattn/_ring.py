@@ -37,18 +37,22 @@ import numpy as np
 from jax import Array
 from jax.typing import ArrayLike
 
-from jattn._checks import broadcast_all, check_qkv
+from jattn._checks import broadcast_all, check_qkv, check_score_mod, check_sinks
 from jattn._masks import EMPTY, FULL, PARTIAL, KeyBelow, Mask
 from jattn._online import (
     accumulate,
     backward_rows,
+    bind_mod,
     compute_dtype,
+    convert_mod,
     empty_state,
     finish,
     flat_lead,
+    head_rows,
     per_block,
     scaled_scores,
     score_grads,
+    sink_grads,
     tile_grads,
 )
 
@@ -101,6 +105,8 @@ class _Ring:
     scale: float
     segments: bool
     compute: jnp.dtype
+    mod: object = None  # the closure-converted score_mod (jattn._online.convert_mod), or None
+    sinks: bool = False
 
     def work(self) -> np.ndarray:
         """``(P steps, P devices)``: the (query chunk, key chunk) pairs each device computes per step.
@@ -117,14 +123,22 @@ class _Ring:
         owned, kinds = jnp.asarray(self.owned, jnp.int32), jnp.asarray(self.kinds)
         return kinds[owned[r, a], owned[src, b]].astype(jnp.int32)
 
+    def positions(self, r, src, a: int, b: int) -> tuple[Array, Array]:
+        """Global positions ``(tc,)`` of local query chunk a and ``(sc,)`` of key chunk b of device src."""
+        owned = jnp.asarray(self.owned, jnp.int32)
+        i = self.q_offset + owned[r, a] * self.tc + jnp.arange(self.tc, dtype=jnp.int32)
+        return i, owned[src, b] * self.sc + jnp.arange(self.sc, dtype=jnp.int32)
+
+    def modifier(self, rows, r, src, a: int, b: int):
+        """``mod(s, consts)`` of this chunk pair (:func:`jattn._online.bind_mod`), or None."""
+        return None if self.mod is None else bind_mod(self.mod, rows, *self.positions(r, src, a, b), self.compute)
+
     def scores(self, qc, kc, qsc, ksc, r, src, a, b, masked, precision):
         """Scaled scores ``(B, tc, sc)`` of local query chunk a against key chunk b of device src, and the mask."""
         s = scaled_scores(qc, kc, self.scale, self.compute, precision)
         if not masked:
             return s, None
-        owned = jnp.asarray(self.owned, jnp.int32)
-        i = self.q_offset + owned[r, a] * self.tc + jnp.arange(self.tc, dtype=jnp.int32)
-        j = owned[src, b] * self.sc + jnp.arange(self.sc, dtype=jnp.int32)
+        i, j = self.positions(r, src, a, b)
         keep = jnp.ones((1, self.tc, self.sc), bool)
         if self.predicate is not None:
             keep = self.predicate.allowed(i[:, None], j[None, :])[None]
@@ -139,9 +153,14 @@ class _Ring:
 
 
 def _vary(tree, like: Array):
-    """Marks fresh arrays as varying over the manual mesh axes ``like`` varies over (shard_map's check_vma)."""
-    axes = tuple(jax.typeof(like).manual_axis_type.varying)
-    return jax.tree.map(lambda x: jax.lax.pcast(x, axes, to="varying"), tree) if axes else tree
+    """Marks arrays as varying over the manual mesh axes ``like`` varies over (shard_map's check_vma)."""
+    axes = set(jax.typeof(like).manual_axis_type.varying)
+
+    def vary(x):
+        missing = tuple(sorted(axes - set(jax.typeof(x).manual_axis_type.varying)))
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(vary, tree)
 
 
 def _unpack(travelling: tuple[Array, ...], c: int, segments: bool) -> list[list[Array | None]]:
@@ -155,9 +174,9 @@ def _chunks(x: Array, c: int) -> list[Array]:
     return jnp.split(x, c, axis=1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _ring(q, k, v, q_seg, kv_seg, ring: _Ring, precision):
-    return _ring_forward(q, k, v, q_seg, kv_seg, ring, precision)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9))
+def _ring(q, k, v, q_seg, kv_seg, rows, sinks, consts, ring: _Ring, precision):
+    return _ring_forward(q, k, v, q_seg, kv_seg, rows, sinks, consts, ring, precision)
 
 
 def _around(ring: _Ring, step, carry, travelling):
@@ -174,7 +193,7 @@ def _around(ring: _Ring, step, carry, travelling):
     return step(ring.p - 1, carry, travelling)
 
 
-def _ring_forward(q, k, v, q_seg, kv_seg, ring: _Ring, precision):
+def _ring_forward(q, k, v, q_seg, kv_seg, rows, sinks, consts, ring: _Ring, precision):
     c = ring.owned.shape[1]
     r = jax.lax.axis_index(ring.axis_name)
     qc, qsc = _chunks(q, c), _chunks(q_seg, c)
@@ -188,6 +207,8 @@ def _ring_forward(q, k, v, q_seg, kv_seg, ring: _Ring, precision):
 
                 def update(state, masked, a=a, b=b):
                     s, keep = ring.scores(qc[a], kc[b], qsc[a], ksc[b], r, src, a, b, masked, precision)
+                    mod = ring.modifier(rows, r, src, a, b)
+                    s = s if mod is None else mod(s, consts)
                     return accumulate(state, s, keep, vc[b], precision, ring.compute)
 
                 states[a] = per_block(ring.kind(r, src, a, b), update, states[a])
@@ -195,48 +216,80 @@ def _ring_forward(q, k, v, q_seg, kv_seg, ring: _Ring, precision):
 
     init = tuple(_vary(empty_state(q.shape[0], ring.tc, v.shape[-1], ring.compute), q) for _ in range(c))
     states, _ = _around(ring, step, init, (k, v, kv_seg) if ring.segments else (k, v))
-    outs, lses = zip(*(finish(st, v.dtype) for st in states), strict=True)
-    return jnp.concatenate(outs, 1), jnp.concatenate(lses, 1)
+    sink = sinks[:, None].astype(ring.compute) if ring.sinks else None
+    outs = zip(*(finish(st, v.dtype, sink) for st in states), strict=True)
+    return tuple(jnp.concatenate(x, 1) for x in outs)
 
 
-def _ring_fwd(q, k, v, q_seg, kv_seg, ring, precision):
-    out, lse = _ring_forward(q, k, v, q_seg, kv_seg, ring, precision)
-    return (out, lse), (q, k, v, q_seg, kv_seg, out, lse)
+def _ring_fwd(q, k, v, q_seg, kv_seg, rows, sinks, consts, ring, precision):
+    out, lse, top = _ring_forward(q, k, v, q_seg, kv_seg, rows, sinks, consts, ring, precision)
+    return (out, lse, top), (q, k, v, q_seg, kv_seg, rows, sinks, consts, out, lse)
+
+
+def _shared_sum(g: Array, like: Array, axis_name: str) -> Array:
+    """The gradient ``g`` of ``like`` from this device, summed over the ring where ``like`` is shared by all devices."""
+    return g if axis_name in jax.typeof(like).manual_axis_type.varying else jax.lax.psum(g, axis_name)
 
 
 def _ring_bwd(ring: _Ring, precision, res, cotangents):
-    q, k, v, q_seg, kv_seg, out, lse = res
-    d_out, _ = cotangents  # the log-sum-exp is returned for inspection, not differentiated
+    q, k, v, q_seg, kv_seg, rows, sinks, consts, out, lse = res
+    d_out, _, _ = cotangents  # the log-sum-exp and max logit are returned for inspection, not differentiated
+    dsinks = jnp.zeros_like(sinks)
+    if ring.sinks:
+        _, delta = backward_rows(out, d_out, lse, ring.compute)
+        dsinks = sink_grads(sinks[:, None].astype(ring.compute), lse, delta).sum(-1).astype(sinks.dtype)
+        dsinks = _shared_sum(dsinks, sinks, ring.axis_name)
     c, compute = ring.owned.shape[1], ring.compute
     r = jax.lax.axis_index(ring.axis_name)
     lse, delta = backward_rows(out, d_out, lse, compute)  # (B, T) each
     scale = jnp.asarray(ring.scale, compute)
     qc, qsc, doc = _chunks(q, c), _chunks(q_seg, c), _chunks(d_out, c)
+    shared = consts
     lsec, deltac = _chunks(lse, c), _chunks(delta, c)
 
-    def step(n, dq, travelling):
+    def step(n, carry, travelling):
+        dq, dc = carry
         src = (r - jnp.asarray(n, r.dtype)) % ring.p
         dkc, dvc, kc, vc, ksc = _unpack(travelling, c, ring.segments)  # dk, dv travel with k, v
         dq = list(dq)
         for a in range(c):
             for b in range(c):
 
-                def update(carry, masked, a=a, b=b):
-                    dq_a, dk_b, dv_b = carry
+                def update(carry, masked, a=a, b=b, live=None):
+                    dq_a, dk_b, dv_b, dc = carry
                     s, keep = ring.scores(qc[a], kc[b], qsc[a], ksc[b], r, src, a, b, masked, precision)
-                    p, ds = score_grads(s, keep, lsec[a], doc[a], vc[b], deltac[a], scale, precision, compute)
+                    keep = keep if live is None else keep & live
+                    mod = ring.modifier(rows, r, src, a, b)
+                    p, ds, gc, _ = score_grads(
+                        s, keep, lsec[a], doc[a], vc[b], deltac[a], scale, precision, compute, mod, consts
+                    )
                     gq, gk, gv = tile_grads(p, ds, qc[a], kc[b], doc[a], precision, compute)
-                    return dq_a + gq, dk_b + gk, dv_b + gv
+                    return dq_a + gq, dk_b + gk, dv_b + gv, jax.tree.map(jnp.add, dc, gc)
 
-                dq[a], dkc[b], dvc[b] = per_block(ring.kind(r, src, a, b), update, (dq[a], dkc[b], dvc[b]))
-        return tuple(dq), (jnp.concatenate(dkc, 1), jnp.concatenate(dvc, 1), *travelling[2:])
+                kind, carry = ring.kind(r, src, a, b), (dq[a], dkc[b], dvc[b], dc)
+                if ring.mod is None:
+                    dq[a], dkc[b], dvc[b], dc = per_block(kind, update, carry)
+                else:
+                    # The gradient of an array shared by the devices ends in a psum (the transpose of
+                    # making it varying) inside the modification's pullback: every device must run
+                    # it, so no branch; an empty pair contributes 0 through its all-False mask.
+                    dq[a], dkc[b], dvc[b], dc = update(carry, True, live=kind != EMPTY)
+        return (tuple(dq), dc), (jnp.concatenate(dkc, 1), jnp.concatenate(dvc, 1), *travelling[2:])
 
     dq = tuple(_vary(jnp.zeros(x.shape, compute), q) for x in qc)
+    # A modification's pullback psums the gradient of an array shared by the devices itself (the
+    # transpose of making it varying), so dc starts with each array's own type.
+    dc = tuple(
+        _vary(jnp.zeros(x.shape, x.dtype), x) if ring.axis_name in jax.typeof(x).manual_axis_type.varying else
+        jnp.zeros(x.shape, x.dtype) for x in consts
+    )  # fmt: skip
     dk, dv = _vary((jnp.zeros(k.shape, compute), jnp.zeros(v.shape, compute)), k)
-    dq, (dk, dv, *_) = _around(ring, step, dq, (dk, dv, k, v, kv_seg) if ring.segments else (dk, dv, k, v))
+    travelling = (dk, dv, k, v, kv_seg) if ring.segments else (dk, dv, k, v)
+    (dq, dc), (dk, dv, *_) = _around(ring, step, (dq, dc), travelling)
     dk, dv = ring.shift(dk, dv)  # the last hop takes each slice's gradients home
     dq = jnp.concatenate(dq, 1)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+    dc = tuple(g.astype(x.dtype) for g, x in zip(dc, shared, strict=True))
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, dsinks, dc
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
@@ -284,7 +337,10 @@ def ring_attention(
     kv_length: int | None = None,
     precision: jax.lax.PrecisionLike = None,
     return_lse: bool = False,
-) -> Array | tuple[Array, Array]:
+    score_mod=None,
+    sinks: ArrayLike | None = None,
+    return_max_logit: bool = False,
+) -> Array | tuple[Array, ...]:
     """Attention over a sequence sharded along mesh axis ``axis_name``; call inside ``jax.shard_map``.
 
     Shapes are the *local* slices (dimension key in :mod:`jattn._core`)::
@@ -315,12 +371,18 @@ def ring_attention(
         (padding that makes the length divisible) are masked.
       precision: matmul precision.
       return_lse: also return the log-sum-exp ``(..., T)``.
+      score_mod: ``(score, batch, head, q_pos, kv_pos) -> score`` as in :func:`jattn.attention`,
+        with *global* positions; arrays it closes over get gradients (summed over the ring
+        where they are the same on every device).
+      sinks: sink logits broadcastable to the leading dimensions, as in :func:`jattn.attention`.
+      return_max_logit: also return the row max logit ``(..., T)`` (after ``return_lse``'s lse).
     """
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     check_qkv(q, k, v)
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     _check_mask(mask)
+    check_score_mod(score_mod)
     p = jax.lax.axis_size(axis_name)
     c = 1 if layout == "contiguous" else 2
     T, S = q.shape[-2], k.shape[-2]
@@ -328,6 +390,12 @@ def ring_attention(
         raise ValueError(f"layout='zigzag' needs even local lengths, got q {q.shape} and k {k.shape}")
     lead = broadcast_all(q=q, k=k, v=v)
     b = math.prod(lead)
+    compute = compute_dtype(q.dtype)
+    if sinks is not None:
+        sinks = jnp.asarray(sinks)
+        check_sinks(sinks, lead, q.dtype)
+    sinks_f = jnp.zeros((b,), compute) if sinks is None else jnp.broadcast_to(sinks, lead).reshape(b)
+    mod, consts = convert_mod(score_mod, b, T // c, S // c, compute, like=lambda xs: _vary(xs, k))
     if segment_ids is None:
         q_seg, kv_seg = _vary((jnp.zeros((b, T), jnp.int32), jnp.zeros((b, S), jnp.int32)), k)
     else:
@@ -353,11 +421,16 @@ def ring_attention(
         q_offset=q_offset,
         scale=1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale),
         segments=segment_ids is not None,
-        compute=compute_dtype(q.dtype),
+        compute=compute,
+        mod=mod,
+        sinks=sinks is not None,
     )
-    out, lse = _ring(*(flat_lead(x, lead) for x in (q, k, v)), q_seg, kv_seg, ring, precision)
-    out, lse = out.reshape(*lead, T, v.shape[-1]), lse.reshape(*lead, T)
-    return (out, lse) if return_lse else out
+    qkv = (flat_lead(x, lead) for x in (q, k, v))
+    rows = _vary(head_rows(lead), k)
+    out, lse, top = _ring(*qkv, q_seg, kv_seg, rows, sinks_f, consts, ring, precision)
+    out, lse, top = out.reshape(*lead, T, v.shape[-1]), lse.reshape(*lead, T), top.reshape(*lead, T)
+    extra = ((lse,) if return_lse else ()) + ((top,) if return_max_logit else ())
+    return (out, *extra) if extra else out
 
 
 def sequence_parallel_attention(

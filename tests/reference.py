@@ -26,37 +26,94 @@ def f64(x) -> np.ndarray:
     return np.asarray(x if x.dtype == jnp.float64 else x.astype(jnp.float32), np.float64)
 
 
-def softmax(x, where=None):
-    """Row softmax over the last axis; rows with nothing kept are all zeros."""
+def softmax(x, where=None, sink=None):
+    """Row softmax over the last axis; rows with nothing kept are all zeros.
+
+    ``sink`` (broadcastable to ``x.shape[:-1]``) adds ``exp(sink)`` to each row's denominator.
+    Returns the weights, the log-sum-exp (sink included) and each row's sink weight.
+    """
     x = np.asarray(x, np.float64)
     where = np.ones(x.shape, bool) if where is None else np.broadcast_to(where, x.shape)
+    sink = None if sink is None else np.broadcast_to(np.asarray(sink, np.float64), x.shape[:-1])
     out = np.zeros_like(x)
     lse = np.full(x.shape[:-1], -np.inf)
+    sink_w = np.zeros(x.shape[:-1])
     for idx in np.ndindex(*x.shape[:-1]):
         keep = where[idx]
-        if keep.any():
-            row = x[idx][keep]
+        row = x[idx][keep]
+        if sink is not None:
+            row = np.append(row, sink[idx])
+        if row.size:
             m = row.max()
             e = np.exp(row - m)
-            out[idx][keep] = e / e.sum()
+            out[idx][keep] = e[: keep.sum()] / e.sum()
             lse[idx] = m + np.log(e.sum())
-    return out, lse
+            sink_w[idx] = 0.0 if sink is None else e[-1] / e.sum()
+    return out, lse, sink_w
 
 
-def attention(q, k, v, mask=None, bias=None, scale=None):
-    """Dense attention in float64: returns (out (..., T, E), weights (..., T, S), lse (..., T))."""
-    q, k, v = f64(q), f64(k), f64(v)
+def lead_indices(lead):
+    """``batch`` and ``head`` of every leading index, each of shape ``lead + (1, 1)``: batch is the
+    first leading axis, head the index into the rest counted row-major."""
+    lead = tuple(lead)
+    batch = np.zeros(lead, np.int64)
+    head = np.zeros(lead, np.int64)
+    for idx in np.ndindex(*lead):
+        if idx:
+            batch[idx] = idx[0]
+            h = 0
+            for i, n in zip(idx[1:], lead[1:], strict=True):
+                h = h * n + i
+            head[idx] = h
+    return batch[..., None, None], head[..., None, None]
+
+
+def scores(q, k, mask=None, bias=None, scale=None, score_mod=None, q_offset=None, kv_offset=0, lead=None):
+    """The modified scaled scores ``(..., T, S)`` in float64 and the broadcast mask (or None).
+
+    ``score_mod(score, batch, head, q_pos, kv_pos)`` gets NumPy arrays: the whole score, the
+    indices of :func:`lead_indices` and absolute positions ``q_pos (T, 1)``, ``kv_pos (1, S)``
+    (``q_offset`` defaults to ``S - T + kv_offset``). ``lead`` is the leading shape to broadcast to.
+    """
+    q, k = f64(q), f64(k)
     scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
     s = np.matmul(q, np.swapaxes(k, -1, -2)) * scale
     if bias is not None:
         s = s + np.asarray(bias, np.float64)
+    shape = s.shape if mask is None else np.broadcast_shapes(s.shape, np.shape(mask))
+    if lead is not None:
+        shape = np.broadcast_shapes(shape, (*lead, 1, 1))
+    s = np.broadcast_to(s, shape)
+    if score_mod is not None:
+        T, S = s.shape[-2:]
+        q_offset = S - T + kv_offset if q_offset is None else q_offset
+        q_pos = (q_offset + np.arange(T))[:, None]
+        kv_pos = (kv_offset + np.arange(S))[None, :]
+        s = np.broadcast_to(score_mod(s, *lead_indices(s.shape[:-2]), q_pos, kv_pos), shape).astype(np.float64)
     if mask is not None:
-        mask = np.asarray(mask, bool)
-        shape = np.broadcast_shapes(s.shape, mask.shape)
-        s, mask = np.broadcast_to(s, shape), np.broadcast_to(mask, shape)
-    w, lse = softmax(s, mask)
+        mask = np.broadcast_to(np.asarray(mask, bool), shape)
+    return s, mask
+
+
+def attention(q, k, v, mask=None, bias=None, scale=None, score_mod=None, sinks=None, q_offset=None, stats=False):
+    """Dense attention in float64: returns (out (..., T, E), weights (..., T, S), lse (..., T)).
+
+    ``score_mod`` as in :func:`scores`; ``sinks`` broadcastable to the leading shape. ``stats``
+    adds the row max logit over kept entries (``-inf`` for an empty row).
+    """
+    v = f64(v)
+    lead = np.broadcast_shapes(np.shape(q)[:-2], np.shape(k)[:-2], v.shape[:-2])
+    if sinks is not None:
+        lead = np.broadcast_shapes(lead, np.shape(sinks))
+    s, mask = scores(q, k, mask, bias, scale, score_mod, q_offset, lead=lead if sinks is not None else None)
+    sink = None if sinks is None else np.broadcast_to(np.asarray(sinks, np.float64), s.shape[:-2])[..., None]
+    w, lse, _ = softmax(s, mask, sink)
     out = np.matmul(w, v)
-    return out, w, np.broadcast_to(lse, out.shape[:-1])
+    lse = np.broadcast_to(lse, out.shape[:-1])
+    if not stats:
+        return out, w, lse
+    top = np.max(np.where(np.ones(s.shape, bool) if mask is None else mask, s, -np.inf), -1)
+    return out, w, lse, np.broadcast_to(top, out.shape[:-1])
 
 
 def article_self_attention(x, wq, wk, wv):
@@ -68,14 +125,21 @@ def article_self_attention(x, wq, wk, wv):
     return (w / w.sum(-1, keepdims=True)) @ v
 
 
-def attention_grads(q, k, v, dout, mask=None, bias=None, scale=None):
+def attention_grads(q, k, v, dout, mask=None, bias=None, scale=None, sinks=None):
     """Float64 gradients of ``sum(attention(...) * dout)``: returns (dq, dk, dv, dbias), each reduced
-    back to its input's (broadcast) shape; dbias is None without a bias.
+    back to its input's (broadcast) shape; dbias is None without a bias. With ``sinks`` a fifth,
+    dsinks, in the shape of ``sinks``.
 
     The softmax backward by hand: dP = dO Vᵀ, dS = P ∘ (dP - rowsum(P ∘ dP)), dQ = dS K · scale,
-    dK = dSᵀ Q · scale, dV = Pᵀ dO, dbias = dS.
+    dK = dSᵀ Q · scale, dV = Pᵀ dO, dbias = dS; a sink is one more softmax entry with dP = 0, so
+    d sink = -Σ_t P_sink,t · rowsum(P ∘ dP)_t.
     """
-    _, w, _ = attention(q, k, v, mask, bias, scale)
+    _, w, _ = attention(q, k, v, mask, bias, scale, sinks=sinks)
+    if sinks is not None:
+        s, m = scores(q, k, mask, bias, scale, lead=w.shape[:-2])
+        _, _, w_sink = softmax(s, m, np.broadcast_to(np.asarray(sinks, np.float64), s.shape[:-2])[..., None])
+        dp_rows = np.sum(w * np.matmul(np.asarray(dout, np.float64), np.swapaxes(f64(v), -1, -2)), -1)
+        dsinks = unbroadcast(np.sum(-w_sink * dp_rows, -1), np.shape(sinks))
     q, k, v, dout = f64(q), f64(k), f64(v), np.asarray(dout, np.float64)
     scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
     dp = np.matmul(dout, np.swapaxes(v, -1, -2))
@@ -88,7 +152,7 @@ def attention_grads(q, k, v, dout, mask=None, bias=None, scale=None):
         unbroadcast(dk, k.shape),
         unbroadcast(dv, v.shape),
         None if bias is None else unbroadcast(ds, np.shape(bias)),
-    )
+    ) + ((dsinks,) if sinks is not None else ())
 
 
 def unbroadcast(x, shape):

@@ -130,7 +130,7 @@ def test_auto_chooses_blockwise_for_long_sequences():
     assert jattn.choose_implementation(small, small, small) == "dense"
     assert jattn.choose_implementation(big, big, big, mask=masks.causal()) == "blockwise"
     assert jattn.choose_implementation(big, big, big, mask=jnp.ones((1, 1), bool)) == "blockwise"  # arrays are tiled
-    assert jattn.choose_implementation(big, big, big, bias=jnp.ones((1, 1))) == "dense"  # bias is not (yet)
+    assert jattn.choose_implementation(big, big, big, bias=jnp.ones((1, 1))) == "blockwise"  # bias is tiled
     assert jattn.choose_implementation(small, small, small, block_size=16) == "blockwise"  # blocks asked for
 
 
@@ -152,7 +152,10 @@ def test_xla_handover_matches_and_keeps_the_contract():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        (dict(implementation="blockwise", bias=np.zeros((9, 9), np.float32)), "'blockwise' cannot take bias"),
+        (
+            dict(implementation="blockwise", dropout_rate=0.5, dropout_rng=jax.random.key(0)),
+            "'blockwise' cannot take dropout",
+        ),
         (dict(implementation="blockwise", mask=masks.padding(kv_lengths=np.array([3, 4]))), "per-example predicate"),
         (dict(implementation="dense", block_size=4), "'dense' cannot take block_size"),
         (dict(implementation="xla", dropout_rate=0.5, dropout_rng=jax.random.key(0)), "'xla' cannot take dropout_rate"),

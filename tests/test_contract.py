@@ -198,6 +198,9 @@ def _row_call(row):
         "dropout_rate": (dict(dropout_rate=0.3, dropout_rng=jax.random.key(1)), None),
         "precision": (dict(precision="highest"), None),
         "return_lse": (dict(return_lse=True), None),
+        "return_max_logit": (dict(return_max_logit=True), None),
+        "score_mod": (dict(score_mod=jattn.score_mods.softcap(0.5)), None),
+        "sinks": (dict(sinks=np.array([0.5, -1.0, 2.0], np.float32)), None),
         "block_size": (dict(block_size=(4, 3)), None),
         "float64 inputs": ({}, None),
         "value depth E != D": ({}, None),
@@ -227,9 +230,14 @@ def test_every_cell_of_the_support_table(row, impl):
         if impl == "cudnn":
             pytest.skip("cuDNN needs an NVIDIA GPU; its translations are tested by their refusals and on 'xla'")
         got = jattn.attention(q, k, v, implementation=impl, **kw)
-        out = got[0] if kw.get("return_lse") else got
+        out = got[0] if kw.get("return_lse") or kw.get("return_max_logit") else got
         bias = kw.get("bias")
-        want, _, want_lse = ref.attention(q, k, v, None if dense is None else np.asarray(dense), bias)
+        extra = dict(  # the reference's own softcap and sinks
+            score_mod=(lambda s, *_: 0.5 * np.tanh(s / 0.5)) if "score_mod" in kw else None, sinks=kw.get("sinks")
+        )
+        want, _, want_lse, want_top = ref.attention(
+            q, k, v, None if dense is None else np.asarray(dense), bias, stats=True, **extra
+        )
         if row == "dropout_rate":  # unbiased: dropout averages out over many draws (dense is the only taker)
             draws = jax.vmap(lambda key: jattn.attention(q, k, v, dropout_rate=0.3, dropout_rng=key))(
                 jax.random.split(jax.random.key(2), 2000)
@@ -239,6 +247,8 @@ def test_every_cell_of_the_support_table(row, impl):
         np.testing.assert_allclose(ref.f64(out), want, **ref.tol(dtype))
         if kw.get("return_lse"):
             np.testing.assert_allclose(ref.f64(got[1]), want_lse, **ref.tol(dtype))
+        if kw.get("return_max_logit"):
+            np.testing.assert_allclose(ref.f64(got[1]), want_top, **ref.tol(dtype))
 
 
 def test_automatic_choice_honours_everything():

@@ -233,3 +233,53 @@ def test_modules_with_a_sequence_axis_equal_the_plain_modules_under_a_mesh():
         np.testing.assert_allclose(got, want, **ref.tol(jnp.float32))
         for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True):
             np.testing.assert_allclose(g, w, **ref.tol(jnp.float32))
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_ring_score_mod_sinks_and_max_logit_equal_the_dense_core(layout):
+    """T5 table + ALiBi slopes (replicated, closed over) and sinks on 4 devices: out, lse, max logit
+    and the gradients to q, k, v, table, slopes and sinks equal the dense core's (float64)."""
+    p, nb = 4, 6
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(11)
+        q, k, v = _qkv(rng, 2, 3, 4 * p, 4 * p)
+        table, slopes = jnp.asarray(rng.normal(size=(nb, 3))), jnp.asarray([0.5, 0.3, 0.1])
+        sinks = jnp.asarray(rng.normal(size=(3,)))
+        mesh, seq = _mesh(p), PartitionSpec(None, None, "s", None)
+        rep, row = PartitionSpec(), PartitionSpec(None, None, "s")
+
+        def mod(table, slopes):
+            return jattn.score_mods.compose(
+                jattn.score_mods.relative_position_bias(table, nb, 7, True), jattn.score_mods.alibi(slopes)
+            )
+
+        def ring(q, k, v, table, slopes, sinks):
+            def local(q, k, v, table, slopes, sinks):
+                return jattn.ring_attention(
+                    q, k, v, axis_name="s", layout=layout, mask=masks.causal(), score_mod=mod(table, slopes),
+                    sinks=sinks, return_lse=True, return_max_logit=True,
+                )  # fmt: skip
+
+            lay = (lambda x: jattn.zigzag(x, p)) if layout == "zigzag" else (lambda x: x)
+            unlay = (lambda x, a=-2: jattn.unzigzag(x, p, a)) if layout == "zigzag" else (lambda x, a=-2: x)
+            out, lse, top = jax.shard_map(
+                local, mesh=mesh, in_specs=(seq, seq, seq, rep, rep, rep), out_specs=(seq, row, row)
+            )(lay(q), lay(k), lay(v), table, slopes, sinks)
+            return unlay(out), unlay(lse, -1), unlay(top, -1)
+
+        def dense(q, k, v, table, slopes, sinks):
+            return jattn.attention(
+                q, k, v, mask=masks.causal(), score_mod=mod(table, slopes), sinks=sinks, return_lse=True,
+                return_max_logit=True, implementation="dense",
+            )  # fmt: skip
+
+        args = (q, k, v, table, slopes, sinks)
+        for got, want in zip(jax.jit(ring)(*args), dense(*args), strict=True):
+            np.testing.assert_allclose(got, want, **ref.tol(jnp.float64))
+        cot = jnp.asarray(rng.normal(size=(2, 3, 4 * p, 7)))
+        grads = [
+            jax.jit(jax.grad(lambda *a, f=f: jnp.sum(f(*a)[0] * cot), argnums=tuple(range(6))))(*args)
+            for f in (ring, dense)
+        ]
+        for got, want in zip(*grads, strict=True):
+            np.testing.assert_allclose(got, want, **ref.tol(jnp.float64))
