@@ -237,6 +237,7 @@ class _Plan:
     def bias_window(self, bias: Array, i: Array, j: Array) -> tuple[tuple, tuple]:
         """Start and size of tile (i, j) in a bias ``(b|1, T|1, S|1)`` (a unit axis is read whole)."""
         start = (0, i * self.bq if bias.shape[1] > 1 else 0, j * self.bk if bias.shape[2] > 1 else 0)
+        start = tuple(jnp.asarray(x, jnp.int32) for x in start)  # one index type (i may be int64 under x64)
         size = (bias.shape[0], self.bq if bias.shape[1] > 1 else 1, self.bk if bias.shape[2] > 1 else 1)
         return start, size
 

@@ -125,18 +125,19 @@ def article_self_attention(x, wq, wk, wv):
     return (w / w.sum(-1, keepdims=True)) @ v
 
 
-def attention_grads(q, k, v, dout, mask=None, bias=None, scale=None, sinks=None):
+def attention_grads(q, k, v, dout, mask=None, bias=None, scale=None, sinks=None, softcap=None):
     """Float64 gradients of ``sum(attention(...) * dout)``: returns (dq, dk, dv, dbias), each reduced
     back to its input's (broadcast) shape; dbias is None without a bias. With ``sinks`` a fifth,
-    dsinks, in the shape of ``sinks``.
+    dsinks, in the shape of ``sinks``. ``softcap=c`` caps the scores as ``c · tanh(x / c)``.
 
     The softmax backward by hand: dP = dO Vᵀ, dS = P ∘ (dP - rowsum(P ∘ dP)), dQ = dS K · scale,
     dK = dSᵀ Q · scale, dV = Pᵀ dO, dbias = dS; a sink is one more softmax entry with dP = 0, so
-    d sink = -Σ_t P_sink,t · rowsum(P ∘ dP)_t.
+    d sink = -Σ_t P_sink,t · rowsum(P ∘ dP)_t; a soft cap multiplies dS by 1 - tanh²(x / c).
     """
-    _, w, _ = attention(q, k, v, mask, bias, scale, sinks=sinks)
+    cap = None if softcap is None else (lambda x, *_: softcap * np.tanh(x / softcap))
+    _, w, _ = attention(q, k, v, mask, bias, scale, score_mod=cap, sinks=sinks)
     if sinks is not None:
-        s, m = scores(q, k, mask, bias, scale, lead=w.shape[:-2])
+        s, m = scores(q, k, mask, bias, scale, score_mod=cap, lead=w.shape[:-2])
         _, _, w_sink = softmax(s, m, np.broadcast_to(np.asarray(sinks, np.float64), s.shape[:-2])[..., None])
         dp_rows = np.sum(w * np.matmul(np.asarray(dout, np.float64), np.swapaxes(f64(v), -1, -2)), -1)
         dsinks = unbroadcast(np.sum(-w_sink * dp_rows, -1), np.shape(sinks))
@@ -144,6 +145,9 @@ def attention_grads(q, k, v, dout, mask=None, bias=None, scale=None, sinks=None)
     scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
     dp = np.matmul(dout, np.swapaxes(v, -1, -2))
     ds = w * (dp - np.sum(w * dp, -1, keepdims=True))
+    if softcap is not None:  # the chain rule through c · tanh(x / c), x the uncapped score
+        x, _ = scores(q, k, None, bias, scale)
+        ds = ds * (1.0 - np.tanh(x / softcap) ** 2)
     dq = np.matmul(ds, k) * scale
     dk = np.matmul(np.swapaxes(ds, -1, -2), q) * scale
     dv = np.matmul(np.swapaxes(w, -1, -2), dout)
