@@ -111,6 +111,11 @@ def positions(cache: Cache, t: int, lengths: Array | None) -> tuple[Array, Array
     return pos, valid, lengths, bad
 
 
+def key_positions(cache: Cache, pos: Array, valid: Array) -> Array:
+    """``(B, C + T)``: the absolute position of each key :func:`read` returns (-1: an empty slot or padding)."""
+    return jnp.concatenate([cache["pos"], jnp.where(valid, pos, -1)], axis=1)
+
+
 def read(cache: Cache, k: Array, v: Array, pos: Array, valid: Array, mask: Mask) -> tuple[Array, Array, Array]:
     """The keys a step attends to: the cached slots, then this step's ``k, v (B, T, K*D)``.
 
@@ -119,7 +124,7 @@ def read(cache: Cache, k: Array, v: Array, pos: Array, valid: Array, mask: Mask)
     padding tokens never attended).
     """
     b = k.shape[0]
-    kv_pos = jnp.concatenate([cache["pos"], jnp.where(valid, pos, -1)], axis=1)  # (B, C + T)
+    kv_pos = key_positions(cache, pos, valid)  # (B, C + T)
     i, j = pos[:, None, :, None], kv_pos[:, None, None, :]
     allowed = mask.allowed(i, j) & (j >= 0)  # (B, 1, T, C + T)
     keys = jnp.concatenate([cache["k"].reshape(b, cache["k"].shape[1], -1).astype(k.dtype), k], axis=1)

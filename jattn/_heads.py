@@ -16,12 +16,13 @@ import jax.numpy as jnp
 from jax import Array
 
 from jattn import _cache
-from jattn._checks import check_block_size, check_bool, check_dtype, check_int, check_real
+from jattn._checks import check_block_size, check_bool, check_dtype, check_int, check_real, check_score_mod
 from jattn._core import IMPLEMENTATIONS, attention, attention_weights
 from jattn._linear import LinearState, feature_fn, linear_attention
 from jattn._masks import Causal, Mask
 from jattn._ring import sequence_parallel_attention
 from jattn._rope import rope as rotate
+from jattn._score_mods import ScoreMod
 
 
 def check_heads(d_model: int, num_heads: int, num_kv_heads: int | None, qkv_features: int | None) -> tuple[int, int]:
@@ -138,6 +139,40 @@ def _split_mask(mask: Array | None, shape: tuple[int, int, int, int], num_kv_hea
     return mask.reshape(mask.shape[0], *heads, *mask.shape[2:])
 
 
+def _weights(
+    q: Array, k: Array, mask: Array | Mask | None, precision: jax.lax.PrecisionLike, score_mod, sinks
+) -> Array:
+    """The weights ``(B, K, G, T, S)`` that the core applies to v (before dropout), ``score_mod`` and ``sinks`` included.
+
+    Without either, :func:`jattn.attention_weights`; with them, the dense core itself on the values
+    ``I (S, S)``: row t of its output is the weights of row t (a sink's share left out).
+    """
+    if score_mod is None and sinks is None:
+        return attention_weights(q, k, mask=mask, precision=precision)
+    compute = jnp.promote_types(q.dtype, jnp.float32)  # the weights' dtype, as attention_weights
+    eye = jnp.eye(k.shape[-2], dtype=compute)  # (S, S): value s picks key s's weight
+    q, k = q.astype(compute), k.astype(compute)  # the core computes the logits in this dtype anyway
+    return attention(
+        q, k, eye, mask=mask, precision=precision, implementation="dense", score_mod=score_mod, sinks=sinks
+    )
+
+
+def at_positions(score_mod: ScoreMod, q_pos: Array, kv_pos: Array) -> ScoreMod:
+    """``score_mod`` at absolute positions ``q_pos (B, T)`` and ``kv_pos (B, S)`` (a cache's, in any slot order).
+
+    The core, called with an array mask, gives ``score_mod`` grid positions: query t at
+    ``S - T + t`` and key s at ``s`` (its default offsets); this maps them, per batch row, to the
+    positions the tokens really have, so a decoding step modifies the scores as the full pass does.
+    """
+    t, s = q_pos.shape[1], kv_pos.shape[1]
+
+    def mod(score, batch, head, i, j):
+        rows = jnp.clip(i - (s - t), 0, t - 1)  # grid row -> query index (padded tile rows clipped)
+        return score_mod(score, batch, head, q_pos[batch, rows], kv_pos[batch, jnp.clip(j, 0, s - 1)])
+
+    return mod
+
+
 KINDS = ("softmax", "linear")
 
 
@@ -183,6 +218,8 @@ def multihead(
     sequence_axis: str | None = None,
     implementation: str | None = None,
     block_size: int | tuple[int, int] | None = None,
+    score_mod: ScoreMod | None = None,
+    sinks: Array | None = None,
 ) -> tuple[Array, Array | None, LinearState | None]:
     """Attention over heads of projected ``q (B, T, N*D)``, ``k, v (B, S, K*D)``.
 
@@ -191,7 +228,9 @@ def multihead(
     the core as it is (so the blockwise path can skip its empty tiles); ``kv_mask (B, S)`` marks
     valid keys (context padding). ``implementation`` and ``block_size`` are those of
     :func:`jattn.attention` (``block_size`` is dropped for a path other than the blockwise one). For ``kind='linear'`` the mask must
-    be None or ``causal()`` and ``linear_state`` continues a causal sequence.
+    be None or ``causal()`` and ``linear_state`` continues a causal sequence. ``score_mod`` goes to
+    the core as it is (its ``head`` is the query head n = k·G + g) and ``sinks (N,)`` as ``(K, G)``
+    (softmax kind, not over a ring).
 
     Returns ``out (B, T, N*E)``, the weights ``(B, N, T, S)`` (before dropout) if asked, and
     the linear state after the last key (linear kind only).
@@ -207,7 +246,10 @@ def multihead(
     b, t, s = q.shape[0], q.shape[1], k.shape[1]
     valid = None if kv_mask is None else jnp.asarray(kv_mask).reshape(b, 1, 1, s)  # (B, 1, 1, S)
     state = None
+    sinks = None if sinks is None else sinks.reshape(num_kv_heads, groups)  # (N,) -> (K, G): head n = k·G + g
     if kind == "linear":
+        if score_mod is not None or sinks is not None:
+            raise ValueError("score_mod and sinks need kind='softmax'; linear attention forms no scores")
         if return_weights:
             raise ValueError("return_weights needs kind='softmax'; linear attention forms no weights")
         if mask is not None and not isinstance(mask, Causal):
@@ -229,6 +271,11 @@ def multihead(
             raise ValueError(f"sequence_axis={sequence_axis!r} does not take a context mask (kv_mask)")
         if dropout_rate:
             raise ValueError(f"sequence_axis={sequence_axis!r} does not take dropout_rate={dropout_rate}")
+        if score_mod is not None or sinks is not None:
+            raise ValueError(
+                f"sequence_axis={sequence_axis!r} (ring attention over {_ring_size(sequence_axis)} devices) does not "
+                f"take score_mod or sinks, got score_mod={score_mod!r}, sinks={sinks is not None}"
+            )
         out = sequence_parallel_attention(qh, kh, vh, axis_name=sequence_axis, mask=mask, precision=precision)
         weights = attention_weights(qh, kh, mask=mask, precision=precision) if return_weights else None
         weights = None if weights is None else weights.reshape(b, num_heads, t, s)
@@ -250,10 +297,12 @@ def multihead(
             precision=precision,
             implementation=implementation,
             block_size=block_size if implementation in (None, "blockwise") else None,  # tiles of the blockwise path
+            score_mod=score_mod,
+            sinks=sinks,
         )
         weights = None
         if return_weights:
-            weights = attention_weights(qh, kh, mask=mask, precision=precision).reshape(b, num_heads, t, s)
+            weights = _weights(qh, kh, mask, precision, score_mod, sinks).reshape(b, num_heads, t, s)
     out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, -1)  # (B, K, G, T, E) -> (B, T, N*E)
     return out, weights, state
 
@@ -283,6 +332,8 @@ class Options:
     rope: bool
     rope_base: float
     decode: bool
+    score_mod: ScoreMod | None
+    sinks: bool
 
 
 def options(
@@ -309,6 +360,8 @@ def options(
     rope: bool,
     rope_base: float,
     decode: bool,
+    score_mod: ScoreMod | None = None,
+    sinks: bool = False,
 ) -> Options:
     """Checks a module's options (ValueError/TypeError naming the option) and resolves defaults."""
     kv_heads, depth = check_heads(d_model, num_heads, num_kv_heads, qkv_features)
@@ -328,6 +381,13 @@ def options(
     check_bool("normalize_qk", normalize_qk)
     check_bool("rope", rope)
     check_bool("decode", decode)
+    check_score_mod(score_mod)
+    check_bool("sinks", sinks)
+    if kind == "linear" and (score_mod is not None or sinks):
+        raise ValueError(
+            f"score_mod and sinks need kind='softmax' (linear attention forms no scores), got kind={kind!r} with "
+            f"score_mod={score_mod!r}, sinks={sinks!r}"
+        )
     rope_base = check_real("rope_base", rope_base, low=0.0, open_low=True)
     if rope and depth % 2:
         raise ValueError(f"rope=True needs an even head depth D = qkv_features / num_heads, got D={depth}")
@@ -354,6 +414,8 @@ def options(
         rope=bool(rope),
         rope_base=rope_base,
         decode=bool(decode),
+        score_mod=score_mod,
+        sinks=bool(sinks),
     )
 
 
@@ -385,6 +447,7 @@ class Layers:
     wo: Callable[[Array], Array] | None
     query_ln: Callable[[Array], Array] | None
     key_ln: Callable[[Array], Array] | None
+    sinks: Array | None = None  # (N,) learned sink logits (``sinks=True``)
 
 
 def _flat_mask(mask: Array | Mask | None, batch: tuple[int, ...], n: int, t: int, s: int) -> Array | Mask | None:
@@ -476,6 +539,7 @@ def forward(
         return_weights=return_weights,
         implementation=implementation,
         block_size=block_size,
+        sinks=None if layers.sinks is None else jnp.asarray(layers.sinks),
     )
     bad, new = None, None
     if cache is None:
@@ -485,7 +549,9 @@ def forward(
         pos = jnp.arange(t, dtype=jnp.int32)[None]  # (1, T): positions of a self-attention pass
         q, k = _qk(opts, layers, q, k, pos, pos)
         mask = _flat_mask(mask, batch, opts.num_heads, t, s)
-        out, weights, _ = multihead(q, k, v, mask=mask, kv_mask=kv_mask, sequence_axis=opts.sequence_axis, **attend)
+        out, weights, _ = multihead(
+            q, k, v, mask=mask, kv_mask=kv_mask, sequence_axis=opts.sequence_axis, score_mod=opts.score_mod, **attend
+        )
     else:
         if cache["next"].shape[0] != b:
             raise ValueError(
@@ -510,7 +576,10 @@ def forward(
             new = _cache.write_linear(cache, state, lengths)
         else:
             keys, values, allowed = _cache.read(cache, k, v, pos, valid, mask)  # (B, C + T, K*D) x2, (B, 1, T, C + T)
-            out, weights, _ = multihead(q, keys, values, mask=allowed, **attend)
+            mod = opts.score_mod
+            if mod is not None:  # the core sees the (T, C + T) grid; the mod gets the tokens' absolute positions
+                mod = at_positions(mod, pos, _cache.key_positions(cache, pos, valid))
+            out, weights, _ = multihead(q, keys, values, mask=allowed, score_mod=mod, **attend)
             new = _cache.write(cache, k, v, pos, valid, lengths)
     if layers.wo is not None:
         out = layers.wo(out)

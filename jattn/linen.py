@@ -27,6 +27,7 @@ from jax import Array
 from jattn import _heads
 from jattn._checks import check_int
 from jattn._masks import Mask
+from jattn._score_mods import ScoreMod
 
 __all__ = ["CrossAttention", "SelfAttention"]
 
@@ -39,8 +40,8 @@ class _Attention(nn.Module):
     Attributes:
       d_model, num_heads, num_kv_heads, qkv_features, out_features, out_proj, use_bias, kind,
       feature_map, dropout_rate, deterministic, dtype, param_dtype, precision, sequence_axis,
-      implementation, block_size, normalize_qk, kernel_init, bias_init: see
-      :class:`jattn.nnx.SelfAttention`.
+      implementation, block_size, normalize_qk, score_mod, sinks, kernel_init, bias_init: see
+      :class:`jattn.nnx.SelfAttention` (with ``sinks`` the parameter ``sinks (N,)``).
     """
 
     d_model: int
@@ -61,6 +62,8 @@ class _Attention(nn.Module):
     implementation: str | None = None
     block_size: int | tuple[int, int] | None = None
     normalize_qk: bool = False
+    score_mod: ScoreMod | None = None
+    sinks: bool = False
     kernel_init: nn.initializers.Initializer = nn.initializers.lecun_normal()
     bias_init: nn.initializers.Initializer = nn.initializers.zeros_init()
 
@@ -88,6 +91,8 @@ class _Attention(nn.Module):
             rope=getattr(self, "rope", False),
             rope_base=getattr(self, "rope_base", 10000.0),
             decode=getattr(self, "decode", False),
+            score_mod=self.score_mod,
+            sinks=self.sinks,
         )
 
     def _run(
@@ -147,6 +152,7 @@ class _Attention(nn.Module):
             dense(o.out_features, "wo") if o.out_features is not None else None,
             norm("query_ln") if o.normalize_qk else None,
             norm("key_ln") if o.normalize_qk else None,
+            self.param("sinks", nn.initializers.zeros_init(), (o.num_heads,), self.param_dtype) if o.sinks else None,
         )
         out, weights, cache = _heads.forward(
             o,

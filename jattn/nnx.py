@@ -24,6 +24,7 @@ from jax import Array
 
 from jattn import _heads
 from jattn._masks import Mask
+from jattn._score_mods import ScoreMod
 
 __all__ = ["CrossAttention", "SelfAttention"]
 
@@ -60,6 +61,8 @@ class _Attention(nnx.Module):
         rope: bool,
         rope_base: float,
         decode: bool,
+        score_mod: ScoreMod | None,
+        sinks: bool,
         kernel_init: nnx.Initializer,
         bias_init: nnx.Initializer,
         rngs: nnx.Rngs,
@@ -87,6 +90,8 @@ class _Attention(nnx.Module):
             rope=rope,
             rope_base=rope_base,
             decode=decode,
+            score_mod=score_mod,
+            sinks=sinks,
         )
         self.options = o
         self.d_model, self.kv_features, self.num_heads = o.d_model, o.kv_features, o.num_heads
@@ -115,6 +120,7 @@ class _Attention(nnx.Module):
         self.wo = linear(features, o.out_features) if o.out_features is not None else nnx.data(None)
         self.query_ln = norm() if o.normalize_qk else nnx.data(None)
         self.key_ln = norm() if o.normalize_qk else nnx.data(None)
+        self.sinks = nnx.Param(jnp.zeros((o.num_heads,), param_dtype)) if o.sinks else nnx.data(None)
         self.dropout_rngs = rngs.dropout.fork() if o.dropout_rate > 0 else nnx.data(None)
         self.cache: dict[str, nnx.Cache] | None = nnx.data(None)
 
@@ -143,7 +149,8 @@ class _Attention(nnx.Module):
         if decode and self.cache is None:
             raise ValueError("decode=True needs init_cache(batch_size, max_length) first")
         cache = {name: var[...] for name, var in self.cache.items()} if decode else None
-        layers = _heads.Layers(self.wq, self.wk, self.wv, self.wo, self.query_ln, self.key_ln)
+        sinks = None if self.sinks is None else self.sinks[...]
+        layers = _heads.Layers(self.wq, self.wk, self.wv, self.wo, self.query_ln, self.key_ln, sinks)
         out, weights, cache = _heads.forward(
             self.options,
             layers,
@@ -209,6 +216,16 @@ class SelfAttention(_Attention):
         decoding (so decoding equals the full pass). Needs an even head depth D.
       rope_base: the wavelength base of ``rope`` (> 0).
       decode: default for the call-time ``decode`` switch.
+      score_mod: a score modification ``(score, batch, head, q_pos, kv_pos) -> score``
+        (:mod:`jattn.score_mods`: ``softcap``, ``alibi``, ...) that :func:`jattn.attention`
+        applies on every call (softmax kind). ``head`` is the query head n (kv head
+        ``n // (N/K)``); ``q_pos``, ``kv_pos`` are absolute positions: ``0..T-1`` in a full
+        pass, the cache's positions when decoding (so decoding equals the full pass). Arrays
+        it closes over are constants of the module (not parameters): hold learned ones
+        yourself and build the module's mod from them.
+      sinks: a learned sink logit per query head, the parameter ``sinks (N,)`` (zeros at
+        init, head n = k·(N/K) + g as the heads are split), passed as :func:`jattn.attention`'s
+        ``sinks``: each row's softmax denominator gains ``e^sink`` (softmax kind).
       kernel_init, bias_init: initialisers of the projections.
       rngs: ``nnx.Rngs`` for the parameters (``params``) and dropout (``dropout``).
 
@@ -239,6 +256,8 @@ class SelfAttention(_Attention):
         rope: bool = False,
         rope_base: float = 10000.0,
         decode: bool = False,
+        score_mod: ScoreMod | None = None,
+        sinks: bool = False,
         kernel_init: nnx.Initializer = _KERNEL_INIT,
         bias_init: nnx.Initializer = _BIAS_INIT,
         rngs: nnx.Rngs,
@@ -266,6 +285,8 @@ class SelfAttention(_Attention):
             rope=rope,
             rope_base=rope_base,
             decode=decode,
+            score_mod=score_mod,
+            sinks=sinks,
             kernel_init=kernel_init,
             bias_init=bias_init,
             rngs=rngs,
@@ -364,7 +385,9 @@ class CrossAttention(_Attention):
     ``context (..., S, context_features)`` (the same batch dims).
 
     Options as :class:`SelfAttention` (no rotary embedding or cache); ``wk`` and ``wv`` map
-    ``context_features -> K*D``.
+    ``context_features -> K*D``. ``score_mod`` gets the core's positions, the same as mask
+    predicates get: queries aligned at the end of the context (``q_pos = S - T + t``), keys at
+    ``0..S-1``.
     """
 
     def __init__(
@@ -389,6 +412,8 @@ class CrossAttention(_Attention):
         implementation: str | None = None,
         block_size: int | tuple[int, int] | None = None,
         normalize_qk: bool = False,
+        score_mod: ScoreMod | None = None,
+        sinks: bool = False,
         kernel_init: nnx.Initializer = _KERNEL_INIT,
         bias_init: nnx.Initializer = _BIAS_INIT,
         rngs: nnx.Rngs,
@@ -416,6 +441,8 @@ class CrossAttention(_Attention):
             rope=False,
             rope_base=10000.0,
             decode=False,
+            score_mod=score_mod,
+            sinks=sinks,
             kernel_init=kernel_init,
             bias_init=bias_init,
             rngs=rngs,

@@ -270,6 +270,9 @@ BAD = [
     ("rope_not_bool", dict(rope=1), TypeError, "rope must be a bool"),
     ("normalize_qk_not_bool", dict(normalize_qk="yes"), TypeError, "normalize_qk must be a bool"),
     ("decode_not_bool", dict(decode=None), TypeError, "decode must be a bool"),
+    ("score_mod_not_callable", dict(score_mod=2.0), TypeError, r"score_mod must be a callable .* got 2.0"),
+    ("sinks_not_bool", dict(sinks=1), TypeError, "sinks must be a bool"),
+    ("linear_sinks", dict(kind="linear", sinks=True), ValueError, r"score_mod and sinks need kind='softmax'"),
 ]
 
 
@@ -301,3 +304,56 @@ def test_bad_calls_are_named():
         m(x, decode=True, lengths=jnp.full((6,), 2))
     with pytest.raises(ValueError, match=r"cache was made for batch_size=6"):
         m(x[:1], decode=True)
+
+
+# -- score_mod and sinks when decoding: absolute positions, any slot order ---------------------------
+
+
+def _absolute_mod(slopes):
+    """ALiBi plus a term of the key's absolute position (so grid positions in place of real ones show)."""
+    alibi = jattn.score_mods.alibi(slopes)
+    return lambda s, b, h, i, j: alibi(s, b, h, i, j) + 0.5 * jnp.cos(j.astype(s.dtype))
+
+
+FLEX_KINDS = [
+    pytest.param(masks.causal(), {}, None, id="full"),
+    pytest.param(LONGFORMER, dict(window=3, pinned=(0, 2)), "blockwise", id="pinned_ring_blockwise"),
+]
+
+
+@pytest.mark.parametrize(("mask", "layout", "impl"), FLEX_KINDS)
+def test_decoding_with_score_mod_and_sinks_equals_full_pass(mask, layout, impl):
+    """Outputs and weights of each step equal the full pass's: the mod sees each slot's absolute position."""
+    steps, B = (4, 1, 1), 2
+    T = sum(steps)
+    options = dict(
+        num_heads=4, num_kv_heads=2, qkv_features=16, rope=True, sinks=True, implementation=impl, block_size=(2, 3),
+        score_mod=_absolute_mod(jattn.score_mods.alibi_slopes(4)),
+    )  # fmt: skip
+    m = _nnx(**options)
+    m.sinks[...] = _rand((4,), 7)
+    lin = jattn.linen.SelfAttention(D, **options)
+    params = _params(m) | {"sinks": m.sinks[...]}
+    x = _rand((B, T, D), 8)
+    full, full_w = jax.jit(lambda p, x: lin.apply({"params": p}, x, mask, return_weights=True))(params, x)
+    full_w = np.asarray(full_w)  # (B, N, T, T)
+    plain = jattn.linen.SelfAttention(D, **(options | dict(score_mod=None, sinks=False)))
+    assert not np.allclose(plain.apply({"params": _params(m)}, x, mask), full, atol=1e-3)  # both options count
+    cache = lin.init(jax.random.key(0), B, T, method="init_cache", **layout)["cache"]
+    m.init_cache(B, T, **layout)
+    linen_step = jax.jit(lambda v, x: lin.apply(v, x, mask, decode=True, mutable=["cache"]))
+    nnx_step = nnx.jit(lambda m, x: m(x, mask, decode=True, return_weights=True))
+    got, t = [], 0
+    for n in steps:
+        slots = np.asarray(cache["pos"])  # (B, C): the position each slot holds before this step (-1: empty)
+        out, state = linen_step({"params": params, "cache": cache}, x[:, t : t + n])
+        cache = state["cache"]
+        out_nnx, w = nnx_step(m, x[:, t : t + n])  # w (B, N, n, C + n)
+        np.testing.assert_allclose(out_nnx, out, **F32)
+        for b, c in np.ndindex(slots.shape):
+            want = full_w[b, :, t : t + n, slots[b, c]] if slots[b, c] >= 0 else np.zeros((4, n))
+            np.testing.assert_allclose(w[b, :, :, c], want, **F32)
+        np.testing.assert_allclose(w[..., slots.shape[1] :], full_w[:, :, t : t + n, t : t + n], **F32)
+        got.append(out)
+        t += n
+    np.testing.assert_allclose(jnp.concatenate(got, 1), full, **F32)

@@ -15,6 +15,7 @@ from jax.test_util import check_grads
 
 import jattn.linen
 import jattn.nnx
+from jattn import masks, score_mods
 from tests import reference as ref
 
 D_MODEL = 12
@@ -283,3 +284,131 @@ def test_module_path_arguments_are_checked():
     m = jattn.nnx.SelfAttention(D_MODEL, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="implementation must be one of"):
         m(_x(), implementation="flash")
+
+
+# -- score_mod and sinks (issue #13 item 7): the modules pass them to the core ----------------------
+
+FLEX = dict(num_heads=6, num_kv_heads=2, qkv_features=18)  # N=6, K=2, G=3, D=3
+CAP = 2.5
+
+
+def _flex_mod():
+    """ALiBi over the module's six query heads, then a soft cap (the core's ready-made mods)."""
+    return score_mods.compose(score_mods.alibi(score_mods.alibi_slopes(6)), score_mods.softcap(CAP))
+
+
+def _np_flex_mod(s, batch, head, q_pos, kv_pos):
+    """The same modification in float64 NumPy, from its definition (head = query head n)."""
+    slopes = np.asarray(score_mods.alibi_slopes(6), np.float64)
+    s = s - slopes[head] * np.abs(q_pos - kv_pos)
+    return CAP * np.tanh(s / CAP)
+
+
+def _flex_nnx(seed=0, **options):
+    """An NNX module with ``FLEX`` heads and random (nonzero) sinks when it has them."""
+    m = jattn.nnx.SelfAttention(D_MODEL, rngs=nnx.Rngs(seed), **FLEX, **options)
+    if m.sinks is not None:
+        m.sinks[...] = jax.random.normal(jax.random.key(40 + seed), (6,))
+    return m
+
+
+def _flex_params(m) -> dict:
+    return linen_params(m) | ({} if m.sinks is None else {"sinks": m.sinks[...]})
+
+
+def _flex_reference(params: dict, x, mask, score_mod, sinks):
+    """Float64: the module by hand (projections, heads split n = k·G + g, GQA by repetition, ``wo``)."""
+
+    def proj(name):
+        return np.asarray(x, np.float64) @ np.asarray(params[name]["kernel"], np.float64)
+
+    def heads(a, h):  # (B, L, h*D) -> (B, h, L, D)
+        return a.reshape(*a.shape[:2], h, -1).transpose(0, 2, 1, 3)
+
+    q = heads(proj("wq"), 6)
+    k, v = (np.repeat(heads(proj(name), 2), 3, axis=1) for name in ("wk", "wv"))  # kv head k serves n = 3k..3k+2
+    out, weights, _ = ref.attention(q, k, v, mask=mask, score_mod=score_mod, sinks=sinks)
+    out = out.transpose(0, 2, 1, 3).reshape(*x.shape[:2], -1) @ np.asarray(params["wo"]["kernel"], np.float64)
+    return out, weights
+
+
+@pytest.mark.parametrize("impl", ["dense", "blockwise"])
+def test_module_score_mod_and_sinks_match_float64_reference(impl):
+    """Softcap∘ALiBi and learned sinks: NNX and Linen equal the module computed by hand in float64."""
+    x = _x((2, 7, D_MODEL), seed=3)
+    causal = np.tril(np.ones((7, 7), bool))
+    m = _flex_nnx(score_mod=_flex_mod(), sinks=True, implementation=impl, block_size=(4, 3))
+    params = _flex_params(m)
+    want, want_w = _flex_reference(params, x, causal, _np_flex_mod, np.asarray(params["sinks"], np.float64))
+    out, w = m(x, masks.causal(), return_weights=True)
+    np.testing.assert_allclose(out, want, **ref.tol(jnp.float32))
+    np.testing.assert_allclose(w, want_w, **ref.tol(jnp.float32))  # the weights carry the mod and the sinks
+    assert np.all(np.asarray(w).sum(-1) < 1)  # a sink takes a share of every row
+    lin = jattn.linen.SelfAttention(
+        D_MODEL, score_mod=_flex_mod(), sinks=True, implementation=impl, block_size=(4, 3), **FLEX
+    )
+    init = lin.init(jax.random.key(0), x)["params"]
+    assert jax.tree.map(jnp.shape, init) == jax.tree.map(jnp.shape, params)  # sinks (N,), the same name
+    np.testing.assert_array_equal(init["sinks"], np.zeros(6))
+    out_l, w_l = lin.apply({"params": params}, x, masks.causal(), return_weights=True)
+    np.testing.assert_allclose(out_l, want, **ref.tol(jnp.float32))
+    np.testing.assert_allclose(w_l, want_w, **ref.tol(jnp.float32))
+
+
+def test_module_softcap_equals_the_core_called_by_hand_with_its_projections():
+    """Each option alone, against jattn.attention on the module's own projections (grouped layout)."""
+    x = _x((3, 5, D_MODEL), seed=4)
+    for options in (dict(score_mod=score_mods.softcap(0.7)), dict(sinks=True)):
+        m = _flex_nnx(**options)
+        q, k, v = m.wq(x), m.wk(x), m.wv(x)
+        split = lambda a, g: a.reshape(3, 5, 2, g, 3).transpose(0, 2, 3, 1, 4)  # noqa: E731  (B, K, G, T, D)
+        sinks = None if m.sinks is None else m.sinks[...].reshape(2, 3)  # (N,) -> (K, G)
+        o = jattn.attention(split(q, 3), split(k, 1), split(v, 1), score_mod=options.get("score_mod"), sinks=sinks)
+        want = m.wo(o.transpose(0, 3, 1, 2, 4).reshape(3, 5, 18))
+        np.testing.assert_allclose(m(x), want, **ref.tol(jnp.float32))
+        assert not np.allclose(m(x), _flex_nnx()(x), atol=1e-3)  # the option changes the result
+
+
+def test_module_sinks_get_the_cores_gradient_in_nnx_and_linen():
+    x, dout = _x((2, 7, D_MODEL), seed=5), _x((2, 7, D_MODEL), seed=6)
+    m = _flex_nnx(sinks=True, score_mod=score_mods.softcap(1.5))
+    grads = nnx.grad(lambda m: jnp.sum(m(x, masks.causal()) * dout))(m)
+    q, k, v = m.wq(x), m.wk(x), m.wv(x)
+    split = lambda a, g: a.reshape(2, 7, 2, g, 3).transpose(0, 2, 3, 1, 4)  # noqa: E731  (B, K, G, T, D)
+
+    def core(sinks):  # (N,) sinks through jattn.attention with the module's projections
+        o = jattn.attention(
+            split(q, 3), split(k, 1), split(v, 1), mask=masks.causal(), score_mod=score_mods.softcap(1.5),
+            sinks=sinks.reshape(2, 3),
+        )  # fmt: skip
+        return jnp.sum(m.wo(o.transpose(0, 3, 1, 2, 4).reshape(2, 7, 18)) * dout)
+
+    want = jax.grad(core)(m.sinks[...])
+    assert np.all(np.abs(np.asarray(want)) > 1e-4)  # every head's sink is used
+    np.testing.assert_allclose(grads.sinks[...], want, **ref.tol(jnp.float32))
+    lin = jattn.linen.SelfAttention(D_MODEL, sinks=True, score_mod=score_mods.softcap(1.5), **FLEX)
+    g = jax.grad(lambda p: jnp.sum(lin.apply({"params": p}, x, masks.causal()) * dout))(_flex_params(m))
+    np.testing.assert_allclose(g["sinks"], want, **ref.tol(jnp.float32))
+    np.testing.assert_allclose(g["wq"]["kernel"], grads.wq.kernel[...], **ref.tol(jnp.float32))
+
+
+def test_cross_attention_score_mod_and_sinks_nnx_equals_linen():
+    """Cross-attention: the core's positions (queries at the end of the context), context padding kept out."""
+    x, ctx = _x((2, 5, D_MODEL), seed=7), _x((2, 9, 4), seed=8)
+    valid = jnp.arange(9)[None] < jnp.array([[6], [9]])  # (B, S)
+    options = dict(score_mod=_flex_mod(), sinks=True, **FLEX)
+    m = jattn.nnx.CrossAttention(D_MODEL, 4, rngs=nnx.Rngs(0), **options)
+    m.sinks[...] = jax.random.normal(jax.random.key(9), (6,))
+    lin = jattn.linen.CrossAttention(D_MODEL, context_features=4, **options)
+    params = linen_params(m) | {"sinks": m.sinks[...]}
+    out = m(x, ctx, context_mask=valid)
+    np.testing.assert_allclose(lin.apply({"params": params}, x, ctx, context_mask=valid), out, **ref.tol(jnp.float32))
+    # float64 by hand: queries of x, keys and values of the context
+    c = np.asarray(ctx, np.float64)
+    heads = lambda a, h: a.reshape(*a.shape[:2], h, -1).transpose(0, 2, 1, 3)  # noqa: E731
+    q = heads(np.asarray(x, np.float64) @ np.asarray(params["wq"]["kernel"], np.float64), 6)
+    k, v = (np.repeat(heads(c @ np.asarray(params[n]["kernel"], np.float64), 2), 3, axis=1) for n in ("wk", "wv"))
+    mask = np.asarray(valid)[:, None, None, :]  # (B, 1, 1, S)
+    o, _, _ = ref.attention(q, k, v, mask=mask, score_mod=_np_flex_mod, sinks=np.asarray(params["sinks"], np.float64))
+    want = o.transpose(0, 2, 1, 3).reshape(2, 5, -1) @ np.asarray(params["wo"]["kernel"], np.float64)
+    np.testing.assert_allclose(out, want, **ref.tol(jnp.float32))

@@ -283,3 +283,20 @@ def test_ring_score_mod_sinks_and_max_logit_equal_the_dense_core(layout):
         ]
         for got, want in zip(*grads, strict=True):
             np.testing.assert_allclose(got, want, **ref.tol(jnp.float64))
+
+
+def test_modules_over_a_ring_refuse_score_mod_and_sinks_by_name():
+    """sequence_parallel_attention takes neither: the module says so rather than drop them."""
+    from flax import nnx
+
+    import jattn.nnx
+
+    mesh = jax.make_mesh((2, 4), ("data", "seq"), axis_types=(AxisType.Auto,) * 2)
+    x = jnp.ones((2, 8, 12), jnp.float32)
+    for option in (dict(sinks=True), dict(score_mod=jattn.score_mods.softcap(3.0))):
+        m = jattn.nnx.SelfAttention(12, num_heads=2, sequence_axis="seq", rngs=nnx.Rngs(0), **option)
+        with (
+            jax.set_mesh(mesh),
+            pytest.raises(ValueError, match=r"sequence_axis='seq' \(ring attention over 4 devices\)"),
+        ):
+            m(x, masks.causal())
