@@ -12,7 +12,10 @@ window of width w costs O(T·w).
 An additive bias ``(B|1, T|1, S|1)`` is read tile by tile (:meth:`_Plan.biased`) and its gradient
 accumulated tile by tile into one buffer of its shape; a score modification (``score_mod``,
 closure-converted so the arrays it captures get gradients) acts on each tile after the bias;
-sinks join each row's denominator at the end (:func:`jattn._online.finish`). Under ``vmap`` a
+sinks join each row's denominator at the end (:func:`jattn._online.finish`); dropout recomputes
+each tile's keep bits from the row seeds and the tile's (query, key) indices
+(:mod:`jattn._dropout`), in the forward and again in the backward, so no mask is stored and every
+block size drops the entries the dense path drops. Under ``vmap`` a
 call with a modification or a bias is batched element by element rather than folded.
 
 The maths of one tile (the online-softmax state and its update, the tile gradients) is in
@@ -38,6 +41,7 @@ import numpy as np
 from jax import Array
 
 from jattn._checks import broadcast_all
+from jattn._dropout import keep_mask, keep_scale, row_seeds
 from jattn._masks import EMPTY, KeyBelow, Mask, fill_arrays, split_arrays, tile_kinds
 from jattn._online import (
     accumulate,
@@ -100,33 +104,34 @@ def _pad(x: Array, axis: int, multiple: int) -> Array:
     return jnp.pad(x, widths)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9))
-def _flash(q, k, v, rows, sinks, consts, bias, run: _Run, plan: _Plan, precision) -> tuple[Array, Array, Array]:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10))
+def _flash(q, k, v, rows, seeds, sinks, consts, bias, run: _Run, plan: _Plan, precision) -> tuple[Array, Array, Array]:
     """``out (B, T, E)``, ``lse (B, T)`` and the row max logit ``(B, T)`` of padded q, k, v.
 
     ``q (B, T, D)``, ``k (B, S, D)``, ``v (B, S, E)``; ``rows (B, 2)`` int32 (batch, head) of each
-    row for the score modification, ``sinks (B,)`` (read only with ``plan.sinks``), ``consts`` the
+    row for the score modification, ``seeds (B,)`` uint32 the dropout seed of each row (read only
+    with ``plan.dropout``), ``sinks (B,)`` (read only with ``plan.sinks``), ``consts`` the
     modification's arrays; ``bias`` ``()`` or ``(bias (B|1, T|1, S|1),)`` padded like q and k.
     """
     forward, _ = _kernels(plan, precision)
-    return forward(q, k, v, rows, sinks, run.kind, run.arrays + bias, consts)[0]
+    return forward(q, k, v, rows, seeds, sinks, run.kind, run.arrays + bias, consts)[0]
 
 
 @functools.lru_cache(maxsize=256)
 def _kernels(plan: _Plan, precision):
     """The forward and backward of one plan, group by group, each folding ``vmap`` into B (:func:`_folding`)."""
 
-    def forward(q, k, v, rows, sinks, kind, arrays, consts):
+    def forward(q, k, v, rows, seeds, sinks, kind, arrays, consts):
         def body(xs, a):
             return _forward(*xs, kind, a, consts, plan, precision), ()
 
-        return _by_group(plan, body, (q, k, v, rows, sinks), arrays)
+        return _by_group(plan, body, (q, k, v, rows, seeds, sinks), arrays)
 
-    def backward(q, k, v, out, lse, d_out, rows, kind, arrays, consts):  # ((dq, dk, dv), own db), (dc, shared db)
-        def body(xs, a):
+    def backward(q, k, v, out, lse, d_out, rows, seeds, kind, arrays, consts):
+        def body(xs, a):  # ((dq, dk, dv), own db), (dc, shared db)
             return _backward(*xs, kind, a, consts, plan, precision)
 
-        return _by_group(plan, body, (q, k, v, out, lse, d_out, rows), arrays)
+        return _by_group(plan, body, (q, k, v, out, lse, d_out, rows, seeds), arrays)
 
     foldable = plan.mod is None and not plan.bias
     return _folding(forward, foldable), _folding(backward, foldable)
@@ -193,10 +198,12 @@ class _Plan:
     """
 
     def __init__(
-        self, T, S, bq, bk, mask, q_offset, kv_offset, scale, compute, platform, mod=None, sinks=False, bias=False
-    ):
+        self,
+        T, S, bq, bk, mask, q_offset, kv_offset, scale, compute, platform, mod=None, sinks=False, bias=False, dropout=0.0,
+    ):  # fmt: skip
         self.T, self.S, self.bq, self.bk, self.platform = T, S, bq, bk, platform
         self.mod, self.sinks = mod, sinks  # the closure-converted score_mod (or None); whether rows have sinks
+        self.dropout = dropout  # the dropout rate (0.0: none)
         self.bias = bias  # 0, or the last of the kernels' arrays is a bias with _SHARED or _OWN rows
         self.nq, self.nk = -(-T // bq), -(-S // bk)
         self.mask, self.q_offset, self.kv_offset = mask, q_offset, kv_offset
@@ -209,7 +216,7 @@ class _Plan:
         self.index, self.kind = _schedule(kinds)  # per query block: its key blocks
         same = self.kind[0, 0] if np.all(self.kind == self.kind[0, 0]) else EMPTY
         self.uniform = None if same == EMPTY else int(same)  # every scheduled tile PARTIAL, or every one FULL
-        self._key = (T, S, bq, bk, mask, q_offset, kv_offset, scale, compute, platform, mod, sinks, bias)
+        self._key = (T, S, bq, bk, mask, q_offset, kv_offset, scale, compute, platform, mod, sinks, bias, dropout)
 
     def __hash__(self) -> int:
         return hash(self._key)
@@ -251,6 +258,19 @@ class _Plan:
     def modifier(self, i: Array, j: Array, rows: Array):
         """``mod(s, consts)`` of tile (i, j) for the rows ``(B, 2)`` (:func:`jattn._online.bind_mod`), or None."""
         return None if self.mod is None else bind_mod(self.mod, rows, *self.positions(i, j), self.compute)
+
+    def dropped(self, i: Array, j: Array, seeds: Array) -> Array | None:
+        """Dropout's factor ``(b, bq, bk)`` on tile (i, j) of the rows with ``seeds (b,)``, or None without dropout.
+
+        The bits come from the tile's indices in the ``(T, S)`` grid, not its block numbers, so any
+        tiling (and the dense path) gives the same ones (:mod:`jattn._dropout`).
+        """
+        if not self.dropout:
+            return None
+        t = i * self.bq + jnp.arange(self.bq, dtype=jnp.int32)
+        s = j * self.bk + jnp.arange(self.bk, dtype=jnp.int32)
+        keep = keep_mask(seeds[:, None, None], t[None, :, None], s[None, None, :], self.dropout)
+        return keep_scale(keep, self.dropout, self.compute)
 
     def allowed(self, i: Array, j: Array, arrays: tuple[Array, ...]) -> Array:
         """``(1|B, bq, bk)`` mask of query block i against key block j (block indices, traced)."""
@@ -328,7 +348,7 @@ def _by_group(plan: _Plan, body, xs: tuple[Array, ...], arrays: tuple[Array, ...
     return jax.tree.map(lambda y: y.reshape(b, *y.shape[2:]), out), jax.tree.map(lambda y: y.sum(0), summed)
 
 
-def _forward(q, k, v, rows, sinks, kind: Array, arrays: tuple[Array, ...], consts, plan: _Plan, precision):
+def _forward(q, k, v, rows, seeds, sinks, kind: Array, arrays: tuple[Array, ...], consts, plan: _Plan, precision):
     """``out (b, nq·bq, E)``, ``lse`` and max logit ``(b, nq·bq)`` of one group: per query block, a scan over its key blocks."""
     arrays, bias = plan.split(arrays)
     qs, ks, vs = _blocks(q, plan.bq), _blocks(k, plan.bk), _blocks(v, plan.bk)  # (n, b, blk, X)
@@ -347,7 +367,8 @@ def _forward(q, k, v, rows, sinks, kind: Array, arrays: tuple[Array, ...], const
                 s = plan.biased(s, bias, i, j)
                 mod = plan.modifier(i, j, rows)
                 s = s if mod is None else mod(s, consts)
-                return accumulate(carry, s, keep, vs[j], precision, plan.compute)
+                drop = plan.dropped(i, j, seeds)
+                return accumulate(carry, s, keep, vs[j], precision, plan.compute, drop)
 
             return per_block(kd, update, carry, None if arrays else plan.uniform), None
 
@@ -365,7 +386,9 @@ def _unblock(x: Array) -> Array:
     return jnp.moveaxis(x, 0, 1).reshape(x.shape[1], x.shape[0] * x.shape[2], *x.shape[3:])
 
 
-def _backward(q, k, v, out, lse, d_out, rows, kind: Array, arrays: tuple[Array, ...], consts, plan: _Plan, precision):
+def _backward(
+    q, k, v, out, lse, d_out, rows, seeds, kind: Array, arrays: tuple[Array, ...], consts, plan: _Plan, precision
+):
     """``(dq (b, T, D), dk (b, S, D), dv (b, S, E))`` and the consts' gradients of one group, one sweep over its tiles.
 
     Per query block, a scan over its non-empty key blocks recomputes ``p`` from the saved
@@ -395,7 +418,8 @@ def _backward(q, k, v, out, lse, d_out, rows, kind: Array, arrays: tuple[Array, 
                 s = plan.biased(s, bias, i, j)
                 mod = plan.modifier(i, j, rows)
                 p, ds, gc, dx = score_grads(
-                    s, keep, lse_i, dob, vs[j], delta_i, scale, precision, compute, mod, consts
+                    s, keep, lse_i, dob, vs[j], delta_i, scale, precision, compute, mod, consts,
+                    plan.dropped(i, j, seeds),
                 )  # fmt: skip
                 if bias is None:
                     gb = ()
@@ -428,25 +452,25 @@ def _backward(q, k, v, out, lse, d_out, rows, kind: Array, arrays: tuple[Array, 
     return ((grads, db), (dc, ())) if own else ((grads, ()), (dc, db))
 
 
-def _flash_fwd(q, k, v, rows, sinks, consts, bias, run, plan, precision):
+def _flash_fwd(q, k, v, rows, seeds, sinks, consts, bias, run, plan, precision):
     forward, _ = _kernels(plan, precision)
-    (out, lse, mx), _ = forward(q, k, v, rows, sinks, run.kind, run.arrays + bias, consts)
-    return (out, lse, mx), (q, k, v, rows, sinks, consts, bias, run, out, lse)
+    (out, lse, mx), _ = forward(q, k, v, rows, seeds, sinks, run.kind, run.arrays + bias, consts)
+    return (out, lse, mx), (q, k, v, rows, seeds, sinks, consts, bias, run, out, lse)
 
 
 def _flash_bwd(plan: _Plan, precision, res, cotangents):
     """The flash-attention backward: one sweep over the non-empty tiles per group (:func:`_backward`)."""
-    q, k, v, rows, sinks, consts, bias, run, out, lse = res
+    q, k, v, rows, seeds, sinks, consts, bias, run, out, lse = res
     d_out, _, _ = cotangents  # the log-sum-exp and max logit are outputs for inspection, not differentiated
 
     _, backward = _kernels(plan, precision)
     arrays = run.arrays + bias
-    ((dq, dk, dv), own), (dconsts, shared) = backward(q, k, v, out, lse, d_out, rows, run.kind, arrays, consts)
+    ((dq, dk, dv), own), (dconsts, shared) = backward(q, k, v, out, lse, d_out, rows, seeds, run.kind, arrays, consts)
     dsinks = jnp.zeros_like(sinks)
     if plan.sinks:
         _, delta = backward_rows(out, d_out, lse, plan.compute)
         dsinks = sink_grads(sinks[:, None].astype(plan.compute), lse, delta).sum(-1).astype(sinks.dtype)
-    return dq, dk, dv, None, dsinks, dconsts, own + shared, None
+    return dq, dk, dv, None, None, dsinks, dconsts, own + shared, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -467,12 +491,14 @@ def blockwise_attention(
     score_mod=None,
     sinks: Array | None = None,
     bias: Array | None = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: Array | None = None,
 ) -> tuple[Array, Array, Array]:
     """Blockwise attention of validated ``q (..., T, D)``, ``k (..., S, D)``, ``v (..., S, E)``.
 
     ``mask`` is a position predicate, possibly with array leaves ``(..., T, S)`` that broadcast
     against the leading dimensions. ``score_mod`` and ``sinks`` (broadcastable to the leading
-    dimensions) are as for :func:`jattn.attention`. Returns ``out (..., T, E)``, ``lse (..., T)``
+    dimensions), ``dropout_rate`` and ``dropout_rng`` are as for :func:`jattn.attention`. Returns ``out (..., T, E)``, ``lse (..., T)``
     and the row max logit ``(..., T)``; see the module docstring. The platform
     (:func:`platform`) picks the tiling of the leading axis (:func:`group_size`).
     """
@@ -503,11 +529,13 @@ def blockwise_attention(
         )
     plan = _Plan(
         T, S, bq, bk, skeleton, int(q_offset), int(kv_offset), float(scale), compute, platform(), mod,
-        sinks is not None, kind,
+        sinks is not None, kind, float(dropout_rate),
     )  # fmt: skip
     run = plan.run(arrays)
     padded = _pad(qf, 1, bq), _pad(kf, 1, bk), _pad(vf, 1, bk)
-    out, lse, mx = _flash(*padded, head_rows(lead), sinks_f, consts, bias_t, run, plan, precision)
+    flat = jnp.arange(b, dtype=jnp.int32)  # each row's flat leading index
+    seeds = row_seeds(dropout_rng, flat) if dropout_rate else jnp.zeros((b,), jnp.uint32)
+    out, lse, mx = _flash(*padded, head_rows(lead), seeds, sinks_f, consts, bias_t, run, plan, precision)
     out = out[:, :T].reshape(*lead, T, v.shape[-1]).astype(v.dtype)
     return out, lse[:, :T].reshape(*lead, T), mx[:, :T].reshape(*lead, T)
 

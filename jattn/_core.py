@@ -28,6 +28,7 @@ from jax.typing import ArrayLike
 from jattn import _blockwise
 from jattn._blockwise import blockwise_attention
 from jattn._checks import broadcast_all, check_block_size, check_qkv, check_real, check_score_mod, check_sinks
+from jattn._dropout import keep_mask, keep_scale, row_seeds
 from jattn._masks import EMPTY, ArrayMask, Causal, Mask, Padding, SlidingWindow, conjuncts
 from jattn._masks import array as masks_array
 from jattn._online import compute_dtype, lead_index
@@ -167,11 +168,16 @@ def _check_dropout(rate: float, rng: Array | None) -> float:
     return rate
 
 
-def _dropout(p: Array, rate: float, rng: Array | None) -> Array:
+def _dropout(p: Array, rate: float, rng: Array | None, lead: tuple[int, ...]) -> Array:
+    """Weights ``p (..., T, S)`` broadcast to ``(*lead, T, S)`` with dropout's rule (:mod:`jattn._dropout`) applied."""
     if rate == 0.0:
         return p
-    keep = jax.random.bernoulli(rng, 1.0 - rate, p.shape)
-    return jnp.where(keep, p / (1.0 - rate), jnp.zeros_like(p))
+    T, S = p.shape[-2:]
+    rows = jnp.arange(math.prod(lead), dtype=jnp.int32).reshape(*lead, 1, 1)
+    one = (1,) * len(lead)
+    t, s = jnp.arange(T, dtype=jnp.int32).reshape(*one, T, 1), jnp.arange(S, dtype=jnp.int32).reshape(*one, 1, S)
+    keep = keep_mask(row_seeds(rng, rows), t, s, rate)  # (*lead, T, S): the blockwise path's bits exactly
+    return jnp.broadcast_to(p, keep.shape) * keep_scale(keep, rate, p.dtype)
 
 
 BLOCKS = (512, 256, 128)  # square tiles the blockwise path chooses from (bench/README)
@@ -220,7 +226,7 @@ SUPPORT: dict[str, dict[str, str]] = {
     "bias": dict(dense=_YES, blockwise=_YES, xla=_YES, cudnn=_YES, pallas="no: the kernel takes no bias"),
     "dropout_rate": dict(
         dense=_YES,
-        blockwise="no: no dropout yet",
+        blockwise=_YES,
         xla="no: jax.nn has no dropout",
         cudnn="no: jax.nn has no dropout",
         pallas="no: the kernel has no dropout",
@@ -543,7 +549,11 @@ def attention(
         example ``(B,)``, for a :class:`~jattn.masks.Mask` only. Default ``kv_offset = 0`` and
         ``q_offset = S - T``: queries aligned bottom-right, at the end of the keys, as for a KV
         cache (so ``causal()`` with ``T < S`` lets the last query see every key).
-      dropout_rate: probability of dropping an attention weight (training only).
+      dropout_rate: probability of dropping an attention weight (training only); kept weights
+        are scaled by ``1 / (1 - dropout_rate)``. Entry ``(t, s)`` of leading row ``b`` (the
+        broadcast leading dimensions flattened row-major) is kept by a stateless hash of the
+        key, ``b``, ``t`` and ``s`` (:mod:`jattn._dropout`), so 'dense' and 'blockwise' (any
+        ``block_size``) drop exactly the same entries.
       dropout_rng: PRNG key, required when ``dropout_rate > 0``.
       precision: matmul precision passed to the einsums (matters on TPU).
       return_lse: also return the ``(..., T)`` log-sum-exp of the logits.
@@ -615,6 +625,8 @@ def attention(
             score_mod=score_mod,
             sinks=sinks,
             bias=bias,
+            dropout_rate=dropout_rate,
+            dropout_rng=dropout_rng,
         )
         return result(out, lse, top)
     if path == "pallas":
@@ -632,7 +644,7 @@ def attention(
         sinks = jnp.broadcast_to(sinks, lead)[..., None, None]
     parts, compute, top = _logits(q, k, mask, bias, scale, precision, score_mod, mod_index, sinks)
     weights = parts.weights()
-    p = _dropout(weights if sinks is None else weights[..., :-1], dropout_rate, dropout_rng)
+    p = _dropout(weights if sinks is None else weights[..., :-1], dropout_rate, dropout_rng, lead)
     # The weighted sum takes the normalised float32 weights (v upcast for bf16/f16), so the
     # gradient is the softmax's own p (dp - rowsum(p dp)) with dp = dO·vᵀ in float32: its two terms
     # cancel exactly where they should (a one-hot row gives 0). Rounding the weights to 16 bits, or

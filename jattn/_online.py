@@ -115,8 +115,13 @@ def empty_state(b: int, t: int, e: int, compute) -> tuple[Array, Array, Array]:
     return jnp.full((b, t), -jnp.inf, compute), jnp.zeros((b, t), compute), jnp.zeros((b, t, e), compute)
 
 
-def accumulate(state, s: Array, keep: Array | None, vb: Array, precision, compute):
-    """Folds one key tile (scores ``s (B, t, s)``, optional mask ``keep``, values ``vb (B, s, E)``) into the state."""
+def accumulate(state, s: Array, keep: Array | None, vb: Array, precision, compute, drop: Array | None = None):
+    """Folds one key tile (scores ``s (B, t, s)``, optional mask ``keep``, values ``vb (B, s, E)``) into the state.
+
+    ``drop (B, t, s)`` (optional) is dropout's factor on each weight (``1 / keep_prob`` or 0,
+    :func:`jattn._dropout.keep_scale`): the normaliser sums the undropped weights, the output the
+    dropped ones, so the result is ``softmax(x) ∘ drop`` applied to v.
+    """
     m, norm, acc = state
     if keep is not None:
         s = jnp.where(keep, s, -jnp.inf)
@@ -128,7 +133,13 @@ def accumulate(state, s: Array, keep: Array | None, vb: Array, precision, comput
     alpha = jnp.exp(jnp.where(m == -jnp.inf, -jnp.inf, m - m_safe))
     # float32 weights against v upcast: rounding p to v's dtype here would leave the backward's
     # delta = rowsum(dO·O) out of step with the unrounded p it recomputes (see jattn._core).
-    pv = jnp.einsum("bts,bse->bte", p, vb.astype(compute), precision=precision, preferred_element_type=compute)
+    pv = jnp.einsum(
+        "bts,bse->bte",
+        p if drop is None else p * drop,
+        vb.astype(compute),
+        precision=precision,
+        preferred_element_type=compute,
+    )
     return m_new, norm * alpha + jnp.sum(p, -1), acc * alpha[..., None] + pv
 
 
@@ -202,8 +213,12 @@ def bind_mod(fn, rows: Array, q_pos: Array, kv_pos: Array, compute):
     return mod
 
 
-def score_grads(s, keep, lse, do, vb, delta, scale, precision, compute, mod=None, consts=()) -> tuple:
+def score_grads(s, keep, lse, do, vb, delta, scale, precision, compute, mod=None, consts=(), drop=None) -> tuple:
     """``p``, ``ds = p (dp - delta) scale`` of one tile, each ``(B, t, s)``, the gradients of ``consts`` and ``ds / scale``.
+
+    With dropout's factor ``drop (B, t, s)`` (:func:`accumulate`) the first result is the dropped
+    ``p ∘ drop`` (dv's weights) and ``dp = (dO vᵀ) ∘ drop``; ``delta = rowsum(dO ∘ O)`` is still
+    ``rowsum(p ∘ dp)``, so ``ds`` keeps its form.
 
     From the saved ``lse (B, t)``, which must be finite (0 for empty rows, whose ``p`` is 0 by
     the mask); ``delta = rowsum(dO ∘ O)``. ``mod(s, consts)`` (optional) is the score
@@ -219,11 +234,13 @@ def score_grads(s, keep, lse, do, vb, delta, scale, precision, compute, mod=None
     if keep is not None:
         p = jnp.where(keep, p, jnp.zeros((), p.dtype))
     dp = jnp.einsum("bte,bse->bts", do, vb, precision=precision, preferred_element_type=compute)
+    if drop is not None:
+        dp = dp * drop
     dx = p * (dp - delta[..., None])
     dconsts = ()
     if pull is not None:
         dx, dconsts = pull(dx)
-    return p, dx * scale, dconsts, dx
+    return p if drop is None else p * drop, dx * scale, dconsts, dx
 
 
 def tile_grads(p: Array, ds: Array, qb: Array, kb: Array, do: Array, precision, compute) -> tuple[Array, Array, Array]:

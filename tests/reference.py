@@ -125,7 +125,7 @@ def article_self_attention(x, wq, wk, wv):
     return (w / w.sum(-1, keepdims=True)) @ v
 
 
-def attention_grads(q, k, v, dout, mask=None, bias=None, scale=None, sinks=None, softcap=None):
+def attention_grads(q, k, v, dout, mask=None, bias=None, scale=None, sinks=None, softcap=None, drop=None):
     """Float64 gradients of ``sum(attention(...) * dout)``: returns (dq, dk, dv, dbias), each reduced
     back to its input's (broadcast) shape; dbias is None without a bias. With ``sinks`` a fifth,
     dsinks, in the shape of ``sinks``. ``softcap=c`` caps the scores as ``c · tanh(x / c)``.
@@ -133,6 +133,8 @@ def attention_grads(q, k, v, dout, mask=None, bias=None, scale=None, sinks=None,
     The softmax backward by hand: dP = dO Vᵀ, dS = P ∘ (dP - rowsum(P ∘ dP)), dQ = dS K · scale,
     dK = dSᵀ Q · scale, dV = Pᵀ dO, dbias = dS; a sink is one more softmax entry with dP = 0, so
     d sink = -Σ_t P_sink,t · rowsum(P ∘ dP)_t; a soft cap multiplies dS by 1 - tanh²(x / c).
+    ``drop`` (broadcastable to the weights, without sinks) is a materialised dropout factor Z (0 or
+    1 / keep_prob) on the weights, out = (P ∘ Z) V: then dP = (dO Vᵀ) ∘ Z and dV = (P ∘ Z)ᵀ dO.
     """
     cap = None if softcap is None else (lambda x, *_: softcap * np.tanh(x / softcap))
     _, w, _ = attention(q, k, v, mask, bias, scale, score_mod=cap, sinks=sinks)
@@ -144,13 +146,15 @@ def attention_grads(q, k, v, dout, mask=None, bias=None, scale=None, sinks=None,
     q, k, v, dout = f64(q), f64(k), f64(v), np.asarray(dout, np.float64)
     scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
     dp = np.matmul(dout, np.swapaxes(v, -1, -2))
+    if drop is not None:
+        dp = dp * np.asarray(drop, np.float64)
     ds = w * (dp - np.sum(w * dp, -1, keepdims=True))
     if softcap is not None:  # the chain rule through c · tanh(x / c), x the uncapped score
         x, _ = scores(q, k, None, bias, scale)
         ds = ds * (1.0 - np.tanh(x / softcap) ** 2)
     dq = np.matmul(ds, k) * scale
     dk = np.matmul(np.swapaxes(ds, -1, -2), q) * scale
-    dv = np.matmul(np.swapaxes(w, -1, -2), dout)
+    dv = np.matmul(np.swapaxes(w if drop is None else w * np.asarray(drop, np.float64), -1, -2), dout)
     return (
         unbroadcast(dq, q.shape),
         unbroadcast(dk, k.shape),

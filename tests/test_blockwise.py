@@ -152,10 +152,6 @@ def test_xla_handover_matches_and_keeps_the_contract():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        (
-            dict(implementation="blockwise", dropout_rate=0.5, dropout_rng=jax.random.key(0)),
-            "'blockwise' cannot take dropout",
-        ),
         (dict(implementation="blockwise", mask=masks.padding(kv_lengths=np.array([3, 4]))), "per-example predicate"),
         (dict(implementation="dense", block_size=4), "'dense' cannot take block_size"),
         (dict(implementation="xla", dropout_rate=0.5, dropout_rng=jax.random.key(0)), "'xla' cannot take dropout_rate"),

@@ -238,10 +238,10 @@ def test_every_cell_of_the_support_table(row, impl):
         want, _, want_lse, want_top = ref.attention(
             q, k, v, None if dense is None else np.asarray(dense), bias, stats=True, **extra
         )
-        if row == "dropout_rate":  # unbiased: dropout averages out over many draws (dense is the only taker)
-            draws = jax.vmap(lambda key: jattn.attention(q, k, v, dropout_rate=0.3, dropout_rng=key))(
-                jax.random.split(jax.random.key(2), 2000)
-            )
+        if row == "dropout_rate":  # unbiased: dropout averages out over many draws
+            draws = jax.vmap(
+                lambda key: jattn.attention(q, k, v, implementation=impl, dropout_rate=0.3, dropout_rng=key)
+            )(jax.random.split(jax.random.key(2), 2000))
             np.testing.assert_allclose(np.mean(np.asarray(draws), 0), want, atol=0.08)
             return
         np.testing.assert_allclose(ref.f64(out), want, **ref.tol(dtype))

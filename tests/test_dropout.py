@@ -1,0 +1,108 @@
+"""Dropout on the dense and blockwise paths: one keep bit per (leading row, query, key), so every
+block size drops exactly what the dense path drops; outputs and gradients against a float64
+reference that applies the same materialised mask; unbiased; vmap; empty rows stay 0."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jattn
+from jattn import masks
+from tests import reference as ref
+
+RATE = 0.3
+BLOCKS = [(4, 3), (5, 13), (11, 2)]
+
+
+def _rand(shape, seed, dtype=jnp.float32):
+    return jax.random.normal(jax.random.key(seed), shape, dtype)
+
+
+def _factor(lead_q, lead_kv, T, S, key, **kw):
+    """The dropout factor Z ``(*lead, T, S)`` (0 or 1 / keep_prob) a path applies, read off the output.
+
+    With q = k = 0 every weight is 1 / S, and v = I (S x S) puts weight s of row t in out[..., t, s]:
+    out = Z / S. Nothing of the hash is reproduced here.
+    """
+    q = jnp.zeros((*lead_q, T, 3), jnp.float32)
+    k = jnp.zeros((*lead_kv, S, 3), jnp.float32)
+    v = jnp.broadcast_to(jnp.eye(S, dtype=jnp.float32), (*lead_kv, S, S))
+    out = jattn.attention(q, k, v, dropout_rate=RATE, dropout_rng=key, **kw)
+    return np.asarray(out, np.float64) * S
+
+
+def test_every_block_size_drops_what_dense_drops():
+    """The keep bits of the blockwise path equal the dense path's for any tiling, in every leading row."""
+    key = jax.random.key(11)
+    lead_q, lead_kv, T, S = (2, 3), (2, 1), 11, 13  # k, v shared over the heads: rows still differ by head
+    dense = _factor(lead_q, lead_kv, T, S, key, implementation="dense")
+    keep = dense != 0
+    np.testing.assert_allclose(dense[keep], 1 / (1 - RATE), rtol=1e-6)
+    for bs in BLOCKS:
+        block = _factor(lead_q, lead_kv, T, S, key, implementation="blockwise", block_size=bs)
+        np.testing.assert_array_equal(block != 0, keep, err_msg=f"block_size={bs}")
+    # a real draw: about keep_prob kept (8 sigma), different in every leading row, and per key
+    n = keep.size
+    assert abs(keep.mean() - (1 - RATE)) < 8 * np.sqrt(RATE * (1 - RATE) / n)
+    rows = keep.reshape(-1, T, S)
+    assert all(not np.array_equal(rows[a], rows[b]) for a in range(len(rows)) for b in range(a))
+    assert not np.array_equal(keep, _factor(lead_q, lead_kv, T, S, jax.random.key(12), implementation="dense") != 0)
+
+
+@pytest.mark.parametrize("bs", BLOCKS)
+def test_outputs_and_gradients_match_the_reference_with_the_same_mask(bs):
+    """out = (P ∘ Z) v and its gradients, dense and blockwise, against float64 with Z materialised; empty rows 0."""
+    key = jax.random.key(5)
+    q, k, v = _rand((2, 3, 11, 5), 0), _rand((2, 1, 13, 5), 1), _rand((2, 1, 13, 4), 2)
+    d_out = _rand((2, 3, 11, 4), 3)
+    mask = masks.causal()
+    kw = dict(mask=mask, q_offset=-2, dropout_rate=RATE, dropout_rng=key)  # rows 0 and 1 see no key
+    drop = _factor((2, 3), (2, 1), 11, 13, key, implementation="dense")
+    dense_mask = np.asarray(mask.dense(11, 13, q_offset=-2))
+    _, w, _ = ref.attention(q, k, v, dense_mask)
+    want = np.matmul(w * drop, ref.f64(v))
+    want_grads = ref.attention_grads(q, k, v, d_out, dense_mask, drop=drop)[:3]
+
+    def loss(impl, q, k, v):
+        extra = dict(block_size=bs) if impl == "blockwise" else {}
+        return jnp.sum(jattn.attention(q, k, v, implementation=impl, **kw, **extra) * d_out)
+
+    for impl in ("dense", "blockwise"):
+        extra = dict(block_size=bs) if impl == "blockwise" else {}
+        out = jattn.attention(q, k, v, implementation=impl, **kw, **extra)
+        np.testing.assert_allclose(ref.f64(out), want, **ref.tol(jnp.float32))
+        assert np.all(np.asarray(out[..., :2, :]) == 0)
+        grads = jax.jit(jax.grad(lambda *a, impl=impl: loss(impl, *a), argnums=(0, 1, 2)))(q, k, v)
+        for got, exp in zip(grads, want_grads, strict=True):
+            ref.assert_grad_close(got, exp, jnp.float32)
+        assert np.all(np.asarray(grads[0][..., :2, :]) == 0)  # the empty rows' dq is exactly 0
+
+
+def test_blockwise_dropout_is_unbiased_and_vmaps():
+    """Over many keys the mean is the undropped output; vmap over keys gives each key's own call."""
+    q, k, v = _rand((7, 5), 0), _rand((9, 5), 1), _rand((9, 4), 2)
+    kw = dict(implementation="blockwise", block_size=(4, 3), dropout_rate=RATE)
+    keys = jax.random.split(jax.random.key(9), 2000)
+    outs = jax.vmap(lambda r: jattn.attention(q, k, v, dropout_rng=r, **kw))(keys)
+    exact = jattn.attention(q, k, v, implementation="dense")
+    assert np.max(np.abs(outs.std(0))) > 0.05  # it does drop
+    np.testing.assert_allclose(outs.mean(0), exact, atol=4 * float(outs.std(0).max()) / np.sqrt(len(keys)))
+    for i in (0, 1, 1999):
+        one = jattn.attention(q, k, v, dropout_rng=keys[i], implementation="dense", dropout_rate=RATE)
+        np.testing.assert_allclose(outs[i], one, **ref.tol(jnp.float32))
+    # vmap over a leading axis of q: the mapped element's rows are the rows of an unmapped call
+    qs = _rand((3, 7, 5), 4)
+    mapped = jax.vmap(lambda x: jattn.attention(x, k, v, dropout_rng=keys[0], **kw))(qs)
+    for i in range(3):
+        one = jattn.attention(qs[i], k, v, dropout_rng=keys[0], **kw)
+        np.testing.assert_allclose(mapped[i], one, **ref.tol(jnp.float32))
+
+
+def test_rate_zero_is_no_dropout():
+    q, k, v = _rand((2, 7, 5), 0), _rand((2, 9, 5), 1), _rand((2, 9, 4), 2)
+    for impl in ("dense", "blockwise"):
+        got = jattn.attention(q, k, v, implementation=impl, dropout_rate=0.0, dropout_rng=jax.random.key(0))
+        np.testing.assert_array_equal(got, jattn.attention(q, k, v, implementation=impl))
