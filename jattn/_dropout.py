@@ -14,6 +14,8 @@ Kept weights are scaled by ``1 / keep_prob``, so the output is unbiased.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -52,6 +54,7 @@ def _key_words(rng: Array) -> Array:
     return jnp.asarray(rng).astype(jnp.uint32).reshape(-1)
 
 
+@jax.jit  # one dispatch when called eagerly (inlined under an outer jit)
 def row_seeds(rng: Array, rows: Array) -> Array:
     """The per-row seed (uint32, shape of ``rows``) of the flat leading indices ``rows`` (int32) under key ``rng``."""
     h = jnp.zeros((), jnp.uint32)
@@ -65,6 +68,7 @@ def threshold(rate: float) -> np.uint32:
     return np.uint32(min(round((1.0 - rate) * 2.0**32), 2**32 - 1))
 
 
+@functools.partial(jax.jit, static_argnames="rate")
 def keep_mask(seeds: Array, t: Array, s: Array, rate: float) -> Array:
     """Boolean keep bits ``(..., T, S)``: seeds ``(..., 1, 1)`` (:func:`row_seeds`), int32 ``t (..., T, 1)``, ``s (..., 1, S)``.
 

@@ -86,18 +86,19 @@ def test_blockwise_dropout_is_unbiased_and_vmaps():
     q, k, v = _rand((7, 5), 0), _rand((9, 5), 1), _rand((9, 4), 2)
     kw = dict(implementation="blockwise", block_size=(4, 3), dropout_rate=RATE)
     keys = jax.random.split(jax.random.key(9), 1000)
-    outs = jax.vmap(lambda r: jattn.attention(q, k, v, dropout_rng=r, **kw))(keys)
+    outs = jax.jit(jax.vmap(lambda r: jattn.attention(q, k, v, dropout_rng=r, **kw)))(keys)
     exact = jattn.attention(q, k, v, implementation="dense")
     assert np.max(np.abs(outs.std(0))) > 0.05  # it does drop
     np.testing.assert_allclose(outs.mean(0), exact, atol=4 * float(outs.std(0).max()) / np.sqrt(len(keys)))
+    dense = jax.jit(lambda r: jattn.attention(q, k, v, dropout_rng=r, implementation="dense", dropout_rate=RATE))
     for i in (0, 999):
-        one = jattn.attention(q, k, v, dropout_rng=keys[i], implementation="dense", dropout_rate=RATE)
-        np.testing.assert_allclose(outs[i], one, **ref.tol(jnp.float32))
+        np.testing.assert_allclose(outs[i], dense(keys[i]), **ref.tol(jnp.float32))
     # vmap over a leading axis of q: the mapped element's rows are the rows of an unmapped call
     qs = _rand((3, 7, 5), 4)
-    mapped = jax.vmap(lambda x: jattn.attention(x, k, v, dropout_rng=keys[0], **kw))(qs)
+    call = jax.jit(lambda x: jattn.attention(x, k, v, dropout_rng=keys[0], **kw))
+    mapped = jax.vmap(call)(qs)
     for i in range(3):
-        one = jattn.attention(qs[i], k, v, dropout_rng=keys[0], **kw)
+        one = call(qs[i])
         np.testing.assert_allclose(mapped[i], one, **ref.tol(jnp.float32))
 
 
@@ -123,8 +124,8 @@ def test_blockwise_dropout_gradients_equal_dense_with_bias_sinks_and_score_mod()
         return jnp.sum(out * jnp.cos(out))
 
     args = (q, k, v, bias, sinks, slopes)
-    want = jax.value_and_grad(lambda *a: loss("dense", *a), argnums=tuple(range(6)))(*args)
-    got = jax.value_and_grad(lambda *a: loss("blockwise", *a), argnums=tuple(range(6)))(*args)
+    want = jax.jit(jax.value_and_grad(lambda *a: loss("dense", *a), argnums=tuple(range(6))))(*args)
+    got = jax.jit(jax.value_and_grad(lambda *a: loss("blockwise", *a), argnums=tuple(range(6))))(*args)
     np.testing.assert_allclose(got[0], want[0], **ref.tol(jnp.float32))
     for g, w in zip(got[1], want[1], strict=True):
         ref.assert_grad_close(g, ref.f64(w), jnp.float32)
