@@ -10,6 +10,11 @@ over the words ``(key..., b)`` (:func:`row_seeds`, once per row) and then ``(t, 
 (:func:`keep_mask`): a few integer operations per weight, no random-number state.
 
 Kept weights are scaled by ``1 / keep_prob``, so the output is unbiased.
+
+Cost, measured on the shared 2-core CPU (noisy: a CI run was going) for blockwise causal
+attention ``(1, 4, 2048, 64)`` float32 under jit: forward 39-41 ms without dropout, 46-53 ms
+with ``dropout_rate=0.1``; forward + backward 152-155 ms against 189-230 ms (the backward
+recomputes each tile's bits).
 """
 
 from __future__ import annotations
