@@ -17,7 +17,7 @@ train: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	$(PY) -m pytest -n 2
+	$(PY) -m pytest -n 2 --durations=15
 	$(PY) -m pytest -n 2 tests/multidevice
 
 bench: $(VENV)/.installed

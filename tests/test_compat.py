@@ -71,9 +71,9 @@ def test_mask_broadcasting(shape):
 @pytest.mark.parametrize("shape", [(B, N, T, S), (1, N, 1, S), (B, 1, T, S), (T, S)])
 def test_bias_broadcasting(shape):
     bias = jnp.asarray(np.random.default_rng(2).normal(size=shape), jnp.float32)
-    check(dict(bias=bias), paths=[None, "dense", "xla"])
+    check(dict(bias=bias), paths=[None, "dense", "blockwise", "xla"])
     with pytest.raises(ValueError, match="bias"):
-        jattn.dot_product_attention(*qkv(), bias=bias, implementation="blockwise")
+        jattn.dot_product_attention(*qkv(), bias=bias, implementation="pallas")
 
 
 def test_sequence_lengths():
