@@ -33,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--module", action="store_true", help="jattn.nnx.SelfAttention(512, 8 heads), causal: paths")
     p.add_argument("--gpu", action="store_true", help="the GPU preset (bench/gpu.sh): " + str(suite.GPU_PRESET))
     p.add_argument("--flex", action="store_true", help="blockwise forward with softcap, alibi, sinks vs plain (ratios)")
+    p.add_argument("--packed", action="store_true", help="8 packed causal documents vs full causal, blockwise (T=8192)")
     args = p.parse_args(argv)
     if args.gpu:
         import jax
@@ -52,6 +53,11 @@ def main(argv: list[str] | None = None) -> int:
                 table.add_row(name, f"{r['ms']:.1f}", f"{r['ratio']:.3f}")
             console.print(table)
             console.print(f"bias (B, 2, {T}, {T}) fwd+bwd scratch MiB: {suite.bias_memory_case(T, args.B)}")
+        return 0
+    if args.packed:
+        for T in args.T if p.get_default("T") != args.T else [8192]:
+            r = suite.packed_case(T, args.B, args.N, args.D, repeats=args.repeats)
+            console.print(f"packed documents, blockwise, B={args.B} N={args.N} T={T} D={args.D}: {r}")
         return 0
     if args.module:
         for T in args.T:

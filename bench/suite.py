@@ -7,6 +7,7 @@ Every figure is the median of repeated runs after a warm-up call, with ``block_u
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import statistics
 import time
@@ -353,4 +354,47 @@ def bias_memory_case(T: int = 2048, B: int = 1, N: int = 2, D: int = 64) -> dict
         "blockwise_mib": temp("blockwise", False),
         "blockwise_bias_mib": temp("blockwise", True),
         "dense_bias_mib": temp("dense", True),
+    }
+
+
+def packed_case(T: int = 8192, B: int = 1, N: int = 8, D: int = 64, docs: int = 8, repeats: int = 5) -> dict:
+    """Packed documents against full causal attention on the blockwise path (issue 13's target: >= 3x).
+
+    ``docs`` documents of ``T // docs`` tokens each, causal within each: ``segment_ids(ids) &
+    causal()`` with the ids a traced argument (tiles classified on device), against ``causal()``
+    alone. Forward, jitted and warmed up, timed alternately ``repeats`` times in this process;
+    also the compiled scratch memory (MiB) of forward + backward of each.
+    """
+    case = Case(B, N, T, D, "causal")
+    q, k, v = _inputs(case)
+    ids = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32) // (T // docs), (B, T))
+
+    def call(q, k, v, ids, packed):
+        mask = masks.segment_ids(ids) & masks.causal() if packed else masks.causal()
+        return jattn.attention(q, k, v, mask=mask, implementation="blockwise")
+
+    fns = {
+        name: jax.jit(functools.partial(call, packed=packed)) for name, packed in (("causal", False), ("packed", True))
+    }
+    for f in fns.values():
+        jax.block_until_ready(f(q, k, v, ids))
+    times: dict[str, list[float]] = {n: [] for n in fns}
+    for _ in range(repeats):
+        for name, f in fns.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(q, k, v, ids))
+            times[name].append(time.perf_counter() - t0)
+    ms = {n: 1e3 * statistics.median(t) for n, t in times.items()}
+
+    def scratch(packed):
+        loss = jax.grad(lambda q, k, v, ids: jnp.sum(call(q, k, v, ids, packed)), argnums=(0, 1, 2))
+        return jax.jit(loss).lower(q, k, v, ids).compile().memory_analysis().temp_size_in_bytes / 2**20
+
+    return {
+        "causal_ms": ms["causal"],
+        "packed_ms": ms["packed"],
+        "speedup": ms["causal"] / ms["packed"],
+        "causal_fwdbwd_mib": scratch(False),
+        "packed_fwdbwd_mib": scratch(True),
+        "qkv_mib": 3 * q.size * q.dtype.itemsize / 2**20,
     }

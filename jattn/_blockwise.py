@@ -9,6 +9,14 @@ mask, partial blocks apply it. Each query block runs a ``lax.scan`` over the lis
 non-empty key blocks only, so causal attention costs about half of full attention and a sliding
 window of width w costs O(T·w).
 
+Masks read from arrays are classified on device, per row of the flattened leading axis B: an
+array mask, ``padding`` lengths and ``segment_ids`` (packed documents: a tile whose query ids
+and key ids have disjoint ranges ``[min, max]`` is empty, one where both hold a single equal id
+is full) become row forms ``(B|1, ...)`` (:meth:`jattn._masks.Mask._rows`), their tile kinds
+``(B|1, nq, width)`` refine the static schedule, and each group of rows skips a tile that is
+empty for all its rows (``lax.switch``). On CPU a group is usually one head of one example, so
+every example's documents cost what their own tiles cost.
+
 An additive bias ``(B|1, T|1, S|1)`` is read tile by tile (:meth:`_Plan.biased`) and its gradient
 accumulated tile by tile into one buffer of its shape; a score modification (``score_mod``,
 closure-converted so the arrays it captures get gradients) acts on each tile after the bias;
@@ -42,7 +50,20 @@ from jax import Array
 
 from jattn._checks import broadcast_all
 from jattn._dropout import keep_mask, keep_scale, row_seeds
-from jattn._masks import EMPTY, KeyBelow, Mask, fill_arrays, split_arrays, tile_kinds
+from jattn._masks import (
+    EMPTY,
+    FULL,
+    PARTIAL,
+    KeyBelow,
+    Mask,
+    array_leaves,
+    as_rows,
+    check_lengths,
+    example_lead,
+    fill_arrays,
+    row_kinds,
+    split_arrays,
+)
 from jattn._online import (
     accumulate,
     backward_rows,
@@ -123,29 +144,37 @@ def _kernels(plan: _Plan, precision):
 
     def forward(q, k, v, rows, seeds, sinks, kind, arrays, consts):
         def body(xs, a):
-            return _forward(*xs, kind, a, consts, plan, precision), ()
+            return _forward(*xs, _group_kind(a[0]), a[1:], consts, plan, precision), ()
 
-        return _by_group(plan, body, (q, k, v, rows, seeds, sinks), arrays)
+        return _by_group(plan, body, (q, k, v, rows, seeds, sinks), (kind, *arrays))
 
     def backward(q, k, v, out, lse, d_out, rows, seeds, kind, arrays, consts):
         def body(xs, a):  # ((dq, dk, dv), own db), (dc, shared db)
-            return _backward(*xs, kind, a, consts, plan, precision)
+            return _backward(*xs, _group_kind(a[0]), a[1:], consts, plan, precision)
 
-        return _by_group(plan, body, (q, k, v, out, lse, d_out, rows, seeds), arrays)
+        return _by_group(plan, body, (q, k, v, out, lse, d_out, rows, seeds), (kind, *arrays))
 
     foldable = plan.mod is None and not plan.bias
     return _folding(forward, foldable), _folding(backward, foldable)
 
 
+def _group_kind(kind: Array) -> Array:
+    """The kinds ``(h|1, nq, width)`` of a group's rows as one ``(nq, width)``: a tile is skipped only where every row's is empty."""
+    if kind.shape[0] == 1:
+        return kind[0]
+    empty, full = jnp.all(kind == EMPTY, axis=0), jnp.all(kind == FULL, axis=0)
+    return jnp.where(empty, jnp.int8(EMPTY), jnp.where(full, jnp.int8(FULL), jnp.int8(PARTIAL)))
+
+
 def _folding(kernel, foldable: bool = True):
     """``kernel(*xs, kind, arrays, consts)`` whose ``vmap`` folds the mapped axis into B.
 
-    Each of ``xs`` is ``(B, ...)`` and each mask array ``(B|1, ...)``; under ``vmap`` of size n
-    they become ``(n·B, ...)`` (broadcast where unmapped), so the tiles are those of an explicit
-    batch of n·B rather than n-fold larger ones. Where the run-time tile kinds are mapped (a
-    mapped array mask), every element needs its own schedule: plain batching then. So too with
-    a score modification (``foldable=False``): its converted function is specialised to the tile
-    shapes, and the gradients of the arrays it closes over belong to each mapped element.
+    Each of ``xs`` is ``(B, ...)``, and the tile kinds and each mask array ``(B|1, ...)``; under
+    ``vmap`` of size n they become ``(n·B, ...)`` (broadcast where unmapped), so the tiles are
+    those of an explicit batch of n·B rather than n-fold larger ones, and a mapped mask keeps its
+    per-row tile kinds. With a score modification (``foldable=False``) it batches element by
+    element: the converted function is specialised to the tile shapes, and the gradients of the
+    arrays it closes over belong to each mapped element.
     """
     folding = jax.custom_batching.custom_vmap(kernel)
 
@@ -153,7 +182,7 @@ def _folding(kernel, foldable: bool = True):
     def rule(n, in_batched, *args):
         *xs, kind, arrays, consts = args
         *xs_batched, kind_batched, arrays_batched, _ = in_batched
-        if kind_batched or not foldable:
+        if not foldable:
             axes = jax.tree.map(lambda batched: 0 if batched else None, tuple(in_batched))
             outs = jax.vmap(kernel, in_axes=axes)(*args)
             return outs, jax.tree.map(lambda _: True, outs)
@@ -162,13 +191,13 @@ def _folding(kernel, foldable: bool = True):
             x = x if batched else jnp.broadcast_to(x, (n, *x.shape))
             return jnp.broadcast_to(x, (n, b, *x.shape[2:])).reshape(n * b, *x.shape[2:])
 
+        def fold_rows(m, batched, b):  # a (b|1, ...) array: kept when shared by every row
+            return fold(m, batched, b) if batched or m.shape[0] != 1 else m
+
         b = xs[0].shape[1] if xs_batched[0] else xs[0].shape[0]
         flat = tuple(fold(x, batched, b) for x, batched in zip(xs, xs_batched, strict=True))
-        masks = tuple(
-            fold(m, batched, b) if batched or m.shape[0] != 1 else m
-            for m, batched in zip(arrays, arrays_batched, strict=True)
-        )
-        outs = folding(*flat, kind, masks, consts)
+        masks = tuple(fold_rows(m, batched, b) for m, batched in zip(arrays, arrays_batched, strict=True))
+        outs = folding(*flat, fold_rows(kind, kind_batched, b), masks, consts)
         outs = jax.tree.map(lambda y: y.reshape(n, b, *y.shape[1:]), outs)
         return outs, jax.tree.map(lambda _: True, outs)
 
@@ -181,9 +210,10 @@ _SHARED, _OWN = 1, 2  # a bias (1, T|1, S|1) shared by every row of B, or one (B
 class _Run(NamedTuple):
     """The traced part of a plan: the mask's arrays and the run-time kinds of the scheduled tiles.
 
-    ``kind (nq, width)`` refines the static schedule's kinds with what the arrays say (EMPTY
-    tiles are skipped on device); ``arrays`` are the mask's array leaves, each ``(B|1, T, S)``
-    (or with unit T, S axes), empty without array masks.
+    ``kind (B|1, nq, width)`` refines the static schedule's kinds, row by row, with what the
+    arrays say (EMPTY tiles are skipped on device); ``arrays`` are the mask's array leaves in row
+    form (:meth:`jattn._masks.Mask._rows`), each ``(B|1, ...)``: boolean ``(B|1, T|1, S|1)``,
+    padding lengths ``(B|1,)``, segment ids ``(B|1, T)`` and ``(B|1, S)``; empty without them.
     """
 
     kind: Array
@@ -297,10 +327,10 @@ class _Plan:
         return s, (self.allowed(i, j, arrays) if masked else None)
 
     def run(self, arrays: tuple[Array, ...]) -> _Run:
-        """The traced schedule kinds: the static ones, refined on device where the mask has arrays."""
+        """The traced schedule kinds: the static ones, refined on device per row where the mask has arrays."""
         if not arrays:
-            return _Run(jnp.asarray(self.kind), ())
-        kinds = tile_kinds(
+            return _Run(jnp.asarray(self.kind)[None], ())
+        kinds = row_kinds(
             self.predicate_with(arrays),
             self.nq * self.bq,
             self.nk * self.bk,
@@ -308,10 +338,9 @@ class _Plan:
             self.bk,
             q_offset=self.q_offset,
             kv_offset=self.kv_offset,
-        )  # (nq, nk)
-
+        )  # (B|1, nq, nk)
         rows = np.arange(self.index.shape[0])[:, None]  # padding entries of the schedule stay EMPTY
-        kind = jnp.where(jnp.asarray(self.kind) == EMPTY, jnp.int8(EMPTY), kinds[rows, self.index])
+        kind = jnp.where(jnp.asarray(self.kind) == EMPTY, jnp.int8(EMPTY), kinds[:, rows, self.index])
         return _Run(kind, arrays)
 
 
@@ -503,11 +532,14 @@ def blockwise_attention(
     (:func:`platform`) picks the tiling of the leading axis (:func:`group_size`).
     """
     T, S = q.shape[-2], k.shape[-2]
-    skeleton, arrays = (None, []) if mask is None else split_arrays(mask)
-    leads = [broadcast_all(q=q, k=k, v=v, mask=m) for m in arrays] + [broadcast_all(q=q, k=k, v=v, bias=bias)]
-    lead = tuple(np.broadcast_shapes(*leads))  # each mask array checked against q, k, v by the shared check
+    lead = broadcast_all(q=q, k=k, v=v, bias=bias)
+    if mask is not None:
+        check_lengths(mask, T, S)
+        leads = [broadcast_all(q=q, k=k, v=v, mask=a.array) for a in array_leaves(mask)]  # each checked too
+        lead = tuple(np.broadcast_shapes(lead, *leads, example_lead(mask, q.ndim)))
+        mask = as_rows(mask, lead)  # every array leaf as rows (B|1, ...) of lead flattened
+    skeleton, arrays = (None, ()) if mask is None else split_arrays(mask)
     qf, kf, vf = (flat_lead(x, lead) for x in (q, k, v))
-    arrays = tuple(_flat_mask(m, lead) for m in arrays)  # each (B|1, T|1, S|1)
     compute = compute_dtype(q.dtype)
     b = qf.shape[0]
     sinks_f = jnp.zeros((b,), compute) if sinks is None else jnp.broadcast_to(sinks, lead).reshape(b)

@@ -204,7 +204,7 @@ SUPPORT: dict[str, dict[str, str]] = {
     ),
     "mask (per-example predicate: padding, segment_ids)": dict(
         dense=_YES,
-        blockwise="no: per-example predicates are not tiled yet",
+        blockwise=_YES,
         xla=_YES,
         cudnn="partly: padding() (as sequence lengths)",
         pallas="partly: GPU padding(); TPU padding(), segment_ids(), in an '&'",

@@ -14,8 +14,9 @@ Masks combine with ``&``, ``|`` and ``~``. Each can
   with the batch on the first axis; and
 * classify the blocks of a tiling of ``(T, S)`` as empty, partial or full
   (:meth:`Mask.block_kinds`), statically from the positions alone where the predicate allows
-  (example-dependent masks are reported partial), so that a blockwise kernel can skip empty
-  blocks and drop the mask on full ones.
+  (example-dependent masks are reported partial here, and classified on device by
+  :func:`tile_kinds`, per example), so that a blockwise kernel can skip empty blocks and drop
+  the mask on full ones.
 
 An explicit boolean array is a mask too (:func:`array`, or implicitly when combined with a
 predicate by ``&``/``|``): it indexes the ``(t, s)`` grid of one call, broadcasts like NumPy
@@ -28,6 +29,7 @@ Example: Longformer's global + sliding window is ``sliding_window(w, w) | global
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -98,10 +100,23 @@ class Mask:
         """The mask with its array leaves told the positions of grid row 0 and column 0."""
         return self
 
+    def _rows(self, lead: tuple[int, ...]) -> Mask:
+        """The mask with its array leaves as rows ``(R|1, ...)`` of the leading shape ``lead`` flattened.
+
+        Per-example leaves (``padding``, ``segment_ids``) become their row forms (one row of B·N
+        per batch and head), array masks are flattened: what a blockwise kernel reads per row.
+        """
+        return self
+
     def _tiles(self, i0, i1, j0, j1, tiling) -> tuple[Array, Array]:
-        """Traced ``(empty, full)`` of each tile; array leaves are read at run time (see :func:`tile_kinds`)."""
+        """Traced ``(empty, full)`` of each tile, ``(R|1, nq, nk)``; array leaves are read at run time.
+
+        ``R`` is the rows of the leaves' leading axis (see :meth:`_rows`); a predicate of positions
+        alone has ``R = 1``. See :func:`tile_kinds`.
+        """
         empty, full = self._blocks(i0, i1, j0, j1)
-        return jnp.asarray(empty), jnp.asarray(full)
+        shape = (1, *np.broadcast_shapes(np.shape(i0), np.shape(j0)))
+        return jnp.broadcast_to(jnp.asarray(empty), shape), jnp.broadcast_to(jnp.asarray(full), shape)
 
     def dense(self, T: int, S: int, *, q_offset: ArrayLike | None = None, kv_offset: ArrayLike = 0) -> Array:
         """The boolean mask ``(T, S)``; ``(B, 1, T, S)`` per example; ``(..., T, S)`` with arrays.
@@ -110,7 +125,7 @@ class Mask:
         leading dimensions of its arrays. ``T`` and ``S`` are non-negative ints; offsets are scalars or per example ``(B,)``.
         """
         T, S = check_int("T", T, min=0), check_int("S", S, min=0)
-        _check_lengths(self, T, S)
+        check_lengths(self, T, S)
         i, j = _positions(T, S, q_offset, kv_offset, self.per_example)
         m = self._bind(i[..., :1, :], j[..., :, :1]).allowed(i, j)
         return jnp.broadcast_to(m, _broadcast_ranked(m.shape, i.shape, j.shape))
@@ -198,6 +213,9 @@ class _Binary(Mask):
     def _bind(self, q0, k0):
         return dataclasses.replace(self, a=self.a._bind(q0, k0), b=self.b._bind(q0, k0))
 
+    def _rows(self, lead):
+        return dataclasses.replace(self, a=self.a._rows(lead), b=self.b._rows(lead))
+
 
 class _And(_Binary):
     def allowed(self, i, j):
@@ -240,6 +258,9 @@ class _Not(Mask):
     def _bind(self, q0, k0):
         return _Not(self.a._bind(q0, k0))
 
+    def _rows(self, lead):
+        return _Not(self.a._rows(lead))
+
     def allowed(self, i, j):
         return ~self.a.allowed(i, j)
 
@@ -252,8 +273,54 @@ class _Not(Mask):
         return full, empty
 
 
+class _Leaf(Mask):
+    """Base of masks read from arrays over the ``(t, s)`` grid of one call.
+
+    Fields: the arrays (see :meth:`leaves`), then ``q0``, ``k0``: the positions of grid row 0 and
+    column 0, bound per call (:meth:`Mask._bind`), so row ``t`` is query position ``q0 + t``.
+    """
+
+    has_arrays = True
+
+    def leaves(self) -> tuple[Array, ...]:
+        """The arrays of this leaf, in field order (what :func:`split_arrays` takes out)."""
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("q0", "k0"))
+
+    def _bind(self, q0, k0):
+        return dataclasses.replace(self, q0=q0, k0=k0)
+
+    def _grid(self, i, j) -> tuple[Array, Array]:
+        """Grid indices ``t (..., T, 1)`` and ``s (..., 1, S)`` of positions ``i``, ``j``."""
+        if self.q0 is None:
+            raise ValueError("an array mask is read only inside a call that places it (attention, Mask.dense)")
+        return i - self.q0, j - self.k0
+
+
+def _per_tile(x: Array, axis: int, count: int, size: int, fill, reduce) -> Array:
+    """``reduce`` over each tile of ``size`` along ``axis`` (of extent 1 or up to count·size), padded by ``fill``.
+
+    ``fill`` is a constant neutral for ``reduce``, or ``'edge'`` to repeat the last entry. The
+    axis becomes ``count`` tiles (or stays 1 where ``x`` has extent 1 on it).
+    """
+    if x.shape[axis] == 1:
+        return reduce(x, axis=axis, keepdims=True)
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, count * size - x.shape[axis])
+    x = jnp.pad(x, widths, mode="edge") if fill == "edge" else jnp.pad(x, widths, constant_values=fill)
+    x = x.reshape(*x.shape[:axis], count, size, *x.shape[axis + 1 :])
+    return reduce(x, axis=axis + 1)
+
+
+def _row_form(x: Array, lead: tuple[int, ...]) -> Array:
+    """A per-example array ``(B|1, ...)`` as rows ``(R|1, ...)`` of ``lead`` flattened (batch first)."""
+    if x.shape[0] == 1:
+        return x
+    x = x.reshape(x.shape[0], *(1,) * (len(lead) - 1), *x.shape[1:])
+    return jnp.broadcast_to(x, (*lead, *x.shape[len(lead) :])).reshape(math.prod(lead), *x.shape[len(lead) :])
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
-class ArrayMask(Mask):
+class ArrayMask(_Leaf):
     """An explicit boolean array ``(..., T, S)`` over the ``(t, s)`` grid of one call (True = attend).
 
     It broadcasts like NumPy against the call's ``(..., T, S)``; a 1-D array is ``(S,)``. Made by
@@ -262,18 +329,18 @@ class ArrayMask(Mask):
     """
 
     array: Array
-    q0: Any = None  # positions of grid row 0 and column 0, bound per call (Mask._bind)
+    q0: Any = None
     k0: Any = None
 
-    has_arrays = True
-
-    def _bind(self, q0, k0):
-        return dataclasses.replace(self, q0=q0, k0=k0)
+    def _rows(self, lead):
+        m = self.array
+        if all(n == 1 for n in m.shape[:-2]):
+            return dataclasses.replace(self, array=m.reshape(1, *m.shape[-2:]))
+        m = jnp.broadcast_to(m, (*lead, *m.shape[-2:]))
+        return dataclasses.replace(self, array=m.reshape(-1, *m.shape[-2:]))
 
     def allowed(self, i, j):
-        if self.q0 is None:
-            raise ValueError("an array mask is read only inside a call that places it (attention, Mask.dense)")
-        t, s = i - self.q0, j - self.k0  # (..., T, 1), (..., 1, S) grid indices
+        t, s = self._grid(i, j)  # (..., T, 1), (..., 1, S) grid indices
         if t.ndim != 2 or s.ndim != 2:
             raise ValueError("an array mask takes no per-example offsets or per-example masks beside it")
         m = self.array
@@ -282,23 +349,15 @@ class ArrayMask(Mask):
         return jnp.take(jnp.take(m, rows, axis=-2), cols, axis=-1)
 
     def _tiles(self, i0, i1, j0, j1, tiling):
-        """Per tile, from the array: empty where no entry is True, full where every entry is."""
+        """Per tile and leading row: empty where no entry is True, full where every entry is."""
         T, S, bq, bk = tiling  # the tiled grid, possibly padded past the array's own T and S
         n = (-(-T // bq), -(-S // bk))
         m = self.array.reshape(-1, *self.array.shape[-2:])  # (L, T|1, S|1)
 
-        def per_tile(fill, reduce):  # (nq, nk); padding is neutral for `reduce`
-            x, shape = m, [m.shape[0]]
-            for axis, (count, size) in enumerate(zip(n, (bq, bk), strict=True), start=1):
-                if x.shape[axis] > 1:
-                    widths = [(0, 0)] * 3
-                    widths[axis] = (0, count * size - x.shape[axis])
-                    x = jnp.pad(x, widths, constant_values=fill)
-                    shape += [count, size]
-                else:
-                    shape += [1, 1]
-            x = reduce(x.reshape(shape), axis=(0, 2, 4))
-            return jnp.broadcast_to(x, n)
+        def per_tile(fill, reduce):  # (L, nq, nk); padding is neutral for `reduce`
+            x = _per_tile(m, 1, n[0], bq, fill, reduce)
+            x = _per_tile(x, 2, n[1], bk, fill, reduce)
+            return jnp.broadcast_to(x, (m.shape[0], *n))
 
         return ~per_tile(False, jnp.any), per_tile(True, jnp.all)
 
@@ -316,17 +375,65 @@ def array(m: ArrayLike) -> ArrayMask:
     return ArrayMask(m.reshape((1,) * max(0, 2 - m.ndim) + m.shape))
 
 
+_NO_LIMIT = np.iinfo(np.int32).max  # a length that masks nothing
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RowPadding(_Leaf):
+    """:func:`padding` as rows: ``q_lengths``, ``kv_lengths`` ``(R|1,)`` int32, one per row of B·N."""
+
+    q_lengths: Array
+    kv_lengths: Array
+    q0: Any = None
+    k0: Any = None
+
+    def allowed(self, i, j):  # i (bq, 1), j (1, bk) -> (R|1, bq, bk)
+        t, s = self._grid(i, j)
+        return (t[None] < self.q_lengths[:, None, None]) & (s[None] < self.kv_lengths[:, None, None])
+
+    def _tiles(self, i0, i1, j0, j1, tiling):
+        T, S, bq, bk = tiling
+        t0, s0 = np.arange(0, T, bq)[None, :, None], np.arange(0, S, bk)[None, None, :]
+        t1, s1 = np.minimum(t0 + bq, T) - 1, np.minimum(s0 + bk, S) - 1
+        ql, kl = self.q_lengths[:, None, None], self.kv_lengths[:, None, None]
+        return (t0 >= ql) | (s0 >= kl), (t1 < ql) & (s1 < kl)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RowSegments(_Leaf):
+    """:func:`segment_ids` as rows: ``q (R|1, T)``, ``kv (R|1, S)`` int32, one row of ids per row of B·N."""
+
+    q: Array
+    kv: Array
+    q0: Any = None
+    k0: Any = None
+
+    def allowed(self, i, j):  # i (bq, 1), j (1, bk) -> (R|1, bq, bk); grid padding reads the last id
+        t, s = self._grid(i, j)
+        qs = jnp.take(self.q, jnp.clip(t[:, 0], 0, self.q.shape[-1] - 1), axis=-1)
+        ks = jnp.take(self.kv, jnp.clip(s[0], 0, self.kv.shape[-1] - 1), axis=-1)
+        return qs[:, :, None] == ks[:, None, :]
+
+    def _tiles(self, i0, i1, j0, j1, tiling):
+        """Per tile: empty where the ids' ranges ``[min, max]`` of its queries and keys are disjoint, full where both hold one id."""
+        T, S, bq, bk = tiling
+        q_lo, q_hi = (_per_tile(self.q, 1, -(-T // bq), bq, "edge", f)[:, :, None] for f in (jnp.min, jnp.max))
+        k_lo, k_hi = (_per_tile(self.kv, 1, -(-S // bk), bk, "edge", f)[:, None, :] for f in (jnp.min, jnp.max))
+        return (q_hi < k_lo) | (q_lo > k_hi), (q_lo == q_hi) & (k_lo == k_hi) & (q_lo == k_lo)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Slot(Mask):
-    """Where an :class:`ArrayMask` stood in a static skeleton (see :func:`split_arrays`)."""
+    """Where an array leaf stood in a static skeleton (see :func:`split_arrays`)."""
 
-    index: int
-    shape: tuple[int, ...]
+    index: int  # its first array in the list
+    kind: type  # ArrayMask, RowPadding or RowSegments
+    shapes: tuple[tuple[int, ...], ...]
 
     has_arrays = True
 
 
-def split_arrays(mask: Mask) -> tuple[Mask, list[Array]]:
+def split_arrays(mask: Mask) -> tuple[Mask, tuple[Array, ...]]:
     """``(skeleton, arrays)``: a hashable mask with each array leaf replaced by a slot, and the arrays.
 
     The skeleton's static :meth:`Mask.block_kinds` treats the slots as unknown (every tile
@@ -335,20 +442,21 @@ def split_arrays(mask: Mask) -> tuple[Mask, list[Array]]:
     arrays: list[Array] = []
 
     def split(m: Mask) -> Mask:
-        if isinstance(m, ArrayMask):
-            arrays.append(m.array)
-            return _Slot(len(arrays) - 1, tuple(m.array.shape))
+        if isinstance(m, _Leaf):
+            leaves = m.leaves()
+            arrays.extend(leaves)
+            return _Slot(len(arrays) - len(leaves), type(m), tuple(x.shape for x in leaves))
         if isinstance(m, _Binary):
             return dataclasses.replace(m, a=split(m.a), b=split(m.b))
         return _Not(split(m.a)) if isinstance(m, _Not) else m
 
-    return split(mask), arrays
+    return split(mask), tuple(arrays)
 
 
 def fill_arrays(skeleton: Mask, arrays: Sequence[Array]) -> Mask:
-    """The inverse of :func:`split_arrays` (arrays may be reshaped, e.g. flattened, in between)."""
+    """The inverse of :func:`split_arrays` (arrays may be reshaped, e.g. split by rows, in between)."""
     if isinstance(skeleton, _Slot):
-        return ArrayMask(arrays[skeleton.index])
+        return skeleton.kind(*arrays[skeleton.index : skeleton.index + len(skeleton.shapes)])
     if isinstance(skeleton, _Binary):
         return dataclasses.replace(skeleton, a=fill_arrays(skeleton.a, arrays), b=fill_arrays(skeleton.b, arrays))
     return _Not(fill_arrays(skeleton.a, arrays)) if isinstance(skeleton, _Not) else skeleton
@@ -359,21 +467,77 @@ def conjuncts(mask: Mask) -> list[Mask]:
     return [t for part in (mask.a, mask.b) for t in conjuncts(part)] if isinstance(mask, _And) else [mask]
 
 
-def tile_kinds(mask: Mask, T: int, S: int, block_q: int, block_kv: int, *, q_offset: int, kv_offset: int) -> Array:
-    """``(ceil(T/block_q), ceil(S/block_kv))`` int8 EMPTY / PARTIAL / FULL, traced.
+def example_lead(mask: Mask | None, ndim: int) -> tuple[int, ...]:
+    """The leading shape ``(B, 1, ...)`` (rank ``ndim - 2``) that a per-example mask adds to q's, or ``()``.
 
-    As :meth:`Mask.block_kinds`, but array leaves are read on device (an all-False tile of every
-    example is empty, an all-True one full), so it works under ``jit`` with traced arrays.
-    Static ``q_offset``/``kv_offset``.
+    ``ndim`` is q's rank; a per-example mask reads q's first axis as the batch, so q needs one.
+    """
+    leaves = _per_example_leaves(mask)
+    if not leaves:
+        return ()
+    if ndim < 3:
+        raise ValueError(f"a per-example mask needs a batch axis in q, got q of rank {ndim}")
+    sizes = {leaf.batch for leaf in leaves} - {1}
+    if len(sizes) > 1:
+        raise ValueError(f"per-example masks must share the batch B, got batches {sorted(sizes)} in {mask!r}")
+    return (max(sizes, default=1),) + (1,) * (ndim - 3)
+
+
+def _per_example_leaves(mask: Mask | None) -> list[_PerExample]:
+    if isinstance(mask, _Binary):
+        return _per_example_leaves(mask.a) + _per_example_leaves(mask.b)
+    if isinstance(mask, _Not):
+        return _per_example_leaves(mask.a)
+    return [mask] if isinstance(mask, _PerExample) else []
+
+
+def array_leaves(mask: Mask | None) -> list[ArrayMask]:
+    if isinstance(mask, _Binary):
+        return array_leaves(mask.a) + array_leaves(mask.b)
+    if isinstance(mask, _Not):
+        return array_leaves(mask.a)
+    return [mask] if isinstance(mask, ArrayMask) else []
+
+
+def as_rows(mask: Mask, lead: tuple[int, ...]) -> Mask:
+    """``mask`` with its array leaves as rows ``(R|1, ...)`` of ``lead`` flattened (:meth:`Mask._rows`)."""
+    return mask._rows(lead)
+
+
+def row_kinds(mask: Mask, T: int, S: int, block_q: int, block_kv: int, *, q_offset: int, kv_offset: int) -> Array:
+    """``(R|1, ceil(T/block_q), ceil(S/block_kv))`` int8 EMPTY / PARTIAL / FULL per row, traced.
+
+    ``mask`` is in row form (:meth:`Mask._rows`) with its arrays bound; static offsets.
     """
     i0 = q_offset + np.arange(0, T, block_q)[:, None]
     i1 = np.minimum(i0 + block_q, q_offset + T) - 1
     j0 = kv_offset + np.arange(0, S, block_kv)[None, :]
     j1 = np.minimum(j0 + block_kv, kv_offset + S) - 1
     empty, full = mask._tiles(i0, i1, j0, j1, (T, S, block_q, block_kv))
-    shape = (i0.shape[0], j0.shape[1])
-    kinds = jnp.where(jnp.broadcast_to(full, shape), jnp.int8(FULL), jnp.int8(PARTIAL))
-    return jnp.where(jnp.broadcast_to(empty, shape), jnp.int8(EMPTY), kinds)
+    kinds = jnp.where(full, jnp.int8(FULL), jnp.int8(PARTIAL))
+    return jnp.where(empty, jnp.int8(EMPTY), kinds)
+
+
+def tile_kinds(mask: Mask, T: int, S: int, block_q: int, block_kv: int, *, q_offset: int, kv_offset: int) -> Array:
+    """``(ceil(T/block_q), ceil(S/block_kv))`` int8 EMPTY / PARTIAL / FULL, traced.
+
+    As :meth:`Mask.block_kinds`, but array leaves and per-example masks (``padding``,
+    ``segment_ids``) are read on device: a tile empty for every example (every entry of an array
+    False) is empty, one full for every example full. Works under ``jit`` with traced arrays.
+    Static ``q_offset``/``kv_offset``.
+    """
+    check_lengths(mask, T, S)
+    leads = [a.array.shape[:-2] for a in array_leaves(mask)]
+    ndim = 2 + max([1, *map(len, leads)])  # the rank of a q the leaves broadcast against
+    lead = _broadcast_ranked(example_lead(mask, ndim), *leads)
+    rows = as_rows(mask, lead)._bind(q_offset, kv_offset)
+    return reduce_kinds(row_kinds(rows, T, S, block_q, block_kv, q_offset=q_offset, kv_offset=kv_offset))
+
+
+def reduce_kinds(kinds: Array) -> Array:
+    """``(R, ...)`` kinds to one ``(...)``: EMPTY where every row is empty, FULL where every row is full."""
+    empty, full = jnp.all(kinds == EMPTY, axis=0), jnp.all(kinds == FULL, axis=0)
+    return jnp.where(empty, jnp.int8(EMPTY), jnp.where(full, jnp.int8(FULL), jnp.int8(PARTIAL)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -451,6 +615,11 @@ class _PerExample(Mask):
 
     per_example = True
 
+    @property
+    def batch(self) -> int:
+        """The batch B of its arrays (1 where they broadcast)."""
+        return max(jnp.shape(x)[0] for x in dataclasses.astuple(self) if x is not None)
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Padding(_PerExample):
@@ -470,6 +639,12 @@ class Padding(_PerExample):
             ok = ok & (s < jnp.asarray(self.kv_lengths).reshape(-1, 1, 1, 1))
         return ok
 
+    def _rows(self, lead):
+        def rows(x):
+            return jnp.full((1,), _NO_LIMIT, jnp.int32) if x is None else _row_form(jnp.asarray(x, jnp.int32), lead)
+
+        return RowPadding(rows(self.q_lengths), rows(self.kv_lengths))
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class SegmentIds(_PerExample):
@@ -482,6 +657,11 @@ class SegmentIds(_PerExample):
         q = jnp.asarray(self.q_segments)
         kv = jnp.asarray(self.kv_segments)
         return q.reshape(q.shape[0], 1, -1, 1) == kv.reshape(kv.shape[0], 1, 1, -1)
+
+    def _rows(self, lead):
+        q, kv = jnp.asarray(self.q_segments), jnp.asarray(self.kv_segments)
+        ids = np.promote_types(q.dtype, kv.dtype)  # one integer type (strict promotion compares no mixed ones)
+        return RowSegments(_row_form(q.astype(ids), lead), _row_form(kv.astype(ids), lead))
 
 
 def causal() -> Mask:
@@ -571,7 +751,7 @@ def segment_ids(q_segments: ArrayLike, kv_segments: ArrayLike | None = None) -> 
     return SegmentIds(q, kv)
 
 
-def _check_lengths(mask: Mask, T: int, S: int) -> None:
+def check_lengths(mask: Mask, T: int, S: int) -> None:
     """Raises unless every ``segment_ids`` inside ``mask`` has lengths T and S."""
     if isinstance(mask, SegmentIds):
         q, kv = jnp.shape(mask.q_segments), jnp.shape(mask.kv_segments)
@@ -585,4 +765,4 @@ def _check_lengths(mask: Mask, T: int, S: int) -> None:
         for field in dataclasses.fields(mask):
             part = getattr(mask, field.name)
             if isinstance(part, Mask):
-                _check_lengths(part, T, S)
+                check_lengths(part, T, S)

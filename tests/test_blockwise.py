@@ -152,7 +152,10 @@ def test_xla_handover_matches_and_keeps_the_contract():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        (dict(implementation="blockwise", mask=masks.padding(kv_lengths=np.array([3, 4]))), "per-example predicate"),
+        (
+            dict(implementation="blockwise", mask=masks.causal(), q_offset=np.array([0, 1])),
+            "'blockwise' cannot take q_off",
+        ),
         (dict(implementation="dense", block_size=4), "'dense' cannot take block_size"),
         (dict(implementation="xla", dropout_rate=0.5, dropout_rng=jax.random.key(0)), "'xla' cannot take dropout_rate"),
         (dict(implementation="xla", precision="highest"), "'xla' cannot take precision"),
@@ -264,6 +267,117 @@ def test_vmap_equals_a_loop_and_tiles_like_an_explicit_batch(monkeypatch, mapped
         np.testing.assert_allclose(a, b, **ref.tol(jnp.float32))
     per_example = jax.vmap(jax.grad(lambda *a: jnp.sum(jnp.sin(f(*a))), (0, 1, 2)), in_axes=in_axes)(*args)
     assert [g.shape[0] for g in per_example] == [3, 3, 3]
-    if mapped != "array-mask":  # a mapped array mask needs a schedule per element: plain batching
-        batch = (q.reshape(6, 2, 11, 5), k.reshape(6, 1, 7, 5), v.reshape(6, 1, 7, 4), None)
-        assert _dot_shapes(jax.vmap(f, in_axes=in_axes), *args) == _dot_shapes(f, *batch)
+    # A mapped array mask keeps its per-row tile kinds: it folds into the batch too.
+    batch = (q.reshape(6, 2, 11, 5), k.reshape(6, 1, 7, 5), v.reshape(6, 1, 7, 4), arr.reshape(6, 2, 11, 7))
+    assert _dot_shapes(jax.vmap(f, in_axes=in_axes), *args) == _dot_shapes(f, *batch)
+
+
+# -- per-example masks: padding and segment ids, tiled per row (issue 13) ---------------------------
+
+
+def _segments(rng, B, L, n):
+    """Random (unsorted) segment ids ``(B, L)``, each of ``0..n-1`` at least once: runs of packed documents, shuffled."""
+    return np.stack([np.repeat(rng.permutation(n), 1 + rng.multinomial(L - n, np.ones(n) / n)) for _ in range(B)])
+
+
+def _per_example_cases(rng, B, T, S):
+    """``name -> (mask, explicit (B, 1, T, S) boolean)``, built from the ids and lengths themselves."""
+    q_ids, kv_ids = _segments(rng, B, T, 4), _segments(rng, B, S, 3)  # id 3 only among queries: its rows see none
+    q_len, kv_len = np.array([0, 4, T + 5])[:B], np.array([S, 1, 6])[:B]
+    t, s = np.arange(T)[:, None], np.arange(S)[None, :]
+    causal = s <= t + (S - T)
+    seg = q_ids[:, :, None] == kv_ids[:, None, :]
+    pad = (t < q_len[:, None, None]) & (s < kv_len[:, None, None])
+    cases = {
+        "segments": (masks.segment_ids(q_ids, kv_ids), seg),
+        "segments&causal": (masks.segment_ids(q_ids, kv_ids) & masks.causal(), seg & causal),
+        "padding": (masks.padding(q_len, kv_len), pad),
+        "keys|causal": (masks.padding(kv_lengths=kv_len) | masks.causal(), (s < kv_len[:, None, None]) | causal),
+        "~segments&padding": (~masks.segment_ids(q_ids, kv_ids) & masks.padding(q_len, kv_len), ~seg & pad),
+    }
+    return {n: (m, d[:, None]) for n, (m, d) in cases.items()}
+
+
+@pytest.mark.parametrize("platform, tile_bytes", [("cpu", 4 * 3 * 4), ("cpu", 10**9), ("gpu", 4 * 3 * 4)])
+@pytest.mark.parametrize("name", ["segments", "segments&causal", "padding", "keys|causal", "~segments&padding"])
+def test_per_example_masks_on_the_blockwise_path_equal_the_reference(monkeypatch, platform, tile_bytes, name):
+    """Values, log-sum-exp and gradients against float64 with the explicit mask; rows seeing no key give 0.
+
+    Tiles are classified per row of B·N on device (CPU groups of one row, or of all rows, and GPU tiling).
+    """
+    import jattn._blockwise as bw
+
+    monkeypatch.setattr(bw, "platform", lambda: platform)
+    monkeypatch.setattr(bw, "TILE_BYTES", tile_bytes)
+    rng = np.random.default_rng(7)
+    B, N, T, S = 3, 2, 11, 13
+    mask, dense = _per_example_cases(rng, B, T, S)[name]
+    q, k, v = _rand((B, N, T, 5), 0), _rand((B, 1, S, 5), 1), _rand((B, 1, S, 4), 2)
+    g = _rand((B, N, T, 4), 3)
+
+    def loss(q, k, v):
+        out, lse = jattn.attention(q, k, v, mask=mask, implementation="blockwise", block_size=(4, 3), return_lse=True)
+        return jnp.sum(out * g), (out, lse)
+
+    (_, (out, lse)), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    want, _, want_lse = ref.attention(q, k, v, dense)
+    np.testing.assert_allclose(ref.f64(out), want, **ref.tol(jnp.float32))
+    _close_lse(lse, want_lse, jnp.float32)
+    for got, w in zip(grads, ref.attention_grads(q, k, v, g, dense)[:3], strict=True):
+        ref.assert_grad_close(got, w, jnp.float32)
+    empty = ~np.broadcast_to(dense, (B, N, T, S)).any(-1)  # rows that see no key: exactly 0, and no gradient
+    assert empty.any() or name == "keys|causal"  # every other case has such rows
+    assert np.all(np.asarray(out)[empty] == 0) and np.all(np.asarray(grads[0])[empty] == 0)
+
+
+def test_per_example_tile_kinds_are_read_per_example_on_device():
+    """Packed documents: each example's tiles from its own ids; a tile is empty for all only if for each."""
+    ids = np.array([[0] * 4 + [1] * 4 + [2] * 4, [0] * 8 + [1] * 4])  # (2, 12): documents of 4 and of 8 tokens
+    mask = masks.segment_ids(ids) & masks.causal()
+    kinds = jax.jit(
+        lambda a: masks.tile_kinds(masks.segment_ids(a) & masks.causal(), 12, 12, 4, 4, q_offset=0, kv_offset=0)
+    )(ids)
+    dense = np.asarray(mask.dense(12, 12))[:, 0]  # (2, 12, 12)
+    for i in range(3):
+        for j in range(3):
+            tiles = [d[4 * i : 4 * i + 4, 4 * j : 4 * j + 4] for d in dense]
+            each = [masks.EMPTY if not t.any() else masks.FULL if t.all() else masks.PARTIAL for t in tiles]
+            want = each[0] if each[0] == each[1] else masks.PARTIAL
+            assert kinds[i, j] == want, (i, j, each)
+    assert (
+        jattn.choose_implementation(
+            jnp.zeros((2, 1024, 8)), jnp.zeros((2, 1024, 8)), jnp.zeros((2, 1024, 8)), mask=masks.padding([3, 1024])
+        )
+        == "blockwise"
+    )
+
+
+def test_vmap_over_per_example_masks_equals_a_loop():
+    rng = np.random.default_rng(8)
+    ids = jnp.asarray(np.stack([_segments(rng, 2, 11, 3) for _ in range(3)]))  # (3, B=2, T)
+    q, k, v = _rand((3, 2, 2, 11, 5), 0), _rand((3, 2, 2, 11, 5), 1), _rand((3, 2, 2, 11, 4), 2)
+
+    def f(q, k, v, ids):
+        mask = masks.segment_ids(ids) & masks.causal()
+        return jattn.attention(q, k, v, mask=mask, implementation="blockwise", block_size=(4, 3))
+
+    mapped = jax.vmap(f)(q, k, v, ids)
+    for n in range(3):
+        dense = np.asarray((masks.segment_ids(ids[n]) & masks.causal()).dense(11, 11))
+        np.testing.assert_allclose(
+            ref.f64(mapped[n]), ref.attention(q[n], k[n], v[n], dense)[0], **ref.tol(jnp.float32)
+        )
+
+
+@pytest.mark.parametrize(
+    ("q_shape", "mask", "match"),
+    [
+        ((11, 5), masks.padding([3, 4]), "per-example mask needs a batch axis in q"),
+        ((2, 11, 5), masks.padding([3, 4]) & masks.segment_ids(np.zeros((3, 11), int)), "share the batch B"),
+        ((2, 11, 5), masks.segment_ids(np.zeros((2, 9), int)), r"must have shapes \(B, T=11\)"),
+    ],
+)
+def test_per_example_masks_refuse_what_does_not_fit_on_the_blockwise_path(q_shape, mask, match):
+    q = jnp.zeros(q_shape)
+    with pytest.raises(ValueError, match=match):
+        jattn.attention(q, q, q, mask=mask, implementation="blockwise")
