@@ -361,6 +361,6 @@ def test_alibi_config_extrapolates_where_learned_positions_do_not(tmp_path, caps
     (a1, a2), (l1, l2) = ([r["token_acc"] for r in s["lengths"]] for s in (alibi, learned))
     assert [r["length"] for r in alibi["lengths"]] == [r["length"] for r in learned["lengths"]] == [23, 47]
     assert l1 > 0.95 and a1 > 0.6, (alibi["lengths"], learned["lengths"])  # both learned the task at L
-    assert a2 > 0.5 > 0.15 > l2 and a2 > l2 + 0.4, (alibi["lengths"], learned["lengths"])  # chance is 1/64
+    assert a2 > 0.5 and l2 < 0.2 and a2 > l2 + 0.4, (alibi["lengths"], learned["lengths"])  # chance is 1/64
     assert (tmp_path / "lengths.png").is_file()
     assert f"{a2:.1%} at 47" in capsys.readouterr().out

@@ -81,7 +81,8 @@ def run(cfg, *, progress: bool) -> int:
             return 130
         loop.compare(summary, control)
     print(loop.verdict(summary, control))
-    print(f"run directory: {summary['workdir']} (metrics.jsonl, curves.png, attention.png, checkpoints/)")
+    lengths = ", lengths.png" if summary["lengths"] else ""
+    print(f"run directory: {summary['workdir']} (metrics.jsonl, curves.png, attention.png{lengths}, checkpoints/)")
     return 0
 
 

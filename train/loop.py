@@ -334,8 +334,8 @@ def train(
 
 
 def describe(summary: dict) -> str:
-    """The model of a run in a few words, e.g. ``"attention, learned positions"``."""
-    return f"{summary['mixer']}, {summary['positions']} positions"
+    """The model of a run as its config keys, e.g. ``"mixer=attention, positions=learned"``."""
+    return f"mixer={summary['mixer']}, positions={summary['positions']}"
 
 
 def compare(summary: dict, control: dict) -> Path:

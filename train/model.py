@@ -1,12 +1,13 @@
 """A small causal decoder built from jattn's NNX modules (readable in one sitting).
 
 tokens (B, L) -> embeddings + positions -> num_layers x [x + mixer(LN x), x + MLP(LN x)]
--> LN -> logits (B, L, vocab). Positions are a learned absolute table (``positions='learned'``,
-``max_len`` rows) or ALiBi (``positions='alibi'``: no table; every attention layer subtracts
-``slope[head] · distance`` from its scores, with the paper's fixed slopes). The mixer is jattn softmax attention under a causal mask
+-> LN -> logits (B, L, vocab). The mixer is jattn softmax attention under a causal mask
 (optionally a sliding window with global tokens, and grouped kv heads), jattn linear attention,
 or, for the control, ``'none'``: a token-local linear map that cannot look at other positions.
-Under a mesh with a ``seq`` axis, softmax attention runs as ring attention over it.
+Under a mesh with a ``seq`` axis, softmax attention runs as ring attention over it. Positions
+are a learned absolute table (``positions='learned'``, ``max_len`` rows) or ALiBi
+(``positions='alibi'``: no table; every attention layer subtracts ``slope[head] · distance``
+from its scores, with the paper's fixed slopes).
 """
 
 from __future__ import annotations

@@ -76,7 +76,8 @@ def lengths(runs: dict[str, list[dict]], path: Path, *, chance: float, title: st
     trained = next(iter(runs.values()))[0]["length"]
     ax.axvline(trained, color="grey", ls="--", lw=0.8, label=f"training length {trained}")
     ax.axhline(chance, color="grey", ls=":", label=f"chance {chance:.1%}")
-    ax.set(xlabel="evaluation length (tokens)", ylabel="held-out accuracy", ylim=(0, 1.02), xscale="log", title=title)
+    ax.set(xlabel="evaluation length (tokens)", ylabel="held-out accuracy", ylim=(0, 1.02), xscale="log")
+    ax.set_title(f"{title}: trained at length {trained}, evaluated longer", fontsize=10)
     ax.set_xticks(x, [str(v) for v in x])
     ax.minorticks_off()
     ax.legend(fontsize=7)
