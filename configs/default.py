@@ -23,6 +23,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.model = ml_collections.ConfigDict(
         dict(
             mixer="attention",  # 'attention' (softmax), 'linear', or 'none' (the token-local control)
+            positions="learned",  # 'learned' (an absolute table) or 'alibi' (no table; softmax attention only)
             d_model=64,
             num_heads=2,
             num_kv_heads=0,  # 0: as many as num_heads; fewer: grouped-query attention
@@ -44,7 +45,11 @@ def get_config() -> ml_collections.ConfigDict:
     c.eval_every = 500
     c.eval_batches = 8
     c.checkpoint_every = 500
-    c.control = True  # also train the mixer='none' control on the same budget; the verdict shows both
+    c.control = True  # also train the control on the same budget; the verdict shows both
+    c.control_model = ml_collections.ConfigDict(dict(mixer="none"))  # the model keys the control changes
+    # After training, also evaluate on the task scaled to these multiples of its length (tasks that
+    # have Task.scaled); the learned position table then has rows for the longest, untrained past L.
+    c.extrapolate = ()
     # Devices: data parallel x sequence parallel (ring attention) x model parallel (heads, MLP);
     # data * seq * model devices are used (README "Scaling out").
     c.mesh = ml_collections.ConfigDict(dict(data=1, seq=1, model=1))

@@ -111,6 +111,7 @@ def snapshot(workdir: Path) -> dict[str, bytes]:
     [
         ({"model.d_model": 32}, "model.d_model 16 -> 32"),
         ({"seed": 1}, "seed 0 -> 1"),
+        ({"model.positions": "alibi"}, "model.positions 'learned' -> 'alibi'"),
         ({"learning_rate": 0.003}, "learning_rate 0.001 -> 0.003"),
         ({"task.num_pairs": 4, "task.num_queries": 4}, "task.num_pairs 8 -> 4; task.num_queries 8 -> 4"),
     ],

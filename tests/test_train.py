@@ -15,6 +15,7 @@ import jattn.nnx
 import train.__main__ as cli
 import train.eval
 from train import config, loop
+from train.model import Decoder
 from train.tasks import MQAR, Induction, Reverse, Sort
 
 
@@ -124,6 +125,7 @@ def test_eval_entry_reloads_and_prints_examples(tmp_path, capsys):
     loop.train(tiny(tmp_path), progress=False, pictures=False)
     saved = json.loads((tmp_path / "config.json").read_text())
     del saved["mesh"], saved["distributed"]  # a run made before these keys existed reloads with their defaults
+    del saved["control_model"], saved["extrapolate"], saved["model"]["positions"]
     (tmp_path / "config.json").write_text(json.dumps(saved))
     assert train.eval.main(["--run", str(tmp_path), "--examples", "2"]) == 0
     out = capsys.readouterr().out
@@ -157,6 +159,10 @@ BAD_CONFIGS = [
     (["--config.seed=1.5"], "config key 'seed': bad value '1.5'"),
     (["--config.learning_rate=-1e-3"], "config key 'learning_rate' must be positive, got -0.001"),
     (["--config.weight_decay=nan"], "config key 'weight_decay'"),
+    (["--config.model.positions=rope"], "config key 'model.positions': unknown positions 'rope'"),
+    (["--config.control_model.mixer=rnn"], "the control (control_model={'mixer': 'rnn'}): config key 'model.mixer'"),
+    (["--config.extrapolate=(2,)"], "config key 'extrapolate'=(2,): task 'mqar' has no longer version"),
+    (["--config.extrapolate=(0,)"], "config key 'extrapolate' must be a tuple of integers >= 1, got (0,)"),
 ]
 
 
@@ -233,6 +239,7 @@ def test_sigint_saves_a_checkpoint_and_the_same_command_resumes(tmp_path):
         {"model.window": 3, "model.global_tokens": "(0,1)"},
         {"model.mixer": "linear"},
         {"model.num_heads": 4, "model.num_kv_heads": 1},
+        {"model.positions": "alibi", "model.num_heads": 4},
     ],
 )
 def test_cached_greedy_decoding_equals_full_forward_greedy(changes):
@@ -308,3 +315,52 @@ def test_bad_attention_path_is_a_config_error():
         cfg = config.override(config.load(), [f"--config.{key}={value}"])
         with pytest.raises(config.ConfigError, match=message):
             config.validate(cfg)
+
+
+# -- positions: ALiBi against a learned table, past the training length ---------------------------
+
+
+def test_bad_positions_is_a_config_error():
+    cfg = config.load("configs/alibi.py")
+    for changes, message in (
+        ({"model.positions": "rope"}, "config key 'model.positions': unknown positions 'rope'; choose from"),
+        ({"model.mixer": "linear"}, "'model.positions'='alibi' needs softmax attention: 'model.mixer'='linear'"),
+        ({"control_model.positions": "rope"}, r"the control \(control_model=.*unknown positions 'rope'"),
+    ):
+        bad = cfg.copy_and_resolve_references()
+        for key, value in changes.items():
+            group, name = key.split(".")
+            bad[group][name] = value
+        with pytest.raises(config.ConfigError, match=message):
+            config.validate(bad)
+    with pytest.raises(ValueError, match="positions must be one of"):
+        Decoder(8, 8, d_model=8, num_heads=1, num_layers=1, positions="rope", rngs=nnx.Rngs(0))
+
+
+def test_alibi_config_extrapolates_where_learned_positions_do_not(tmp_path, capsys):
+    """configs/alibi.py scaled down (400 steps, 2L only): ALiBi keeps its accuracy at 2L, the table does not."""
+    cfg = config.load("configs/alibi.py")
+    cfg = config.override(
+        cfg,
+        [
+            f"--config.workdir={tmp_path}",
+            "--config.steps=400",
+            "--config.warmup_steps=40",
+            "--config.learning_rate=5e-3",
+            "--config.eval_every=400",
+            "--config.checkpoint_every=400",
+            "--config.eval_batches=2",
+            "--config.extrapolate=(2,)",
+        ],
+    )
+    assert cfg.model.positions == "alibi" and cfg.control and dict(cfg.control_model) == {"positions": "learned"}
+    assert cli.run(cfg, progress=False) == 0
+    alibi = json.loads((tmp_path / "summary.json").read_text())
+    learned = json.loads((tmp_path / "control" / "summary.json").read_text())
+    assert (alibi["positions"], learned["positions"]) == ("alibi", "learned")
+    (a1, a2), (l1, l2) = ([r["token_acc"] for r in s["lengths"]] for s in (alibi, learned))
+    assert [r["length"] for r in alibi["lengths"]] == [r["length"] for r in learned["lengths"]] == [23, 47]
+    assert l1 > 0.95 and a1 > 0.6, (alibi["lengths"], learned["lengths"])  # both learned the task at L
+    assert a2 > 0.5 and l2 < 0.2 and a2 > l2 + 0.4, (alibi["lengths"], learned["lengths"])  # chance is 1/64
+    assert (tmp_path / "lengths.png").is_file()
+    assert f"{a2:.1%} at 47" in capsys.readouterr().out

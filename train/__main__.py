@@ -73,16 +73,16 @@ def run(cfg, *, progress: bool) -> int:
         print(f"interrupted at step {summary['step']}: checkpoint saved; run the same command to resume")
         return 130
     control = None
-    if cfg.control and cfg.model.mixer != "none":
-        ctl = cfg.copy_and_resolve_references()
-        with ctl.unlocked():
-            ctl.model.mixer, ctl.workdir = "none", str(loop.workdir_of(cfg) / "control")
+    ctl = config.control_of(cfg)
+    if cfg.control and ctl.model != cfg.model:
+        ctl.workdir = str(loop.workdir_of(cfg) / "control")
         control = loop.train(ctl, progress=progress, pictures=False)
         if control["interrupted"]:
             return 130
         loop.compare(summary, control)
     print(loop.verdict(summary, control))
-    print(f"run directory: {summary['workdir']} (metrics.jsonl, curves.png, attention.png, checkpoints/)")
+    lengths = ", lengths.png" if summary["lengths"] else ""
+    print(f"run directory: {summary['workdir']} (metrics.jsonl, curves.png, attention.png{lengths}, checkpoints/)")
     return 0
 
 

@@ -19,7 +19,7 @@ import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
-from train.model import IMPLEMENTATIONS, MIXERS
+from train.model import IMPLEMENTATIONS, MIXERS, POSITIONS
 from train.sharding import AXES
 from train.tasks import MQAR, TASKS, Task
 
@@ -196,12 +196,18 @@ def _check_name(name: Any) -> None:
 
 
 def _check_keys(cfg: ml_collections.ConfigDict) -> None:
-    """Every key (outside ``task``, whose keys depend on the task) is one the default config has."""
+    """Every key is one the default config has (``task``'s depend on the task; ``control_model`` holds model keys)."""
     defaults = load(DEFAULT_CONFIG)
     for key in cfg:
         if key not in defaults:
             raise ConfigError(f"unknown config key {key!r} (value {cfg[key]!r})")
-        if key != "task" and isinstance(defaults[key], ml_collections.ConfigDict):
+        if key == "control_model":  # any model keys
+            if not isinstance(cfg[key], ml_collections.ConfigDict):
+                raise ConfigError(f"config key {key!r} must be a group of model keys, got {cfg[key]!r}")
+            for sub in cfg[key]:
+                if sub not in defaults.model:
+                    raise ConfigError(f"unknown config key '{key}.{sub}': not a model key (value {cfg[key][sub]!r})")
+        elif key != "task" and isinstance(defaults[key], ml_collections.ConfigDict):
             if not isinstance(cfg[key], ml_collections.ConfigDict):
                 raise ConfigError(f"config key {key!r} must be a group of keys, got {cfg[key]!r}")
             for sub in cfg[key]:
@@ -257,8 +263,25 @@ def _check_mesh(cfg: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"config key 'batch_size'={cfg.batch_size} must be a multiple of 'mesh.data'={cfg.mesh.data}")
 
 
+def control_of(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """The control run of ``cfg``: a copy with the model keys of ``cfg.control_model`` changed.
+
+    The caller places it (its own ``workdir``); raises :class:`ConfigError` for a value of the
+    wrong type.
+    """
+    ctl = cfg.copy_and_resolve_references()
+    try:
+        for key, value in cfg.control_model.items():
+            ctl.model[key] = value
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"config key 'control_model': {(str(e).splitlines() or [type(e).__name__])[0]}") from None
+    with ctl.unlocked():
+        ctl.control = False
+    return ctl
+
+
 def validate(cfg: ml_collections.ConfigDict) -> Task:
-    """Checks every value the program depends on; returns the task. Raises :class:`ConfigError`."""
+    """Checks every value the program depends on (the control's too); returns the task. Raises :class:`ConfigError`."""
     _check_keys(cfg)
     _check_run(cfg)
     task = make_task(cfg)
@@ -283,6 +306,15 @@ def validate(cfg: ml_collections.ConfigDict) -> Task:
             raise ConfigError(f"config key {key!r}={cfg[key]} must be a multiple of 'log_every'={cfg.log_every}")
     if cfg.model.mixer not in MIXERS:
         raise ConfigError(f"config key 'model.mixer': unknown mixer {cfg.model.mixer!r}; choose from {MIXERS}")
+    if cfg.model.positions not in POSITIONS:
+        raise ConfigError(
+            f"config key 'model.positions': unknown positions {cfg.model.positions!r}; choose from {POSITIONS}"
+        )
+    if cfg.model.positions == "alibi" and cfg.model.mixer == "linear":
+        raise ConfigError(
+            "config key 'model.positions'='alibi' needs softmax attention: 'model.mixer'='linear' forms no scores "
+            "to bias ('none' is allowed: that model sees no positions at all)"
+        )
     kv = cfg.model.num_kv_heads
     if kv < 0 or (kv and cfg.model.num_heads % kv):
         raise ConfigError(f"config key 'model.num_kv_heads'={kv} must be 0 or a divisor of 'model.num_heads'")
@@ -294,8 +326,23 @@ def validate(cfg: ml_collections.ConfigDict) -> Task:
         raise ConfigError(
             f"config key 'model.global_tokens'={tuple(cfg.model.global_tokens)} must lie in [0, {task.length})"
         )
+    extrapolate = cfg.extrapolate
+    if not isinstance(extrapolate, (tuple, list)) or not all(
+        isinstance(f, int) and not isinstance(f, bool) and f >= 1 for f in extrapolate
+    ):
+        raise ConfigError(f"config key 'extrapolate' must be a tuple of integers >= 1, got {extrapolate!r}")
+    if extrapolate:
+        try:
+            task.scaled(2)
+        except NotImplementedError as e:
+            raise ConfigError(f"config key 'extrapolate'={tuple(extrapolate)}: {e}") from None
     if cfg.model.d_model % cfg.model.num_heads:
         raise ConfigError(
             f"config key 'model.num_heads'={cfg.model.num_heads} does not divide 'model.d_model'={cfg.model.d_model}"
         )
+    if cfg.control:
+        try:
+            validate(control_of(cfg))
+        except ConfigError as e:
+            raise ConfigError(f"the control (control_model={cfg.control_model.to_dict()}): {e}") from None
     return task

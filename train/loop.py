@@ -67,12 +67,13 @@ def build(cfg: ml_collections.ConfigDict) -> Experiment:
     m = cfg.model
     model = Decoder(
         task.vocab_size,
-        task.length,
+        max([task.length, *(t.length for t in longer_tasks(cfg, task))]),
         d_model=m.d_model,
         num_heads=m.num_heads,
         num_layers=m.num_layers,
         num_kv_heads=m.num_kv_heads or None,
         mixer=m.mixer,
+        positions=m.positions,
         mlp_ratio=m.mlp_ratio,
         window=m.window,
         global_tokens=tuple(m.global_tokens),
@@ -86,6 +87,11 @@ def build(cfg: ml_collections.ConfigDict) -> Experiment:
     )
     tx = optax.chain(optax.clip_by_global_norm(cfg.grad_clip), optax.adamw(schedule, weight_decay=cfg.weight_decay))
     return Experiment(cfg, task, graphdef, params, tx)
+
+
+def longer_tasks(cfg: ml_collections.ConfigDict, task: Task) -> list[Task]:
+    """The task scaled by each factor of ``cfg.extrapolate`` (evaluated after training)."""
+    return [task.scaled(f) for f in cfg.extrapolate]
 
 
 def _loss(exp: Experiment, params: nnx.State, batch) -> tuple[Array, tuple[Array, Array]]:
@@ -128,12 +134,16 @@ def make_train_chunk(exp: Experiment) -> Callable:
     return jax.jit(chunk, static_argnums=3, donate_argnums=(0, 1))
 
 
-def make_evaluate(exp: Experiment) -> Callable:
-    """``params -> {loss, token_acc, seq_acc}`` on ``eval_batches`` held-out batches, jitted."""
+def make_evaluate(exp: Experiment, task: Task | None = None) -> Callable:
+    """``params -> {loss, token_acc, seq_acc}`` on ``eval_batches`` held-out batches, jitted.
+
+    ``task`` (default ``exp.task``) may be a longer version of the task (:meth:`Task.scaled`).
+    """
+    task = exp.task if task is None else task
 
     def evaluate(params):
         def one(i):
-            batch = _split_batch(exp.task.batch(jax.random.fold_in(exp.eval_key, i), exp.cfg.batch_size))
+            batch = _split_batch(task.batch(jax.random.fold_in(exp.eval_key, i), exp.cfg.batch_size))
             loss, (acc, correct) = _loss(exp, params, batch)
             return loss, acc, jnp.mean(jnp.all(correct, axis=-1).astype(jnp.float32))
 
@@ -287,6 +297,11 @@ def train(
                     break
         ckpt.wait()
         final = {k: float(v) for k, v in evaluate(params).items()}
+        lengths = [{"length": exp.task.length, **final}] if cfg.extrapolate else []
+        for task in longer_tasks(cfg, exp.task):
+            lengths.append(
+                {"length": task.length, **{k: float(v) for k, v in make_evaluate(exp, task)(params).items()}}
+            )
         if jax.process_count() > 1:  # the pictures below run on one process: gather the parameters
             params = multihost_utils.process_allgather(params, tiled=True)
     summary = {
@@ -294,11 +309,13 @@ def train(
         "workdir": str(workdir),
         "task": exp.task.name,
         "mixer": cfg.model.mixer,
+        "positions": cfg.model.positions,
         "step": step,
         "steps": cfg.steps,
         "interrupted": interrupted,
         "chance": exp.task.chance,
         "eval": final,
+        "lengths": lengths,  # held-out evaluation at the training length and longer (cfg.extrapolate)
         "mesh": dict(mesh.shape),
         "processes": jax.process_count(),
         "moved_aside": str(moved) if moved else None,
@@ -307,22 +324,30 @@ def train(
         return summary
     rundir.write_atomic(workdir / "summary.json", json.dumps(summary, indent=2) + "\n")
     if pictures and not interrupted:
-        label = f"{cfg.model.mixer} ({exp.task.name})"
+        label = describe(summary)
         plots.curves({label: log}, workdir / "curves.png", chance=exp.task.chance, title=cfg.name)
+        if lengths:
+            plots.lengths({label: lengths}, workdir / "lengths.png", chance=exp.task.chance, title=cfg.name)
         if cfg.model.mixer == "attention":  # linear attention forms no weights to draw
             plots.attention_maps(exp, params, workdir / "attention.png")
     return summary
 
 
+def describe(summary: dict) -> str:
+    """The model of a run as its config keys, e.g. ``"mixer=attention, positions=learned"``."""
+    return f"mixer={summary['mixer']}, positions={summary['positions']}"
+
+
 def compare(summary: dict, control: dict) -> Path:
-    """Draws a run and its control on the same axes into the run's ``curves.png``; returns the path."""
-    runs = {
-        f"{summary['mixer']} ({summary['task']})": rundir.MetricsLog(Path(summary["workdir"]) / "metrics.jsonl"),
-        "control (no attention)": rundir.MetricsLog(Path(control["workdir"]) / "metrics.jsonl"),
-    }
-    path = Path(summary["workdir"]) / "curves.png"
-    plots.curves({k: m.read() for k, m in runs.items()}, path, chance=summary["chance"], title=summary["name"])
-    return path
+    """Draws a run and its control on the same axes into the run's ``curves.png`` (and ``lengths.png``)."""
+    runs = {describe(s): s for s in (summary, control)}
+    logs = {k: rundir.MetricsLog(Path(s["workdir"]) / "metrics.jsonl").read() for k, s in runs.items()}
+    workdir, title = Path(summary["workdir"]), summary["name"]
+    plots.curves(logs, workdir / "curves.png", chance=summary["chance"], title=title)
+    if summary["lengths"]:
+        lengths = {k: s["lengths"] for k, s in runs.items()}
+        plots.lengths(lengths, workdir / "lengths.png", chance=summary["chance"], title=title)
+    return workdir / "curves.png"
 
 
 def restore(workdir: str | Path) -> tuple[Experiment, nnx.State, int]:
@@ -348,10 +373,14 @@ def verdict(summary: dict, control: dict | None = None) -> str:
     """One line: held-out accuracy against chance (and the control's, when it ran)."""
     e = summary["eval"]
     line = (
-        f"{summary['task']}: {summary['mixer']} reaches {e['token_acc']:.1%} held-out token accuracy "
+        f"{summary['task']}: {describe(summary)} reaches {e['token_acc']:.1%} held-out token accuracy "
         f"({e['seq_acc']:.1%} of sequences) after {summary['step']} steps; chance is {summary['chance']:.1%}"
     )
     if control is not None:
         c = control["eval"]
-        line += f"; the no-attention control reaches {c['token_acc']:.1%} ({c['seq_acc']:.1%} of sequences)"
+        line += f"; the control ({describe(control)}) reaches {c['token_acc']:.1%} ({c['seq_acc']:.1%} of sequences)"
+    for s in (summary, control) if control is not None else (summary,):
+        if s["lengths"]:
+            accs = ", ".join(f"{r['token_acc']:.1%} at {r['length']}" for r in s["lengths"])
+            line += f"\n  {describe(s)}: held-out token accuracy by length: {accs}"
     return line

@@ -4,10 +4,15 @@ tokens (B, L) -> embeddings + positions -> num_layers x [x + mixer(LN x), x + ML
 -> LN -> logits (B, L, vocab). The mixer is jattn softmax attention under a causal mask
 (optionally a sliding window with global tokens, and grouped kv heads), jattn linear attention,
 or, for the control, ``'none'``: a token-local linear map that cannot look at other positions.
-Under a mesh with a ``seq`` axis, softmax attention runs as ring attention over it.
+Under a mesh with a ``seq`` axis, softmax attention runs as ring attention over it. Positions
+are a learned absolute table (``positions='learned'``, ``max_len`` rows) or ALiBi
+(``positions='alibi'``: no table; every attention layer subtracts ``slope[head] · distance``
+from its scores, with the paper's fixed slopes).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +23,7 @@ import jattn.nnx
 from jattn import masks
 
 MIXERS = ("attention", "linear", "none")
+POSITIONS = ("learned", "alibi")
 IMPLEMENTATIONS = jattn.IMPLEMENTATIONS  # paths of softmax attention (jattn.attention's implementation=)
 SEQUENCE_AXIS = "seq"  # ring attention over this mesh axis when the current mesh has it (train/sharding.py)
 
@@ -43,6 +49,7 @@ class Block(nnx.Module):
         *,
         implementation: str | None = None,
         block_size: int | None = None,
+        score_mod: Callable[..., Array] | None = None,
         rngs: nnx.Rngs,
     ) -> None:
         self.ln1 = nnx.LayerNorm(d_model, rngs=rngs)
@@ -60,6 +67,7 @@ class Block(nnx.Module):
                 sequence_axis=SEQUENCE_AXIS,
                 implementation=implementation,
                 block_size=block_size,
+                score_mod=score_mod,
                 rngs=rngs,
             )
         self.up = nnx.Linear(d_model, mlp_ratio * d_model, rngs=rngs)
@@ -90,6 +98,7 @@ class Decoder(nnx.Module):
         num_layers: int,
         num_kv_heads: int | None = None,
         mixer: str = "attention",
+        positions: str = "learned",
         mlp_ratio: int = 4,
         window: int = 0,
         global_tokens: tuple[int, ...] = (),
@@ -97,9 +106,20 @@ class Decoder(nnx.Module):
         block_size: int | None = None,
         rngs: nnx.Rngs,
     ) -> None:
-        """``implementation`` and ``block_size`` choose softmax attention's path (:func:`jattn.attention`)."""
+        """``implementation`` and ``block_size`` choose softmax attention's path (:func:`jattn.attention`).
+
+        ``positions``: ``'learned'`` (a ``(max_len, d_model)`` table added to the embeddings) or
+        ``'alibi'`` (no table: ALiBi in every attention layer; needs softmax attention, and with
+        ``mixer='none'`` the model has no position information at all).
+        """
+        if positions not in POSITIONS:
+            raise ValueError(f"positions must be one of {POSITIONS}, got {positions!r}")
+        if positions == "alibi" and mixer == "linear":
+            raise ValueError("positions='alibi' needs softmax attention (mixer='attention'), got mixer='linear'")
         self.embed = nnx.Embed(vocab_size, d_model, rngs=rngs)
-        self.pos = nnx.Param(jax.random.normal(rngs.params(), (max_len, d_model)) / d_model**0.5)
+        learned = positions == "learned"
+        self.pos = nnx.Param(jax.random.normal(rngs.params(), (max_len, d_model)) / d_model**0.5) if learned else None
+        alibi = None if learned else jattn.score_mods.alibi(jattn.score_mods.alibi_slopes(num_heads))
         self.blocks = nnx.List(
             [
                 Block(
@@ -110,6 +130,7 @@ class Decoder(nnx.Module):
                     mlp_ratio,
                     implementation=implementation,
                     block_size=block_size,
+                    score_mod=alibi,
                     rngs=rngs,
                 )
                 for _ in range(num_layers)
@@ -132,9 +153,11 @@ class Decoder(nnx.Module):
         if decode:
             positions = self.next[...][:, None] + jnp.arange(length)[None]  # (B, L)
             self.next[...] = self.next[...] + length
-            x = self.embed(tokens) + self.pos[...][positions]
         else:
-            x = self.embed(tokens) + self.pos[...][None, :length]  # (B, L, d_model)
+            positions = jnp.s_[None, :length]  # rows 0..L-1 of the table, (1, L)
+        x = self.embed(tokens)  # (B, L, d_model)
+        if self.pos is not None:  # learned absolute positions (ALiBi acts inside attention instead)
+            x = x + self.pos[...][positions]
         weights = []
         for block in self.blocks:
             x, w = block(x, self.mask, decode=decode, weights=return_weights)

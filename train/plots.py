@@ -62,6 +62,30 @@ def curves(runs: dict[str, list[dict]], path: Path, *, chance: float, title: str
     plt.close(fig)
 
 
+def lengths(runs: dict[str, list[dict]], path: Path, *, chance: float, title: str) -> None:
+    """Held-out accuracy against evaluation length, one line per run; the first length is the training one.
+
+    ``runs`` maps a label to its rows ``{"length", "token_acc", "seq_acc", ...}`` (a summary's
+    ``lengths``), shortest first.
+    """
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for i, (label, rows) in enumerate(runs.items()):
+        x = [r["length"] for r in rows]
+        ax.plot(x, [r["token_acc"] for r in rows], "o-", color=f"C{i}", label=f"{label}: token")
+        ax.plot(x, [r["seq_acc"] for r in rows], "s--", color=f"C{i}", mfc="none", label=f"{label}: sequence")
+    trained = next(iter(runs.values()))[0]["length"]
+    ax.axvline(trained, color="grey", ls="--", lw=0.8, label=f"training length {trained}")
+    ax.axhline(chance, color="grey", ls=":", label=f"chance {chance:.1%}")
+    ax.set(xlabel="evaluation length (tokens)", ylabel="held-out accuracy", ylim=(0, 1.02), xscale="log")
+    ax.set_title(f"{title}: trained at length {trained}, evaluated longer", fontsize=10)
+    ax.set_xticks(x, [str(v) for v in x])
+    ax.minorticks_off()
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def attention_maps(exp: Experiment, params, path: Path) -> None:
     """Attention weights of every layer and head on one held-out example, tokens labelled.
 

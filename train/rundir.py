@@ -44,6 +44,7 @@ RESUMABLE_KEYS = frozenset(
         "eval_batches",
         "checkpoint_every",
         "control",
+        "control_model",  # the control is its own run directory, checked on its own
         "mesh",  # checkpoints restore onto any mesh
         "distributed",
     }
@@ -89,7 +90,11 @@ def read_config(workdir: str | Path) -> ml_collections.ConfigDict:
     if not isinstance(saved, dict):
         raise RunError(f"{path}: not a config (a JSON object)")
     defaults = config.load()  # e.g. mesh and resume, for runs made before those keys existed
-    return ml_collections.ConfigDict({**{k: defaults[k] for k in defaults if k not in saved}, **saved})
+    merged = {**{k: defaults[k] for k in defaults if k not in saved}, **saved}
+    for key in ("model", "mesh", "distributed"):  # groups with fixed keys: e.g. model.positions
+        if isinstance(merged[key], dict):
+            merged[key] = {**defaults[key].to_dict(), **merged[key]}
+    return ml_collections.ConfigDict(merged)
 
 
 def _flat(cfg: ml_collections.ConfigDict) -> dict[str, Any]:

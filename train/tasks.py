@@ -56,6 +56,10 @@ class Task:
         """Short labels of the vocabulary, for pictures and examples."""
         return [str(i) for i in range(self.vocab_size)]
 
+    def scaled(self, factor: int) -> Task:
+        """The same rule over about ``factor`` times the length (for evaluating past the training length)."""
+        raise NotImplementedError(f"task {self.name!r} has no longer version")
+
     def batch(self, key: Array, size: int) -> Batch:
         """A batch of ``size`` independent sequences drawn from ``key``."""
         seq, mask = jax.vmap(self.sequence)(jax.random.split(key, size))
@@ -131,6 +135,10 @@ class _TwoHalves(Task):
     @property
     def chance(self) -> float:
         return 1.0 / self.vocab
+
+    def scaled(self, factor: int) -> Task:
+        """``factor`` times ``size`` tokens over the same vocabulary (about ``factor`` times the length)."""
+        return dataclasses.replace(self, size=self.size * factor)
 
 
 @dataclasses.dataclass(frozen=True)
