@@ -537,7 +537,7 @@ def blockwise_attention(
         check_lengths(mask, T, S)
         leads = [broadcast_all(q=q, k=k, v=v, mask=a.array) for a in array_leaves(mask)]  # each checked too
         lead = tuple(np.broadcast_shapes(lead, *leads, example_lead(mask, q.ndim)))
-        mask = as_rows(mask, lead)  # every array leaf as rows (B|1, ...) of lead flattened
+        mask = as_rows(mask, lead, len(lead) - (q.ndim - 2))  # array leaves as rows (B|1, ...); q's batch axis
     skeleton, arrays = (None, ()) if mask is None else split_arrays(mask)
     qf, kf, vf = (flat_lead(x, lead) for x in (q, k, v))
     compute = compute_dtype(q.dtype)

@@ -100,11 +100,12 @@ class Mask:
         """The mask with its array leaves told the positions of grid row 0 and column 0."""
         return self
 
-    def _rows(self, lead: tuple[int, ...]) -> Mask:
+    def _rows(self, lead: tuple[int, ...], axis: int = 0) -> Mask:
         """The mask with its array leaves as rows ``(R|1, ...)`` of the leading shape ``lead`` flattened.
 
         Per-example leaves (``padding``, ``segment_ids``) become their row forms (one row of B·N
-        per batch and head), array masks are flattened: what a blockwise kernel reads per row.
+        per batch and head; their batch is axis ``axis`` of ``lead``: q's first axis), array masks
+        are flattened: what a blockwise kernel reads per row.
         """
         return self
 
@@ -213,8 +214,8 @@ class _Binary(Mask):
     def _bind(self, q0, k0):
         return dataclasses.replace(self, a=self.a._bind(q0, k0), b=self.b._bind(q0, k0))
 
-    def _rows(self, lead):
-        return dataclasses.replace(self, a=self.a._rows(lead), b=self.b._rows(lead))
+    def _rows(self, lead, axis=0):
+        return dataclasses.replace(self, a=self.a._rows(lead, axis), b=self.b._rows(lead, axis))
 
 
 class _And(_Binary):
@@ -258,8 +259,8 @@ class _Not(Mask):
     def _bind(self, q0, k0):
         return _Not(self.a._bind(q0, k0))
 
-    def _rows(self, lead):
-        return _Not(self.a._rows(lead))
+    def _rows(self, lead, axis=0):
+        return _Not(self.a._rows(lead, axis))
 
     def allowed(self, i, j):
         return ~self.a.allowed(i, j)
@@ -311,12 +312,13 @@ def _per_tile(x: Array, axis: int, count: int, size: int, fill, reduce) -> Array
     return reduce(x, axis=axis + 1)
 
 
-def _row_form(x: Array, lead: tuple[int, ...]) -> Array:
-    """A per-example array ``(B|1, ...)`` as rows ``(R|1, ...)`` of ``lead`` flattened (batch first)."""
+def _row_form(x: Array, lead: tuple[int, ...], axis: int) -> Array:
+    """A per-example array ``(B|1, ...)`` as rows ``(R|1, ...)`` of ``lead`` flattened, its batch on ``lead[axis]``."""
     if x.shape[0] == 1:
         return x
-    x = x.reshape(x.shape[0], *(1,) * (len(lead) - 1), *x.shape[1:])
-    return jnp.broadcast_to(x, (*lead, *x.shape[len(lead) :])).reshape(math.prod(lead), *x.shape[len(lead) :])
+    rest = x.shape[1:]
+    x = x.reshape((1,) * axis + (x.shape[0],) + (1,) * (len(lead) - axis - 1) + rest)
+    return jnp.broadcast_to(x, (*lead, *rest)).reshape(math.prod(lead), *rest)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -332,7 +334,7 @@ class ArrayMask(_Leaf):
     q0: Any = None
     k0: Any = None
 
-    def _rows(self, lead):
+    def _rows(self, lead, axis=0):
         m = self.array
         if all(n == 1 for n in m.shape[:-2]):
             return dataclasses.replace(self, array=m.reshape(1, *m.shape[-2:]))
@@ -499,9 +501,12 @@ def array_leaves(mask: Mask | None) -> list[ArrayMask]:
     return [mask] if isinstance(mask, ArrayMask) else []
 
 
-def as_rows(mask: Mask, lead: tuple[int, ...]) -> Mask:
-    """``mask`` with its array leaves as rows ``(R|1, ...)`` of ``lead`` flattened (:meth:`Mask._rows`)."""
-    return mask._rows(lead)
+def as_rows(mask: Mask, lead: tuple[int, ...], axis: int = 0) -> Mask:
+    """``mask`` with its array leaves as rows ``(R|1, ...)`` of ``lead`` flattened (:meth:`Mask._rows`).
+
+    A per-example leaf's batch is axis ``axis`` of ``lead`` (where q's first axis lands).
+    """
+    return mask._rows(lead, axis)
 
 
 def row_kinds(mask: Mask, T: int, S: int, block_q: int, block_kv: int, *, q_offset: int, kv_offset: int) -> Array:
@@ -639,9 +644,11 @@ class Padding(_PerExample):
             ok = ok & (s < jnp.asarray(self.kv_lengths).reshape(-1, 1, 1, 1))
         return ok
 
-    def _rows(self, lead):
+    def _rows(self, lead, axis=0):
         def rows(x):
-            return jnp.full((1,), _NO_LIMIT, jnp.int32) if x is None else _row_form(jnp.asarray(x, jnp.int32), lead)
+            return (
+                jnp.full((1,), _NO_LIMIT, jnp.int32) if x is None else _row_form(jnp.asarray(x, jnp.int32), lead, axis)
+            )
 
         return RowPadding(rows(self.q_lengths), rows(self.kv_lengths))
 
@@ -658,10 +665,10 @@ class SegmentIds(_PerExample):
         kv = jnp.asarray(self.kv_segments)
         return q.reshape(q.shape[0], 1, -1, 1) == kv.reshape(kv.shape[0], 1, 1, -1)
 
-    def _rows(self, lead):
+    def _rows(self, lead, axis=0):
         q, kv = jnp.asarray(self.q_segments), jnp.asarray(self.kv_segments)
         ids = np.promote_types(q.dtype, kv.dtype)  # one integer type (strict promotion compares no mixed ones)
-        return RowSegments(_row_form(q.astype(ids), lead), _row_form(kv.astype(ids), lead))
+        return RowSegments(_row_form(q.astype(ids), lead, axis), _row_form(kv.astype(ids), lead, axis))
 
 
 def causal() -> Mask:

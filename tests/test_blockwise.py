@@ -382,3 +382,15 @@ def test_per_example_masks_refuse_what_does_not_fit_on_the_blockwise_path(q_shap
     q = jnp.zeros(q_shape)
     with pytest.raises(ValueError, match=match):
         jattn.attention(q, q, q, mask=mask, implementation="blockwise")
+
+
+def test_per_example_batch_is_qs_first_axis_when_k_has_more_leading_axes():
+    """q (B, T, D) against k, v (1, 1, S, D): the mask's batch lands where q's does (found by the fuzz)."""
+    q, k, v = _rand((2, 5, 3), 0), _rand((1, 1, 7, 3), 1), _rand((1, 1, 7, 3), 2)
+    for mask in (
+        masks.padding([1, 4], [2, 7]),
+        masks.segment_ids(np.array([[0, 0, 1, 1, 1]] * 2), np.eye(2, 7, 3, int)),
+    ):
+        dense = np.asarray(mask.dense(5, 7))[:, 0]  # (B, T, S): batch on q's first axis
+        got = jattn.attention(q, k, v, mask=mask, implementation="blockwise", block_size=(2, 3))
+        np.testing.assert_allclose(ref.f64(got), ref.attention(q, k, v, dense)[0], **ref.tol(jnp.float32))

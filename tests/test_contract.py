@@ -288,18 +288,28 @@ def fuzz_cases(draw):
         return kept[draw(st.integers(0, len(kept))) :]
 
     q, k, v = rng.normal(size=(*dims(), t, d)), rng.normal(size=(*dims(), s, d)), rng.normal(size=(*dims(), s, e))
-    kind = draw(st.sampled_from(["none", "array", "1d", "predicate", "predicate&array"]))
+    kind = draw(st.sampled_from(["none", "array", "1d", "predicate", "predicate&array", "per-example"]))
     pred = draw(st.sampled_from(PREDICATES))
     arr = rng.random((*dims(), t, s)) < draw(st.sampled_from([0.3, 0.7]))
     if arr.ndim and draw(st.booleans()):
         arr[..., rng.integers(t), :] = False  # a row the array masks entirely
+    if kind == "per-example" and q.ndim < 3:
+        kind = "predicate"  # a per-example mask reads q's first axis as the batch
     mask = {
         "none": None,
         "array": arr,
         "1d": rng.random(s) < 0.7,
         "predicate": pred,
         "predicate&array": pred & arr,
+        "per-example": None,
     }[kind]
+    if kind == "per-example":  # packed documents (unsorted ids: some rows see no key) or padding, per example
+        b = q.shape[0]
+        if draw(st.booleans()):
+            per = masks.segment_ids(rng.integers(0, 3, size=(b, t)), rng.integers(0, 3, size=(b, s)))
+        else:
+            per = masks.padding(rng.integers(0, t + 2, size=b), rng.integers(0, s + 2, size=b))
+        mask = per & pred if draw(st.booleans()) else per
     q_offset = None
     if kind.startswith("predicate") and kind == "predicate" and draw(st.booleans()):
         q_offset = s - t + draw(st.integers(-3, 3))
@@ -317,17 +327,21 @@ def fuzz_cases(draw):
     return dtype, q, k, v, mask, q_offset, bias, scale, blocks, sinks, softcap
 
 
-def _explicit_mask(mask, t, s, q_offset):
+def _explicit_mask(mask, t, s, q_offset, ndim):
+    """The mask as a boolean array broadcasting against q of rank ``ndim`` (a per-example one: batch first)."""
     if mask is None or isinstance(mask, np.ndarray):
         return mask
-    return np.asarray(mask.dense(t, s, q_offset=q_offset))
+    dense = np.asarray(mask.dense(t, s, q_offset=q_offset))
+    return dense.reshape(dense.shape[0], *(1,) * (ndim - 3), t, s) if mask.per_example else dense
 
 
 def _expect_refusal(impl, dtype, mask, bias, q_offset, d, e, sinks=None, softcap=None):
     """Whether the table says ``impl`` refuses this case ("partly" cells may go either way)."""
     rows = []
     if mask is not None and not isinstance(mask, np.ndarray):
-        rows.append("mask (position predicate)")
+        rows.append(
+            "mask (per-example predicate: padding, segment_ids)" if mask.per_example else "mask (position predicate)"
+        )
     if isinstance(mask, np.ndarray) or (mask is not None and mask.has_arrays):
         rows.append("mask (array, any leading dims, 1-D)")
     if bias is not None:
@@ -368,7 +382,7 @@ def test_differential_fuzz(shard):
             args = {name: jnp.asarray(x, dtype) for name, x in operands.items() if x is not None}
             q, k, v = args["q"], args["k"], args["v"]
             t, s = q.shape[-2], k.shape[-2]
-            dense = _explicit_mask(mask, t, s, q_offset)
+            dense = _explicit_mask(mask, t, s, q_offset, q.ndim)
             f64 = {name: ref.f64(x) for name, x in args.items()}
             cap = None if softcap is None else (lambda x, *_: softcap * np.tanh(x / softcap))
             want, _, _ = ref.attention(
