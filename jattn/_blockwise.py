@@ -52,8 +52,6 @@ from jattn._checks import broadcast_all
 from jattn._dropout import keep_mask, keep_scale, row_seeds
 from jattn._masks import (
     EMPTY,
-    FULL,
-    PARTIAL,
     KeyBelow,
     Mask,
     array_leaves,
@@ -61,6 +59,7 @@ from jattn._masks import (
     check_lengths,
     example_lead,
     fill_arrays,
+    reduce_kinds,
     row_kinds,
     split_arrays,
 )
@@ -144,26 +143,18 @@ def _kernels(plan: _Plan, precision):
 
     def forward(q, k, v, rows, seeds, sinks, kind, arrays, consts):
         def body(xs, a):
-            return _forward(*xs, _group_kind(a[0]), a[1:], consts, plan, precision), ()
+            return _forward(*xs, reduce_kinds(a[0]), a[1:], consts, plan, precision), ()
 
         return _by_group(plan, body, (q, k, v, rows, seeds, sinks), (kind, *arrays))
 
     def backward(q, k, v, out, lse, d_out, rows, seeds, kind, arrays, consts):
         def body(xs, a):  # ((dq, dk, dv), own db), (dc, shared db)
-            return _backward(*xs, _group_kind(a[0]), a[1:], consts, plan, precision)
+            return _backward(*xs, reduce_kinds(a[0]), a[1:], consts, plan, precision)
 
         return _by_group(plan, body, (q, k, v, out, lse, d_out, rows, seeds), (kind, *arrays))
 
     foldable = plan.mod is None and not plan.bias
     return _folding(forward, foldable), _folding(backward, foldable)
-
-
-def _group_kind(kind: Array) -> Array:
-    """The kinds ``(h|1, nq, width)`` of a group's rows as one ``(nq, width)``: a tile is skipped only where every row's is empty."""
-    if kind.shape[0] == 1:
-        return kind[0]
-    empty, full = jnp.all(kind == EMPTY, axis=0), jnp.all(kind == FULL, axis=0)
-    return jnp.where(empty, jnp.int8(EMPTY), jnp.where(full, jnp.int8(FULL), jnp.int8(PARTIAL)))
 
 
 def _folding(kernel, foldable: bool = True):

@@ -486,19 +486,20 @@ def example_lead(mask: Mask | None, ndim: int) -> tuple[int, ...]:
 
 
 def _per_example_leaves(mask: Mask | None) -> list[_PerExample]:
-    if isinstance(mask, _Binary):
-        return _per_example_leaves(mask.a) + _per_example_leaves(mask.b)
-    if isinstance(mask, _Not):
-        return _per_example_leaves(mask.a)
-    return [mask] if isinstance(mask, _PerExample) else []
+    return _leaves_of(mask, _PerExample)
 
 
 def array_leaves(mask: Mask | None) -> list[ArrayMask]:
+    """The explicit boolean arrays inside ``mask`` (its :class:`ArrayMask` leaves), left to right."""
+    return _leaves_of(mask, ArrayMask)
+
+
+def _leaves_of(mask: Mask | None, kind: type) -> list:
     if isinstance(mask, _Binary):
-        return array_leaves(mask.a) + array_leaves(mask.b)
+        return _leaves_of(mask.a, kind) + _leaves_of(mask.b, kind)
     if isinstance(mask, _Not):
-        return array_leaves(mask.a)
-    return [mask] if isinstance(mask, ArrayMask) else []
+        return _leaves_of(mask.a, kind)
+    return [mask] if isinstance(mask, kind) else []
 
 
 def as_rows(mask: Mask, lead: tuple[int, ...], axis: int = 0) -> Mask:
@@ -623,7 +624,8 @@ class _PerExample(Mask):
     @property
     def batch(self) -> int:
         """The batch B of its arrays (1 where they broadcast)."""
-        return max(jnp.shape(x)[0] for x in dataclasses.astuple(self) if x is not None)
+        parts = (getattr(self, f.name) for f in dataclasses.fields(self))
+        return max(jnp.shape(x)[0] for x in parts if x is not None)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
