@@ -61,6 +61,7 @@ from jattn._masks import (
     fill_arrays,
     reduce_kinds,
     row_kinds,
+    shared_arrays,
     split_arrays,
 )
 from jattn._online import (
@@ -154,10 +155,10 @@ def _kernels(plan: _Plan, precision):
         return _by_group(plan, body, (q, k, v, out, lse, d_out, rows, seeds), (kind, *arrays))
 
     foldable = plan.mod is None and not plan.bias
-    return _folding(forward, foldable), _folding(backward, foldable)
+    return _folding(forward, foldable, plan.shared), _folding(backward, foldable, plan.shared)
 
 
-def _folding(kernel, foldable: bool = True):
+def _folding(kernel, foldable: bool = True, shared: tuple[int, ...] = ()):
     """``kernel(*xs, kind, arrays, consts)`` whose ``vmap`` folds the mapped axis into B.
 
     Each of ``xs`` is ``(B, ...)``, and the tile kinds and each mask array ``(B|1, ...)``; under
@@ -165,7 +166,8 @@ def _folding(kernel, foldable: bool = True):
     those of an explicit batch of n·B rather than n-fold larger ones, and a mapped mask keeps its
     per-row tile kinds. With a score modification (``foldable=False``) it batches element by
     element: the converted function is specialised to the tile shapes, and the gradients of the
-    arrays it closes over belong to each mapped element.
+    arrays it closes over belong to each mapped element; so too where a mask array every row shares
+    (``shared``: the arrays a ``masks.predicate`` closes over) is mapped.
     """
     folding = jax.custom_batching.custom_vmap(kernel)
 
@@ -173,7 +175,7 @@ def _folding(kernel, foldable: bool = True):
     def rule(n, in_batched, *args):
         *xs, kind, arrays, consts = args
         *xs_batched, kind_batched, arrays_batched, _ = in_batched
-        if not foldable:
+        if not foldable or any(arrays_batched[i] for i in shared):
             axes = jax.tree.map(lambda batched: 0 if batched else None, tuple(in_batched))
             outs = jax.vmap(kernel, in_axes=axes)(*args)
             return outs, jax.tree.map(lambda _: True, outs)
@@ -238,6 +240,7 @@ class _Plan:
         same = self.kind[0, 0] if np.all(self.kind == self.kind[0, 0]) else EMPTY
         self.uniform = None if same == EMPTY else int(same)  # every scheduled tile PARTIAL, or every one FULL
         self._key = (T, S, bq, bk, mask, q_offset, kv_offset, scale, compute, platform, mod, sinks, bias, dropout)
+        self.shared = shared_arrays(mask)  # mask arrays every row shares: they never fold under vmap
 
     def __hash__(self) -> int:
         return hash(self._key)

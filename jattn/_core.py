@@ -29,7 +29,19 @@ from jattn import _blockwise
 from jattn._blockwise import blockwise_attention
 from jattn._checks import broadcast_all, check_block_size, check_qkv, check_real, check_score_mod, check_sinks
 from jattn._dropout import keep_mask, keep_scale, row_seeds
-from jattn._masks import EMPTY, ArrayMask, Causal, Mask, Padding, SlidingWindow, conjuncts
+from jattn._masks import (
+    EMPTY,
+    ArrayMask,
+    Causal,
+    Mask,
+    Padding,
+    SlidingWindow,
+    array_leaves,
+    as_rows,
+    check_lengths,
+    conjuncts,
+    example_lead,
+)
 from jattn._masks import array as masks_array
 from jattn._online import compute_dtype, lead_index
 from jattn._pallas import pallas_attention
@@ -72,18 +84,41 @@ def _check_offsets(mask: Mask | None, q_offset: ArrayLike | None, kv_offset: Arr
 
 
 def _dense_mask(
-    mask: Mask | None, q: Array, k: Array, q_offset: ArrayLike | None, kv_offset: ArrayLike
+    mask: Mask | None, q: Array, k: Array, q_offset: ArrayLike | None, kv_offset: ArrayLike, v=None, bias=None
 ) -> Array | None:
     """The boolean ``(..., T, S)`` of a mask (a per-example one puts the batch on the first axis of q)."""
     if mask is None:
         return None
     T, S = q.shape[-2], k.shape[-2]
+    if mask.per_row:
+        return _dense_rows(mask, q, k, v, bias, q_offset, kv_offset)
     dense = mask.dense(T, S, q_offset=q_offset, kv_offset=kv_offset)
     if mask.per_example and dense.ndim == 4:  # (B, 1, T, S): batch first
         if q.ndim < 3:
             raise ValueError(f"a per-example mask needs a batch axis in q, got q of shape {q.shape}")
         dense = dense.reshape(dense.shape[0], *(1,) * (q.ndim - 3), T, S)
     return dense
+
+
+def _dense_rows(mask: Mask, q, k, v, bias, q_offset, kv_offset) -> Array:
+    """A mask that reads the batch and head (:func:`jattn.masks.predicate`), evaluated per row of the call: ``(..., T, S)``.
+
+    As the blockwise path reads it: every leaf as rows of the leading shape flattened
+    (:func:`jattn._masks.as_rows`), at static offsets.
+    """
+    T, S = q.shape[-2], k.shape[-2]
+    if not all(isinstance(o, numbers.Integral) for o in (0 if q_offset is None else q_offset, kv_offset)):
+        raise ValueError(
+            f"a masks.predicate takes static int offsets, got q_offset={q_offset!r}, kv_offset={kv_offset!r}"
+        )
+    check_lengths(mask, T, S)
+    lead = broadcast_all(q=q, k=k, v=v, bias=_check_bias(bias))
+    leads = [broadcast_all(q=q, k=k, mask=a.array) for a in array_leaves(mask)]
+    lead = tuple(np.broadcast_shapes(lead, *leads, example_lead(mask, q.ndim)))
+    q0 = kv_offset + S - T if q_offset is None else q_offset
+    rows = as_rows(mask, lead, len(lead) - (q.ndim - 2))._bind(q0, kv_offset)
+    m = rows.allowed(q0 + jnp.arange(T, dtype=jnp.int32)[:, None], kv_offset + jnp.arange(S, dtype=jnp.int32)[None])
+    return jnp.broadcast_to(m, (math.prod(lead), T, S)).reshape(*lead, T, S)
 
 
 def _check_bias(bias: ArrayLike | None) -> Array | None:
@@ -209,6 +244,13 @@ SUPPORT: dict[str, dict[str, str]] = {
         cudnn="partly: padding() (as sequence lengths)",
         pallas="partly: GPU padding(); TPU padding(), segment_ids(), in an '&'",
     ),
+    "mask (predicate of batch and head: masks.predicate)": dict(
+        dense=_YES,
+        blockwise=_YES,
+        xla=_YES,
+        cudnn="no: cuDNN takes no mask of the batch and head",
+        pallas="no: the kernel takes no mask of the batch and head",
+    ),
     "q_offset / kv_offset (static ints)": dict(
         dense=_YES,
         blockwise=_YES,
@@ -306,6 +348,8 @@ def _features(
     if mask is not None:
         if mask.has_arrays:
             used.append("mask (array, any leading dims, 1-D)")
+        if mask.per_row:
+            used.append("mask (predicate of batch and head: masks.predicate)")
         if not isinstance(mask, ArrayMask):
             used.append(
                 "mask (per-example predicate: padding, segment_ids)"
@@ -434,7 +478,7 @@ def _jax_nn(q, k, v, mask: Mask | None, bias, scale, path, q_offset, kv_offset, 
     lead = broadcast_all(q=q, k=k, v=v, bias=bias)
     kwargs = _jax_nn_args(mask, path, T, S, q_offset, kv_offset, lead or (1,))  # jax.nn needs a batch axis
     rest = kwargs.pop("mask", None)
-    dense = _dense_mask(rest, q, k, q_offset, kv_offset)
+    dense = _dense_mask(rest, q, k, q_offset, kv_offset, v, bias)
     lead = broadcast_all(q=q, k=k, v=v, bias=bias, mask=dense)
 
     def flat(x):  # (..., L, D) -> (B, L, 1, D)
@@ -459,7 +503,7 @@ def _jax_nn(q, k, v, mask: Mask | None, bias, scale, path, q_offset, kv_offset, 
     out, lse = out if return_lse else (out, None)
     out = out.reshape(*lead, T, v.shape[-1])
     if mask is not None:  # jax.nn averages v over a fully masked row; the contract is 0 (and lse -inf)
-        dense = _dense_mask(mask, q, k, q_offset, kv_offset)  # (..., T, S): reduced before it is broadcast
+        dense = _dense_mask(mask, q, k, q_offset, kv_offset, v, bias)  # (..., T, S): reduced before it is broadcast
         seen = jnp.broadcast_to(jnp.any(jnp.broadcast_to(dense, (*dense.shape[:-2], T, S)), axis=-1), (*lead, T))
         out = jnp.where(seen[..., None], out, jnp.zeros((), out.dtype))
         lse = None if lse is None else jnp.where(seen, lse.reshape(*lead, T).astype(jnp.float32), -jnp.inf)
@@ -634,7 +678,7 @@ def attention(
     if path in ("xla", "cudnn"):
         return _jax_nn(q, k, v, mask, bias, scale, path, q_offset, kv_offset, return_lse)
     T, S = q.shape[-2], k.shape[-2]
-    mask, bias = _dense_mask(mask, q, k, q_offset, kv_offset), _check_bias(bias)
+    mask, bias = _dense_mask(mask, q, k, q_offset, kv_offset, v, bias), _check_bias(bias)
     lead = broadcast_all(q=q, k=k, v=v, mask=mask, bias=bias)
     ndim = len(lead) + 2
     q, k, v, mask, bias = (_pad_rank(x, ndim) for x in (q, k, v, mask, bias))
@@ -715,7 +759,7 @@ def attention_weights(
     _check_scale(scale)
     mask = _as_mask(mask)
     _check_offsets(mask, q_offset, kv_offset)
-    mask, bias = _dense_mask(mask, q, k, q_offset, kv_offset), _check_bias(bias)
+    mask, bias = _dense_mask(mask, q, k, q_offset, kv_offset, None, bias), _check_bias(bias)
     ndim = len(broadcast_all(q=q, k=k, mask=mask, bias=bias)) + 2
     q, k, mask, bias = (_pad_rank(x, ndim) for x in (q, k, mask, bias))
     parts, _, _ = _logits(q, k, mask, bias, scale, precision)

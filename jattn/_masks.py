@@ -52,6 +52,7 @@ __all__ = [
     "chunked",
     "global_tokens",
     "padding",
+    "predicate",
     "prefix_lm",
     "segment_ids",
     "sliding_window",
@@ -65,6 +66,7 @@ class Mask:
 
     per_example = False  # True when the predicate reads per-example arrays (batch first)
     has_arrays = False  # True when an explicit boolean array (ArrayMask) is part of the mask
+    per_row = False  # True when a predicate of (batch, head, ...) (:func:`predicate`) is part of the mask
 
     def allowed(self, i: Array, j: Array) -> Array:
         """Boolean, broadcasting ``i`` ``(..., T, 1)`` against ``j`` ``(..., 1, S)``."""
@@ -211,6 +213,10 @@ class _Binary(Mask):
     def has_arrays(self) -> bool:  # type: ignore[override]
         return self.a.has_arrays or self.b.has_arrays
 
+    @property
+    def per_row(self) -> bool:  # type: ignore[override]
+        return self.a.per_row or self.b.per_row
+
     def _bind(self, q0, k0):
         return dataclasses.replace(self, a=self.a._bind(q0, k0), b=self.b._bind(q0, k0))
 
@@ -256,6 +262,10 @@ class _Not(Mask):
     def has_arrays(self) -> bool:  # type: ignore[override]
         return self.a.has_arrays
 
+    @property
+    def per_row(self) -> bool:  # type: ignore[override]
+        return self.a.per_row
+
     def _bind(self, q0, k0):
         return _Not(self.a._bind(q0, k0))
 
@@ -286,6 +296,10 @@ class _Leaf(Mask):
     def leaves(self) -> tuple[Array, ...]:
         """The arrays of this leaf, in field order (what :func:`split_arrays` takes out)."""
         return tuple(getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("q0", "k0"))
+
+    def rebuilder(self) -> Any:
+        """A hashable callable that makes this leaf again from :meth:`leaves` (:func:`fill_arrays`)."""
+        return type(self)
 
     def _bind(self, q0, k0):
         return dataclasses.replace(self, q0=q0, k0=k0)
@@ -424,12 +438,111 @@ class RowSegments(_Leaf):
         return (q_hi < k_lo) | (q_lo > k_hi), (q_lo == q_hi) & (k_lo == k_hi) & (q_lo == k_lo)
 
 
+def lead_rows(lead: tuple[int, ...]) -> np.ndarray:
+    """``(prod(lead), 2)`` int32 (batch, head) of each row of ``lead`` flattened.
+
+    ``batch`` indexes the first leading axis, ``head`` the remaining ones flattened row-major.
+    """
+    b, n = math.prod(lead), math.prod(lead[1:])
+    r = np.arange(b, dtype=np.int32)
+    return np.stack([r // n, r % n], 1)
+
+
+_INDEX = jax.ShapeDtypeStruct((), jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Predicate(Mask):
+    """``fn(batch, head, q_pos, kv_pos) -> bool`` of scalars (FlexAttention's ``mask_mod``); see :func:`predicate`."""
+
+    fn: Any
+
+    per_row = True
+
+    def _rows(self, lead, axis=0):
+        rows = jnp.asarray(lead_rows(lead))
+        # Every array fn closes over (ints too, which jax.closure_convert would leave inside) becomes
+        # an explicit argument, so no tracer of an enclosing trace is captured by the kernels.
+        closed = jax.make_jaxpr(self.fn)(_INDEX, _INDEX, _INDEX, _INDEX)
+        consts = tuple(jnp.asarray(c)[None] for c in closed.consts)
+        return PredicateRows(_jaxpr_fn(closed.jaxpr), rows[:, 0], rows[:, 1], consts)
+
+    def allowed(self, i, j):
+        raise ValueError(
+            "a masks.predicate reads the batch and head: it is evaluated inside attention calls, not on positions alone"
+        )
+
+
+def _jaxpr_fn(jaxpr) -> Any:
+    """``fn(batch, head, q_pos, kv_pos, *consts)`` evaluating a predicate's jaxpr with its consts given."""
+
+    def fn(b, h, i, j, *consts):
+        return jax.core.eval_jaxpr(jaxpr, consts, b, h, i, j)[0]
+
+    return fn
+
+
+@dataclasses.dataclass(frozen=True)
+class _PredicateKind:
+    """Rebuilds :class:`PredicateRows` around the converted ``fn`` (hashable: by the function)."""
+
+    fn: Any
+
+    def __call__(self, batch, head, *consts):
+        return PredicateRows(self.fn, batch, head, consts)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PredicateRows(_Leaf):
+    """:class:`Predicate` as rows: ``batch``, ``head`` ``(R,)`` int32 per row of B·N, and ``fn``'s closed-over arrays.
+
+    ``fn(batch, head, q_pos, kv_pos, *consts)`` is the closure-converted predicate of scalars;
+    each const carries a leading unit axis, so the kernels share it between rows of B.
+    """
+
+    fn: Any
+    batch: Array
+    head: Array
+    consts: tuple = ()
+    q0: Any = None
+    k0: Any = None
+
+    def leaves(self):
+        return (self.batch, self.head, *self.consts)
+
+    def rebuilder(self):
+        return _PredicateKind(self.fn)
+
+    def allowed(self, i, j):  # i (t, 1), j (1, s) -> (R, t, s)
+        consts = tuple(c[0] for c in self.consts)
+        f = lambda b, h, q, kv: self.fn(b, h, q, kv, *consts)  # noqa: E731
+        f = jax.vmap(f, (None, None, None, 0))
+        f = jax.vmap(f, (None, None, 0, None))
+        f = jax.vmap(f, (0, 0, None, None))
+        return jnp.asarray(f(self.batch, self.head, i[:, 0], j[0]), bool)
+
+
+def predicate(fn: Any) -> Predicate:
+    """A mask from ``fn(batch, head, q_pos, kv_pos) -> bool``, a function of int32 scalars (vmapped over the grid).
+
+    ``batch`` indexes the first leading axis of the call (after broadcasting q, k, v, mask and
+    bias), ``head`` the remaining leading axes flattened row-major, ``q_pos``/``kv_pos`` the
+    absolute positions (offsets included), as for ``score_mod``. ``fn`` may close over arrays
+    (document ids, per-head window sizes), traced ones included. Combine with position predicates
+    by ``&`` so the blockwise path skips their empty tiles; tiles of the predicate itself are all
+    evaluated. Example: ``predicate(lambda b, h, q, kv: q - kv <= windows[h])``.
+    """
+    if not callable(fn):
+        raise TypeError(f"predicate needs a callable fn(batch, head, q_pos, kv_pos) -> bool, got {fn!r}")
+    return Predicate(fn)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Slot(Mask):
     """Where an array leaf stood in a static skeleton (see :func:`split_arrays`)."""
 
     index: int  # its first array in the list
-    kind: type  # ArrayMask, RowPadding or RowSegments
+    kind: Any  # makes the leaf from its arrays: ArrayMask, RowPadding, RowSegments or a _PredicateKind
     shapes: tuple[tuple[int, ...], ...]
 
     has_arrays = True
@@ -447,7 +560,7 @@ def split_arrays(mask: Mask) -> tuple[Mask, tuple[Array, ...]]:
         if isinstance(m, _Leaf):
             leaves = m.leaves()
             arrays.extend(leaves)
-            return _Slot(len(arrays) - len(leaves), type(m), tuple(x.shape for x in leaves))
+            return _Slot(len(arrays) - len(leaves), m.rebuilder(), tuple(x.shape for x in leaves))
         if isinstance(m, _Binary):
             return dataclasses.replace(m, a=split(m.a), b=split(m.b))
         return _Not(split(m.a)) if isinstance(m, _Not) else m
@@ -462,6 +575,17 @@ def fill_arrays(skeleton: Mask, arrays: Sequence[Array]) -> Mask:
     if isinstance(skeleton, _Binary):
         return dataclasses.replace(skeleton, a=fill_arrays(skeleton.a, arrays), b=fill_arrays(skeleton.b, arrays))
     return _Not(fill_arrays(skeleton.a, arrays)) if isinstance(skeleton, _Not) else skeleton
+
+
+def shared_arrays(skeleton: Mask | None) -> tuple[int, ...]:
+    """Indices, in :func:`split_arrays`'s list, of the arrays every row shares (a predicate's consts)."""
+    if isinstance(skeleton, _Slot):
+        if not isinstance(skeleton.kind, _PredicateKind):
+            return ()
+        return tuple(range(skeleton.index + 2, skeleton.index + len(skeleton.shapes)))  # after batch, head
+    if isinstance(skeleton, _Binary):
+        return shared_arrays(skeleton.a) + shared_arrays(skeleton.b)
+    return shared_arrays(skeleton.a) if isinstance(skeleton, _Not) else ()
 
 
 def conjuncts(mask: Mask) -> list[Mask]:

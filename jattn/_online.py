@@ -28,10 +28,9 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import Array
 
-from jattn._masks import EMPTY, FULL, PARTIAL
+from jattn._masks import EMPTY, FULL, PARTIAL, lead_rows
 from jattn._softmax import shifted_exp
 
 __all__ = [
@@ -70,18 +69,12 @@ def head_rows(lead: tuple[int, ...]) -> Array:
     ``batch`` indexes the first leading axis, ``head`` the remaining ones flattened row-major
     (``(B, K, G)``: head = k·G + g); both 0 where there is no such axis.
     """
-    return jnp.asarray(_rows(lead))
-
-
-def _rows(lead: tuple[int, ...]) -> np.ndarray:
-    b, n = math.prod(lead), math.prod(lead[1:])
-    r = np.arange(b, dtype=np.int32)
-    return np.stack([r // n, r % n], 1)
+    return jnp.asarray(lead_rows(lead))
 
 
 def lead_index(lead: tuple[int, ...]) -> tuple[Array, Array]:
     """``batch`` and ``head`` (:func:`head_rows`) unflattened: ``(B|1, 1, ..., 1, 1, 1)`` and ``(1, *lead[1:], 1, 1)``."""
-    rows = _rows(lead).reshape(*lead, 2)
+    rows = lead_rows(lead).reshape(*lead, 2)
     batch = rows[..., 0][(slice(None),) + (slice(0, 1),) * (len(lead) - 1)] if lead else rows[..., 0]
     head = rows[..., 1][:1] if lead else rows[..., 1]
     return jnp.asarray(batch[..., None, None]), jnp.asarray(head[..., None, None])

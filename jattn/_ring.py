@@ -296,7 +296,7 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
 def _check_mask(mask: object) -> None:
-    if mask is not None and (not isinstance(mask, Mask) or mask.per_example):
+    if mask is not None and (not isinstance(mask, Mask) or mask.per_example or mask.per_row):
         raise ValueError(f"ring_attention takes a position-only jattn.masks predicate (or segment_ids), got {mask!r}")
 
 

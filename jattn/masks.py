@@ -1,7 +1,7 @@
 """Mask predicates of (query position, key position); combine with ``&``, ``|``, ``~``.
 
 Constructors: ``causal``, ``sliding_window``, ``global_tokens``, ``padding``, ``segment_ids``,
-``prefix_lm``, ``chunked``; ``array`` for an explicit boolean array (a plain array combines with
+``prefix_lm``, ``chunked``; ``predicate`` for a function of (batch, head, q_pos, kv_pos); ``array`` for an explicit boolean array (a plain array combines with
 predicates too). ``tile_kinds`` classifies tiles on device, arrays included.
 
 See :mod:`jattn._masks` for positions, offsets and block classification.
@@ -18,6 +18,7 @@ from jattn._masks import (
     chunked,
     global_tokens,
     padding,
+    predicate,
     prefix_lm,
     segment_ids,
     sliding_window,
@@ -35,6 +36,7 @@ __all__ = [
     "chunked",
     "global_tokens",
     "padding",
+    "predicate",
     "prefix_lm",
     "segment_ids",
     "sliding_window",

@@ -394,3 +394,66 @@ def test_per_example_batch_is_qs_first_axis_when_k_has_more_leading_axes():
         dense = np.asarray(mask.dense(5, 7))[:, 0]  # (B, T, S): batch on q's first axis
         got = jattn.attention(q, k, v, mask=mask, implementation="blockwise", block_size=(2, 3))
         np.testing.assert_allclose(ref.f64(got), ref.attention(q, k, v, dense)[0], **ref.tol(jnp.float32))
+
+
+# -- masks.predicate: a function of (batch, head, q_pos, kv_pos) (issue 13) ---------------------------
+
+
+def _explicit_predicate(fn, shape, q0):
+    """The mask ``(B, N, T, S)`` of ``fn`` evaluated entry by entry in Python (the independent reference)."""
+    B, N, T, S = shape
+    return np.array(
+        [[[[bool(fn(b, h, q0 + t, s)) for s in range(S)] for t in range(T)] for h in range(N)] for b in range(B)]
+    )
+
+
+@pytest.mark.parametrize("impl", ["dense", "blockwise", "xla"])
+def test_predicate_of_batch_and_head_equals_the_reference_with_traced_closures(impl):
+    """Per-head windows and per-example document ids, closed over as traced arguments; values and gradients."""
+    rng = np.random.default_rng(9)
+    B, N, T, S = 3, 2, 7, 10
+    windows, docs = np.array([1, 4]), rng.integers(0, 3, size=(B, S))
+    q, k, v = _rand((B, N, T, 5), 0), _rand((B, 1, S, 5), 1), _rand((B, 1, S, 5), 2)  # E == D for jax.nn
+    g = _rand((B, N, T, 5), 3)
+
+    def rule(windows, docs):
+        return lambda b, h, i, j: (i - j <= windows[h]) & (docs[b, j] != b)
+
+    def loss(q, k, v, windows, docs):
+        mask = masks.predicate(rule(windows, docs)) & masks.causal()
+        kw = {"block_size": (4, 3)} if impl == "blockwise" else {}
+        out = jattn.attention(q, k, v, mask=mask, implementation=impl, **kw)
+        return jnp.sum(out * g), out
+
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(
+        q, k, v, jnp.asarray(windows), jnp.asarray(docs)
+    )
+    dense = _explicit_predicate(rule(windows, docs), (B, N, T, S), S - T) & np.asarray(masks.causal().dense(T, S))
+    assert (~dense.any(-1)).any()  # some rows see no key: exactly 0
+    np.testing.assert_allclose(ref.f64(out), ref.attention(q, k, v, dense)[0], **ref.tol(jnp.float32))
+    for got, want in zip(grads, ref.attention_grads(q, k, v, g, dense)[:3], strict=True):
+        ref.assert_grad_close(got, want, jnp.float32)
+
+
+def test_predicate_under_vmap_of_its_closed_over_array_equals_a_loop():
+    q, k, v = _rand((2, 2, 7, 5), 0), _rand((2, 2, 7, 5), 1), _rand((2, 2, 7, 5), 2)
+    windows = jnp.array([[0, 3], [2, 2], [5, 1]])
+
+    def f(w, impl):
+        kw = {"block_size": (4, 3)} if impl == "blockwise" else {}
+        mask = masks.predicate(lambda b, h, i, j: (i - j <= w[h]) & (j <= i))
+        return jattn.attention(q, k, v, mask=mask, implementation=impl, **kw)
+
+    mapped = jax.jit(jax.vmap(lambda w: f(w, "blockwise")))(windows)
+    for n in range(3):
+        np.testing.assert_allclose(mapped[n], f(windows[n], "dense"), **ref.tol(jnp.float32))
+
+
+def test_predicate_refuses_bad_input():
+    q = jnp.zeros((2, 2, 5, 3))
+    with pytest.raises(TypeError, match="predicate needs a callable"):
+        masks.predicate(3)
+    with pytest.raises(ValueError, match="predicate takes static int offsets"):
+        jattn.attention(q, q, q, mask=masks.predicate(lambda b, h, i, j: i >= j), q_offset=jnp.array([0, 1]))
+    with pytest.raises(ValueError, match="evaluated inside attention calls"):
+        masks.predicate(lambda b, h, i, j: i >= j).dense(5, 5)

@@ -186,6 +186,11 @@ def _row_call(row):
             dict(mask=masks.padding(kv_lengths=lengths)),
             (np.arange(6) < lengths[:, None])[:, None, None, :],
         ),
+        "mask (predicate of batch and head: masks.predicate)": (
+            dict(mask=masks.predicate(lambda b, h, i, j: (i + b + h) % 3 != j % 3)),
+            (np.arange(6)[:, None] + np.arange(2)[:, None, None, None] + np.arange(3)[:, None, None]) % 3
+            != np.arange(6) % 3,
+        ),
         "q_offset / kv_offset (static ints)": (
             dict(mask=masks.causal(), q_offset=2),
             masks.causal().dense(6, 6, q_offset=2),
