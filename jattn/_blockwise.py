@@ -48,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
-from jattn._checks import broadcast_all
+from jattn._checks import broadcast_all, check_sinks
 from jattn._dropout import keep_mask, keep_scale, row_seeds
 from jattn._masks import (
     EMPTY,
@@ -536,6 +536,8 @@ def blockwise_attention(
     qf, kf, vf = (flat_lead(x, lead) for x in (q, k, v))
     compute = compute_dtype(q.dtype)
     b = qf.shape[0]
+    if sinks is not None:
+        check_sinks(sinks, lead, q.dtype)
     sinks_f = jnp.zeros((b,), compute) if sinks is None else jnp.broadcast_to(sinks, lead).reshape(b)
     if T == 0 or S == 0:  # no tiles: every row is empty (a sink alone gives lse = sink)
         out, empty = jnp.zeros((b, T, v.shape[-1]), v.dtype), jnp.full((b, T), -jnp.inf, compute)

@@ -651,10 +651,7 @@ def attention(
     if path == "blockwise":
         T, S = q.shape[-2], k.shape[-2]
         bq, bk = _auto_block(mask, T, S, q_offset, kv_offset) if blocks is None else blocks
-        bias = _check_bias(bias)
-        lead = broadcast_all(q=q, k=k, v=v, bias=bias)
-        if sinks is not None:
-            check_sinks(sinks, lead, q.dtype)
+        bias = _check_bias(bias)  # sinks are checked against the call's leading dims, mask arrays included, there
         out, lse, top = blockwise_attention(
             q,
             k,

@@ -409,7 +409,8 @@ class RowPadding(_Leaf):
 
     def _tiles(self, i0, i1, j0, j1, tiling):
         T, S, bq, bk = tiling
-        t0, s0 = np.arange(0, T, bq)[None, :, None], np.arange(0, S, bk)[None, None, :]
+        t0 = np.arange(0, T, bq, dtype=np.int32)[None, :, None]  # int32 like the lengths (x64 would make int64)
+        s0 = np.arange(0, S, bk, dtype=np.int32)[None, None, :]
         t1, s1 = np.minimum(t0 + bq, T) - 1, np.minimum(s0 + bk, S) - 1
         ql, kl = self.q_lengths[:, None, None], self.kv_lengths[:, None, None]
         return (t0 >= ql) | (s0 >= kl), (t1 < ql) & (s1 < kl)
@@ -764,10 +765,10 @@ class Padding(_PerExample):
         ok = jnp.ones((), bool)
         if self.q_lengths is not None:
             t = i - i[..., :1, :]
-            ok = ok & (t < jnp.asarray(self.q_lengths).reshape(-1, 1, 1, 1))
+            ok = ok & (t < jnp.asarray(self.q_lengths, jnp.int32).reshape(-1, 1, 1, 1))
         if self.kv_lengths is not None:
             s = j - j[..., :, :1]
-            ok = ok & (s < jnp.asarray(self.kv_lengths).reshape(-1, 1, 1, 1))
+            ok = ok & (s < jnp.asarray(self.kv_lengths, jnp.int32).reshape(-1, 1, 1, 1))
         return ok
 
     def _rows(self, lead, axis=0):

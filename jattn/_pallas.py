@@ -158,7 +158,10 @@ def pallas_attention(
     cols_q = [q]
     cols_k = [k]
     if column:
-        kv_len = S if pad is None or pad.kv_lengths is None else _lengths(pad.kv_lengths, lead, S)[..., None]
+        # An example without keys shows the kernel its first key (its rows return 0 below, and send no
+        # gradient): with every key hidden the kernel's backward divides 0 by 0 (NaN, found by the fuzz).
+        kv_len = S if pad is None or pad.kv_lengths is None else jnp.maximum(_lengths(pad.kv_lengths, lead, S), 1)
+        kv_len = kv_len if isinstance(kv_len, int) else kv_len[..., None]
         valid = _row(S, len(lead)) < kv_len
         hidden = -float(jnp.finfo(q.dtype).max) / 16 / max(sm, 1.0)
         cols_q.append(jnp.ones((*lead, Tk, 1), q.dtype))

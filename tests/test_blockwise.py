@@ -457,3 +457,19 @@ def test_predicate_refuses_bad_input():
         jattn.attention(q, q, q, mask=masks.predicate(lambda b, h, i, j: i >= j), q_offset=jnp.array([0, 1]))
     with pytest.raises(ValueError, match="evaluated inside attention calls"):
         masks.predicate(lambda b, h, i, j: i >= j).dense(5, 5)
+
+
+def test_fuzz_finds_on_the_blockwise_path():
+    """Sinks against a mask array's leading dims (q 2-D); padding under float64 (int32 tile bounds)."""
+    q, k, v = _rand((5, 3), 0), _rand((7, 3), 1), _rand((7, 3), 2)
+    arr = np.random.default_rng(10).random((1, 5, 7)) < 0.6
+    sinks = jnp.array([0.5])
+    want = jattn.attention(q, k, v, mask=arr, sinks=sinks, implementation="dense")
+    got = jattn.attention(q, k, v, mask=arr, sinks=sinks, implementation="blockwise", block_size=(2, 3))
+    np.testing.assert_allclose(got, want, **ref.tol(jnp.float32))
+    with jax.enable_x64(True):
+        q, k = _rand((2, 5, 3), 0, jnp.float64), _rand((2, 7, 3), 1, jnp.float64)
+        mask = masks.padding(np.array([2, 5]), np.array([0, 6]))
+        want = ref.attention(q, k, k, np.asarray(mask.dense(5, 7))[:, 0])[0]
+        got = jattn.attention(q, k, k, mask=mask, implementation="blockwise", block_size=(2, 3))
+        np.testing.assert_allclose(ref.f64(got), want, **ref.tol(jnp.float64))

@@ -167,3 +167,20 @@ def test_splash_translation_equals_the_reference(monkeypatch, case):
     np.testing.assert_allclose(ref.f64(out), want, **ref.tol(dtype))
     for got, w in zip(grads, ref.attention_grads(q, k, v, g, dense, None, scale)[:3], strict=True):
         ref.assert_grad_close(got, w, dtype)
+
+
+@pytest.mark.parametrize("q_lengths", [None, np.array([0, 8])])
+def test_an_example_without_keys_gives_zero_and_zero_gradients(q_lengths):
+    """kv_lengths 0 for one example (found by the slow fuzz: the kernel's backward gave NaN there)."""
+    q, k, v = _rand((2, 8, 2), 0, jnp.float32), _rand((2, 3, 2), 1, jnp.float32), _rand((2, 3, 2), 2, jnp.float32)
+    mask = masks.padding(q_lengths, np.array([0, 2]))
+    g = _rand((2, 8, 2), 3, jnp.float32)
+
+    def grads(impl):
+        loss = lambda q, k, v: jnp.sum(jattn.attention(q, k, v, mask=mask, implementation=impl) * g)  # noqa: E731
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+    (_, got), (_, want) = grads("pallas"), grads("dense")
+    assert np.all(np.asarray(got[0])[0] == 0) and np.all(np.asarray(got[1])[0] == 0)  # example 0 sees no key
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, **ref.tol(jnp.float32))
