@@ -54,10 +54,7 @@ from jattn._masks import (
     EMPTY,
     KeyBelow,
     Mask,
-    array_leaves,
-    as_rows,
-    check_lengths,
-    example_lead,
+    call_rows,
     fill_arrays,
     reduce_kinds,
     row_kinds,
@@ -528,10 +525,7 @@ def blockwise_attention(
     T, S = q.shape[-2], k.shape[-2]
     lead = broadcast_all(q=q, k=k, v=v, bias=bias)
     if mask is not None:
-        check_lengths(mask, T, S)
-        leads = [broadcast_all(q=q, k=k, v=v, mask=a.array) for a in array_leaves(mask)]  # each checked too
-        lead = tuple(np.broadcast_shapes(lead, *leads, example_lead(mask, q.ndim)))
-        mask = as_rows(mask, lead, len(lead) - (q.ndim - 2))  # array leaves as rows (B|1, ...); q's batch axis
+        lead, mask = call_rows(mask, q, k, v, bias)  # every array leaf as rows (B|1, ...) of lead flattened
     skeleton, arrays = (None, ()) if mask is None else split_arrays(mask)
     qf, kf, vf = (flat_lead(x, lead) for x in (q, k, v))
     compute = compute_dtype(q.dtype)

@@ -36,11 +36,8 @@ from jattn._masks import (
     Mask,
     Padding,
     SlidingWindow,
-    array_leaves,
-    as_rows,
-    check_lengths,
+    call_rows,
     conjuncts,
-    example_lead,
 )
 from jattn._masks import array as masks_array
 from jattn._online import compute_dtype, lead_index
@@ -111,12 +108,9 @@ def _dense_rows(mask: Mask, q, k, v, bias, q_offset, kv_offset) -> Array:
         raise ValueError(
             f"a masks.predicate takes static int offsets, got q_offset={q_offset!r}, kv_offset={kv_offset!r}"
         )
-    check_lengths(mask, T, S)
-    lead = broadcast_all(q=q, k=k, v=v, bias=_check_bias(bias))
-    leads = [broadcast_all(q=q, k=k, mask=a.array) for a in array_leaves(mask)]
-    lead = tuple(np.broadcast_shapes(lead, *leads, example_lead(mask, q.ndim)))
+    lead, rows = call_rows(mask, q, k, v, _check_bias(bias))
     q0 = kv_offset + S - T if q_offset is None else q_offset
-    rows = as_rows(mask, lead, len(lead) - (q.ndim - 2))._bind(q0, kv_offset)
+    rows = rows._bind(q0, kv_offset)
     m = rows.allowed(q0 + jnp.arange(T, dtype=jnp.int32)[:, None], kv_offset + jnp.arange(S, dtype=jnp.int32)[None])
     return jnp.broadcast_to(m, (math.prod(lead), T, S)).reshape(*lead, T, S)
 

@@ -39,7 +39,7 @@ import numpy as np
 from jax import Array
 from jax.typing import ArrayLike
 
-from jattn._checks import check_int, int_array, is_traced
+from jattn._checks import broadcast_all, check_int, int_array, is_traced
 
 __all__ = [
     "EMPTY",
@@ -633,6 +633,20 @@ def as_rows(mask: Mask, lead: tuple[int, ...], axis: int = 0) -> Mask:
     A per-example leaf's batch is axis ``axis`` of ``lead`` (where q's first axis lands).
     """
     return mask._rows(lead, axis)
+
+
+def call_rows(mask: Mask, q: Array, k: Array, v: Array | None, bias: Array | None) -> tuple[tuple[int, ...], Mask]:
+    """``(lead, rows)``: the call's leading shape and ``mask`` as rows of it flattened (:func:`as_rows`).
+
+    ``lead`` broadcasts q, k, v, bias, the mask's arrays (each checked against q and k) and a
+    per-example mask's batch, which lands where q's first axis does.
+    """
+    T, S = q.shape[-2], k.shape[-2]
+    check_lengths(mask, T, S)
+    lead = broadcast_all(q=q, k=k, v=v, bias=bias)
+    leads = [broadcast_all(q=q, k=k, v=v, mask=a.array) for a in array_leaves(mask)]
+    lead = tuple(np.broadcast_shapes(lead, *leads, example_lead(mask, q.ndim)))
+    return lead, as_rows(mask, lead, len(lead) - (q.ndim - 2))
 
 
 def row_kinds(mask: Mask, T: int, S: int, block_q: int, block_kv: int, *, q_offset: int, kv_offset: int) -> Array:
