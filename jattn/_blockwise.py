@@ -82,10 +82,11 @@ __all__ = ["TILE_BYTES", "blockwise_attention", "group_size", "platform"]
 
 #: Bytes of one score tile on CPU: the leading axis B is cut into groups of rows whose tile
 #: ``(group, bq, bk)`` stays about this size, and the groups run one after another. A tile over all
-#: of B (32 MiB at B·N = 32 and 512 x 512 tiles) leaves the caches and halves the matmul rate; 1 MiB
-#: (one head of a float32 512 x 512 tile) measured 5-12% faster than 2 MiB and 0.5 MiB (README).
-#: GPU and TPU keep one tile over all of B.
-TILE_BYTES = 2**20
+#: of B (32 MiB at B·N = 32 and 512 x 512 tiles) leaves the caches and halves the matmul rate. XLA
+#: splits each op of a tile over its threads, so the best size grows with them: on 2 threads 4 MiB
+#: (four heads of a float32 512 x 512 tile) measured 6-16% faster than 1 MiB, on 1 thread 0.5-4 MiB
+#: were within 6% of each other (README). GPU and TPU keep one tile over all of B.
+TILE_BYTES = 2**22
 
 
 def platform() -> str:

@@ -229,7 +229,7 @@ def test_cpu_tiles_are_fitted_to_tile_bytes():
     assert group_size(32, 512, 512, 4, "cpu") * 512 * 512 * 4 <= TILE_BYTES
     assert group_size(32, 512, 512, 4, "gpu") == 32
     assert group_size(7, 512, 512, 4, "cpu") == 1  # the largest divisor of B that fits
-    assert group_size(32, 128, 128, 4, "cpu") == min(32, TILE_BYTES // (128 * 128 * 4))  # 16 at 1 MiB
+    assert group_size(32, 128, 128, 4, "cpu") == min(32, TILE_BYTES // (128 * 128 * 4))  # all 32 at 4 MiB
 
 
 def _dot_shapes(fn, *args) -> set[str]:
