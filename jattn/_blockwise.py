@@ -14,8 +14,9 @@ array mask, ``padding`` lengths and ``segment_ids`` (packed documents: a tile wh
 and key ids have disjoint ranges ``[min, max]`` is empty, one where both hold a single equal id
 is full) become row forms ``(B|1, ...)`` (:meth:`jattn._masks.Mask._rows`), their tile kinds
 ``(B|1, nq, width)`` refine the static schedule, and each group of rows skips a tile that is
-empty for all its rows (``lax.switch``). On CPU a group is usually one head of one example, so
-every example's documents cost what their own tiles cost.
+empty for all its rows (``lax.switch``). On CPU a group is a few heads (4 at 512 x 512 float32
+tiles), of one example where the heads divide evenly, so each example's documents cost what
+their own tiles cost.
 
 An additive bias ``(B|1, T|1, S|1)`` is read tile by tile (:meth:`_Plan.biased`) and its gradient
 accumulated tile by tile into one buffer of its shape; a score modification (``score_mod``,
