@@ -142,14 +142,18 @@ def _kernels(plan: _Plan, precision):
     """The forward and backward of one plan, group by group, each folding ``vmap`` into B (:func:`_folding`)."""
 
     def forward(q, k, v, rows, seeds, sinks, kind, arrays, consts):
-        def body(xs, a):
-            return _forward(*xs, reduce_kinds(a[0]), a[1:], consts, plan, precision), ()
+        def body(xs, a, group):
+            *big, rows, seeds, sinks = xs
+            rows, seeds, sinks = map(group.of, (rows, seeds, sinks))
+            return _forward(*big, rows, seeds, sinks, reduce_kinds(a[0]), a[1:], consts, plan, precision, group), ()
 
         return _by_group(plan, body, (q, k, v, rows, seeds, sinks), (kind, *arrays))
 
     def backward(q, k, v, out, lse, d_out, rows, seeds, kind, arrays, consts):
-        def body(xs, a):  # ((dq, dk, dv), own db), (dc, shared db)
-            return _backward(*xs, reduce_kinds(a[0]), a[1:], consts, plan, precision)
+        def body(xs, a, group):  # ((dq, dk, dv), own db), (dc, shared db)
+            *big, rows, seeds = xs
+            rows, seeds = map(group.of, (rows, seeds))
+            return _backward(*big, rows, seeds, reduce_kinds(a[0]), a[1:], consts, plan, precision, group)
 
         return _by_group(plan, body, (q, k, v, out, lse, d_out, rows, seeds), (kind, *arrays))
 
@@ -337,110 +341,125 @@ class _Plan:
         return _Run(kind, arrays)
 
 
-def _blocks(x: Array, size: int) -> Array:
-    """``(B, n*size, X) -> (n, B, size, X)``."""
-    b, length, f = x.shape
-    return jnp.moveaxis(x.reshape(b, length // size, size, f), 1, 0)
+class _Rows(NamedTuple):
+    """One group's rows ``start .. start + size`` of the flattened leading axis B, read from the whole arrays.
+
+    The group's blocks are sliced from ``(B, ...)`` inside the loops, so no group or blocked
+    copy of q, k, v (or of out and its cotangent) is ever made (T=32768: 5 copies of 32 MiB).
+    """
+
+    start: Array | int
+    size: int
+
+    def of(self, x: Array) -> Array:
+        """``x (B, ...)`` -> the group's ``(size, ...)``."""
+        return x if x.shape[0] == self.size else jax.lax.dynamic_slice_in_dim(x, self.start, self.size)
+
+    def block(self, x: Array, n: Array, length: int) -> Array:
+        """Block n ``(size, length, ...)`` of the group's rows of ``x (B, n·length, ...)``."""
+        starts = tuple(jnp.asarray(i, jnp.int32) for i in (self.start, n * length, *(0,) * (x.ndim - 2)))
+        return jax.lax.dynamic_slice(x, starts, (self.size, length, *x.shape[2:]))
+
+
+def _put(x: Array, n: Array, size: int, block: Array) -> Array:
+    """``x (b, L, ...)`` with its block n ``(b, size, ...)`` replaced by ``block`` (in place in a loop)."""
+    return jax.lax.dynamic_update_slice_in_dim(x, block.astype(x.dtype), n * size, axis=1)
 
 
 def _by_group(plan: _Plan, body, xs: tuple[Array, ...], arrays: tuple[Array, ...]):
-    """``body(xs, arrays)`` over groups of ``plan.group(B)`` rows of B, one group after another.
+    """``body(xs, arrays, rows)`` over groups of ``plan.group(B)`` rows of B, one group after another.
 
-    Each of ``xs`` is ``(B, ...)``; mask ``arrays`` are ``(B|1, ...)`` (shared when 1). ``body``
-    returns ``(rows, summed)``: the leaves of ``rows`` are ``(group, ...)`` and come back as
+    Each of ``xs`` is ``(B, ...)`` and passed whole, ``rows`` (:class:`_Rows`) says which rows are
+    the group's; mask ``arrays`` are ``(B|1, ...)`` (shared when 1) and passed as the group's rows.
+    ``body`` returns ``(rows, summed)``: the leaves of ``rows`` are ``(group, ...)`` and come back as
     ``(B, ...)``; those of ``summed`` (gradients of shared arrays) are summed over the groups.
     """
     b = xs[0].shape[0]
     h = plan.group(b)
     if h == b:
-        return body(xs, arrays)
+        return body(xs, arrays, _Rows(0, b))
 
-    def split(x):  # (B, ...) -> (B/h, h, ...)
-        return x.reshape(b // h, h, *x.shape[1:])
+    def one(start):
+        group = _Rows(start, h)
+        return body(xs, tuple(group.of(a) if a.shape[0] != 1 else a for a in arrays), group)
 
-    own = tuple(a.shape[0] != 1 for a in arrays)
-
-    def one(args):
-        xg, ag = args
-        ag = iter(ag)
-        return body(xg, tuple(next(ag) if o else a for a, o in zip(arrays, own, strict=True)))
-
-    per = tuple(split(a) for a, o in zip(arrays, own, strict=True) if o)
-    out, summed = jax.lax.map(one, (tuple(map(split, xs)), per))
+    out, summed = jax.lax.map(one, jnp.arange(0, b, h, dtype=jnp.int32))
     return jax.tree.map(lambda y: y.reshape(b, *y.shape[2:]), out), jax.tree.map(lambda y: y.sum(0), summed)
 
 
-def _forward(q, k, v, rows, seeds, sinks, kind: Array, arrays: tuple[Array, ...], consts, plan: _Plan, precision):
-    """``out (b, nq·bq, E)``, ``lse`` and max logit ``(b, nq·bq)`` of one group: per query block, a scan over its key blocks."""
-    arrays, bias = plan.split(arrays)
-    qs, ks, vs = _blocks(q, plan.bq), _blocks(k, plan.bk), _blocks(v, plan.bk)  # (n, b, blk, X)
-    index = jnp.asarray(plan.index)
-    b, e = q.shape[0], v.shape[-1]
+def _forward(
+    q, k, v, rows, seeds, sinks, kind: Array, arrays: tuple[Array, ...], consts, plan: _Plan, precision, group: _Rows
+):
+    """``out (b, nq·bq, E)``, ``lse`` and max logit ``(b, nq·bq)`` of the group's b rows of B.
 
-    def query_block(args):
-        i, qb = args
-        qb, scale = plan.prescale(qb)  # per query block: no scaled copy of all of q
+    Per query block, a scan over its key blocks; q, k, v are whole ``(B, ...)``, the rest the group's.
+    """
+    arrays, bias = plan.split(arrays)
+    index = jnp.asarray(plan.index)
+    b, e = group.size, v.shape[-1]
+
+    def query_block(outs, i):
+        qb, scale = plan.prescale(group.block(q, i, plan.bq))  # per query block: no scaled copy of all of q
 
         def key_block(carry, jk):
             j, kd = jk
 
             def update(carry, masked):
-                s, keep = plan.scores(qb, ks[j], i, j, masked, precision, arrays, scale)
+                s, keep = plan.scores(qb, group.block(k, j, plan.bk), i, j, masked, precision, arrays, scale)
                 s = plan.biased(s, bias, i, j)
                 mod = plan.modifier(i, j, rows)
                 s = s if mod is None else mod(s, consts)
                 drop = plan.dropped(i, j, seeds)
-                return accumulate(carry, s, keep, vs[j], precision, plan.compute, drop)
+                return accumulate(carry, s, keep, group.block(v, j, plan.bk), precision, plan.compute, drop)
 
             return per_block(kd, update, carry, None if arrays else plan.uniform), None
 
         init = empty_state(b, plan.bq, e, plan.compute)
         state, _ = jax.lax.scan(key_block, init, (index[i], kind[i]))
         sink = sinks[:, None].astype(plan.compute) if plan.sinks else None
-        return finish(state, plan.compute, sink)  # float32 (or 64): the backward's delta needs it unrounded
+        done = finish(state, plan.compute, sink)  # float32 (or 64): the backward's delta needs it unrounded
+        return tuple(_put(x, i, plan.bq, y) for x, y in zip(outs, done, strict=True)), None
 
-    outs = jax.lax.map(query_block, (jnp.arange(plan.nq, dtype=jnp.int32), qs))  # (nq, b, bq, E), 2 x (nq, b, bq)
-    return tuple(map(_unblock, outs))
-
-
-def _unblock(x: Array) -> Array:
-    """``(n, b, blk, ...) -> (b, n·blk, ...)``, the inverse of :func:`_blocks`."""
-    return jnp.moveaxis(x, 0, 1).reshape(x.shape[1], x.shape[0] * x.shape[2], *x.shape[3:])
+    t = plan.nq * plan.bq
+    outs = jnp.zeros((b, t, e), plan.compute), jnp.zeros((b, t), plan.compute), jnp.zeros((b, t), plan.compute)
+    outs, _ = jax.lax.scan(query_block, outs, jnp.arange(plan.nq, dtype=jnp.int32))  # written block by block
+    return outs
 
 
-def _backward(
-    q, k, v, out, lse, d_out, rows, seeds, kind: Array, arrays: tuple[Array, ...], consts, plan: _Plan, precision
-):
-    """``(dq (b, T, D), dk (b, S, D), dv (b, S, E))`` and the consts' gradients of one group, one sweep over its tiles.
+def _backward(q, k, v, out, lse, d_out, rows, seeds, kind: Array, arrays, consts, plan: _Plan, precision, group: _Rows):
+    """``(dq (b, T, D), dk (b, S, D), dv (b, S, E))`` and the consts' gradients of the group's b rows of B.
+
+    One sweep over the group's tiles; q, k, v, out, lse and d_out are whole ``(B, ...)``, the rest
+    the group's.
 
     Per query block, a scan over its non-empty key blocks recomputes ``p`` from the saved
     ``lse`` and adds each tile's shares (:func:`jattn._online.tile_grads`): dq in the small carry,
-    dk and dv into their key block of the ``(nk, b, bk, D|E)`` accumulators.
+    dk and dv into their key block of the group's ``(b, S, D|E)`` accumulators, written in place.
     """
     compute = plan.compute
     arrays, bias = plan.split(arrays)
-    lse, delta = backward_rows(out, d_out, lse, compute)  # (b, T) each
-    qs, dos = _blocks(q, plan.bq), _blocks(d_out, plan.bq)  # (nq, b, bq, D|E)
-    ks, vs = _blocks(k, plan.bk), _blocks(v, plan.bk)  # (nk, b, bk, D|E)
-    row_stats = tuple(_blocks(x[..., None], plan.bq)[..., 0] for x in (lse, delta))  # (nq, b, bq) each
+    lse, delta = backward_rows(group.of(out), group.of(d_out), group.of(lse), compute)  # (b, T) each
     index, scale = jnp.asarray(plan.index), jnp.asarray(plan.scale, compute)
-    b = q.shape[0]
+    b = group.size
+    whole = _Rows(0, b)  # lse and delta are the group's already
 
-    def query_block(carry, args):
-        i, qb, dob, lse_i, delta_i = args
+    def query_block(carry, i):
+        qb, dob = group.block(q, i, plan.bq), group.block(d_out, i, plan.bq)  # (b, bq, D|E)
+        lse_i, delta_i = whole.block(lse, i, plan.bq), whole.block(delta, i, plan.bq)  # (b, bq)
         qb_scaled, s_scale = plan.prescale(qb)  # per query block: no scaled copy of all of q
 
         def key_block(carry, jk):
             j, kd = jk
             dq, dk, dv, dc, db = carry
+            kb, vb = group.block(k, j, plan.bk), group.block(v, j, plan.bk)  # (b, bk, D|E)
             window = None if bias is None else plan.bias_window(bias, i, j)
 
             def update(_, masked):
-                s, keep = plan.scores(qb_scaled, ks[j], i, j, masked, precision, arrays, s_scale)
+                s, keep = plan.scores(qb_scaled, kb, i, j, masked, precision, arrays, s_scale)
                 s = plan.biased(s, bias, i, j)
                 mod = plan.modifier(i, j, rows)
                 p, ds, gc, dx = score_grads(
-                    s, keep, lse_i, dob, vs[j], delta_i, scale, precision, compute, mod, consts,
+                    s, keep, lse_i, dob, vb, delta_i, scale, precision, compute, mod, consts,
                     plan.dropped(i, j, seeds),
                 )  # fmt: skip
                 if bias is None:
@@ -448,27 +467,34 @@ def _backward(
                 else:  # the tile's dx summed over the axes where the bias broadcasts
                     axes = tuple(a for a, n in enumerate(window[1]) if n == 1 and dx.shape[a] != 1)
                     gb = jnp.sum(dx, axes, keepdims=True) if axes else dx
-                return (*tile_grads(p, ds, qb, ks[j], dob, precision, compute), gc, gb)
+                return (*tile_grads(p, ds, qb, kb, dob, precision, compute), gc, gb)
 
             zeros = (
-                jnp.zeros_like(dq), jnp.zeros_like(dk[0]), jnp.zeros_like(dv[0]), jax.tree.map(jnp.zeros_like, dc),
+                jnp.zeros_like(dq), jnp.zeros_like(kb, compute), jnp.zeros_like(vb, compute),
+                jax.tree.map(jnp.zeros_like, dc),
                 () if bias is None else jnp.zeros(window[1], compute),
             )  # fmt: skip
             gq, gk, gv, gc, gb = per_block(kd, update, zeros, None if arrays else plan.uniform)
             dc = jax.tree.map(jnp.add, dc, gc)
             if bias is not None:
                 db = jax.lax.dynamic_update_slice(db, jax.lax.dynamic_slice(db, *window) + gb, window[0])
-            return (dq + gq, dk.at[j].add(gk), dv.at[j].add(gv), dc, db), None
+            dk = _put(dk, j, plan.bk, whole.block(dk, j, plan.bk) + gk)
+            dv = _put(dv, j, plan.bk, whole.block(dv, j, plan.bk) + gv)
+            return (dq + gq, dk, dv, dc, db), None
 
+        dq_all, *carry = carry
         init = (jnp.zeros((b, plan.bq, q.shape[-1]), compute), *carry)
         (dq, dk, dv, dc, db), _ = jax.lax.scan(key_block, init, (index[i], kind[i]))
-        return (dk, dv, dc, db), dq
+        return (_put(dq_all, i, plan.bq, dq), dk, dv, dc, db), None
 
     db = () if bias is None else jnp.zeros(bias.shape, compute)
-    carry = (jnp.zeros(ks.shape, compute), jnp.zeros(vs.shape, compute), jax.tree.map(jnp.zeros_like, consts), db)
-    steps = (jnp.arange(plan.nq, dtype=jnp.int32), qs, dos, *row_stats)
-    (dk, dv, dc, db), dq = jax.lax.scan(query_block, carry, steps)
-    grads = _unblock(dq).astype(q.dtype), _unblock(dk).astype(k.dtype), _unblock(dv).astype(v.dtype)
+    carry = (
+        jnp.zeros((b, *q.shape[1:]), compute), jnp.zeros((b, *k.shape[1:]), compute),
+        jnp.zeros((b, *v.shape[1:]), compute),
+        jax.tree.map(jnp.zeros_like, consts), db,
+    )  # fmt: skip
+    (dq, dk, dv, dc, db), _ = jax.lax.scan(query_block, carry, jnp.arange(plan.nq, dtype=jnp.int32))
+    grads = dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
     db = () if bias is None else (db.astype(bias.dtype),)
     own = plan.bias == _OWN  # a bias with rows of its own comes back by rows, a shared one summed over groups
     return ((grads, db), (dc, ())) if own else ((grads, ()), (dc, db))
