@@ -367,9 +367,9 @@ def _put(x: Array, n: Array, size: int, block: Array) -> Array:
 
 
 def _by_group(plan: _Plan, body, xs: tuple[Array, ...], arrays: tuple[Array, ...]):
-    """``body(xs, arrays, rows)`` over groups of ``plan.group(B)`` rows of B, one group after another.
+    """``body(xs, arrays, group)`` over groups of ``plan.group(B)`` rows of B, one group after another.
 
-    Each of ``xs`` is ``(B, ...)`` and passed whole, ``rows`` (:class:`_Rows`) says which rows are
+    Each of ``xs`` is ``(B, ...)`` and passed whole, ``group`` (:class:`_Rows`) says which rows are
     the group's; mask ``arrays`` are ``(B|1, ...)`` (shared when 1) and passed as the group's rows.
     ``body`` returns ``(rows, summed)``: the leaves of ``rows`` are ``(group, ...)`` and come back as
     ``(B, ...)``; those of ``summed`` (gradients of shared arrays) are summed over the groups.
