@@ -24,6 +24,7 @@ from tests import reference as ref
 
 FUZZ_EXAMPLES = int(os.environ.get("JATTN_FUZZ_EXAMPLES", 5000 if os.environ.get("JATTN_SLOW") else 100))
 FUZZ_SHARDS = 4  # separate test items, so pytest-xdist spreads the fuzz over the cores
+FUZZ_SEED = int(os.environ.get("JATTN_FUZZ_SEED", 0))  # shard i uses seed i + this: a long run goes in chunks
 
 
 def _loss(impl, g, **kw):
@@ -370,14 +371,15 @@ def test_differential_fuzz(shard):
     """FUZZ_EXAMPLES cases in all (100; 5,000 with ``--slow``), each shard its own fixed seed.
 
     Each path is compiled once a case, values and gradients together (an eager call compiles
-    every operation on its own: 4x slower). JATTN_FUZZ_LOG=file appends progress counts.
+    every operation on its own: 4x slower). JATTN_FUZZ_LOG=file appends progress counts;
+    JATTN_FUZZ_EXAMPLES=n with JATTN_FUZZ_SEED=4, 8, ... runs a long search in chunks of new cases.
     """
     counts = collections.Counter()
     log = os.environ.get("JATTN_FUZZ_LOG")
 
     phases = [Phase.explicit, Phase.generate] + ([] if os.environ.get("JATTN_SLOW") else [Phase.shrink])
 
-    @seed(shard)  # derandomised: a fixed seed per shard (the profile's own seed is one per function)
+    @seed(shard + FUZZ_SEED)  # derandomised: a fixed seed per shard (the profile's own seed is one per function)
     @settings(max_examples=FUZZ_EXAMPLES // FUZZ_SHARDS, phases=phases)  # a slow run reports, not shrinks
     @given(fuzz_cases())
     def run(case):
