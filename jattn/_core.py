@@ -418,13 +418,16 @@ def _auto_block(mask: Mask | None, T: int, S: int, q_offset: int | None, kv_offs
     return best, best
 
 
-def _jax_nn_args(mask: Mask | None, path: str, T: int, S: int, q_offset: int | None, kv_offset: int, lead) -> dict:
+def _jax_nn_args(
+    mask: Mask | None, path: str, T: int, S: int, q_offset: int | None, kv_offset: int, lead, batch_axis: int
+) -> dict:
     """jax.nn's own arguments for a jattn mask: ``is_causal``, ``local_window_size``, sequence lengths, ``mask``.
 
     jax.nn aligns queries top-left (query t sees key s <= t); jattn places query t at position
     ``q_offset + t`` and key s at ``kv_offset + s``, so a band ``i - L <= j <= i + R`` becomes
     ``local_window_size = (L - d, R + d)`` with ``d = q_offset - kv_offset``. Terms jax.nn has no
-    argument for are materialised into its ``mask`` (xla) or refused (cudnn).
+    argument for are materialised into its ``mask`` (xla) or refused (cudnn). Padding lengths
+    ``(B,)`` lie along ``lead``'s axis ``batch_axis``, where q's first axis lands (as for every path).
     """
     q_offset = S - T + kv_offset if q_offset is None else q_offset
     d = q_offset - kv_offset
@@ -440,7 +443,8 @@ def _jax_nn_args(mask: Mask | None, path: str, T: int, S: int, q_offset: int | N
             for name, x in (("query_seq_lengths", term.q_lengths), ("key_value_seq_lengths", term.kv_lengths)):
                 if x is not None:
                     x = jnp.minimum(jnp.asarray(x, jnp.int32), T if name[0] == "q" else S)
-                    x = jnp.broadcast_to(x.reshape(-1, *(1,) * (len(lead) - 1)), lead).reshape(-1)
+                    x = x.reshape((1,) * batch_axis + (-1,) + (1,) * (len(lead) - batch_axis - 1))
+                    x = jnp.broadcast_to(x, lead).reshape(-1)
                     kwargs[name] = x if name not in kwargs else jnp.minimum(kwargs[name], x)
         else:
             rest = term if rest is None else rest & term
@@ -469,8 +473,11 @@ def _jax_nn(q, k, v, mask: Mask | None, bias, scale, path, q_offset, kv_offset, 
     """Hands the call to ``jax.nn.dot_product_attention`` with its own arguments (see :data:`SUPPORT`)."""
     T, S = q.shape[-2], k.shape[-2]
     bias = _check_bias(bias)
-    lead = broadcast_all(q=q, k=k, v=v, bias=bias)
-    kwargs = _jax_nn_args(mask, path, T, S, q_offset, kv_offset, lead or (1,))  # jax.nn needs a batch axis
+    lead, axis = broadcast_all(q=q, k=k, v=v, bias=bias) or (1,), 0  # jax.nn needs a batch axis
+    if mask is not None and q.ndim > 2:
+        lead, _ = call_rows(mask, q, k, v, bias)  # with a per-example mask's batch, on q's first axis
+        axis = len(lead) - (q.ndim - 2)
+    kwargs = _jax_nn_args(mask, path, T, S, q_offset, kv_offset, lead, axis)
     rest = kwargs.pop("mask", None)
     dense = _dense_mask(rest, q, k, q_offset, kv_offset, v, bias)
     lead = broadcast_all(q=q, k=k, v=v, bias=bias, mask=dense)
