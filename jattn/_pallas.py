@@ -41,7 +41,7 @@ from jax import Array
 
 from jattn import _blockwise
 from jattn._checks import broadcast_all
-from jattn._masks import Causal, Mask, Padding, SegmentIds, SlidingWindow, conjuncts
+from jattn._masks import Causal, Mask, Padding, SegmentIds, SlidingWindow, call_rows, conjuncts
 
 __all__ = ["KERNEL_BLOCK", "kernel_platform", "pallas_attention"]
 
@@ -86,10 +86,10 @@ def _static_scale(scale, D: int) -> float | None:
     return float(np.asarray(scale))
 
 
-def _lengths(x, lead: tuple[int, ...], limit: int) -> Array:
-    """Per-example lengths ``(B,)`` (or ``(1,)``) as ``(*lead)`` int32, clipped to ``[0, limit]``."""
+def _lengths(x, lead: tuple[int, ...], limit: int, axis: int) -> Array:
+    """Per-example lengths ``(B,)`` (or ``(1,)``) along ``lead``'s ``axis`` (q's first), as ``(*lead)`` int32, clipped to ``[0, limit]``."""
     x = jnp.clip(jnp.asarray(x, jnp.int32), 0, limit)
-    return jnp.broadcast_to(x.reshape(-1, *(1,) * (len(lead) - 1)), lead)
+    return jnp.broadcast_to(x.reshape((1,) * axis + (-1,) + (1,) * (len(lead) - axis - 1)), lead)
 
 
 def _row(n: int, ndim: int) -> Array:
@@ -127,8 +127,8 @@ def pallas_attention(
     if pad is not None:
         if q.ndim < 3:
             raise ValueError(f"a per-example mask needs a batch axis in q, got q of shape {q.shape}")
-        B = max((jnp.shape(x)[0] for x in (pad.q_lengths, pad.kv_lengths) if x is not None), default=1)
-        lead = jnp.broadcast_shapes(lead, (B, *(1,) * (len(lead) - 1)))
+        lead, _ = call_rows(mask, q, k, v, None)  # with the batch where q's first axis lands
+    axis = len(lead) - (q.ndim - 2)
     d = (S - T + kv_offset if q_offset is None else q_offset) - kv_offset
     drop = min(max(-d, 0), T) if causal else 0  # queries that see no key at all
     front = max(d, 0) if causal else 0  # rows above the first query (query t sits at row t + front)
@@ -160,7 +160,7 @@ def pallas_attention(
     if column:
         # An example without keys shows the kernel its first key (its rows return 0 below, and send no
         # gradient): with every key hidden the kernel's backward divides 0 by 0 (NaN, found by the fuzz).
-        kv_len = S if pad is None or pad.kv_lengths is None else jnp.maximum(_lengths(pad.kv_lengths, lead, S), 1)
+        kv_len = S if pad is None or pad.kv_lengths is None else jnp.maximum(_lengths(pad.kv_lengths, lead, S, axis), 1)
         kv_len = kv_len if isinstance(kv_len, int) else kv_len[..., None]
         valid = _row(S, len(lead)) < kv_len
         hidden = -float(jnp.finfo(q.dtype).max) / 16 / max(sm, 1.0)
@@ -189,9 +189,9 @@ def pallas_attention(
     if pad is not None:  # rows past q_lengths, or of an example without keys, return 0
         seen = jnp.ones((*lead, Tk), bool)
         if pad.q_lengths is not None:
-            seen = drop + _row(Tk, len(lead)) < _lengths(pad.q_lengths, lead, T)[..., None]
+            seen = drop + _row(Tk, len(lead)) < _lengths(pad.q_lengths, lead, T, axis)[..., None]
         if pad.kv_lengths is not None:
-            seen = seen & (_lengths(pad.kv_lengths, lead, S) > 0)[..., None]
+            seen = seen & (_lengths(pad.kv_lengths, lead, S, axis) > 0)[..., None]
         out = jnp.where(seen[..., None], out, jnp.zeros((), out.dtype))
     if drop:
         out = jnp.concatenate([jnp.zeros((*lead, drop, E), out.dtype), out], axis=-2)

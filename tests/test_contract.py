@@ -100,15 +100,16 @@ def test_xla_takes_offsets_through_jax_nn_arguments(mask, q_offset):
     np.testing.assert_allclose(got, ref.attention(q, k, v, dense)[0], **ref.tol(jnp.float32))
 
 
-def test_xla_places_padding_lengths_on_the_batch_axis_of_q():
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_padding_lengths_lie_on_the_batch_axis_of_q(impl):
     # q (3, T, D) against k, v (1, 3, S, D): the call's leading shape is (1, 3) and the per-example
-    # batch is q's first axis, the last leading one (found by the slow fuzz: xla put it first).
+    # batch is q's first axis, the last leading one (found by the slow fuzz: xla and pallas put it first).
     rng = np.random.default_rng(0)
     q, k, v = rng.normal(size=(3, 5, 4)), rng.normal(size=(1, 3, 7, 4)), rng.normal(size=(1, 3, 7, 4))
     pad = masks.padding(jnp.array([1, 5, 3]), jnp.array([7, 2, 4]))
     dense = np.asarray(pad.dense(5, 7)).reshape(3, 5, 7)  # batch first, broadcasting like q
     want = ref.attention(q, k, v, dense)[0]
-    got = jattn.attention(*(jnp.asarray(x, jnp.float32) for x in (q, k, v)), mask=pad, implementation="xla")
+    got = jattn.attention(*(jnp.asarray(x, jnp.float32) for x in (q, k, v)), mask=pad, implementation=impl)
     np.testing.assert_allclose(ref.f64(got), want, **ref.tol(jnp.float32))
 
 
