@@ -36,8 +36,10 @@ from jattn._masks import (
     Mask,
     Padding,
     SlidingWindow,
+    call_lead,
     call_rows,
     conjuncts,
+    on_batch_axis,
 )
 from jattn._masks import array as masks_array
 from jattn._online import compute_dtype, lead_index
@@ -443,8 +445,7 @@ def _jax_nn_args(
             for name, x in (("query_seq_lengths", term.q_lengths), ("key_value_seq_lengths", term.kv_lengths)):
                 if x is not None:
                     x = jnp.minimum(jnp.asarray(x, jnp.int32), T if name[0] == "q" else S)
-                    x = x.reshape((1,) * batch_axis + (-1,) + (1,) * (len(lead) - batch_axis - 1))
-                    x = jnp.broadcast_to(x, lead).reshape(-1)
+                    x = on_batch_axis(x, lead, batch_axis).reshape(-1)
                     kwargs[name] = x if name not in kwargs else jnp.minimum(kwargs[name], x)
         else:
             rest = term if rest is None else rest & term
@@ -475,8 +476,7 @@ def _jax_nn(q, k, v, mask: Mask | None, bias, scale, path, q_offset, kv_offset, 
     bias = _check_bias(bias)
     lead, axis = broadcast_all(q=q, k=k, v=v, bias=bias) or (1,), 0  # jax.nn needs a batch axis
     if mask is not None and q.ndim > 2:
-        lead, _ = call_rows(mask, q, k, v, bias)  # with a per-example mask's batch, on q's first axis
-        axis = len(lead) - (q.ndim - 2)
+        lead, axis = call_lead(mask, q, k, v, bias)  # with a per-example mask's batch, on q's first axis
     kwargs = _jax_nn_args(mask, path, T, S, q_offset, kv_offset, lead, axis)
     rest = kwargs.pop("mask", None)
     dense = _dense_mask(rest, q, k, q_offset, kv_offset, v, bias)

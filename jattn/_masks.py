@@ -326,13 +326,22 @@ def _per_tile(x: Array, axis: int, count: int, size: int, fill, reduce) -> Array
     return reduce(x, axis=axis + 1)
 
 
+def on_batch_axis(x: ArrayLike, lead: tuple[int, ...], axis: int) -> Array:
+    """A per-example array ``(B|1, ...)`` broadcast to ``(*lead, ...)``, its batch on ``lead[axis]``.
+
+    ``axis`` is where q's first axis lands in the call's leading shape (:func:`call_lead`).
+    """
+    x = jnp.asarray(x)
+    rest = x.shape[1:]
+    x = x.reshape((1,) * axis + (x.shape[0],) + (1,) * (len(lead) - axis - 1) + rest)
+    return jnp.broadcast_to(x, (*lead, *rest))
+
+
 def _row_form(x: Array, lead: tuple[int, ...], axis: int) -> Array:
     """A per-example array ``(B|1, ...)`` as rows ``(R|1, ...)`` of ``lead`` flattened, its batch on ``lead[axis]``."""
     if x.shape[0] == 1:
         return x
-    rest = x.shape[1:]
-    x = x.reshape((1,) * axis + (x.shape[0],) + (1,) * (len(lead) - axis - 1) + rest)
-    return jnp.broadcast_to(x, (*lead, *rest)).reshape(math.prod(lead), *rest)
+    return on_batch_axis(x, lead, axis).reshape(math.prod(lead), *x.shape[1:])
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -635,18 +644,24 @@ def as_rows(mask: Mask, lead: tuple[int, ...], axis: int = 0) -> Mask:
     return mask._rows(lead, axis)
 
 
-def call_rows(mask: Mask, q: Array, k: Array, v: Array | None, bias: Array | None) -> tuple[tuple[int, ...], Mask]:
-    """``(lead, rows)``: the call's leading shape and ``mask`` as rows of it flattened (:func:`as_rows`).
+def call_lead(mask: Mask, q: Array, k: Array, v: Array | None, bias: Array | None) -> tuple[tuple[int, ...], int]:
+    """``(lead, axis)``: the call's leading shape and the axis of it where q's first axis lands.
 
     ``lead`` broadcasts q, k, v, bias, the mask's arrays (each checked against q and k) and a
-    per-example mask's batch, which lands where q's first axis does.
+    per-example mask's batch, which lies on ``lead[axis]``.
     """
     T, S = q.shape[-2], k.shape[-2]
     check_lengths(mask, T, S)
     lead = broadcast_all(q=q, k=k, v=v, bias=bias)
     leads = [broadcast_all(q=q, k=k, v=v, mask=a.array) for a in array_leaves(mask)]
     lead = tuple(np.broadcast_shapes(lead, *leads, example_lead(mask, q.ndim)))
-    return lead, as_rows(mask, lead, len(lead) - (q.ndim - 2))
+    return lead, len(lead) - (q.ndim - 2)
+
+
+def call_rows(mask: Mask, q: Array, k: Array, v: Array | None, bias: Array | None) -> tuple[tuple[int, ...], Mask]:
+    """``(lead, rows)``: the call's leading shape (:func:`call_lead`) and ``mask`` as rows of it flattened."""
+    lead, axis = call_lead(mask, q, k, v, bias)
+    return lead, as_rows(mask, lead, axis)
 
 
 def row_kinds(mask: Mask, T: int, S: int, block_q: int, block_kv: int, *, q_offset: int, kv_offset: int) -> Array:

@@ -41,7 +41,7 @@ from jax import Array
 
 from jattn import _blockwise
 from jattn._checks import broadcast_all
-from jattn._masks import Causal, Mask, Padding, SegmentIds, SlidingWindow, call_rows, conjuncts
+from jattn._masks import Causal, Mask, Padding, SegmentIds, SlidingWindow, call_lead, conjuncts, on_batch_axis
 
 __all__ = ["KERNEL_BLOCK", "kernel_platform", "pallas_attention"]
 
@@ -87,9 +87,8 @@ def _static_scale(scale, D: int) -> float | None:
 
 
 def _lengths(x, lead: tuple[int, ...], limit: int, axis: int) -> Array:
-    """Per-example lengths ``(B,)`` (or ``(1,)``) along ``lead``'s ``axis`` (q's first), as ``(*lead)`` int32, clipped to ``[0, limit]``."""
-    x = jnp.clip(jnp.asarray(x, jnp.int32), 0, limit)
-    return jnp.broadcast_to(x.reshape((1,) * axis + (-1,) + (1,) * (len(lead) - axis - 1)), lead)
+    """Per-example lengths ``(B|1,)`` as ``(*lead)`` int32 (batch on ``lead[axis]``), clipped to ``[0, limit]``."""
+    return on_batch_axis(jnp.clip(jnp.asarray(x, jnp.int32), 0, limit), lead, axis)
 
 
 def _row(n: int, ndim: int) -> Array:
@@ -123,12 +122,11 @@ def pallas_attention(
         return _splash(q, k, v, mask, scale, q_offset, kv_offset, blocks, interpret)
     T, S, D, E = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
     causal, pad = _terms(mask)
-    lead = broadcast_all(q=q, k=k, v=v)
+    lead, axis = broadcast_all(q=q, k=k, v=v), None
     if pad is not None:
         if q.ndim < 3:
             raise ValueError(f"a per-example mask needs a batch axis in q, got q of shape {q.shape}")
-        lead, _ = call_rows(mask, q, k, v, None)  # with the batch where q's first axis lands
-    axis = len(lead) - (q.ndim - 2)
+        lead, axis = call_lead(mask, q, k, v, None)  # with the batch on lead[axis], where q's first axis lands
     d = (S - T + kv_offset if q_offset is None else q_offset) - kv_offset
     drop = min(max(-d, 0), T) if causal else 0  # queries that see no key at all
     front = max(d, 0) if causal else 0  # rows above the first query (query t sits at row t + front)
