@@ -22,7 +22,7 @@ import jattn
 from jattn import masks
 from tests import reference as ref
 
-FUZZ_EXAMPLES = int(os.environ.get("JATTN_FUZZ_EXAMPLES", 5000 if os.environ.get("JATTN_SLOW") else 100))
+FUZZ_EXAMPLES = int(os.environ.get("JATTN_FUZZ_EXAMPLES", 5000 if os.environ.get("JATTN_SLOW") else 200))
 FUZZ_SHARDS = 4  # separate test items, so pytest-xdist spreads the fuzz over the cores
 FUZZ_SEED = int(os.environ.get("JATTN_FUZZ_SEED", 0))  # shard i uses seed i + this: a long run goes in chunks
 
@@ -381,7 +381,7 @@ def _expect_refusal(impl, dtype, mask, bias, q_offset, d, e, sinks=None, softcap
 
 @pytest.mark.parametrize("shard", range(FUZZ_SHARDS))
 def test_differential_fuzz(shard):
-    """FUZZ_EXAMPLES cases in all (100; 5,000 with ``--slow``), each shard its own fixed seed.
+    """FUZZ_EXAMPLES cases in all (200; 5,000 with ``--slow``), each shard its own fixed seed.
 
     Each path is compiled once a case, values and gradients together (an eager call compiles
     every operation on its own: 4x slower). JATTN_FUZZ_LOG=file appends progress counts;
