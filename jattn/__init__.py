@@ -10,13 +10,21 @@ layout (top-left causal alignment); :mod:`jattn.flax` has an ``attention_fn`` fo
 
 from jattn import masks, score_mods
 from jattn._compat import dot_product_attention
-from jattn._core import IMPLEMENTATIONS, SUPPORT, attention, attention_weights, choose_implementation
+from jattn._core import (
+    AUTO_BLOCKWISE_MIN,
+    IMPLEMENTATIONS,
+    SUPPORT,
+    attention,
+    attention_weights,
+    choose_implementation,
+)
 from jattn._linear import LinearState, linear_attention
 from jattn._ring import ring_attention, sequence_parallel_attention, unzigzag, zigzag
 from jattn._rope import rope
 from jattn._softmax import SoftmaxParts, softmax, softmax_parts
 
 __all__ = [
+    "AUTO_BLOCKWISE_MIN",
     "IMPLEMENTATIONS",
     "SUPPORT",
     "LinearState",

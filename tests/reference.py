@@ -1,9 +1,13 @@
-"""Independent float64 NumPy references and the one tolerance table of the suite."""
+"""Independent float64 NumPy references, the one tolerance table, and the helpers tests share."""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+from hypothesis import strategies as st
+
+import jattn.nnx
+from jattn import masks
 
 # Tolerances against the float64 reference, keyed by the input dtype. Low-precision inputs are
 # compared after rounding the inputs, so the error left is the rounding of the weights fed to
@@ -191,3 +195,33 @@ def rope(x, positions, base=10000.0):
     a = pos[..., None] * base ** (-2.0 * np.arange(half) / x.shape[-1])  # (..., D/2) angles
     x1, x2 = x[..., :half], x[..., half:]
     return np.concatenate([x1 * np.cos(a) - x2 * np.sin(a), x2 * np.cos(a) + x1 * np.sin(a)], axis=-1)
+
+
+# -- shared helpers ---------------------------------------------------------------------------------
+
+
+@st.composite
+def static_masks(draw, depth=2):
+    leaves = [
+        st.just(masks.causal()),
+        st.builds(masks.sliding_window, st.integers(0, 6), st.integers(0, 6)),
+        st.builds(masks.chunked, st.integers(1, 7)),
+        st.builds(masks.prefix_lm, st.integers(0, 9)),
+        st.lists(st.integers(0, 20), min_size=1, max_size=3).map(masks.global_tokens),
+    ]
+    m = draw(st.one_of(leaves))
+    for _ in range(draw(st.integers(0, depth))):
+        other = draw(st.one_of(leaves))
+        op = draw(st.sampled_from(["and", "or", "not"]))
+        m = m & other if op == "and" else m | other if op == "or" else ~m
+    return m
+
+
+def linen_params(m: jattn.nnx.SelfAttention) -> dict:
+    """The NNX module's weights as the Linen module's ``params`` (same names)."""
+    params = {}
+    for name in ("wq", "wk", "wv", "wo"):
+        layer = getattr(m, name)
+        if layer is not None:
+            params[name] = {"kernel": layer.kernel[...]} | ({} if layer.bias is None else {"bias": layer.bias[...]})
+    return params

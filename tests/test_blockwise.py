@@ -4,6 +4,8 @@ memory asserted structurally; the hand-over to jax.nn and its clear errors."""
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,7 +16,6 @@ from hypothesis import strategies as st
 import jattn
 from jattn import masks
 from tests import reference as ref
-from tests.test_masks import static_masks
 
 
 def _rand(shape, seed, dtype=jnp.float32):
@@ -36,7 +37,7 @@ def _close_lse(a, b, dtype):
 
 @settings(max_examples=10)
 @given(
-    static_masks(),
+    ref.static_masks(),
     st.integers(1, 13),
     st.integers(1, 13),
     st.integers(1, 5),
@@ -142,10 +143,13 @@ def test_blockwise_scratch_holds_no_copies_of_the_inputs():
 
 
 def test_auto_chooses_blockwise_for_long_sequences():
-    from jattn._core import AUTO_BLOCKWISE_MIN
-
-    small, big = jnp.zeros((1, 64, 8)), jnp.zeros((1, int(AUTO_BLOCKWISE_MIN**0.5), 8))
+    side = math.isqrt(jattn.AUTO_BLOCKWISE_MIN)  # T = S = side: T·S reaches the threshold exactly
+    assert side * side == jattn.AUTO_BLOCKWISE_MIN
+    small, big = jnp.zeros((1, 64, 8)), jnp.zeros((1, side, 8))
     assert jattn.choose_implementation(small, small, small) == "dense"
+    short = jnp.zeros((1, side - 1, 8))  # T·S one row short of the threshold
+    assert jattn.choose_implementation(short, big, big) == "dense"
+    assert jattn.choose_implementation(big, big, big) == "blockwise"
     assert jattn.choose_implementation(big, big, big, mask=masks.causal()) == "blockwise"
     assert jattn.choose_implementation(big, big, big, mask=jnp.ones((1, 1), bool)) == "blockwise"  # arrays are tiled
     assert jattn.choose_implementation(big, big, big, bias=jnp.ones((1, 1))) == "blockwise"  # bias is tiled

@@ -91,24 +91,9 @@ def test_bad_mask_arguments():
         jattn.attention(jnp.ones((3, 2)), jnp.ones((3, 2)), jnp.ones((3, 2)), mask=jnp.ones((3, 3), bool), q_offset=1)
 
 
-@st.composite
-def static_masks(draw, depth=2):
-    leaves = [
-        st.just(masks.causal()),
-        st.builds(masks.sliding_window, st.integers(0, 6), st.integers(0, 6)),
-        st.builds(masks.chunked, st.integers(1, 7)),
-        st.builds(masks.prefix_lm, st.integers(0, 9)),
-        st.lists(st.integers(0, 20), min_size=1, max_size=3).map(masks.global_tokens),
-    ]
-    m = draw(st.one_of(leaves))
-    for _ in range(draw(st.integers(0, depth))):
-        other = draw(st.one_of(leaves))
-        op = draw(st.sampled_from(["and", "or", "not"]))
-        m = m & other if op == "and" else m | other if op == "or" else ~m
-    return m
-
-
-@given(static_masks(), st.integers(1, 20), st.integers(1, 20), st.integers(1, 6), st.integers(1, 6), st.integers(0, 5))
+@given(
+    ref.static_masks(), st.integers(1, 20), st.integers(1, 20), st.integers(1, 6), st.integers(1, 6), st.integers(0, 5)
+)
 def test_block_kinds_agree_with_dense_mask(mask, T, S, bq, bk, shift):
     q_offset = S - T + shift - 2
     kinds = mask.block_kinds(T, S, bq, bk, q_offset=q_offset)

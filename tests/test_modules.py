@@ -25,16 +25,6 @@ def _x(shape=(2, 7, D_MODEL), seed=0):
     return jax.random.normal(jax.random.key(seed), shape)
 
 
-def linen_params(m: jattn.nnx.SelfAttention) -> dict:
-    """The NNX module's weights as the Linen module's ``params`` (same names)."""
-    params = {}
-    for name in ("wq", "wk", "wv", "wo"):
-        layer = getattr(m, name)
-        if layer is not None:
-            params[name] = {"kernel": layer.kernel[...]} | ({} if layer.bias is None else {"bias": layer.bias[...]})
-    return params
-
-
 def test_default_is_the_article_module_hand_computed():
     m = jattn.nnx.SelfAttention(2, rngs=nnx.Rngs(0))
     assert m.wo is None and m.wq.bias is None and m.wk.bias is None and m.wv.bias is None
@@ -74,7 +64,7 @@ def test_nnx_and_linen_agree_and_match_reference(config):
     m = jattn.nnx.SelfAttention(D_MODEL, rngs=nnx.Rngs(0), **config)
     lin = jattn.linen.SelfAttention(D_MODEL, **config)
     init = lin.init(jax.random.key(0), x)["params"]
-    params = linen_params(m)
+    params = ref.linen_params(m)
     assert jax.tree.map(jnp.shape, init) == jax.tree.map(jnp.shape, params)
     out, w = m(x, mask, return_weights=True)
     out_l, w_l = lin.apply({"params": params}, x, mask, return_weights=True)
@@ -119,7 +109,7 @@ def test_nnx_jit_vmap_grad():
     np.testing.assert_allclose(vmapped, eager, **ref.tol(jnp.float32))
     grads = nnx.grad(lambda m: jnp.sum(m(x[0]) ** 2))(m)
     lin = jattn.linen.SelfAttention(D_MODEL, num_heads=4)
-    want = jax.grad(lambda p: jnp.sum(lin.apply({"params": p}, x[0]) ** 2))(linen_params(m))
+    want = jax.grad(lambda p: jnp.sum(lin.apply({"params": p}, x[0]) ** 2))(ref.linen_params(m))
     np.testing.assert_allclose(grads.wq.kernel[...], want["wq"]["kernel"], **ref.tol(jnp.float32))
     np.testing.assert_allclose(grads.wo.kernel[...], want["wo"]["kernel"], **ref.tol(jnp.float32))
 
@@ -178,7 +168,7 @@ def test_dropout_switch_and_rng():
     a, b = m(x), m(x)  # the stream advances: two different dropout draws
     assert not np.allclose(a, b) and not np.allclose(a, plain(x))
     lin = jattn.linen.SelfAttention(D_MODEL, num_heads=2, dropout_rate=0.5)
-    params = linen_params(plain)
+    params = ref.linen_params(plain)
     np.testing.assert_array_equal(lin.apply({"params": params}, x, deterministic=True), plain(x))
     one = lin.apply({"params": params}, x, rngs={"dropout": jax.random.key(3)})
     np.testing.assert_array_equal(one, lin.apply({"params": params}, x, rngs={"dropout": jax.random.key(3)}))
@@ -266,7 +256,7 @@ def test_module_implementation_and_block_size_keep_the_result(mask):
     np.testing.assert_allclose(blockwise(x, m, implementation="dense"), want, **ref.tol(jnp.float32))
     np.testing.assert_allclose(dense(x, m, implementation="blockwise", block_size=(3, 5)), want, **ref.tol(jnp.float32))
     linen = jattn.linen.SelfAttention(D_MODEL, num_heads=4, num_kv_heads=2, implementation="blockwise", block_size=4)
-    np.testing.assert_allclose(linen.apply({"params": linen_params(dense)}, x, m), want, **ref.tol(jnp.float32))
+    np.testing.assert_allclose(linen.apply({"params": ref.linen_params(dense)}, x, m), want, **ref.tol(jnp.float32))
     cross = jattn.nnx.CrossAttention(D_MODEL, 5, num_heads=4, rngs=nnx.Rngs(0))
     valid = jnp.arange(9)[None] < jnp.array([[4], [9]])  # (B, S)
     pred = m if mask != "array" else masks.causal()
@@ -313,7 +303,7 @@ def _flex_nnx(seed=0, **options):
 
 
 def _flex_params(m) -> dict:
-    return linen_params(m) | ({} if m.sinks is None else {"sinks": m.sinks[...]})
+    return ref.linen_params(m) | ({} if m.sinks is None else {"sinks": m.sinks[...]})
 
 
 def _flex_reference(params: dict, x, mask, score_mod, sinks):
@@ -400,7 +390,7 @@ def test_cross_attention_score_mod_and_sinks_nnx_equals_linen():
     m = jattn.nnx.CrossAttention(D_MODEL, 4, rngs=nnx.Rngs(0), **options)
     m.sinks[...] = jax.random.normal(jax.random.key(9), (6,))
     lin = jattn.linen.CrossAttention(D_MODEL, context_features=4, **options)
-    params = linen_params(m) | {"sinks": m.sinks[...]}
+    params = ref.linen_params(m) | {"sinks": m.sinks[...]}
     out = m(x, ctx, context_mask=valid)
     np.testing.assert_allclose(lin.apply({"params": params}, x, ctx, context_mask=valid), out, **ref.tol(jnp.float32))
     # float64 by hand: queries of x, keys and values of the context

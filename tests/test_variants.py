@@ -15,7 +15,6 @@ import jattn.linen
 import jattn.nnx
 from jattn import masks
 from tests import reference as ref
-from tests.test_modules import linen_params
 
 
 def _rand(shape, seed, dtype=jnp.float32):
@@ -49,7 +48,7 @@ def test_cross_attention_nnx_linen_reference_and_context_padding():
     context_mask = jnp.arange(S)[None] < jnp.array([[6], [0]])  # example 1 has no valid context
     m = jattn.nnx.CrossAttention(d, c, num_heads=3, num_kv_heads=1, out_proj=False, rngs=nnx.Rngs(0))
     lin = jattn.linen.CrossAttention(d, num_heads=3, num_kv_heads=1, out_proj=False, context_features=c)
-    params = linen_params(m)
+    params = ref.linen_params(m)
     assert jax.tree.map(jnp.shape, lin.init(jax.random.key(0), x, ctx)["params"]) == jax.tree.map(jnp.shape, params)
     out = m(x, ctx, context_mask=context_mask)
     np.testing.assert_allclose(out, lin.apply({"params": params}, x, ctx, context_mask=context_mask), atol=1e-6)
@@ -134,7 +133,7 @@ def test_linear_kind_in_modules():
     x = _rand((2, 9, 12), 0)
     m = jattn.nnx.SelfAttention(12, num_heads=2, kind="linear", rngs=nnx.Rngs(0))
     lin = jattn.linen.SelfAttention(12, num_heads=2, kind="linear")
-    params = linen_params(m)
+    params = ref.linen_params(m)
     out = m(x, masks.causal())
     np.testing.assert_allclose(out, lin.apply({"params": params}, x, masks.causal()), atol=1e-6)
     qh = (x @ params["wq"]["kernel"]).reshape(2, 9, 2, 6).transpose(0, 2, 1, 3)
