@@ -10,7 +10,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
 
-.PHONY: train test bench
+.PHONY: train test fuzz bench
 train: $(VENV)/.installed
 	$(PY) -m train $(ARGS)
 
@@ -34,6 +34,10 @@ test: $(VENV)/.installed
 	XLA_FLAGS="$(KNOWN_FAST)$$XLA_FLAGS" $(PY) -m pytest -n 2 --durations=15 --ignore=tests/test_train.py
 	$(PY) -m pytest -n 2 --durations=5 tests/test_train.py
 	XLA_FLAGS="$(KNOWN_FAST)$$XLA_FLAGS" $(PY) -m pytest -n 2 --durations=5 tests/multidevice
+
+# The differential fuzz's slow mode: 5,000 cases, hours on 2 cores (README: chunks, progress log).
+fuzz: $(VENV)/.installed
+	XLA_FLAGS="$(KNOWN_FAST)$$XLA_FLAGS" $(PY) -m pytest -n 2 --slow -s -p no:cacheprovider tests/test_contract.py -k differential
 
 bench: $(VENV)/.installed
 	$(PY) -m bench $(ARGS)
