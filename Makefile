@@ -1,6 +1,7 @@
 # Two commands, each setting itself up in a virtual env inside the repo:
 #   make train   the default training run
 #   make test    lint + the whole test suite (single device, then 8 simulated devices)
+# and two more: make fuzz (the slow differential fuzz), make bench (benchmarks, ARGS=...).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
@@ -30,12 +31,12 @@ test: export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS := 0.2
 test: $(VENV)/.installed
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	rm -rf $(CACHE)
+	rm -rf "$(CACHE)"
 	XLA_FLAGS="$(KNOWN_FAST)$$XLA_FLAGS" $(PY) -m pytest -n 2 --durations=15 --ignore=tests/test_train.py
 	$(PY) -m pytest -n 2 --durations=5 tests/test_train.py
 	XLA_FLAGS="$(KNOWN_FAST)$$XLA_FLAGS" $(PY) -m pytest -n 2 --durations=5 tests/multidevice
 
-# The differential fuzz's slow mode: 5,000 cases, hours on 2 cores (README: chunks, progress log).
+# The differential fuzz's slow mode: 5,000 cases, about an hour on 2 cores (README: chunks, progress log).
 fuzz: $(VENV)/.installed
 	XLA_FLAGS="$(KNOWN_FAST)$$XLA_FLAGS" $(PY) -m pytest -n 2 --slow -s -p no:cacheprovider tests/test_contract.py -k differential
 

@@ -474,13 +474,13 @@ def _jax_nn(q, k, v, mask: Mask | None, bias, scale, path, q_offset, kv_offset, 
     """Hands the call to ``jax.nn.dot_product_attention`` with its own arguments (see :data:`SUPPORT`)."""
     T, S = q.shape[-2], k.shape[-2]
     bias = _check_bias(bias)
-    lead, axis = broadcast_all(q=q, k=k, v=v, bias=bias) or (1,), 0  # jax.nn needs a batch axis
+    lead, axis = broadcast_all(q=q, k=k, v=v, bias=bias), 0
     if mask is not None and q.ndim > 2:
         lead, axis = call_lead(mask, q, k, v, bias)  # with a per-example mask's batch, on q's first axis
-    kwargs = _jax_nn_args(mask, path, T, S, q_offset, kv_offset, lead, axis)
+    kwargs = _jax_nn_args(mask, path, T, S, q_offset, kv_offset, lead or (1,), axis)  # jax.nn needs a batch axis
     rest = kwargs.pop("mask", None)
     dense = _dense_mask(rest, q, k, q_offset, kv_offset, v, bias)
-    lead = broadcast_all(q=q, k=k, v=v, bias=bias, mask=dense)
+    lead = tuple(np.broadcast_shapes(lead, broadcast_all(q=q, k=k, v=v, bias=bias, mask=dense)))
 
     def flat(x):  # (..., L, D) -> (B, L, 1, D)
         x = jnp.broadcast_to(x, (*lead, *x.shape[-2:]))

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax.numpy as jnp
 import numpy as np
 from hypothesis import strategies as st
 
-import jattn.nnx
 from jattn import masks
+
+if TYPE_CHECKING:
+    import jattn.nnx
 
 # Tolerances against the float64 reference, keyed by the input dtype. Low-precision inputs are
 # compared after rounding the inputs, so the error left is the rounding of the weights fed to

@@ -113,6 +113,20 @@ def test_padding_lengths_lie_on_the_batch_axis_of_q(impl):
     np.testing.assert_allclose(ref.f64(got), want, **ref.tol(jnp.float32))
 
 
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_padding_batch_broadcasts_against_a_unit_batch(impl):
+    # q, k, v (1, 3, T, D) with lengths (2,): the call's leading shape is (2, 3), as on the dense path
+    # (xla flattened q to 3 rows and the lengths to 6).
+    rng = np.random.default_rng(1)
+    q, k, v = rng.normal(size=(1, 3, 5, 4)), rng.normal(size=(1, 3, 7, 4)), rng.normal(size=(1, 3, 7, 4))
+    pad = masks.padding(jnp.array([2, 5]), jnp.array([7, 3]))
+    dense = np.asarray(pad.dense(5, 7)).reshape(2, 1, 5, 7)
+    want = ref.attention(q, k, v, dense)[0]
+    got = jattn.attention(*(jnp.asarray(x, jnp.float32) for x in (q, k, v)), mask=pad, implementation=impl)
+    assert got.shape == want.shape == (2, 3, 5, 4)
+    np.testing.assert_allclose(ref.f64(got), want, **ref.tol(jnp.float32))
+
+
 def test_xla_refuses_what_jax_nn_cannot_do():
     q = jnp.ones((2, 5, 4))
     with pytest.raises(ValueError, match="'xla' cannot take dropout_rate"):
