@@ -337,7 +337,7 @@ def fuzz_cases(draw):
         "per-example": None,
     }[kind]
     if kind == "per-example":  # packed documents (unsorted ids: some rows see no key) or padding, per example
-        b = q.shape[0]
+        b = draw(st.sampled_from([q.shape[0], lead[len(lead) - (q.ndim - 2)]]))  # q's batch, or broadcast from 1
         if draw(st.booleans()):
             per = masks.segment_ids(rng.integers(0, 3, size=(b, t)), rng.integers(0, 3, size=(b, s)))
         else:
