@@ -16,12 +16,14 @@ train: $(VENV)/.installed
 	$(PY) -m train $(ARGS)
 
 # Most tests compile many small programs and run them once, so the test sessions buy compile speed:
-# LLVM's backend at -O0 (test_core -11%, core + flex + variants -24%) and XLA:CPU's classic emitters
+# LLVM's backend at -O0 (test_core -11%, core + flex + variants -24%), XLA:CPU's classic emitters
 # instead of the MLIR fusion emitters (a small program compiles in 60% of the time; the decoding tests
-# take 35% less CPU). Training tests run thousands of steps and lose 31% at -O0, so they keep XLA's
-# defaults, as do users. Every session shares a persistent compilation cache, emptied first: the
-# training tests compile the same tiny model many times over (-34% CPU for three of them).
-FAST_COMPILE := --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false
+# take 35% less CPU), and one LLVM module a program rather than parts compiled in parallel (xdist's two
+# workers already fill both cores: 3-6% less CPU). The training tests run 20-300 steps and gain too
+# (-40% CPU); the one that trains 800 steps runs its command at XLA's defaults, as users do. Every
+# session shares a persistent compilation cache, emptied first: the training tests compile the same
+# tiny model many times over (-34% CPU for three of them).
+FAST_COMPILE := --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1
 # Only the flags this jaxlib knows: XLA aborts on an unknown flag, and a later jaxlib may drop one.
 KNOWN_FAST = $$(for f in $(FAST_COMPILE); do XLA_FLAGS=$$f $(PY) -c 'import jax; jax.devices()' 2>/dev/null && printf '%s ' $$f; done)
 CACHE := $(CURDIR)/.xla-cache
@@ -32,8 +34,7 @@ test: $(VENV)/.installed
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	rm -rf "$(CACHE)"
-	XLA_FLAGS="$(KNOWN_FAST)$$XLA_FLAGS" $(PY) -m pytest -n 2 --durations=15 --ignore=tests/test_train.py
-	$(PY) -m pytest -n 2 --durations=5 tests/test_train.py
+	XLA_FLAGS="$(KNOWN_FAST)$$XLA_FLAGS" $(PY) -m pytest -n 2 --durations=15
 	XLA_FLAGS="$(KNOWN_FAST)$$XLA_FLAGS" $(PY) -m pytest -n 2 --durations=5 tests/multidevice
 
 # The differential fuzz's slow mode: 5,000 cases, about an hour on 2 cores (README: chunks, progress log).

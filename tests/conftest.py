@@ -30,6 +30,12 @@ def pytest_configure(config) -> None:
         os.environ["JATTN_SLOW"] = "1"  # read by tests/test_contract.py when it is imported
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """Tests marked ``long`` run first: xdist hands them out before the short ones, so neither
+    worker is left with a minute of work while the other idles at the end."""
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)  # stable: file order otherwise
+
+
 def pytest_ignore_collect(collection_path: Path, config) -> bool | None:
     """tests/multidevice runs in its own session (8 simulated devices), only when named."""
     if collection_path.name == "multidevice":

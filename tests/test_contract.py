@@ -393,6 +393,7 @@ def _expect_refusal(impl, dtype, mask, bias, q_offset, d, e, sinks=None, softcap
     return any(c.startswith("no") for c in cells), any(c.startswith("partly") for c in cells)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("shard", range(FUZZ_SHARDS))
 def test_differential_fuzz(shard):
     """FUZZ_EXAMPLES cases in all (200; 5,000 with ``--slow``), each shard its own fixed seed.
@@ -491,6 +492,7 @@ def test_differential_fuzz(shard):
 # -- low precision under jit (issue #11) ---------------------------------------------------------------
 
 
+@pytest.mark.long
 @settings(max_examples=12)
 @given(
     st.sampled_from([jnp.float16, jnp.bfloat16]),

@@ -46,6 +46,7 @@ def as_dtype(dtype, *xs):
     return [None if x is None else jnp.asarray(x, dtype) for x in xs]
 
 
+@pytest.mark.long
 @given(problems())
 def test_matches_float64_reference(problem):
     dtype, q, k, v, mask, bias, scale = problem
@@ -64,6 +65,7 @@ def test_matches_float64_reference(problem):
         )
 
 
+@pytest.mark.long
 @settings(max_examples=10)
 @given(problems(dtypes=[jnp.float64]))
 def test_gradients_float64(problem):

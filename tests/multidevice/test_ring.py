@@ -67,6 +67,7 @@ def _grads(fn, q, k, v):
     return jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v) * cot), argnums=(0, 1, 2))(q, k, v)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 @pytest.mark.parametrize("p", [2, 4, 8])
 def test_ring_equals_dense_forward_and_gradients(p, layout):
@@ -117,6 +118,7 @@ def test_ring_low_precision_accumulates_in_float32(dtype):
     np.testing.assert_allclose(ref.f64(out), want, **ref.tol(dtype))
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 def test_sequence_parallel_attention_pads_uneven_lengths_gqa_and_cross(layout):
     """T and S that do not divide the ring, T != S (queries bottom-right), grouped kv heads, under jit."""
