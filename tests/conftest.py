@@ -31,8 +31,9 @@ def pytest_configure(config) -> None:
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """Tests marked ``long`` run first: xdist hands them out before the short ones, so neither
-    worker is left with a minute of work while the other idles at the end."""
+    """Tests marked ``long`` run first: with xdist handing out one test at a time (make test's
+    ``--maxschedchunk=1``) they alternate between the workers, and neither is left with a minute
+    of work while the other idles at the end."""
     items.sort(key=lambda item: item.get_closest_marker("long") is None)  # stable: file order otherwise
 
 
