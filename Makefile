@@ -22,8 +22,7 @@ train: $(VENV)/.installed
 # workers already fill both cores: 3-6% less CPU). The training tests run 20-300 steps and gain too
 # (-40% CPU); the one that trains 800 steps runs its command at XLA's defaults, as users do. Every
 # session shares a persistent compilation cache, emptied first: the training tests compile the same
-# tiny model many times over (-34% CPU for three of them). Tests marked `long` come first (tests/conftest.py)
-# and xdist hands out one test at a time, so the long ones alternate between the workers.
+# tiny model many times over (-34% CPU for three of them). Tests marked `long` come first (tests/conftest.py).
 FAST_COMPILE := --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1
 # Only the flags this jaxlib knows: XLA aborts on an unknown flag, and a later jaxlib may drop one.
 KNOWN_FAST = $$(for f in $(FAST_COMPILE); do XLA_FLAGS=$$f $(PY) -c 'import jax; jax.devices()' 2>/dev/null && printf '%s ' $$f; done)
@@ -36,8 +35,8 @@ test: $(VENV)/.installed
 	$(PY) -m ruff format --check .
 	rm -rf "$(CACHE)"
 	export JATTN_FAST_XLA_FLAGS="$(KNOWN_FAST)" && export XLA_FLAGS="$$JATTN_FAST_XLA_FLAGS$$XLA_FLAGS" && \
-	$(PY) -m pytest -n 2 --maxschedchunk=1 --durations=15 && \
-	$(PY) -m pytest -n 2 --maxschedchunk=1 --durations=5 tests/multidevice
+	$(PY) -m pytest -n 2 --durations=15 && \
+	$(PY) -m pytest -n 2 --durations=5 tests/multidevice
 
 # The differential fuzz's slow mode: 5,000 cases, about an hour on 2 cores (README: chunks, progress log).
 fuzz: $(VENV)/.installed

@@ -23,7 +23,7 @@ from jattn import masks
 from tests import reference as ref
 
 FUZZ_EXAMPLES = int(os.environ.get("JATTN_FUZZ_EXAMPLES", 5000 if os.environ.get("JATTN_SLOW") else 200))
-FUZZ_SHARDS = 4  # separate test items, so pytest-xdist spreads the fuzz over the cores
+FUZZ_SHARDS = 4  # separate test items: make fuzz runs them on both cores
 FUZZ_SEED = int(os.environ.get("JATTN_FUZZ_SEED", 0))  # shard i uses seed i + this: a long run goes in chunks
 
 
