@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax import Array
 
 from jattn._masks import EMPTY, FULL, PARTIAL, lead_rows
-from jattn._softmax import shifted_exp
+from jattn._softmax import exp_below_one
 
 __all__ = [
     "accumulate",
@@ -120,9 +120,8 @@ def accumulate(state, s: Array, keep: Array | None, vb: Array, precision, comput
         s = jnp.where(keep, s, -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(s, axis=-1))
     m_safe = jnp.where(m_new == -jnp.inf, jnp.zeros_like(m_new), m_new)
-    # exp(min(x - m, 0)): the clamp of shifted_exp in one pass (this update is never differentiated:
-    # the gradients are tile_grads'); exactly 0 at masked entries.
-    p = jnp.exp(jnp.minimum(s - m_safe[..., None], jnp.zeros((), s.dtype)))
+    # exp(min(x - m, 0)): the clamp of shifted_exp in one pass; exactly 0 at masked entries.
+    p = exp_below_one(s - m_safe[..., None])
     alpha = jnp.exp(jnp.where(m == -jnp.inf, -jnp.inf, m - m_safe))
     # float32 weights against v upcast: rounding p to v's dtype here would leave the backward's
     # delta = rowsum(dO·O) out of step with the unrounded p it recomputes (see jattn._core).
@@ -223,7 +222,7 @@ def score_grads(s, keep, lse, do, vb, delta, scale, precision, compute, mod=None
         x, pull = s, None
     else:
         x, pull = jax.vjp(mod, s, consts)
-    p = shifted_exp(x, lse[..., None])
+    p = exp_below_one(x - lse[..., None])  # clamped at 1, as shifted_exp
     if keep is not None:
         p = jnp.where(keep, p, jnp.zeros((), p.dtype))
     dp = jnp.einsum("bte,bse->bts", do, vb, precision=precision, preferred_element_type=compute)

@@ -104,6 +104,32 @@ def test_blockwise_dtypes(dtype):
         _close_lse(lse_b, want_lse, jnp.float64 if dtype == jnp.float64 else jnp.float32)
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_blockwise_weights_are_exact_to_float32_rounding_over_the_whole_exponent_range(jit):
+    # One query row whose scores are exactly the chosen logits (q = 1, k = x, scale 1) and v the
+    # identity, so the output row is the softmax weights themselves: 4 key tiles of 512, the
+    # maximum (0) in the last one so every earlier tile is rescaled. The forward's exponential
+    # (jattn._softmax.exp_below_one) is its own polynomial: every weight within 2^-23 of the
+    # float64 softmax relative to the largest weight, and the weights of logits within 1 of the
+    # maximum within 4 ulp, relative (measured: 1.2 ulp of the largest and 1.8 ulp; with XLA's exp
+    # 1.3 and 1.8; with a degree-4 polynomial 630 and 880); a NaN logit makes the row NaN.
+    rng = np.random.default_rng(7)
+    x = np.concatenate([rng.uniform(-104, 0, 1536), rng.uniform(-1, 0, 511), [0.0]]).astype(np.float32)
+    q = jnp.ones((1, 1), jnp.float32)
+    k, v = jnp.asarray(x)[:, None], jnp.eye(x.size, dtype=jnp.float32)
+
+    def weights(k):
+        return jattn.attention(q, k, v, scale=1.0, implementation="blockwise", block_size=512)[0]
+
+    got = ref.f64((jax.jit(weights) if jit else weights)(k))
+    want = ref.softmax(x[None])[0][0]
+    eps = np.finfo(np.float32).eps / 2  # float32's unit roundoff, 2^-24
+    np.testing.assert_array_less(np.abs(got - want), 2 * eps * want.max())
+    near = x >= -1
+    np.testing.assert_array_less(np.abs(got - want)[near] / want[near], 4 * 2 * eps)
+    assert np.isnan(ref.f64(weights(k.at[5, 0].set(jnp.nan)))).all()
+
+
 def test_no_scores_buffer_in_the_compiled_blockwise_path():
     # Structural memory check on the compiled forward + backward: no (T, S) buffer, and the
     # scratch memory grows linearly in T for blockwise but quadratically for dense.
