@@ -12,8 +12,8 @@ accumulates ``dq += ds k``, ``dk += dsᵀ q``, ``dv += pᵀ dO`` with ``ds = p (
 and ``delta = rowsum(dO ∘ O)`` (:func:`tile_grads`). Everything accumulates in
 :func:`compute_dtype`: float32 for bf16/f16/f32, float64 for float64. Both exponentials of a
 tile, ``e^(x - m')`` and ``e^(x - lse)``, are :func:`jattn._softmax.exp_below_one`: the exponent
-is never above 0, so a float32 polynomial without XLA's overflow and NaN branches serves, within
-1 ulp for weights above ``e^-1`` and ``2^-23.8`` absolute below.
+is clamped at 0, so a float32 polynomial without XLA's overflow guards serves, within 1.5 ulp
+for weights above ``e^-1`` and ``2^-23.5`` absolute below.
 
 Score modifications (``score_mod``) change a tile's scaled scores before the mask: the forward
 folds ``x = mod(s)`` instead of ``s``; the backward recomputes ``x`` under ``jax.vjp`` and pulls

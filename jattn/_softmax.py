@@ -26,7 +26,8 @@ from jax import Array
 __all__ = ["SoftmaxParts", "exp_below_one", "shifted_exp", "softmax", "softmax_parts"]
 
 # 2^f on [-1/2, 1/2] as 1 + c1 f + ... + c6 f^6: a weighted least-squares fit to the relative error
-# in float64; evaluated by Horner in float32 it is within 0.8 ulp of 2^f.
+# in float64; evaluated by Horner in float32 it is within 0.9 ulp of 2^f (1.2 without fused
+# multiply-adds).
 _EXP2_POLY = (
     1.0, 0.6931471824645996, 0.24022646248340607, 0.05550350248813629,
     0.0096187274903059, 0.0013392880791798234, 0.00015266820264514536,
@@ -39,13 +40,16 @@ def exp_below_one(x: Array) -> Array:
 
     For float32 it is computed as ``2^t``, ``t = x log2(e)`` cut to ``[-127, 0]``: ``t = n + f``
     with ``n`` the nearest integer, ``2^f`` a degree-6 polynomial and ``2^n`` built in the
-    exponent bits. Its error is at most ``2^-23.8`` absolute, and 1 ulp relative for
-    ``x >= -1`` (the rounding of ``t`` grows the relative error with ``|x|``, at weights below
-    ``e^-1``; results below ``2^-126`` are 0). In an online softmax every weight is at most 1 and
-    each row holds a 1, so that is below the rounding of the row's sum. It costs fewer
-    instructions than XLA's general ``exp`` (no overflow, sign or NaN branches), which the
-    blockwise path runs once per score in the forward and again in the backward (both inside its
-    custom VJP: this function is never differentiated). Other dtypes use ``jnp.exp``.
+    exponent bits. Measured (exhaustively on ``[-1, -1/4]``, on a dense grid elsewhere): within
+    1.5 ulp relative for ``x >= -1`` compiled (1.7 evaluated op by op, without fused
+    multiply-adds) and ``2^-23.5`` absolute everywhere; the rounding of ``t`` grows the relative
+    error with ``|x|`` (64 ulp near -87, at weights below ``e^-87``), and results below
+    ``2^-126`` are 0. In an online softmax every weight is at most 1 and each row's sum at least
+    1, so the absolute error is within the rounding of that sum. It costs fewer instructions than XLA's general ``exp``
+    (which also guards overflow and positive arguments), and the blockwise path runs it once per
+    score in the forward and again in the backward, both inside its custom VJP (differentiated
+    only by forward-over-reverse, where its JVP, that of the polynomial, is ``e^x`` within 1.1e-6
+    relative). Other dtypes use ``jnp.exp``.
     """
     if x.dtype != jnp.float32:
         return jnp.exp(jnp.minimum(x, jnp.zeros((), x.dtype)))
