@@ -45,11 +45,11 @@ def exp_below_one(x: Array) -> Array:
     multiply-adds) and ``2^-23.5`` absolute everywhere; the rounding of ``t`` grows the relative
     error with ``|x|`` (64 ulp near -87, at weights below ``e^-87``), and results below
     ``2^-126`` are 0. In an online softmax every weight is at most 1 and each row's sum at least
-    1, so the absolute error is within the rounding of that sum. It costs fewer instructions than XLA's general ``exp``
-    (which also guards overflow and positive arguments), and the blockwise path runs it once per
-    score in the forward and again in the backward, both inside its custom VJP (differentiated
-    only by forward-over-reverse, where its JVP, that of the polynomial, is ``e^x`` within 1.1e-6
-    relative). Other dtypes use ``jnp.exp``.
+    1, so the absolute error is within the rounding of that sum. It costs fewer instructions than
+    XLA's general ``exp`` (which also guards overflow and positive arguments), and the blockwise
+    path runs it once per score in the forward and again in the backward, both inside its custom
+    VJP (differentiated only by forward-over-reverse, where its JVP, that of the polynomial, is
+    ``e^x`` within 1.1e-6 relative). Other dtypes use ``jnp.exp``.
     """
     if x.dtype != jnp.float32:
         return jnp.exp(jnp.minimum(x, jnp.zeros((), x.dtype)))
