@@ -29,12 +29,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window", type=int, default=256)
     p.add_argument("--candidates", nargs="+", default=["jattn", "jax.nn", "torch"], choices=suite.CANDIDATES)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument(
+        "--cpu-devices", type=int, default=None, help="split the CPU into this many JAX devices (jattn-sharded)"
+    )
     p.add_argument("--out", type=Path, default=Path("bench/results"))
     p.add_argument("--module", action="store_true", help="jattn.nnx.SelfAttention(512, 8 heads), causal: paths")
     p.add_argument("--gpu", action="store_true", help="the GPU preset (bench/gpu.sh): " + str(suite.GPU_PRESET))
     p.add_argument("--flex", action="store_true", help="blockwise forward with softcap, alibi, sinks vs plain (ratios)")
     p.add_argument("--packed", action="store_true", help="8 packed causal documents vs full causal, blockwise (T=8192)")
     args = p.parse_args(argv)
+    if args.cpu_devices:  # before JAX's backend starts; every other candidate still runs on device 0
+        import jax
+
+        jax.config.update("jax_num_cpu_devices", args.cpu_devices)
     if args.gpu:
         import jax
 

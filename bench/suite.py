@@ -27,6 +27,7 @@ CANDIDATES = (
     "jattn-dense",
     "jattn-blockwise",
     "jattn-vmap",
+    "jattn-sharded",
     "jattn-pallas",
     "jattn-cudnn",
     "jax.nn",
@@ -95,6 +96,11 @@ def _dense_mask(case: Case) -> jax.Array | None:
     return None if m is None else m.dense(case.T, case.T)[None, None]
 
 
+def candidate(name: str, case: Case) -> Callable | None:
+    """The compiled call of one candidate on the case's inputs (returns its output), or None off its platform."""
+    return _torch_candidate(case) if name == "torch" else _jax_candidate(name, case)
+
+
 def _jax_candidate(name: str, case: Case) -> Callable | None:
     pred = case.predicate()
     if name.startswith("jattn"):
@@ -103,6 +109,7 @@ def _jax_candidate(name: str, case: Case) -> Callable | None:
             "jattn-dense": "dense",
             "jattn-blockwise": "blockwise",
             "jattn-vmap": None,
+            "jattn-sharded": None,
             "jattn-pallas": "pallas",
             "jattn-cudnn": "cudnn",
         }[name]
@@ -112,8 +119,9 @@ def _jax_candidate(name: str, case: Case) -> Callable | None:
 
         if name == "jattn-vmap":  # the same work as "jattn", the batch axis mapped by jax.vmap
             f = jax.vmap(f)
-
         layout = lambda x: x  # noqa: E731
+        if name == "jattn-sharded":  # heads over every device (on CPU: --cpu-devices, one a core)
+            f, layout = _sharded_heads(f, case)
     else:
         layout = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731  (B, T, N, D)
         if name in ("jax.nn", "jax.nn-cudnn"):
@@ -156,6 +164,21 @@ def _jax_candidate(name: str, case: Case) -> Callable | None:
     run.compile_s = compile_s  # (wall, this process's CPU): trace, lower and compile, no execution
     run.temp_mib = compiled.memory_analysis().temp_size_in_bytes / 2**20
     return run
+
+
+def _sharded_heads(f: Callable, case: Case) -> tuple[Callable, Callable]:
+    """``f`` under ``shard_map`` with the heads split over all devices, and the inputs' placement.
+
+    On CPU, ``--cpu-devices n`` makes n devices of one process: each runs its own heads' tiles,
+    so each core gets whole tiles rather than half of every op of one program.
+    """
+    devices = jax.devices()
+    if len(devices) < 2 or case.N % len(devices):
+        raise ValueError(f"jattn-sharded needs N={case.N} heads over >= 2 devices, got {len(devices)}")
+    mesh = jax.make_mesh((len(devices),), ("heads",), axis_types=(jax.sharding.AxisType.Auto,), devices=devices)
+    spec = jax.sharding.PartitionSpec(None, "heads")
+    sharded = jax.shard_map(f, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
+    return sharded, lambda x: jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))
 
 
 def _torch_candidate(case: Case) -> Callable | None:
@@ -241,7 +264,7 @@ def run_case(case: Case, candidates: tuple[str, ...], repeats: int) -> dict[str,
     for name in candidates:
         t0 = time.perf_counter()
         try:  # a path that refuses the case (or runs out of memory) is recorded, not fatal
-            fn = _torch_candidate(case) if name == "torch" else _jax_candidate(name, case)
+            fn = candidate(name, case)
             if fn is None:
                 continue
             fn()  # warm-up

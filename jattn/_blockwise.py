@@ -7,7 +7,9 @@ axis ``B``): q ``(B, T, D)``, k ``(B, S, D)``, v ``(B, S, E)``. Queries are tile
 (:meth:`jattn.masks.Mask.block_kinds`): empty blocks are never computed, full blocks skip the
 mask, partial blocks apply it. Each query block runs a ``lax.scan`` over the list of its
 non-empty key blocks only, so causal attention costs about half of full attention and a sliding
-window of width w costs O(T·w).
+window of width w costs O(T·w). A partial tile whose top-right quarter is empty (the causal
+diagonal) is computed as its two non-empty parts, top rows against the first half of its keys and
+bottom rows against all of them: 3/4 of the tile (:data:`SPLIT_MIN`).
 
 Masks read from arrays are classified on device, per row of the flattened leading axis B: an
 array mask, ``padding`` lengths and ``segment_ids`` (packed documents: a tile whose query ids
@@ -53,6 +55,7 @@ from jattn._checks import broadcast_all, check_sinks
 from jattn._dropout import keep_mask, keep_scale, row_seeds
 from jattn._masks import (
     EMPTY,
+    PARTIAL,
     KeyBelow,
     Mask,
     call_rows,
@@ -63,6 +66,7 @@ from jattn._masks import (
     split_arrays,
 )
 from jattn._online import (
+    LOWER,
     accumulate,
     backward_rows,
     bind_mod,
@@ -76,10 +80,12 @@ from jattn._online import (
     scaled_scores,
     score_grads,
     sink_grads,
+    sum_to,
     tile_grads,
+    vary,
 )
 
-__all__ = ["TILE_BYTES", "blockwise_attention", "group_size", "platform"]
+__all__ = ["SPLIT_MIN", "TILE_BYTES", "blockwise_attention", "group_size", "platform"]
 
 #: Bytes of one score tile on CPU: the leading axis B is cut into groups of rows whose tile
 #: ``(group, bq, bk)`` stays about this size, and the groups run one after another. A tile over all
@@ -88,6 +94,13 @@ __all__ = ["TILE_BYTES", "blockwise_attention", "group_size", "platform"]
 #: (four heads of a float32 512 x 512 tile) measured 6-16% faster than 1 MiB, on 1 thread 0.5-4 MiB
 #: were within 6% of each other (README). GPU and TPU keep one tile over all of B.
 TILE_BYTES = 2**22
+
+
+#: The smallest tile side (query rows and keys) whose LOWER tiles (:data:`jattn._online.LOWER`:
+#: partial, top-right quarter empty, as on the causal diagonal) are computed as their two non-empty
+#: parts, 3/4 of the tile; smaller tiles are computed whole. Only without a score modification,
+#: bias or dropout, whose tile-shaped arrays would have to be cut too.
+SPLIT_MIN = 128
 
 
 def platform() -> str:
@@ -145,7 +158,7 @@ def _kernels(plan: _Plan, precision):
         def body(xs, a, group):
             *big, rows, seeds, sinks = xs
             rows, seeds, sinks = map(group.of, (rows, seeds, sinks))
-            return _forward(*big, rows, seeds, sinks, reduce_kinds(a[0]), a[1:], consts, plan, precision, group), ()
+            return _forward(*big, rows, seeds, sinks, _group_kinds(a[0]), a[1:], consts, plan, precision, group), ()
 
         return _by_group(plan, body, (q, k, v, rows, seeds, sinks), (kind, *arrays))
 
@@ -153,12 +166,17 @@ def _kernels(plan: _Plan, precision):
         def body(xs, a, group):  # ((dq, dk, dv), own db), (dc, shared db)
             *big, rows, seeds = xs
             rows, seeds = map(group.of, (rows, seeds))
-            return _backward(*big, rows, seeds, reduce_kinds(a[0]), a[1:], consts, plan, precision, group)
+            return _backward(*big, rows, seeds, _group_kinds(a[0]), a[1:], consts, plan, precision, group)
 
         return _by_group(plan, body, (q, k, v, out, lse, d_out, rows, seeds), (kind, *arrays))
 
     foldable = plan.mod is None and not plan.bias
     return _folding(forward, foldable, plan.shared), _folding(backward, foldable, plan.shared)
+
+
+def _group_kinds(kinds: Array) -> Array:
+    """A group's rows' kinds ``(b|1, ...)`` as one (:func:`jattn._masks.reduce_kinds`), LOWER kept where a row has it."""
+    return jnp.where(jnp.any(kinds == LOWER, axis=0), jnp.int8(LOWER), reduce_kinds(kinds))
 
 
 def _folding(kernel, foldable: bool = True, shared: tuple[int, ...] = ()):
@@ -239,10 +257,18 @@ class _Plan:
         full = limit if mask is None else mask & limit
         kinds = full.block_kinds(self.nq * bq, self.nk * bk, bq, bk, q_offset=q_offset, kv_offset=kv_offset)
         self.predicate = full
+        self.halve = min(bq, bk) >= SPLIT_MIN and bq % 2 == bk % 2 == 0 and mod is None and not bias and not dropout
+        if self.halve:  # LOWER tiles: partial, with an empty top-right quarter
+            quarters = full.block_kinds(
+                self.nq * bq, self.nk * bk, bq // 2, bk // 2, q_offset=q_offset, kv_offset=kv_offset
+            )
+            kinds = np.where((kinds == PARTIAL) & (quarters[0::2, 1::2] == EMPTY), np.int8(LOWER), kinds)
         self.index, self.kind = _schedule(kinds)  # per query block: its key blocks
         same = self.kind[0, 0] if np.all(self.kind == self.kind[0, 0]) else EMPTY
-        self.uniform = None if same == EMPTY else int(same)  # every scheduled tile PARTIAL, or every one FULL
-        self._key = (T, S, bq, bk, mask, q_offset, kv_offset, scale, compute, platform, mod, sinks, bias, dropout)
+        self.uniform = None if same == EMPTY else int(same)  # every scheduled tile of one kind
+        self._key = (
+            T, S, bq, bk, mask, q_offset, kv_offset, scale, compute, platform, mod, sinks, bias, dropout, self.halve,
+        )  # fmt: skip
         self.shared = shared_arrays(mask)  # mask arrays every row shares: they never fold under vmap
 
     def __hash__(self) -> int:
@@ -337,8 +363,14 @@ class _Plan:
             kv_offset=self.kv_offset,
         )  # (B|1, nq, nk)
         rows = np.arange(self.index.shape[0])[:, None]  # padding entries of the schedule stay EMPTY
-        kind = jnp.where(jnp.asarray(self.kind) == EMPTY, jnp.int8(EMPTY), kinds[:, rows, self.index])
-        return _Run(kind, arrays)
+        static = jnp.asarray(self.kind)[None]  # (1, nq, width)
+        kind = kinds[:, rows, self.index]  # (B|1, nq, width)
+        kind = jnp.where((static == LOWER) & (kind != EMPTY), jnp.int8(LOWER), kind)  # a LOWER tile is never FULL
+        return _Run(jnp.where(static == EMPTY, jnp.int8(EMPTY), kind), arrays)
+
+    def halves(self) -> tuple[tuple[slice, slice], tuple[slice, slice]]:
+        """The (rows, keys) of a LOWER tile's two non-empty parts: top rows x first keys, bottom rows x all keys."""
+        return (slice(0, self.bq // 2), slice(0, self.bk // 2)), (slice(self.bq // 2, None), slice(None))
 
 
 class _Rows(NamedTuple):
@@ -394,6 +426,11 @@ def _forward(
 
     Per query block, a scan over its key blocks; q, k, v are whole ``(B, ...)``, the rest the group's.
     """
+    inputs = (q, k, v, rows, seeds, sinks, *arrays, *consts)
+
+    def fresh(tree):  # a loop's initial state, varying as the inputs do under shard_map
+        return vary(tree, *inputs)
+
     arrays, bias = plan.split(arrays)
     index = jnp.asarray(plan.index)
     b, e = group.size, v.shape[-1]
@@ -412,16 +449,25 @@ def _forward(
                 drop = plan.dropped(i, j, seeds)
                 return accumulate(carry, s, keep, group.block(v, j, plan.bk), precision, plan.compute, drop)
 
-            return per_block(kd, update, carry, None if arrays else plan.uniform), None
+            def lower(carry):  # a LOWER tile as its two parts, each row's state updated by its own part
+                kb, vb, keep = group.block(k, j, plan.bk), group.block(v, j, plan.bk), plan.allowed(i, j, arrays)
+                parts = []
+                for r, c in plan.halves():
+                    s = scaled_scores(qb[:, r], kb[:, c], scale, plan.compute, precision)
+                    state = tuple(x[:, r] for x in carry)
+                    parts.append(accumulate(state, s, keep[:, r, c], vb[:, c], precision, plan.compute))
+                return tuple(jnp.concatenate(xs, axis=1) for xs in zip(*parts, strict=True))
 
-        init = empty_state(b, plan.bq, e, plan.compute)
+            return per_block(kd, update, carry, None if arrays else plan.uniform, lower if plan.halve else None), None
+
+        init = fresh(empty_state(b, plan.bq, e, plan.compute))
         state, _ = jax.lax.scan(key_block, init, (index[i], kind[i]))
         sink = sinks[:, None].astype(plan.compute) if plan.sinks else None
         done = finish(state, plan.compute, sink)  # float32 (or 64): the backward's delta needs it unrounded
         return tuple(_put(x, i, plan.bq, y) for x, y in zip(outs, done, strict=True)), None
 
     t = plan.nq * plan.bq
-    outs = jnp.zeros((b, t, e), plan.compute), jnp.zeros((b, t), plan.compute), jnp.zeros((b, t), plan.compute)
+    outs = fresh((jnp.zeros((b, t, e), plan.compute), jnp.zeros((b, t), plan.compute), jnp.zeros((b, t), plan.compute)))
     outs, _ = jax.lax.scan(query_block, outs, jnp.arange(plan.nq, dtype=jnp.int32))  # written block by block
     return outs
 
@@ -437,6 +483,11 @@ def _backward(q, k, v, out, lse, d_out, rows, seeds, kind: Array, arrays, consts
     dk and dv into their key block of the group's ``(b, S, D|E)`` accumulators, written in place.
     """
     compute = plan.compute
+    inputs = (q, k, v, out, lse, d_out, rows, seeds, *arrays, *consts)
+
+    def fresh(tree):  # a loop's initial state, varying as the inputs do under shard_map
+        return vary(tree, *inputs)
+
     arrays, bias = plan.split(arrays)
     lse, delta = backward_rows(group.of(out), group.of(d_out), group.of(lse), compute)  # (b, T) each
     index, scale = jnp.asarray(plan.index), jnp.asarray(plan.scale, compute)
@@ -469,12 +520,26 @@ def _backward(q, k, v, out, lse, d_out, rows, seeds, kind: Array, arrays, consts
                     gb = jnp.sum(dx, axes, keepdims=True) if axes else dx
                 return (*tile_grads(p, ds, qb, kb, dob, precision, compute), gc, gb)
 
-            zeros = (
+            def lower(zeros):  # a LOWER tile as its two parts (no modification, bias or dropout here)
+                keep, gq, (_, gk, gv, gc, gb) = plan.allowed(i, j, arrays), [], zeros
+                for r, c in plan.halves():
+                    s = scaled_scores(qb_scaled[:, r], kb[:, c], s_scale, compute, precision)
+                    p, ds, _, _ = score_grads(
+                        s, keep[:, r, c], lse_i[:, r], dob[:, r], vb[:, c], delta_i[:, r], scale, precision, compute
+                    )
+                    dq_r, dk_c, dv_c = tile_grads(p, ds, qb[:, r], kb[:, c], dob[:, r], precision, compute)
+                    gq.append(dq_r)
+                    gk, gv = gk.at[:, c].add(dk_c), gv.at[:, c].add(dv_c)
+                return jnp.concatenate(gq, axis=1), gk, gv, gc, gb
+
+            zeros = fresh((
                 jnp.zeros_like(dq), jnp.zeros_like(kb, compute), jnp.zeros_like(vb, compute),
                 jax.tree.map(jnp.zeros_like, dc),
                 () if bias is None else jnp.zeros(window[1], compute),
-            )  # fmt: skip
-            gq, gk, gv, gc, gb = per_block(kd, update, zeros, None if arrays else plan.uniform)
+            ))  # fmt: skip
+            gq, gk, gv, gc, gb = per_block(
+                kd, update, zeros, None if arrays else plan.uniform, lower if plan.halve else None
+            )
             dc = jax.tree.map(jnp.add, dc, gc)
             if bias is not None:
                 db = jax.lax.dynamic_update_slice(db, jax.lax.dynamic_slice(db, *window) + gb, window[0])
@@ -483,16 +548,16 @@ def _backward(q, k, v, out, lse, d_out, rows, seeds, kind: Array, arrays, consts
             return (dq + gq, dk, dv, dc, db), None
 
         dq_all, *carry = carry
-        init = (jnp.zeros((b, plan.bq, q.shape[-1]), compute), *carry)
+        init = (fresh(jnp.zeros((b, plan.bq, q.shape[-1]), compute)), *carry)
         (dq, dk, dv, dc, db), _ = jax.lax.scan(key_block, init, (index[i], kind[i]))
         return (_put(dq_all, i, plan.bq, dq), dk, dv, dc, db), None
 
     db = () if bias is None else jnp.zeros(bias.shape, compute)
-    carry = (
+    carry = fresh((
         jnp.zeros((b, *q.shape[1:]), compute), jnp.zeros((b, *k.shape[1:]), compute),
         jnp.zeros((b, *v.shape[1:]), compute),
         jax.tree.map(jnp.zeros_like, consts), db,
-    )  # fmt: skip
+    ))  # fmt: skip
     (dq, dk, dv, dc, db), _ = jax.lax.scan(query_block, carry, jnp.arange(plan.nq, dtype=jnp.int32))
     grads = dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
     db = () if bias is None else (db.astype(bias.dtype),)
@@ -518,7 +583,9 @@ def _flash_bwd(plan: _Plan, precision, res, cotangents):
     if plan.sinks:
         _, delta = backward_rows(out, d_out, lse, plan.compute)
         dsinks = sink_grads(sinks[:, None].astype(plan.compute), lse, delta).sum(-1).astype(sinks.dtype)
-    return dq, dk, dv, None, None, dsinks, dconsts, own + shared, None
+    grads = sum_to((dq, dk, dv, dsinks, dconsts, own + shared), (q, k, v, sinks, consts, bias))  # for shard_map
+    dq, dk, dv, dsinks, dconsts, dbias = grads
+    return dq, dk, dv, None, None, dsinks, dconsts, dbias, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

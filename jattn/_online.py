@@ -37,6 +37,7 @@ from jattn._masks import EMPTY, FULL, PARTIAL, lead_rows
 from jattn._softmax import exp_below_one
 
 __all__ = [
+    "LOWER",
     "accumulate",
     "backward_rows",
     "bind_mod",
@@ -52,7 +53,9 @@ __all__ = [
     "scaled_scores",
     "score_grads",
     "sink_grads",
+    "sum_to",
     "tile_grads",
+    "vary",
 ]
 
 
@@ -94,16 +97,26 @@ def scaled_scores(qb: Array, kb: Array, scale: float, compute, precision) -> Arr
     return s if isinstance(scale, float) and scale == 1.0 else s * jnp.asarray(scale, compute)
 
 
-def per_block(kind: Array, update, carry, uniform: int | None = None):
+#: The kind of a PARTIAL tile whose top-right quarter (first half of its query rows, last half of
+#: its keys) is empty, as on the diagonal of causal attention: :func:`per_block` hands it to
+#: ``lower`` instead, which computes the two non-empty parts (top rows against the first half of
+#: the keys, bottom rows against all of them) and skips the quarter.
+LOWER = 3
+
+
+def per_block(kind: Array, update, carry, uniform: int | None = None, lower=None):
     """Runs ``update(carry, masked)`` on a PARTIAL or FULL tile; an EMPTY one is skipped.
 
-    ``uniform`` (PARTIAL or FULL) says statically that every tile has that kind: no branch.
+    ``lower(carry)`` (optional) takes the LOWER tiles, which only occur when it is given.
+    ``uniform`` (PARTIAL, FULL or LOWER) says statically that every tile has that kind: no branch.
     """
-    if uniform is not None:
-        return update(carry, masked=uniform == PARTIAL)
     branches = {EMPTY: lambda c: c, PARTIAL: functools.partial(update, masked=True)}
     branches[FULL] = functools.partial(update, masked=False)
-    return jax.lax.switch(kind.astype(jnp.int32), [branches[k] for k in range(3)], carry)
+    if lower is not None:
+        branches[LOWER] = lower
+    if uniform is not None:
+        return branches[uniform](carry)
+    return jax.lax.switch(kind.astype(jnp.int32), [branches[k] for k in sorted(branches)], carry)
 
 
 def empty_state(b: int, t: int, e: int, compute) -> tuple[Array, Array, Array]:
@@ -236,6 +249,36 @@ def score_grads(s, keep, lse, do, vb, delta, scale, precision, compute, mod=None
     if pull is not None:
         dx, dconsts = pull(dx)
     return p if drop is None else p * drop, dx * scale, dconsts, dx
+
+
+def vary(tree, *like: Array):
+    """Marks the arrays of ``tree`` as varying over every manual mesh axis one of ``like`` varies over.
+
+    Inside ``shard_map`` (with its default ``check_vma``) a loop's fresh initial state (zeros,
+    ``-inf``) must vary over the mesh axes its updates from q, k, v do; outside it this is the identity.
+    """
+    axes = set().union(*(jax.typeof(x).manual_axis_type.varying for x in like))
+
+    def one(x):
+        missing = tuple(sorted(axes - set(jax.typeof(x).manual_axis_type.varying)))
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(one, tree)
+
+
+def sum_to(grads, primals):
+    """Each gradient summed over the manual mesh axes it varies over and its primal does not.
+
+    Inside ``shard_map`` an input that is the same on every device of an axis (sinks against a
+    batch-sharded q) gets one gradient from each: a custom VJP returns their sum, as JAX's own
+    transpose of the implicit broadcast would. Outside it this is the identity.
+    """
+
+    def one(g, x):
+        extra = tuple(sorted(set(jax.typeof(g).manual_axis_type.varying) - set(jax.typeof(x).manual_axis_type.varying)))
+        return jax.lax.psum(g, extra) if extra else g
+
+    return jax.tree.map(one, grads, primals)
 
 
 def tile_grads(p: Array, ds: Array, qb: Array, kb: Array, do: Array, precision, compute) -> tuple[Array, Array, Array]:

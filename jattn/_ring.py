@@ -54,6 +54,7 @@ from jattn._online import (
     score_grads,
     sink_grads,
     tile_grads,
+    vary,
 )
 
 __all__ = ["ring_attention", "sequence_parallel_attention", "unzigzag", "zigzag"]
@@ -152,17 +153,6 @@ class _Ring:
         return tuple(jax.lax.ppermute(x, self.axis_name, perm) for x in xs)
 
 
-def _vary(tree, like: Array):
-    """Marks arrays as varying over the manual mesh axes ``like`` varies over (shard_map's check_vma)."""
-    axes = set(jax.typeof(like).manual_axis_type.varying)
-
-    def vary(x):
-        missing = tuple(sorted(axes - set(jax.typeof(x).manual_axis_type.varying)))
-        return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-    return jax.tree.map(vary, tree)
-
-
 def _unpack(travelling: tuple[Array, ...], c: int, segments: bool) -> list[list[Array | None]]:
     """Chunks of each travelling array; the key segment ids (last) travel only when there are any."""
     parts = [_chunks(x, c) for x in travelling]
@@ -214,7 +204,7 @@ def _ring_forward(q, k, v, q_seg, kv_seg, rows, sinks, consts, ring: _Ring, prec
                 states[a] = per_block(ring.kind(r, src, a, b), update, states[a])
         return tuple(states), travelling
 
-    init = tuple(_vary(empty_state(q.shape[0], ring.tc, v.shape[-1], ring.compute), q) for _ in range(c))
+    init = tuple(vary(empty_state(q.shape[0], ring.tc, v.shape[-1], ring.compute), q) for _ in range(c))
     states, _ = _around(ring, step, init, (k, v, kv_seg) if ring.segments else (k, v))
     sink = sinks[:, None].astype(ring.compute) if ring.sinks else None
     outs = zip(*(finish(st, v.dtype, sink) for st in states), strict=True)
@@ -276,14 +266,14 @@ def _ring_bwd(ring: _Ring, precision, res, cotangents):
                     dq[a], dkc[b], dvc[b], dc = update(carry, True, live=kind != EMPTY)
         return (tuple(dq), dc), (jnp.concatenate(dkc, 1), jnp.concatenate(dvc, 1), *travelling[2:])
 
-    dq = tuple(_vary(jnp.zeros(x.shape, compute), q) for x in qc)
+    dq = tuple(vary(jnp.zeros(x.shape, compute), q) for x in qc)
     # A modification's pullback psums the gradient of an array shared by the devices itself (the
     # transpose of making it varying), so dc starts with each array's own type.
     dc = tuple(
-        _vary(jnp.zeros(x.shape, x.dtype), x) if ring.axis_name in jax.typeof(x).manual_axis_type.varying else
+        vary(jnp.zeros(x.shape, x.dtype), x) if ring.axis_name in jax.typeof(x).manual_axis_type.varying else
         jnp.zeros(x.shape, x.dtype) for x in consts
     )  # fmt: skip
-    dk, dv = _vary((jnp.zeros(k.shape, compute), jnp.zeros(v.shape, compute)), k)
+    dk, dv = vary((jnp.zeros(k.shape, compute), jnp.zeros(v.shape, compute)), k)
     travelling = (dk, dv, k, v, kv_seg) if ring.segments else (dk, dv, k, v)
     (dq, dc), (dk, dv, *_) = _around(ring, step, (dq, dc), travelling)
     dk, dv = ring.shift(dk, dv)  # the last hop takes each slice's gradients home
@@ -395,9 +385,9 @@ def ring_attention(
         sinks = jnp.asarray(sinks)
         check_sinks(sinks, lead, q.dtype)
     sinks_f = jnp.zeros((b,), compute) if sinks is None else jnp.broadcast_to(sinks, lead).reshape(b)
-    mod, consts = convert_mod(score_mod, b, T // c, S // c, compute, like=lambda xs: _vary(xs, k))
+    mod, consts = convert_mod(score_mod, b, T // c, S // c, compute, like=lambda xs: vary(xs, k))
     if segment_ids is None:
-        q_seg, kv_seg = _vary((jnp.zeros((b, T), jnp.int32), jnp.zeros((b, S), jnp.int32)), k)
+        q_seg, kv_seg = vary((jnp.zeros((b, T), jnp.int32), jnp.zeros((b, S), jnp.int32)), k)
     else:
         q_seg, kv_seg = _check_segments(segment_ids, lead, T, S)
     predicate = mask
@@ -426,7 +416,7 @@ def ring_attention(
         sinks=sinks is not None,
     )
     qkv = (flat_lead(x, lead) for x in (q, k, v))
-    rows = _vary(head_rows(lead), k)
+    rows = vary(head_rows(lead), k)
     out, lse, top = _ring(*qkv, q_seg, kv_seg, rows, sinks_f, consts, ring, precision)
     out, lse, top = out.reshape(*lead, T, v.shape[-1]), lse.reshape(*lead, T), top.reshape(*lead, T)
     extra = ((lse,) if return_lse else ()) + ((top,) if return_max_logit else ())

@@ -4,6 +4,7 @@ memory asserted structurally; the hand-over to jax.nn and its clear errors."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -362,6 +363,88 @@ def _per_example_cases(rng, B, T, S):
         "~segments&padding": (~masks.segment_ids(q_ids, kv_ids) & masks.padding(q_len, kv_len), ~seg & pad),
     }
     return {n: (m, d[:, None]) for n, (m, d) in cases.items()}
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("case", ["causal", "causal-offset", "window", "causal&padding", "segments&causal", "sinks"])
+def test_lower_tiles_computed_as_two_parts_equal_the_reference(monkeypatch, dtype, case):
+    """Partial tiles with an empty top-right quarter (the causal diagonal) are computed as their two parts.
+
+    Top rows against the first half of the keys, bottom rows against all keys (the half-tile
+    matmuls are in the jaxpr); values, lse and gradients against float64 with the explicit mask.
+    ``SPLIT_MIN`` lowered so 6 x 4 tiles split; T and S odd so the diagonal cuts tiles unevenly.
+    """
+    import jattn._blockwise as bw
+
+    monkeypatch.setattr(bw, "SPLIT_MIN", 4)
+    rng = np.random.default_rng(3)
+    B, N, T, S = 3, 2, 13, 13 if case != "causal-offset" else 17
+    t, s = np.arange(T)[:, None], np.arange(S)[None, :]
+    causal = s <= t + (S - T)
+    q_len, kv_len = np.array([13, 5, 9]), np.array([13, 8, 2])
+    ids = np.sort(rng.integers(0, 3, (B, T)), axis=1)
+    cases = {
+        "causal": lambda: (masks.causal(), causal),
+        "causal-offset": lambda: (masks.causal(), causal),
+        "window": lambda: (masks.sliding_window(5), causal & (s >= t - 5)),
+        "causal&padding": lambda: (
+            masks.causal() & masks.padding(q_len, kv_len),
+            causal & (t < q_len[:, None, None]) & (s < kv_len[:, None, None]),
+        ),
+        "segments&causal": lambda: (
+            masks.segment_ids(ids, ids) & masks.causal(),
+            causal & (ids[:, :, None] == ids[:, None, :]),
+        ),
+        "sinks": lambda: (masks.causal(), causal),
+    }
+    mask, dense = cases[case]()
+    dense = dense[:, None] if dense.ndim == 3 else dense
+    sinks = jnp.asarray([0.5, -1.0], dtype) if case == "sinks" else None
+    q, k, v = _rand((B, N, T, 5), 0, dtype), _rand((B, N, S, 5), 1, dtype), _rand((B, N, S, 4), 2, dtype)
+    g = _rand((B, N, T, 4), 3, dtype)
+
+    def loss(q, k, v):
+        kw = dict(implementation="blockwise", block_size=(6, 4), return_lse=True, sinks=sinks)
+        out, lse = jattn.attention(q, k, v, mask=mask, **kw)
+        return jnp.sum(out.astype(jnp.float32) * g.astype(jnp.float32)), (out, lse)
+
+    (_, (out, lse)), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    want, _, want_lse = ref.attention(q, k, v, dense, sinks=sinks)
+    np.testing.assert_allclose(ref.f64(out), want, **ref.tol(dtype))
+    _close_lse(lse, want_lse, dtype)
+    for got, w in zip(grads, ref.attention_grads(q, k, v, g, dense, sinks=sinks)[:3], strict=True):
+        ref.assert_grad_close(got, w, dtype)
+    shapes = _dot_shapes(lambda q, k, v: loss(q, k, v)[0], q, k, v)
+    assert {s.rsplit("[", 1)[1].split(",", 1)[1] for s in shapes} >= {"3,2]", "3,4]"}, shapes  # the two parts
+
+
+@pytest.mark.parametrize("extra", ["bias", "score_mod"])
+def test_lower_tiles_stay_whole_where_a_tile_carries_more_than_the_mask(monkeypatch, extra):
+    """A bias or score modification acts on whole tiles: such calls keep them whole and stay exact."""
+    import jattn._blockwise as bw
+
+    monkeypatch.setattr(bw, "SPLIT_MIN", 4)
+    q, k, v = _rand((2, 3, 13, 5), 0), _rand((2, 3, 13, 5), 1), _rand((2, 3, 13, 4), 2)
+    bias = _rand((1, 3, 13, 13), 4)
+    kw = {"bias": dict(bias=bias), "score_mod": dict(score_mod=jattn.score_mods.softcap(2.0))}[extra]
+    got = jattn.attention(q, k, v, mask=masks.causal(), implementation="blockwise", block_size=(6, 4), **kw)
+    want = jattn.attention(q, k, v, mask=masks.causal(), implementation="dense", **kw)
+    np.testing.assert_allclose(got, want, **ref.tol(jnp.float32))
+    if extra == "bias":
+        causal = np.tril(np.ones((13, 13), bool))
+        np.testing.assert_allclose(ref.f64(got), ref.attention(q, k, v, causal, bias=bias)[0], **ref.tol(jnp.float32))
+
+
+def test_lower_tiles_split_at_the_default_threshold():
+    """At the default tiles (128 and up) the causal diagonal's tiles are computed as two parts of 64 rows."""
+    from jattn._blockwise import SPLIT_MIN
+
+    q = _rand((1, 2, 333, 8), 0)
+    fn = functools.partial(jattn.attention, mask=masks.causal(), implementation="blockwise", block_size=SPLIT_MIN)
+    half = SPLIT_MIN // 2
+    assert {f"f32[2,{half},{half}]", f"f32[2,{half},{SPLIT_MIN}]"} <= _dot_shapes(fn, q, q, q)
+    want = ref.attention(q, q, q, np.tril(np.ones((333, 333), bool)))[0]
+    np.testing.assert_allclose(ref.f64(fn(q, q, q)), want, **ref.tol(jnp.float32))
 
 
 @pytest.mark.parametrize("platform, tile_bytes", [("cpu", 4 * 3 * 4), ("cpu", 10**9), ("gpu", 4 * 3 * 4)])

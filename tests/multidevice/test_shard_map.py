@@ -1,0 +1,86 @@
+"""``jattn.attention`` inside a user's ``shard_map`` (heads and batch over a 2 x 2 mesh, ``check_vma`` on).
+
+Each device runs the core on its own heads and examples; values and gradients must equal the call
+on the whole arrays and the float64 reference, on the dense and the blockwise paths.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, PartitionSpec
+
+import jattn
+from jattn import masks
+from tests import reference as ref
+
+B, N, D, E = 2, 4, 5, 3
+
+
+def _case(name: str, T: int):
+    """``(mask(local kv lengths), block_size, explicit mask (B, 1, T, T) of the lengths)`` for a case."""
+    lengths = np.array([T - 3, 2])
+    t, s = np.arange(T)[:, None], np.arange(T)[None, :]
+    pad = s < lengths[:, None, None, None]
+    return {
+        "none": (lambda n: None, (4, 3), np.ones((T, T), bool)),
+        "causal": (lambda n: masks.causal(), (4, 3), s <= t),
+        "causal-split": (lambda n: masks.causal(), 128, s <= t),  # diagonal tiles in two parts
+        "padding&causal": (lambda n: masks.padding(kv_lengths=n) & masks.causal(), (4, 3), pad & (s <= t)),
+    }[name], lengths
+
+
+@pytest.mark.parametrize("impl", ["dense", "blockwise"])
+@pytest.mark.parametrize(
+    "name, T, kv_heads",
+    [("none", 13, N), ("causal", 13, N), ("causal", 13, 1), ("causal-split", 300, N), ("padding&causal", 13, N)],
+)
+def test_attention_inside_shard_map_equals_the_whole_call_and_the_reference(impl, name, T, kv_heads):
+    """One kv head (``kv_heads=1``) is shared by the head shards: its gradient is summed over them."""
+    (make_mask, block, dense), lengths = _case(name, T)
+    mesh = jax.make_mesh((2, 2), ("b", "h"), axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[:4])
+    rng = np.random.default_rng(0)
+    q, k = (
+        jnp.asarray(rng.normal(size=(B, N, T, D)), jnp.float32),
+        jnp.asarray(rng.normal(size=(B, kv_heads, T, D)), jnp.float32),
+    )
+    v, g = (
+        jnp.asarray(rng.normal(size=(B, kv_heads, T, E)), jnp.float32),
+        jnp.asarray(rng.normal(size=(B, N, T, E)), jnp.float32),
+    )
+    sinks = jnp.asarray(rng.normal(size=(N,)), jnp.float32)
+    n = jnp.asarray(lengths, jnp.int32)
+    kw = {"block_size": block} if impl == "blockwise" else {}
+
+    def local(q, k, v, sinks, n):
+        return jattn.attention(q, k, v, mask=make_mask(n), sinks=sinks, implementation=impl, **kw)
+
+    heads, rows = PartitionSpec("b", "h"), PartitionSpec("b")
+    kv = heads if kv_heads == N else rows
+    sharded = jax.shard_map(local, mesh=mesh, in_specs=(heads, kv, kv, PartitionSpec("h"), rows), out_specs=heads)
+
+    def loss(fn):
+        return lambda q, k, v: jnp.sum(fn(q, k, v, sinks, n) * g)
+
+    out = jax.jit(sharded)(q, k, v, sinks, n)
+    grads = jax.jit(jax.grad(loss(sharded), argnums=(0, 1, 2)))(q, k, v)
+    whole = local(q, k, v, sinks, n)
+    explicit = np.broadcast_to(dense, (B, 1, T, T))
+    np.testing.assert_allclose(out, whole, **ref.tol(jnp.float32))
+    want = ref.attention(q, k, v, explicit, sinks=sinks)[0]
+    np.testing.assert_allclose(ref.f64(out), want, **ref.tol(jnp.float32))
+    ref_grads = ref.attention_grads(q, k, v, g, explicit, sinks=sinks)[:3]
+    for got, w in zip(grads, ref_grads, strict=True):
+        ref.assert_grad_close(got, w, jnp.float32)
+
+
+@pytest.mark.parametrize("mode", ["fwd", "fwdbwd"])
+def test_the_benchmarks_sharded_candidate_equals_the_single_device_call(mode):
+    """``python -m bench --cpu-devices n`` times ``jattn-sharded``: heads over the devices, same numbers."""
+    from bench import suite
+
+    case = suite.Case(B=2, N=8, T=24, D=8, mask="causal", mode=mode)
+    one, sharded = (jax.tree.map(np.asarray, suite.candidate(n, case)()) for n in ("jattn", "jattn-sharded"))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **ref.tol(jnp.float32)), one, sharded)
