@@ -82,6 +82,7 @@ from jattn._online import (
     sink_grads,
     sum_to,
     tile_grads,
+    transposed,
     vary,
 )
 
@@ -266,6 +267,7 @@ class _Plan:
         self.index, self.kind = _schedule(kinds)  # per query block: its key blocks
         same = self.kind[0, 0] if np.all(self.kind == self.kind[0, 0]) else EMPTY
         self.uniform = None if same == EMPTY else int(same)  # every scheduled tile of one kind
+        self.kinds = tuple(int(x) for x in np.unique(self.kind))  # the kinds that occur (EMPTY: padding)
         self._key = (
             T, S, bq, bk, mask, q_offset, kv_offset, scale, compute, platform, mod, sinks, bias, dropout, self.halve,
         )  # fmt: skip
@@ -368,6 +370,10 @@ class _Plan:
         kind = jnp.where((static == LOWER) & (kind != EMPTY), jnp.int8(LOWER), kind)  # a LOWER tile is never FULL
         return _Run(jnp.where(static == EMPTY, jnp.int8(EMPTY), kind), arrays)
 
+    def branches(self, arrays: tuple[Array, ...]) -> tuple[int | None, tuple[int, ...] | None]:
+        """:func:`jattn._online.per_block`'s ``uniform`` and ``kinds``: static only without mask arrays."""
+        return (None, None) if arrays else (self.uniform, self.kinds)
+
     def halves(self) -> tuple[tuple[slice, slice], tuple[slice, slice]]:
         """The (rows, keys) of a LOWER tile's two non-empty parts: top rows x first keys, bottom rows x all keys."""
         return (slice(0, self.bq // 2), slice(0, self.bk // 2)), (slice(self.bq // 2, None), slice(None))
@@ -419,6 +425,12 @@ def _by_group(plan: _Plan, body, xs: tuple[Array, ...], arrays: tuple[Array, ...
     return jax.tree.map(lambda y: y.reshape(b, *y.shape[2:]), out), jax.tree.map(lambda y: y.sum(0), summed)
 
 
+def _add_block(xt: Array, n: Array, size: int, block: Array) -> Array:
+    """``xt (b, X, L)`` with ``block (b, X, size)`` added to its columns ``n·size ..`` (in place in a loop)."""
+    start = n * size
+    return jax.lax.dynamic_update_slice_in_dim(xt, jax.lax.dynamic_slice_in_dim(xt, start, size, 2) + block, start, 2)
+
+
 def _forward(
     q, k, v, rows, seeds, sinks, kind: Array, arrays: tuple[Array, ...], consts, plan: _Plan, precision, group: _Rows
 ):
@@ -458,7 +470,7 @@ def _forward(
                     parts.append(accumulate(state, s, keep[:, r, c], vb[:, c], precision, plan.compute))
                 return tuple(jnp.concatenate(xs, axis=1) for xs in zip(*parts, strict=True))
 
-            return per_block(kd, update, carry, None if arrays else plan.uniform, lower if plan.halve else None), None
+            return per_block(kd, update, carry, *plan.branches(arrays), lower if plan.halve else None), None
 
         init = fresh(empty_state(b, plan.bq, e, plan.compute))
         state, _ = jax.lax.scan(key_block, init, (index[i], kind[i]))
@@ -480,7 +492,7 @@ def _backward(q, k, v, out, lse, d_out, rows, seeds, kind: Array, arrays, consts
 
     Per query block, a scan over its non-empty key blocks recomputes ``p`` from the saved
     ``lse`` and adds each tile's shares (:func:`jattn._online.tile_grads`): dq in the small carry,
-    dk and dv into their key block of the group's ``(b, S, D|E)`` accumulators, written in place.
+    dk and dv, transposed, into their key block of the group's ``(b, D|E, S)`` accumulators, in place.
     """
     compute = plan.compute
     inputs = (q, k, v, out, lse, d_out, rows, seeds, *arrays, *consts)
@@ -498,6 +510,7 @@ def _backward(q, k, v, out, lse, d_out, rows, seeds, kind: Array, arrays, consts
         qb, dob = group.block(q, i, plan.bq), group.block(d_out, i, plan.bq)  # (b, bq, D|E)
         lse_i, delta_i = whole.block(lse, i, plan.bq), whole.block(delta, i, plan.bq)  # (b, bq)
         qb_scaled, s_scale = plan.prescale(qb)  # per query block: no scaled copy of all of q
+        qt, dot = transposed(qb), transposed(dob)  # (b, D|E, bq), for tile_grads
 
         def key_block(carry, jk):
             j, kd = jk
@@ -518,7 +531,7 @@ def _backward(q, k, v, out, lse, d_out, rows, seeds, kind: Array, arrays, consts
                 else:  # the tile's dx summed over the axes where the bias broadcasts
                     axes = tuple(a for a, n in enumerate(window[1]) if n == 1 and dx.shape[a] != 1)
                     gb = jnp.sum(dx, axes, keepdims=True) if axes else dx
-                return (*tile_grads(p, ds, qb, kb, dob, precision, compute), gc, gb)
+                return (*tile_grads(p, ds, qt, kb, dot, precision, compute), gc, gb)
 
             def lower(zeros):  # a LOWER tile as its two parts (no modification, bias or dropout here)
                 keep, gq, (_, gk, gv, gc, gb) = plan.allowed(i, j, arrays), [], zeros
@@ -527,24 +540,22 @@ def _backward(q, k, v, out, lse, d_out, rows, seeds, kind: Array, arrays, consts
                     p, ds, _, _ = score_grads(
                         s, keep[:, r, c], lse_i[:, r], dob[:, r], vb[:, c], delta_i[:, r], scale, precision, compute
                     )
-                    dq_r, dk_c, dv_c = tile_grads(p, ds, qb[:, r], kb[:, c], dob[:, r], precision, compute)
+                    dq_r, dk_c, dv_c = tile_grads(p, ds, qt[..., r], kb[:, c], dot[..., r], precision, compute)
                     gq.append(dq_r)
-                    gk, gv = gk.at[:, c].add(dk_c), gv.at[:, c].add(dv_c)
+                    gk, gv = gk.at[..., c].add(dk_c), gv.at[..., c].add(dv_c)
                 return jnp.concatenate(gq, axis=1), gk, gv, gc, gb
 
             zeros = fresh((
-                jnp.zeros_like(dq), jnp.zeros_like(kb, compute), jnp.zeros_like(vb, compute),
+                jnp.zeros_like(dq), jnp.zeros((*dk.shape[:2], plan.bk), compute),
+                jnp.zeros((*dv.shape[:2], plan.bk), compute),
                 jax.tree.map(jnp.zeros_like, dc),
                 () if bias is None else jnp.zeros(window[1], compute),
             ))  # fmt: skip
-            gq, gk, gv, gc, gb = per_block(
-                kd, update, zeros, None if arrays else plan.uniform, lower if plan.halve else None
-            )
+            gq, gk, gv, gc, gb = per_block(kd, update, zeros, *plan.branches(arrays), lower if plan.halve else None)
             dc = jax.tree.map(jnp.add, dc, gc)
             if bias is not None:
                 db = jax.lax.dynamic_update_slice(db, jax.lax.dynamic_slice(db, *window) + gb, window[0])
-            dk = _put(dk, j, plan.bk, whole.block(dk, j, plan.bk) + gk)
-            dv = _put(dv, j, plan.bk, whole.block(dv, j, plan.bk) + gv)
+            dk, dv = _add_block(dk, j, plan.bk, gk), _add_block(dv, j, plan.bk, gv)
             return (dq + gq, dk, dv, dc, db), None
 
         dq_all, *carry = carry
@@ -553,13 +564,17 @@ def _backward(q, k, v, out, lse, d_out, rows, seeds, kind: Array, arrays, consts
         return (_put(dq_all, i, plan.bq, dq), dk, dv, dc, db), None
 
     db = () if bias is None else jnp.zeros(bias.shape, compute)
-    carry = fresh((
-        jnp.zeros((b, *q.shape[1:]), compute), jnp.zeros((b, *k.shape[1:]), compute),
-        jnp.zeros((b, *v.shape[1:]), compute),
-        jax.tree.map(jnp.zeros_like, consts), db,
-    ))  # fmt: skip
+    carry = fresh(
+        (
+            jnp.zeros((b, *q.shape[1:]), compute),
+            jnp.zeros((b, k.shape[2], k.shape[1]), compute),
+            jnp.zeros((b, v.shape[2], v.shape[1]), compute),
+            jax.tree.map(jnp.zeros_like, consts),
+            db,
+        )
+    )  # fmt: skip  dk and dv transposed, (b, D|E, S), as tile_grads gives them
     (dq, dk, dv, dc, db), _ = jax.lax.scan(query_block, carry, jnp.arange(plan.nq, dtype=jnp.int32))
-    grads = dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    grads = dq.astype(q.dtype), transposed(dk).astype(k.dtype), transposed(dv).astype(v.dtype)
     db = () if bias is None else (db.astype(bias.dtype),)
     own = plan.bias == _OWN  # a bias with rows of its own comes back by rows, a shared one summed over groups
     return ((grads, db), (dc, ())) if own else ((grads, ()), (dc, db))

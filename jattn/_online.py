@@ -55,6 +55,7 @@ __all__ = [
     "sink_grads",
     "sum_to",
     "tile_grads",
+    "transposed",
     "vary",
 ]
 
@@ -104,11 +105,12 @@ def scaled_scores(qb: Array, kb: Array, scale: float, compute, precision) -> Arr
 LOWER = 3
 
 
-def per_block(kind: Array, update, carry, uniform: int | None = None, lower=None):
+def per_block(kind: Array, update, carry, uniform: int | None = None, kinds=None, lower=None):
     """Runs ``update(carry, masked)`` on a PARTIAL or FULL tile; an EMPTY one is skipped.
 
     ``lower(carry)`` (optional) takes the LOWER tiles, which only occur when it is given.
-    ``uniform`` (PARTIAL, FULL or LOWER) says statically that every tile has that kind: no branch.
+    ``uniform`` (PARTIAL, FULL or LOWER) says statically that every tile has that kind: no branch;
+    else ``kinds`` (optional) lists the kinds that occur, and only their branches are compiled.
     """
     branches = {EMPTY: lambda c: c, PARTIAL: functools.partial(update, masked=True)}
     branches[FULL] = functools.partial(update, masked=False)
@@ -116,7 +118,9 @@ def per_block(kind: Array, update, carry, uniform: int | None = None, lower=None
         branches[LOWER] = lower
     if uniform is not None:
         return branches[uniform](carry)
-    return jax.lax.switch(kind.astype(jnp.int32), [branches[k] for k in sorted(branches)], carry)
+    keys = sorted(branches if kinds is None else {EMPTY, *kinds})
+    slot = jnp.asarray([keys.index(k) if k in keys else 0 for k in range(max(keys) + 1)], jnp.int32)
+    return jax.lax.switch(slot[kind.astype(jnp.int32)], [branches[k] for k in keys], carry)
 
 
 def empty_state(b: int, t: int, e: int, compute) -> tuple[Array, Array, Array]:
@@ -281,14 +285,25 @@ def sum_to(grads, primals):
     return jax.tree.map(one, grads, primals)
 
 
-def tile_grads(p: Array, ds: Array, qb: Array, kb: Array, do: Array, precision, compute) -> tuple[Array, Array, Array]:
-    """One tile's shares of the gradients: ``dq (B, t, D)``, ``dk (B, s, D)``, ``dv (B, s, E)``.
+def tile_grads(p: Array, ds: Array, qt: Array, kb: Array, dot: Array, precision, compute) -> tuple[Array, Array, Array]:
+    """One tile's shares of the gradients: ``dq (B, t, D)`` and, transposed, ``dkᵀ (B, D, s)``, ``dvᵀ (B, E, s)``.
 
-    From ``p, ds (B, t, s)`` (:func:`score_grads`), ``qb (B, t, D)``, ``kb (B, s, D)`` and
-    ``do (B, t, E)``, accumulated in ``compute``.
+    From ``p, ds (B, t, s)`` (:func:`score_grads`), the query block transposed ``qt (B, D, t)``,
+    ``kb (B, s, D)`` and the output cotangent transposed ``dot (B, E, t)`` (:func:`transposed`:
+    once per query block), accumulated in ``compute``. dk and dv are computed transposed, as
+    ``qᵀ ds`` and ``dOᵀ p``, each operand contracted on its natural axis: XLA:CPU hands those to
+    its fast matmul, where ``dsᵀ q`` (contracting the tile's first axis) ran at 60% of the rate.
+    Keep them transposed where they accumulate: XLA folds a transpose of the result back into
+    the slow form.
     """
 
-    def dot(spec, a, b):
+    def dot_(spec, a, b):
         return jnp.einsum(spec, a, b.astype(compute), precision=precision, preferred_element_type=compute)
 
-    return dot("bts,bsd->btd", ds, kb), dot("bts,btd->bsd", ds, qb), dot("bts,bte->bse", p, do)
+    dkt, dvt = dot_("bdt,bts->bds", qt.astype(compute), ds), dot_("bet,bts->bes", dot.astype(compute), p)
+    return dot_("bts,bsd->btd", ds, kb), dkt, dvt
+
+
+def transposed(x: Array) -> Array:
+    """A query-side block ``(B, t, X)`` as ``(B, X, t)``, for :func:`tile_grads`."""
+    return jnp.swapaxes(x, 1, 2)

@@ -54,6 +54,7 @@ from jattn._online import (
     score_grads,
     sink_grads,
     tile_grads,
+    transposed,
     vary,
 )
 
@@ -234,6 +235,7 @@ def _ring_bwd(ring: _Ring, precision, res, cotangents):
     lse, delta = backward_rows(out, d_out, lse, compute)  # (B, T) each
     scale = jnp.asarray(ring.scale, compute)
     qc, qsc, doc = _chunks(q, c), _chunks(q_seg, c), _chunks(d_out, c)
+    qtc, dotc = [transposed(x) for x in qc], [transposed(x) for x in doc]  # for tile_grads
     shared = consts
     lsec, deltac = _chunks(lse, c), _chunks(delta, c)
 
@@ -253,7 +255,8 @@ def _ring_bwd(ring: _Ring, precision, res, cotangents):
                     p, ds, gc, _ = score_grads(
                         s, keep, lsec[a], doc[a], vc[b], deltac[a], scale, precision, compute, mod, consts
                     )
-                    gq, gk, gv = tile_grads(p, ds, qc[a], kc[b], doc[a], precision, compute)
+                    gq, gk, gv = tile_grads(p, ds, qtc[a], kc[b], dotc[a], precision, compute)
+                    gk, gv = transposed(gk), transposed(gv)  # the travelling dk, dv are (B, s, D|E)
                     return dq_a + gq, dk_b + gk, dv_b + gv, jax.tree.map(jnp.add, dc, gc)
 
                 kind, carry = ring.kind(r, src, a, b), (dq[a], dkc[b], dvc[b], dc)
