@@ -331,7 +331,8 @@ class _Plan:
         """``(1|B, bq, bk)`` mask of query block i against key block j (block indices, traced)."""
         rows, cols = self.positions(i, j)
         keep = self.predicate_with(arrays).allowed(rows[:, None], cols[None, :])
-        return keep.reshape((1,) * (3 - keep.ndim) + keep.shape)
+        keep = keep.reshape((1,) * (3 - keep.ndim) + keep.shape)  # a mask of keys alone is (1, 1, bk)
+        return jnp.broadcast_to(keep, (keep.shape[0], self.bq, self.bk))  # whole, so LOWER tiles can cut it
 
     def prescale(self, q: Array) -> tuple[Array, float]:
         """A query block ``q (B, bq, D)`` with the logit scale folded in, and the scale left for the scores.

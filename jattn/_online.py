@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +36,8 @@ from jax import Array
 
 from jattn._masks import EMPTY, FULL, PARTIAL, lead_rows
 from jattn._softmax import exp_below_one
+
+Tree = TypeVar("Tree")  # a pytree of arrays
 
 __all__ = [
     "LOWER",
@@ -105,12 +108,13 @@ def scaled_scores(qb: Array, kb: Array, scale: float, compute, precision) -> Arr
 LOWER = 3
 
 
-def per_block(kind: Array, update, carry, uniform: int | None = None, kinds=None, lower=None):
+def per_block(kind: Array, update, carry, uniform: int | None = None, kinds: tuple[int, ...] | None = None, lower=None):
     """Runs ``update(carry, masked)`` on a PARTIAL or FULL tile; an EMPTY one is skipped.
 
     ``lower(carry)`` (optional) takes the LOWER tiles, which only occur when it is given.
     ``uniform`` (PARTIAL, FULL or LOWER) says statically that every tile has that kind: no branch;
-    else ``kinds`` (optional) lists the kinds that occur, and only their branches are compiled.
+    else ``kinds`` (optional) lists the kinds that occur, and only their branches are compiled: it
+    must hold every value ``kind`` can take (any other would run the EMPTY branch).
     """
     branches = {EMPTY: lambda c: c, PARTIAL: functools.partial(update, masked=True)}
     branches[FULL] = functools.partial(update, masked=False)
@@ -255,7 +259,7 @@ def score_grads(s, keep, lse, do, vb, delta, scale, precision, compute, mod=None
     return p if drop is None else p * drop, dx * scale, dconsts, dx
 
 
-def vary(tree, *like: Array):
+def vary(tree: Tree, *like: Array) -> Tree:
     """Marks the arrays of ``tree`` as varying over every manual mesh axis one of ``like`` varies over.
 
     Inside ``shard_map`` (with its default ``check_vma``) a loop's fresh initial state (zeros,
@@ -270,7 +274,7 @@ def vary(tree, *like: Array):
     return jax.tree.map(one, tree)
 
 
-def sum_to(grads, primals):
+def sum_to(grads: Tree, primals) -> Tree:
     """Each gradient summed over the manual mesh axes it varies over and its primal does not.
 
     Inside ``shard_map`` an input that is the same on every device of an axis (sinks against a

@@ -366,13 +366,16 @@ def _per_example_cases(rng, B, T, S):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("case", ["causal", "causal-offset", "window", "causal&padding", "segments&causal", "sinks"])
+@pytest.mark.parametrize(
+    "case", ["none", "causal", "causal-offset", "window", "causal&padding", "segments&causal", "sinks"]
+)
 def test_lower_tiles_computed_as_two_parts_equal_the_reference(monkeypatch, dtype, case):
     """Partial tiles with an empty top-right quarter (the causal diagonal) are computed as their two parts.
 
     Top rows against the first half of the keys, bottom rows against all keys (the half-tile
     matmuls are in the jaxpr); values, lse and gradients against float64 with the explicit mask.
     ``SPLIT_MIN`` lowered so 6 x 4 tiles split; T and S odd so the diagonal cuts tiles unevenly.
+    Without a mask the last key block (one key of 4, the rest padding) is such a tile too.
     """
     import jattn._blockwise as bw
 
@@ -384,6 +387,7 @@ def test_lower_tiles_computed_as_two_parts_equal_the_reference(monkeypatch, dtyp
     q_len, kv_len = np.array([13, 5, 9]), np.array([13, 8, 2])
     ids = np.sort(rng.integers(0, 3, (B, T)), axis=1)
     cases = {
+        "none": lambda: (None, np.ones((T, S), bool)),
         "causal": lambda: (masks.causal(), causal),
         "causal-offset": lambda: (masks.causal(), causal),
         "window": lambda: (masks.sliding_window(5), causal & (s >= t - 5)),
@@ -445,6 +449,10 @@ def test_lower_tiles_split_at_the_default_threshold():
     assert {f"f32[2,{half},{half}]", f"f32[2,{half},{SPLIT_MIN}]"} <= _dot_shapes(fn, q, q, q)
     want = ref.attention(q, q, q, np.tril(np.ones((333, 333), bool)))[0]
     np.testing.assert_allclose(ref.f64(fn(q, q, q)), want, **ref.tol(jnp.float32))
+    k = _rand((1, 2, 300, 8), 1)  # no mask: the last key block holds 44 keys of 128, then padding
+    fn = functools.partial(jattn.attention, implementation="blockwise", block_size=SPLIT_MIN)
+    assert f"f32[2,{half},{half}]" in _dot_shapes(fn, q, k, k)
+    np.testing.assert_allclose(ref.f64(fn(q, k, k)), ref.attention(q, k, k)[0], **ref.tol(jnp.float32))
 
 
 @pytest.mark.parametrize("platform, tile_bytes", [("cpu", 4 * 3 * 4), ("cpu", 10**9), ("gpu", 4 * 3 * 4)])

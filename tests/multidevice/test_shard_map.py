@@ -38,7 +38,8 @@ def _case(name: str, T: int):
     [("none", 13, N), ("causal", 13, N), ("causal", 13, 1), ("causal-split", 300, N), ("padding&causal", 13, N)],
 )
 def test_attention_inside_shard_map_equals_the_whole_call_and_the_reference(impl, name, T, kv_heads):
-    """One kv head (``kv_heads=1``) is shared by the head shards: its gradient is summed over them."""
+    """One kv head (``kv_heads=1``) is shared by the head shards, the sinks by the batch shards: their
+    gradients are summed over them."""
     (make_mask, block, dense), lengths = _case(name, T)
     mesh = jax.make_mesh((2, 2), ("b", "h"), axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[:4])
     rng = np.random.default_rng(0)
@@ -61,18 +62,18 @@ def test_attention_inside_shard_map_equals_the_whole_call_and_the_reference(impl
     kv = heads if kv_heads == N else rows
     sharded = jax.shard_map(local, mesh=mesh, in_specs=(heads, kv, kv, PartitionSpec("h"), rows), out_specs=heads)
 
-    def loss(fn):
-        return lambda q, k, v: jnp.sum(fn(q, k, v, sinks, n) * g)
+    def loss(q, k, v, sinks):
+        return jnp.sum(sharded(q, k, v, sinks, n) * g)
 
     out = jax.jit(sharded)(q, k, v, sinks, n)
-    grads = jax.jit(jax.grad(loss(sharded), argnums=(0, 1, 2)))(q, k, v)
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, sinks)
     whole = local(q, k, v, sinks, n)
     explicit = np.broadcast_to(dense, (B, 1, T, T))
     np.testing.assert_allclose(out, whole, **ref.tol(jnp.float32))
     want = ref.attention(q, k, v, explicit, sinks=sinks)[0]
     np.testing.assert_allclose(ref.f64(out), want, **ref.tol(jnp.float32))
-    ref_grads = ref.attention_grads(q, k, v, g, explicit, sinks=sinks)[:3]
-    for got, w in zip(grads, ref_grads, strict=True):
+    dq, dk, dv, _, dsinks = ref.attention_grads(q, k, v, g, explicit, sinks=sinks)
+    for got, w in zip(grads, (dq, dk, dv, dsinks), strict=True):
         ref.assert_grad_close(got, w, jnp.float32)
 
 
