@@ -44,6 +44,7 @@ vmapped call has the tiles of an explicit batch.
 from __future__ import annotations
 
 import functools
+import os
 from typing import NamedTuple
 
 import jax
@@ -86,14 +87,15 @@ from jattn._online import (
     vary,
 )
 
-__all__ = ["SPLIT_MIN", "TILE_BYTES", "blockwise_attention", "group_size", "platform"]
+__all__ = ["SPLIT_MIN", "TILE_BYTES", "blockwise_attention", "cpu_threads", "group_size", "platform", "tile_kinds"]
 
 #: Bytes of one score tile on CPU: the leading axis B is cut into groups of rows whose tile
 #: ``(group, bq, bk)`` stays about this size, and the groups run one after another. A tile over all
 #: of B (32 MiB at B·N = 32 and 512 x 512 tiles) leaves the caches and halves the matmul rate. XLA
 #: splits each op of a tile over its threads, so the best size grows with them: on 2 threads 4 MiB
-#: (four heads of a float32 512 x 512 tile) measured 6-16% faster than 1 MiB, on 1 thread 0.5-4 MiB
-#: were within 6% of each other (README). GPU and TPU keep one tile over all of B.
+#: (four heads of a float32 512 x 512 tile) measured 6-16% faster than 1 MiB; on 1 thread a group
+#: is an eighth of this (512 KiB: one head of the 1024 x 128 tiles chosen there), whose tiles stay
+#: in the core's L2 cache (README). GPU and TPU keep one tile over all of B.
 TILE_BYTES = 2**22
 
 
@@ -109,12 +111,38 @@ def platform() -> str:
     return jax.default_backend()
 
 
-def group_size(b: int, bq: int, bk: int, itemsize: int, platform: str) -> int:
-    """Rows of B per tile: all of them off CPU, else the largest divisor of B whose tile fits :data:`TILE_BYTES`."""
+def cpu_threads() -> int:
+    """The cores this process may run on (its CPU affinity): the threads XLA:CPU splits an op over."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def group_size(b: int, bq: int, bk: int, itemsize: int, platform: str, threads: int) -> int:
+    """Rows of B per tile: all of them off CPU, else the largest divisor of B whose tile fits :data:`TILE_BYTES`.
+
+    On one CPU thread the budget is an eighth of :data:`TILE_BYTES`.
+    """
     if platform != "cpu":
         return b
-    cap = max(1, TILE_BYTES // (bq * bk * itemsize))
+    cap = max(1, (TILE_BYTES if threads > 1 else TILE_BYTES // 8) // (bq * bk * itemsize))
     return max(d for d in range(1, min(b, cap) + 1) if b % d == 0)
+
+
+def tile_kinds(
+    mask: Mask | None, T: int, S: int, bq: int, bk: int, q_offset: int, kv_offset: int, halve: bool
+) -> np.ndarray:
+    """``(nq, nk)`` int8 kinds of the tiles of ``bq`` x ``bk``, keys past S masked; LOWER marked when ``halve``.
+
+    ``halve`` (tiles of :data:`SPLIT_MIN` and up, even sides) marks a PARTIAL tile whose top-right
+    quarter is empty as LOWER (:data:`jattn._online.LOWER`), computed as its two non-empty parts.
+    """
+    nq, nk = -(-T // bq), -(-S // bk)
+    limit = KeyBelow(kv_offset + S)  # keys past S (block padding) are masked
+    full = limit if mask is None else mask & limit
+    kinds = full.block_kinds(nq * bq, nk * bk, bq, bk, q_offset=q_offset, kv_offset=kv_offset)
+    if halve and min(bq, bk) >= SPLIT_MIN and bq % 2 == bk % 2 == 0:
+        quarters = full.block_kinds(nq * bq, nk * bk, bq // 2, bk // 2, q_offset=q_offset, kv_offset=kv_offset)
+        kinds = np.where((kinds == PARTIAL) & (quarters[0::2, 1::2] == EMPTY), np.int8(LOWER), kinds)
+    return kinds
 
 
 def _schedule(kinds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -244,9 +272,10 @@ class _Plan:
 
     def __init__(
         self,
-        T, S, bq, bk, mask, q_offset, kv_offset, scale, compute, platform, mod=None, sinks=False, bias=False, dropout=0.0,
+        T, S, bq, bk, mask, q_offset, kv_offset, scale, compute, platform, threads, mod=None, sinks=False, bias=False,
+        dropout=0.0,
     ):  # fmt: skip
-        self.T, self.S, self.bq, self.bk, self.platform = T, S, bq, bk, platform
+        self.T, self.S, self.bq, self.bk, self.platform, self.threads = T, S, bq, bk, platform, threads
         self.mod, self.sinks = mod, sinks  # the closure-converted score_mod (or None); whether rows have sinks
         self.dropout = dropout  # the dropout rate (0.0: none)
         self.bias = bias  # 0, or the last of the kernels' arrays is a bias with _SHARED or _OWN rows
@@ -255,21 +284,15 @@ class _Plan:
         self.scale, self.compute = scale, compute
         # Keys past S (block padding) are masked by a "key position < kv_offset + S" predicate.
         limit = KeyBelow(kv_offset + S)
-        full = limit if mask is None else mask & limit
-        kinds = full.block_kinds(self.nq * bq, self.nk * bk, bq, bk, q_offset=q_offset, kv_offset=kv_offset)
-        self.predicate = full
-        self.halve = min(bq, bk) >= SPLIT_MIN and bq % 2 == bk % 2 == 0 and mod is None and not bias and not dropout
-        if self.halve:  # LOWER tiles: partial, with an empty top-right quarter
-            quarters = full.block_kinds(
-                self.nq * bq, self.nk * bk, bq // 2, bk // 2, q_offset=q_offset, kv_offset=kv_offset
-            )
-            kinds = np.where((kinds == PARTIAL) & (quarters[0::2, 1::2] == EMPTY), np.int8(LOWER), kinds)
+        self.predicate = limit if mask is None else mask & limit
+        kinds = tile_kinds(mask, T, S, bq, bk, q_offset, kv_offset, halve=mod is None and not bias and not dropout)
+        self.halve = bool(np.any(kinds == LOWER))  # LOWER tiles: partial, with an empty top-right quarter
         self.index, self.kind = _schedule(kinds)  # per query block: its key blocks
         same = self.kind[0, 0] if np.all(self.kind == self.kind[0, 0]) else EMPTY
         self.uniform = None if same == EMPTY else int(same)  # every scheduled tile of one kind
         self.kinds = tuple(int(x) for x in np.unique(self.kind))  # the kinds that occur (EMPTY: padding)
         self._key = (
-            T, S, bq, bk, mask, q_offset, kv_offset, scale, compute, platform, mod, sinks, bias, dropout, self.halve,
+            T, S, bq, bk, mask, q_offset, kv_offset, scale, compute, platform, threads, mod, sinks, bias, dropout,
         )  # fmt: skip
         self.shared = shared_arrays(mask)  # mask arrays every row shares: they never fold under vmap
 
@@ -280,8 +303,8 @@ class _Plan:
         return isinstance(other, _Plan) and self._key == other._key
 
     def group(self, b: int) -> int:
-        """Rows of a leading axis of ``b`` per tile on this plan's platform (:func:`group_size`)."""
-        return group_size(b, self.bq, self.bk, jnp.dtype(self.compute).itemsize, self.platform)
+        """Rows of a leading axis of ``b`` per tile on this plan's platform and threads (:func:`group_size`)."""
+        return group_size(b, self.bq, self.bk, jnp.dtype(self.compute).itemsize, self.platform, self.threads)
 
     def predicate_with(self, arrays: tuple[Array, ...]) -> Mask:
         """The mask with its arrays put back and placed at this call's offsets."""
@@ -631,7 +654,8 @@ def blockwise_attention(
     against the leading dimensions. ``score_mod`` and ``sinks`` (broadcastable to the leading
     dimensions), ``dropout_rate`` and ``dropout_rng`` are as for :func:`jattn.attention`. Returns ``out (..., T, E)``, ``lse (..., T)``
     and the row max logit ``(..., T)``; see the module docstring. The platform
-    (:func:`platform`) picks the tiling of the leading axis (:func:`group_size`).
+    (:func:`platform`) and, on CPU, the threads (:func:`cpu_threads`) pick the tiling of the leading
+    axis (:func:`group_size`).
     """
     T, S = q.shape[-2], k.shape[-2]
     lead = broadcast_all(q=q, k=k, v=v, bias=bias)
@@ -650,7 +674,8 @@ def blockwise_attention(
         return out.reshape(*lead, T, v.shape[-1]), lse.reshape(*lead, T), empty.reshape(*lead, T)
     bq, bk = min(block_q, T), min(block_kv, S)
     q_offset = kv_offset + S - T if q_offset is None else q_offset
-    g = group_size(b, bq, bk, jnp.dtype(compute).itemsize, platform())
+    where = platform(), cpu_threads()
+    g = group_size(b, bq, bk, jnp.dtype(compute).itemsize, *where)
     mod, consts = convert_mod(score_mod, g, bq, bk, compute)
     bias_t, kind = (), 0
     if bias is not None:  # (B|1, T|1, S|1), padded like q and k where it has those axes
@@ -661,7 +686,7 @@ def blockwise_attention(
             _OWN if bias_f.shape[0] > 1 else _SHARED,
         )
     plan = _Plan(
-        T, S, bq, bk, skeleton, int(q_offset), int(kv_offset), float(scale), compute, platform(), mod,
+        T, S, bq, bk, skeleton, int(q_offset), int(kv_offset), float(scale), compute, *where, mod,
         sinks is not None, kind, float(dropout_rate),
     )  # fmt: skip
     run = plan.run(arrays)

@@ -42,7 +42,7 @@ from jattn._masks import (
     on_batch_axis,
 )
 from jattn._masks import array as masks_array
-from jattn._online import compute_dtype, lead_index
+from jattn._online import LOWER, compute_dtype, lead_index
 from jattn._pallas import pallas_attention
 from jattn._softmax import SoftmaxParts, softmax_parts
 
@@ -211,8 +211,16 @@ def _dropout(p: Array, rate: float, rng: Array | None, lead: tuple[int, ...]) ->
     return jnp.broadcast_to(p, keep.shape) * keep_scale(keep, rate, p.dtype)
 
 
-BLOCKS = (512, 256, 128)  # square tiles the blockwise path chooses from (bench/README)
-BLOCK_OVERHEAD = 112 * 112  # fixed cost of one tile in score entries (fitted on the 2-core CPU: ~1 ms a tile)
+#: The tiles ``(query rows, keys)`` the blockwise path chooses from, by where it runs, and the fixed
+#: cost of one tile in score entries (README "Tiles by thread count"). On one CPU thread, tall narrow
+#: tiles of one head stay in the core's L2 cache (1024 x 128 float32: 512 KiB); on more threads XLA
+#: splits every op of a tile over them, and the split pays only on big tiles (fitted on 2 threads:
+#: a tile costs 256² entries more). Elsewhere (GPU, TPU) the square tiles fitted before on CPU.
+TILINGS = {
+    "cpu, 1 thread": (((1024, 128), (512, 256), (256, 128), (128, 128)), 64 * 64),
+    "cpu": (((2048, 2048), (1024, 1024), (512, 512), (256, 256), (128, 128)), 256 * 256),
+    "other": (((512, 512), (256, 256), (128, 128)), 112 * 112),
+}
 AUTO_BLOCKWISE_MIN = 1024 * 1024  # T·S from which 'auto' prefers blockwise on CPU (bench/README)
 IMPLEMENTATIONS = ("dense", "blockwise", "xla", "cudnn", "pallas")
 
@@ -403,21 +411,36 @@ def _choose(implementation, q, k, used: list[str]) -> str:
     return next((p for p in order if _refusal(p, used, partly=False) is None), "dense")
 
 
-def _auto_block(mask: Mask | None, T: int, S: int, q_offset: int | None, kv_offset: int) -> tuple[int, int]:
-    """The square tile of :data:`BLOCKS` with the least work on the mask's non-empty tiles.
+def _tiling() -> str:
+    """The key of :data:`TILINGS` for the default backend (and, on CPU, the threads) at trace time."""
+    if _blockwise.platform() != "cpu":
+        return "other"
+    return "cpu, 1 thread" if _blockwise.cpu_threads() == 1 else "cpu"
 
-    Work is ``tiles x (tile area + BLOCK_OVERHEAD)``: full and causal attention keep 512 x 512;
-    a narrow sliding window takes smaller tiles, which waste fewer masked entries.
+
+def _auto_block(
+    mask: Mask | None, T: int, S: int, q_offset: int | None, kv_offset: int, tiling: str | None = None
+) -> tuple[int, int]:
+    """The tile of ``TILINGS[tiling]`` (default :func:`_tiling`) with the least work on the mask's non-empty tiles.
+
+    Work is ``tiles x (tile area + overhead)``, a LOWER tile (the causal diagonal, computed as two
+    parts) at 3/4 of its area, ties to the first listed: full and causal attention keep the largest
+    tile; a narrow sliding window takes smaller ones, which waste fewer masked entries. A mask with
+    arrays (padding, documents) keeps to tiles of 512 and less, which its run-time kinds can skip
+    (statically every tile they touch counts).
     """
-    if mask is None or max(T, S) <= BLOCKS[-1]:
-        return BLOCKS[0], BLOCKS[0]
+    tiles, overhead = TILINGS[_tiling() if tiling is None else tiling]
+    if mask is not None and (mask.has_arrays or mask.per_example):  # run-time kinds skip small tiles best
+        tiles = tuple(t for t in tiles if max(t) <= 512)
+    q_offset = S - T + kv_offset if q_offset is None else q_offset
 
-    def work(b):
-        tiles = np.count_nonzero(mask.block_kinds(T, S, b, b, q_offset=q_offset, kv_offset=kv_offset) != EMPTY)
-        return tiles * (min(b, T) * min(b, S) + BLOCK_OVERHEAD)
+    def work(tile):
+        bq, bk = min(tile[0], T), min(tile[1], S)
+        kinds = _blockwise.tile_kinds(mask, T, S, bq, bk, q_offset, kv_offset, halve=True)
+        tiles = np.count_nonzero(kinds != EMPTY) - np.count_nonzero(kinds == LOWER) / 4
+        return tiles * (bq * bk + overhead)
 
-    best = min(BLOCKS, key=work)
-    return best, best
+    return min(tiles, key=work)
 
 
 def _jax_nn_args(
@@ -615,7 +638,7 @@ def attention(
         applies and the scores would have at least ``AUTO_BLOCKWISE_MIN`` entries per head,
         dense otherwise.
       block_size: ``(block_q, block_kv)`` (or one int for both) of the blockwise path;
-        ``None`` chooses square tiles of 512, 256 or 128 from the mask (``_auto_block``). On
+        ``None`` chooses the tile from the mask, the platform and the CPU threads (``_auto_block``). On
         'pallas' the kernel's blocks (default: 128, or the padded length's power of two).
       score_mod: ``(score, batch, head, q_pos, kv_pos) -> score``, see above.
       sinks: floating sink logits, broadcastable to the leading dimensions ``...``.

@@ -170,14 +170,15 @@ def test_no_scores_buffer_in_the_compiled_blockwise_path():
 
 def test_blockwise_scratch_holds_no_copies_of_the_inputs():
     # Blocks are sliced from q, k, v (and out, d_out) inside the loops: the scratch of causal
-    # forward + backward at T=16384 (two CPU groups of four heads) is the saved output, lse and
+    # forward + backward at T=16384 (512 x 512 tiles: two CPU groups of four heads; the automatic
+    # tiles depend on the threads) is the saved output, lse and
     # the group's dq, dk, dv accumulators, not blocked or per-group copies of the inputs (which
     # measured 5.5 arrays of (B, T, D) for fwd + bwd and 3.5 for fwd alone).
     spec = jax.ShapeDtypeStruct((1, 8, 16384, 64), jnp.float32)
     one = 8 * 16384 * 64 * 4  # bytes of one (B, T, D) float32 array
 
     def loss(q, k, v):
-        return jnp.sum(jattn.attention(q, k, v, mask=masks.causal(), implementation="blockwise"))
+        return jnp.sum(jattn.attention(q, k, v, mask=masks.causal(), implementation="blockwise", block_size=512))
 
     def scratch(f):
         return jax.jit(f).lower(spec, spec, spec).compile().memory_analysis().temp_size_in_bytes / one
@@ -237,13 +238,25 @@ def test_paths_refuse_what_they_cannot_express(kwargs, match):
 
 
 def test_automatic_tiles_shrink_for_narrow_windows_and_keep_the_result():
-    """block_size=None: 512 tiles for full and causal attention; smaller ones where a window leaves most of a big tile masked."""
+    """block_size=None: the largest tile of each tiling for full attention; smaller ones where a window leaves most of a big tile masked."""
     from jattn._core import _auto_block
 
-    assert _auto_block(None, 8192, 8192, None, 0) == (512, 512)
-    assert _auto_block(masks.causal(), 8192, 8192, None, 0) == (512, 512)
-    assert _auto_block(masks.sliding_window(64), 8192, 8192, None, 0) == (128, 128)
-    assert _auto_block(masks.sliding_window(256), 8192, 8192, None, 0)[0] < 512
+    def auto(mask, tiling, T=8192):
+        return _auto_block(mask, T, T, None, 0, tiling)
+
+    assert auto(None, "other") == auto(masks.causal(), "other") == (512, 512)
+    assert auto(None, "cpu") == auto(masks.causal(), "cpu", T=16384) == (2048, 2048)
+    assert auto(None, "cpu, 1 thread") == (1024, 128)  # one head's 512 KiB tile in L2
+    # causal on one thread: 512 x 256 (its diagonal tiles are LOWER, 3/4 of the work) against 1024 x 128
+    assert auto(masks.causal(), "cpu, 1 thread") == (512, 256)
+    assert auto(None, "other", T=1100) == (256, 256)  # 512 tiles would pad 1100 to 1536
+    # a mask of arrays (documents, padding, a boolean array) is classified on device: tiles of 512 and less
+    ids = jnp.repeat(jnp.arange(8, dtype=jnp.int32), 1024)[None]
+    assert auto(masks.segment_ids(ids, ids) & masks.causal(), "cpu") == (512, 512)
+    assert auto(masks.padding(kv_lengths=jnp.array([8000])) & masks.causal(), "cpu") == (512, 512)
+    for tiling in ("other", "cpu", "cpu, 1 thread"):
+        assert max(auto(masks.sliding_window(64), tiling)) <= (128 if tiling != "cpu" else 256)
+        assert max(auto(masks.sliding_window(256), tiling)) < 512
     mask = masks.sliding_window(40)
     q, k, v = _rand((1, 2, 1031, 8), 0), _rand((1, 2, 1031, 8), 1), _rand((1, 2, 1031, 8), 2)
     dense = jattn.attention(q, k, v, mask=mask, implementation="dense")
@@ -251,17 +264,36 @@ def test_automatic_tiles_shrink_for_narrow_windows_and_keep_the_result():
     np.testing.assert_allclose(block, dense, **ref.tol(jnp.float32))
 
 
-@pytest.mark.parametrize("platform, tile_bytes", [("cpu", 4 * 3 * 4), ("cpu", 2 * 4 * 3 * 4), ("gpu", 4 * 3 * 4)])
+@pytest.mark.parametrize("threads, want", [(1, (1024, 128)), (2, (2048, 2048)), (16, (2048, 2048))])
+def test_cpu_tiles_follow_the_threads(monkeypatch, threads, want):
+    """On CPU the automatic tile depends on the cores the process may use; each choice gives the reference's result."""
+    import jattn._blockwise as bw
+    from jattn._core import _auto_block
+
+    monkeypatch.setattr(bw, "cpu_threads", lambda: threads)
+    assert _auto_block(None, 4096, 4096, None, 0) == want
+    q, k, v = _rand((1, 3, 1100, 8), 0), _rand((1, 3, 1100, 8), 1), _rand((1, 3, 1100, 8), 2)
+    for mask in (None, masks.causal()):
+        got = jattn.attention(q, k, v, mask=mask, implementation="blockwise")
+        dense_mask = None if mask is None else np.asarray(mask.dense(1100, 1100))
+        want_out, _, _ = ref.attention(q, k, v, mask=dense_mask)
+        np.testing.assert_allclose(ref.f64(got), want_out, **ref.tol(jnp.float32))
+
+
+@pytest.mark.parametrize(
+    "platform, threads, tile_bytes, group",
+    [("cpu", 2, 4 * 3 * 4, 1), ("cpu", 2, 2 * 4 * 3 * 4, 2), ("cpu", 1, 16 * 4 * 3 * 4, 2), ("gpu", 2, 4 * 3 * 4, 6)],
+)
 @pytest.mark.parametrize("dtype", [jnp.float64, jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("mask", ["causal-window", "array", "empty-rows"])
-def test_both_platform_tilings_equal_the_reference(monkeypatch, platform, tile_bytes, dtype, mask):
-    """CPU tiles by groups of B (here 1 and 2 rows of B = 6), GPU/TPU by all of B: same results and gradients."""
+def test_both_platform_tilings_equal_the_reference(monkeypatch, platform, threads, tile_bytes, group, dtype, mask):
+    """CPU tiles by groups of B (here 1 and 2 rows of B = 6; a budget of TILE_BYTES / 8 on one thread), GPU/TPU by all of B: same results and gradients."""
     import jattn._blockwise as bw
 
     monkeypatch.setattr(bw, "platform", lambda: platform)
+    monkeypatch.setattr(bw, "cpu_threads", lambda: threads)
     monkeypatch.setattr(bw, "TILE_BYTES", tile_bytes)
-    group = bw.group_size(6, 4, 3, 4, platform)
-    assert group == {"gpu": 6}.get(platform, tile_bytes // (4 * 3 * 4))
+    assert bw.group_size(6, 4, 3, 4, platform, threads) == group
     with jax.enable_x64(dtype == jnp.float64):
         q, k, v = _rand((2, 3, 11, 5), 0, dtype), _rand((2, 3, 7, 5), 1, dtype), _rand((2, 1, 7, 4), 2, dtype)
         m = {
@@ -292,10 +324,12 @@ def test_both_platform_tilings_equal_the_reference(monkeypatch, platform, tile_b
 def test_cpu_tiles_are_fitted_to_tile_bytes():
     from jattn._blockwise import TILE_BYTES, group_size
 
-    assert group_size(32, 512, 512, 4, "cpu") * 512 * 512 * 4 <= TILE_BYTES
-    assert group_size(32, 512, 512, 4, "gpu") == 32
-    assert group_size(7, 512, 512, 4, "cpu") == 1  # the largest divisor of B that fits
-    assert group_size(32, 128, 128, 4, "cpu") == min(32, TILE_BYTES // (128 * 128 * 4))  # all 32 at 4 MiB
+    assert group_size(32, 512, 512, 4, "cpu", 2) * 512 * 512 * 4 <= TILE_BYTES
+    assert group_size(32, 512, 512, 4, "gpu", 2) == 32
+    assert group_size(7, 512, 512, 4, "cpu", 2) == 1  # the largest divisor of B that fits
+    assert group_size(32, 128, 128, 4, "cpu", 2) == min(32, TILE_BYTES // (128 * 128 * 4))  # all 32 at 4 MiB
+    assert group_size(32, 1024, 128, 4, "cpu", 1) == 1  # one thread: a budget of TILE_BYTES / 8, one head
+    assert group_size(32, 128, 128, 4, "cpu", 1) == TILE_BYTES // 8 // (128 * 128 * 4)
 
 
 def _dot_shapes(fn, *args) -> set[str]:
