@@ -44,6 +44,7 @@ vmapped call has the tiles of an explicit batch.
 from __future__ import annotations
 
 import functools
+import math
 import os
 from typing import NamedTuple
 
@@ -87,7 +88,7 @@ from jattn._online import (
     vary,
 )
 
-__all__ = ["SPLIT_MIN", "TILE_BYTES", "blockwise_attention", "cpu_threads", "group_size", "platform", "tile_kinds"]
+__all__ = ["SPLIT_MIN", "TILE_BYTES", "blockwise_attention", "cores", "cpu_threads", "group_size", "platform", "tile_kinds"]
 
 #: Bytes of one score tile on CPU: the leading axis B is cut into groups of rows whose tile
 #: ``(group, bq, bk)`` stays about this size, and the groups run one after another. A tile over all
@@ -111,9 +112,16 @@ def platform() -> str:
     return jax.default_backend()
 
 
-def cpu_threads() -> int:
-    """The cores this process may run on (its CPU affinity): the threads XLA:CPU splits an op over."""
+def cores() -> int:
+    """The cores this process may run on (its CPU affinity): XLA:CPU's threads."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def cpu_threads() -> int:
+    """The threads one program's ops are split over: :func:`cores`, shared among the shards of an
+    enclosing ``shard_map`` (its per-device programs run at once, on one thread pool)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return max(1, cores() // math.prod(mesh.shape[a] for a in mesh.manual_axes))
 
 
 def group_size(b: int, bq: int, bk: int, itemsize: int, platform: str, threads: int) -> int:
@@ -288,6 +296,7 @@ class _Plan:
         kinds = tile_kinds(mask, T, S, bq, bk, q_offset, kv_offset, halve=mod is None and not bias and not dropout)
         self.halve = bool(np.any(kinds == LOWER))  # LOWER tiles: partial, with an empty top-right quarter
         self.index, self.kind = _schedule(kinds)  # per query block: its key blocks
+        self.count = (self.kind != EMPTY).sum(1).astype(np.int32)  # per query block: its scheduled key blocks
         same = self.kind[0, 0] if np.all(self.kind == self.kind[0, 0]) else EMPTY
         self.uniform = None if same == EMPTY else int(same)  # every scheduled tile of one kind
         self.kinds = tuple(int(x) for x in np.unique(self.kind))  # the kinds that occur (EMPTY: padding)
@@ -398,6 +407,19 @@ class _Plan:
         """:func:`jattn._online.per_block`'s ``uniform`` and ``kinds``: static only without mask arrays."""
         return (None, None) if arrays else (self.uniform, self.kinds)
 
+    def sweep(self, key_block, carry, i: Array, index: Array, kind: Array):
+        """``key_block(carry, (j, kind))`` over query block i's scheduled key blocks, in order.
+
+        Where query blocks have different numbers of key blocks (causal, windows) the loop runs
+        that block's count, not the schedule's padded width (whose EMPTY entries would each still
+        cost a branch).
+        """
+        if np.any(self.count != self.count[0]):
+            count = jnp.asarray(self.count)
+            body = lambda n, c: key_block(c, (index[i, n], kind[i, n]))[0]  # noqa: E731
+            return jax.lax.fori_loop(0, count[i], body, carry)
+        return jax.lax.scan(key_block, carry, (index[i], kind[i]))[0]
+
     def halves(self) -> tuple[tuple[slice, slice], tuple[slice, slice]]:
         """The (rows, keys) of a LOWER tile's two non-empty parts: top rows x first keys, bottom rows x all keys."""
         return (slice(0, self.bq // 2), slice(0, self.bk // 2)), (slice(self.bq // 2, None), slice(None))
@@ -497,7 +519,7 @@ def _forward(
             return per_block(kd, update, carry, *plan.branches(arrays), lower if plan.halve else None), None
 
         init = fresh(empty_state(b, plan.bq, e, plan.compute))
-        state, _ = jax.lax.scan(key_block, init, (index[i], kind[i]))
+        state = plan.sweep(key_block, init, i, index, kind)
         sink = sinks[:, None].astype(plan.compute) if plan.sinks else None
         done = finish(state, plan.compute, sink)  # float32 (or 64): the backward's delta needs it unrounded
         return tuple(_put(x, i, plan.bq, y) for x, y in zip(outs, done, strict=True)), None
@@ -584,7 +606,7 @@ def _backward(q, k, v, out, lse, d_out, rows, seeds, kind: Array, arrays, consts
 
         dq_all, *carry = carry
         init = (fresh(jnp.zeros((b, plan.bq, q.shape[-1]), compute)), *carry)
-        (dq, dk, dv, dc, db), _ = jax.lax.scan(key_block, init, (index[i], kind[i]))
+        dq, dk, dv, dc, db = plan.sweep(key_block, init, i, index, kind)
         return (_put(dq_all, i, plan.bq, dq), dk, dv, dc, db), None
 
     db = () if bias is None else jnp.zeros(bias.shape, compute)

@@ -85,3 +85,23 @@ def test_the_benchmarks_sharded_candidate_equals_the_single_device_call(mode):
     case = suite.Case(B=2, N=8, T=24, D=8, mask="causal", mode=mode)
     one, sharded = (jax.tree.map(np.asarray, suite.candidate(n, case)()) for n in ("jattn", "jattn-sharded"))
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **ref.tol(jnp.float32)), one, sharded)
+
+
+def test_inside_shard_map_a_program_counts_its_share_of_the_cores(monkeypatch):
+    """Per-device programs run at once on one thread pool: each is tiled for cores / shards threads."""
+    import jattn._blockwise as bw
+
+    monkeypatch.setattr(bw, "cores", lambda: 4)
+    seen = []
+
+    def local(x):
+        seen.append(bw.cpu_threads())
+        return x
+
+    x = jnp.ones((4, 4))
+    for shape in ((2, 1), (2, 2), (4, 2)):
+        mesh = jax.make_mesh(
+            shape, ("b", "h"), axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[: shape[0] * shape[1]]
+        )
+        jax.jit(jax.shard_map(local, mesh=mesh, in_specs=PartitionSpec("b", "h"), out_specs=PartitionSpec("b", "h")))(x)
+    assert seen == [2, 1, 1] and bw.cpu_threads() == 4
