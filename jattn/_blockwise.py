@@ -5,8 +5,8 @@ axis ``B``): q ``(B, T, D)``, k ``(B, S, D)``, v ``(B, S, E)``. Queries are tile
 ``block_q`` rows and keys into blocks of ``block_kv``. A mask predicate classifies every
 (query block, key block) pair statically as empty, partial or full
 (:meth:`jattn.masks.Mask.block_kinds`): empty blocks are never computed, full blocks skip the
-mask, partial blocks apply it. Each query block runs a ``lax.scan`` over the list of its
-non-empty key blocks only, so causal attention costs about half of full attention and a sliding
+mask, partial blocks apply it. Each query block loops over the list of its non-empty key blocks
+only (:meth:`_Plan.sweep`), so causal attention costs about half of full attention and a sliding
 window of width w costs O(T·w). A partial tile whose top-right quarter is empty (the causal
 diagonal) is computed as its two non-empty parts, top rows against the first half of its keys and
 bottom rows against all of them: 3/4 of the tile (:data:`SPLIT_MIN`).
@@ -17,7 +17,7 @@ and key ids have disjoint ranges ``[min, max]`` is empty, one where both hold a 
 is full) become row forms ``(B|1, ...)`` (:meth:`jattn._masks.Mask._rows`), their tile kinds
 ``(B|1, nq, width)`` refine the static schedule, and each group of rows skips a tile that is
 empty for all its rows (``lax.switch``). On CPU a group is a few heads (4 at 512 x 512 float32
-tiles), of one example where the heads divide evenly, so each example's documents cost what
+tiles on several threads, one at the 1-thread tiles), of one example where the heads divide evenly, so each example's documents cost what
 their own tiles cost.
 
 An additive bias ``(B|1, T|1, S|1)`` is read tile by tile (:meth:`_Plan.biased`) and its gradient
@@ -36,7 +36,8 @@ dk and dv in one sweep over the same non-empty tiles, so training memory is O(T)
 ``(T, S)`` array is ever formed.
 
 On CPU the leading axis B is cut into groups whose score tile ``(group, bq, bk)`` stays about
-:data:`TILE_BYTES`, and the groups run one after another (:func:`group_size`); GPU and TPU tile
+:data:`TILE_BYTES` (an eighth of it on one thread, :func:`cpu_threads`), and the groups run one
+after another (:func:`group_size`); GPU and TPU tile
 all of B at once. Under ``jax.vmap`` the mapped axis is folded into B (:func:`_folding`), so a
 vmapped call has the tiles of an explicit batch.
 """
@@ -46,6 +47,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -69,6 +71,7 @@ from jattn._masks import (
 )
 from jattn._online import (
     LOWER,
+    Tree,
     accumulate,
     backward_rows,
     bind_mod,
@@ -88,7 +91,16 @@ from jattn._online import (
     vary,
 )
 
-__all__ = ["SPLIT_MIN", "TILE_BYTES", "blockwise_attention", "cores", "cpu_threads", "group_size", "platform", "tile_kinds"]
+__all__ = [
+    "SPLIT_MIN",
+    "TILE_BYTES",
+    "blockwise_attention",
+    "cores",
+    "cpu_threads",
+    "group_size",
+    "platform",
+    "static_kinds",
+]
 
 #: Bytes of one score tile on CPU: the leading axis B is cut into groups of rows whose tile
 #: ``(group, bq, bk)`` stays about this size, and the groups run one after another. A tile over all
@@ -118,8 +130,12 @@ def cores() -> int:
 
 
 def cpu_threads() -> int:
-    """The threads one program's ops are split over: :func:`cores`, shared among the shards of an
-    enclosing ``shard_map`` (its per-device programs run at once, on one thread pool)."""
+    """The threads one program's ops are split over: :func:`cores` over an enclosing ``shard_map``'s shards.
+
+    Per-device programs run at once on one thread pool. Affinity only: a cgroup CPU quota,
+    ``--xla_cpu_multi_thread_eigen=false`` or a jit sharded over CPU devices without ``shard_map``
+    are not seen (they change the speed of a tile, never its result).
+    """
     mesh = jax.sharding.get_abstract_mesh()
     return max(1, cores() // math.prod(mesh.shape[a] for a in mesh.manual_axes))
 
@@ -127,7 +143,8 @@ def cpu_threads() -> int:
 def group_size(b: int, bq: int, bk: int, itemsize: int, platform: str, threads: int) -> int:
     """Rows of B per tile: all of them off CPU, else the largest divisor of B whose tile fits :data:`TILE_BYTES`.
 
-    On one CPU thread the budget is an eighth of :data:`TILE_BYTES`.
+    On one CPU thread the budget is an eighth of :data:`TILE_BYTES`; a tile bigger than the
+    budget (2048 x 2048 float32 is 16 MiB) is one row of B.
     """
     if platform != "cpu":
         return b
@@ -135,7 +152,7 @@ def group_size(b: int, bq: int, bk: int, itemsize: int, platform: str, threads: 
     return max(d for d in range(1, min(b, cap) + 1) if b % d == 0)
 
 
-def tile_kinds(
+def static_kinds(
     mask: Mask | None, T: int, S: int, bq: int, bk: int, q_offset: int, kv_offset: int, halve: bool
 ) -> np.ndarray:
     """``(nq, nk)`` int8 kinds of the tiles of ``bq`` x ``bk``, keys past S masked; LOWER marked when ``halve``.
@@ -293,7 +310,7 @@ class _Plan:
         # Keys past S (block padding) are masked by a "key position < kv_offset + S" predicate.
         limit = KeyBelow(kv_offset + S)
         self.predicate = limit if mask is None else mask & limit
-        kinds = tile_kinds(mask, T, S, bq, bk, q_offset, kv_offset, halve=mod is None and not bias and not dropout)
+        kinds = static_kinds(mask, T, S, bq, bk, q_offset, kv_offset, halve=mod is None and not bias and not dropout)
         self.halve = bool(np.any(kinds == LOWER))  # LOWER tiles: partial, with an empty top-right quarter
         self.index, self.kind = _schedule(kinds)  # per query block: its key blocks
         self.count = (self.kind != EMPTY).sum(1).astype(np.int32)  # per query block: its scheduled key blocks
@@ -407,17 +424,23 @@ class _Plan:
         """:func:`jattn._online.per_block`'s ``uniform`` and ``kinds``: static only without mask arrays."""
         return (None, None) if arrays else (self.uniform, self.kinds)
 
-    def sweep(self, key_block, carry, i: Array, index: Array, kind: Array):
+    def sweep(
+        self, key_block: Callable[[Tree, tuple[Array, Array]], tuple[Tree, None]], carry: Tree, i: Array, index, kind
+    ) -> Tree:
         """``key_block(carry, (j, kind))`` over query block i's scheduled key blocks, in order.
 
-        Where query blocks have different numbers of key blocks (causal, windows) the loop runs
-        that block's count, not the schedule's padded width (whose EMPTY entries would each still
-        cost a branch).
+        On CPU, where query blocks have different numbers of key blocks (causal, windows), the
+        loop runs that block's count, not the schedule's padded width (whose EMPTY entries would
+        each still cost a branch). Elsewhere a loop of unknown trip count would read its
+        condition back to the host every step: the padded scan is kept.
         """
-        if np.any(self.count != self.count[0]):
+        if self.platform == "cpu" and np.any(self.count != self.count[0]):
             count = jnp.asarray(self.count)
-            body = lambda n, c: key_block(c, (index[i, n], kind[i, n]))[0]  # noqa: E731
-            return jax.lax.fori_loop(0, count[i], body, carry)
+
+            def step(n: Array, carry: Tree) -> Tree:
+                return key_block(carry, (index[i, n], kind[i, n]))[0]
+
+            return jax.lax.fori_loop(0, count[i], step, carry)
         return jax.lax.scan(key_block, carry, (index[i], kind[i]))[0]
 
     def halves(self) -> tuple[tuple[slice, slice], tuple[slice, slice]]:
@@ -482,7 +505,7 @@ def _forward(
 ):
     """``out (b, nq·bq, E)``, ``lse`` and max logit ``(b, nq·bq)`` of the group's b rows of B.
 
-    Per query block, a scan over its key blocks; q, k, v are whole ``(B, ...)``, the rest the group's.
+    Per query block, a loop over its key blocks (:meth:`_Plan.sweep`); q, k, v are whole ``(B, ...)``, the rest the group's.
     """
     inputs = (q, k, v, rows, seeds, sinks, *arrays, *consts)
 
@@ -536,7 +559,7 @@ def _backward(q, k, v, out, lse, d_out, rows, seeds, kind: Array, arrays, consts
     One sweep over the group's tiles; q, k, v, out, lse and d_out are whole ``(B, ...)``, the rest
     the group's.
 
-    Per query block, a scan over its non-empty key blocks recomputes ``p`` from the saved
+    Per query block, a loop over its non-empty key blocks recomputes ``p`` from the saved
     ``lse`` and adds each tile's shares (:func:`jattn._online.tile_grads`): dq in the small carry,
     dk and dv, transposed, into their key block of the group's ``(b, D|E, S)`` accumulators, in place.
     """

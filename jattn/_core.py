@@ -419,7 +419,7 @@ def _tiling() -> str:
 
 
 def _auto_block(
-    mask: Mask | None, T: int, S: int, q_offset: int | None, kv_offset: int, tiling: str | None = None
+    mask: Mask | None, T: int, S: int, q_offset: int | None, kv_offset: int, tiling: str | None = None, split=True
 ) -> tuple[int, int]:
     """The tile of ``TILINGS[tiling]`` (default :func:`_tiling`) with the least work on the mask's non-empty tiles.
 
@@ -427,16 +427,19 @@ def _auto_block(
     parts) at 3/4 of its area, ties to the first listed: full and causal attention keep the largest
     tile; a narrow sliding window takes smaller ones, which waste fewer masked entries. A mask with
     arrays (padding, documents) keeps to tiles of 512 and less, which its run-time kinds can skip
-    (statically every tile they touch counts).
+    (statically every tile they touch counts). ``split``: LOWER tiles are computed as two parts
+    (no bias, score modification or dropout).
     """
     tiles, overhead = TILINGS[_tiling() if tiling is None else tiling]
+    if T == 0 or S == 0:  # no tiles
+        return tiles[0]
     if mask is not None and (mask.has_arrays or mask.per_example):  # run-time kinds skip small tiles best
         tiles = tuple(t for t in tiles if max(t) <= 512)
     q_offset = S - T + kv_offset if q_offset is None else q_offset
 
     def work(tile):
         bq, bk = min(tile[0], T), min(tile[1], S)
-        kinds = _blockwise.tile_kinds(mask, T, S, bq, bk, q_offset, kv_offset, halve=True)
+        kinds = _blockwise.static_kinds(mask, T, S, bq, bk, q_offset, kv_offset, halve=split)
         tiles = np.count_nonzero(kinds != EMPTY) - np.count_nonzero(kinds == LOWER) / 4
         return tiles * (bq * bk + overhead)
 
@@ -638,7 +641,8 @@ def attention(
         applies and the scores would have at least ``AUTO_BLOCKWISE_MIN`` entries per head,
         dense otherwise.
       block_size: ``(block_q, block_kv)`` (or one int for both) of the blockwise path;
-        ``None`` chooses the tile from the mask, the platform and the CPU threads (``_auto_block``). On
+        ``None`` chooses the tile from the mask, the platform and the CPU threads (``_auto_block``),
+        so results may differ in the last bits between machines; pass it to fix them. On
         'pallas' the kernel's blocks (default: 128, or the padded length's power of two).
       score_mod: ``(score, batch, head, q_pos, kv_pos) -> score``, see above.
       sinks: floating sink logits, broadcastable to the leading dimensions ``...``.
@@ -674,7 +678,8 @@ def attention(
 
     if path == "blockwise":
         T, S = q.shape[-2], k.shape[-2]
-        bq, bk = _auto_block(mask, T, S, q_offset, kv_offset) if blocks is None else blocks
+        split = bias is None and score_mod is None and not dropout_rate
+        bq, bk = _auto_block(mask, T, S, q_offset, kv_offset, split=split) if blocks is None else blocks
         bias = _check_bias(bias)  # sinks are checked against the call's leading dims, mask arrays included, there
         out, lse, top = blockwise_attention(
             q,

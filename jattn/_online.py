@@ -41,6 +41,7 @@ Tree = TypeVar("Tree")  # a pytree of arrays
 
 __all__ = [
     "LOWER",
+    "Tree",
     "accumulate",
     "backward_rows",
     "bind_mod",

@@ -270,6 +270,7 @@ def test_cpu_tiles_follow_the_threads(monkeypatch, threads, want):
     import jattn._blockwise as bw
     from jattn._core import _auto_block
 
+    monkeypatch.setattr(bw, "platform", lambda: "cpu")
     monkeypatch.setattr(bw, "cpu_threads", lambda: threads)
     assert _auto_block(None, 4096, 4096, None, 0) == want
     q, k, v = _rand((1, 3, 1100, 8), 0), _rand((1, 3, 1100, 8), 1), _rand((1, 3, 1100, 8), 2)
@@ -278,6 +279,31 @@ def test_cpu_tiles_follow_the_threads(monkeypatch, threads, want):
         dense_mask = None if mask is None else np.asarray(mask.dense(1100, 1100))
         want_out, _, _ = ref.attention(q, k, v, mask=dense_mask)
         np.testing.assert_allclose(ref.f64(got), want_out, **ref.tol(jnp.float32))
+
+
+@pytest.mark.parametrize("block", [(1024, 128), (512, 256), (128, 1024)])
+@pytest.mark.parametrize("mask", ["causal", "window", "causal-q_offset"])
+def test_the_automatic_tile_shapes_equal_the_reference(block, mask):
+    """The CPU tilings' tall, narrow and wide tiles at their real sizes (LOWER diagonal tiles included), T != S."""
+    T, S = 1100, 1037
+    m, kw, shift = {
+        "causal": (masks.causal(), {}, S - T),
+        "window": (masks.sliding_window(300, 20), {}, S - T),
+        "causal-q_offset": (masks.causal(), {"q_offset": 40}, 40),
+    }[mask]
+    t, s = np.arange(T)[:, None] + shift, np.arange(S)[None, :]
+    dense = (s >= t - 300) & (s <= t + 20) if mask == "window" else s <= t
+    q, k, v, g = _rand((1, 1, T, 8), 0), _rand((1, 1, S, 8), 1), _rand((1, 1, S, 4), 2), _rand((1, 1, T, 4), 3)
+
+    def loss(q, k, v):
+        out = jattn.attention(q, k, v, mask=m, implementation="blockwise", block_size=block, **kw)
+        return jnp.sum(out * g), out
+
+    (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    want, _, _ = ref.attention(q, k, v, dense)
+    np.testing.assert_allclose(ref.f64(out), want, **ref.tol(jnp.float32))
+    for got, w in zip(grads, ref.attention_grads(q, k, v, g, dense)[:3], strict=True):
+        ref.assert_grad_close(got, w, jnp.float32)
 
 
 @pytest.mark.parametrize(
