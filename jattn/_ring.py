@@ -22,7 +22,8 @@ drops the mask. Packed sequences use ``segment_ids``, whose key part travels aro
 with the keys.
 
 The backward pass (``jax.custom_vjp``) is a second ring: dq accumulates on its device while the
-dk and dv of a key slice travel with that slice and arrive home after P steps.
+dk and dv of a key slice travel with that slice (transposed, as the tile gradients come) and
+arrive home after P steps.
 """
 
 from __future__ import annotations
@@ -242,7 +243,8 @@ def _ring_bwd(ring: _Ring, precision, res, cotangents):
     def step(n, carry, travelling):
         dq, dc = carry
         src = (r - jnp.asarray(n, r.dtype)) % ring.p
-        dkc, dvc, kc, vc, ksc = _unpack(travelling, c, ring.segments)  # dk, dv travel with k, v
+        kc, vc, ksc = _unpack(travelling[2:], c, ring.segments)
+        dkc, dvc = (jnp.split(x, c, axis=-1) for x in travelling[:2])  # dk, dv travel with k, v, transposed
         dq = list(dq)
         for a in range(c):
             for b in range(c):
@@ -256,7 +258,6 @@ def _ring_bwd(ring: _Ring, precision, res, cotangents):
                         s, keep, lsec[a], doc[a], vc[b], deltac[a], scale, precision, compute, mod, consts
                     )
                     gq, gk, gv = tile_grads(p, ds, qtc[a], kc[b], dotc[a], precision, compute)
-                    gk, gv = transposed(gk), transposed(gv)  # the travelling dk, dv are (B, s, D|E)
                     return dq_a + gq, dk_b + gk, dv_b + gv, jax.tree.map(jnp.add, dc, gc)
 
                 kind, carry = ring.kind(r, src, a, b), (dq[a], dkc[b], dvc[b], dc)
@@ -267,7 +268,7 @@ def _ring_bwd(ring: _Ring, precision, res, cotangents):
                     # making it varying) inside the modification's pullback: every device must run
                     # it, so no branch; an empty pair contributes 0 through its all-False mask.
                     dq[a], dkc[b], dvc[b], dc = update(carry, True, live=kind != EMPTY)
-        return (tuple(dq), dc), (jnp.concatenate(dkc, 1), jnp.concatenate(dvc, 1), *travelling[2:])
+        return (tuple(dq), dc), (jnp.concatenate(dkc, -1), jnp.concatenate(dvc, -1), *travelling[2:])
 
     dq = tuple(vary(jnp.zeros(x.shape, compute), q) for x in qc)
     # A modification's pullback psums the gradient of an array shared by the devices itself (the
@@ -276,10 +277,12 @@ def _ring_bwd(ring: _Ring, precision, res, cotangents):
         vary(jnp.zeros(x.shape, x.dtype), x) if ring.axis_name in jax.typeof(x).manual_axis_type.varying else
         jnp.zeros(x.shape, x.dtype) for x in consts
     )  # fmt: skip
-    dk, dv = vary((jnp.zeros(k.shape, compute), jnp.zeros(v.shape, compute)), k)
+    # dk and dv travel transposed, (B, D|E, S), as tile_grads gives them: each tile's share is added
+    # without a transpose, which XLA would fold back into a slow dsᵀ q form
+    dk, dv = vary(tuple(jnp.zeros((x.shape[0], x.shape[2], x.shape[1]), compute) for x in (k, v)), k)
     travelling = (dk, dv, k, v, kv_seg) if ring.segments else (dk, dv, k, v)
     (dq, dc), (dk, dv, *_) = _around(ring, step, (dq, dc), travelling)
-    dk, dv = ring.shift(dk, dv)  # the last hop takes each slice's gradients home
+    dk, dv = (transposed(x) for x in ring.shift(dk, dv))  # the last hop takes each slice's gradients home
     dq = jnp.concatenate(dq, 1)
     dc = tuple(g.astype(x.dtype) for g, x in zip(dc, shared, strict=True))
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, dsinks, dc
