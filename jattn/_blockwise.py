@@ -17,8 +17,8 @@ and key ids have disjoint ranges ``[min, max]`` is empty, one where both hold a 
 is full) become row forms ``(B|1, ...)`` (:meth:`jattn._masks.Mask._rows`), their tile kinds
 ``(B|1, nq, width)`` refine the static schedule, and each group of rows skips a tile that is
 empty for all its rows (``lax.switch``). On CPU a group is a few heads (4 at 512 x 512 float32
-tiles on several threads, one at the 1-thread tiles), of one example where the heads divide evenly, so each example's documents cost what
-their own tiles cost.
+tiles on several threads, one at the 1-thread tiles), of one example where the heads divide
+evenly, so each example's documents cost what their own tiles cost.
 
 An additive bias ``(B|1, T|1, S|1)`` is read tile by tile (:meth:`_Plan.biased`) and its gradient
 accumulated tile by tile into one buffer of its shape; a score modification (``score_mod``,
@@ -505,7 +505,8 @@ def _forward(
 ):
     """``out (b, nq·bq, E)``, ``lse`` and max logit ``(b, nq·bq)`` of the group's b rows of B.
 
-    Per query block, a loop over its key blocks (:meth:`_Plan.sweep`); q, k, v are whole ``(B, ...)``, the rest the group's.
+    Per query block, a loop over its key blocks (:meth:`_Plan.sweep`); q, k, v are whole
+    ``(B, ...)``, the rest the group's.
     """
     inputs = (q, k, v, rows, seeds, sinks, *arrays, *consts)
 

@@ -419,7 +419,13 @@ def _tiling() -> str:
 
 
 def _auto_block(
-    mask: Mask | None, T: int, S: int, q_offset: int | None, kv_offset: int, tiling: str | None = None, split=True
+    mask: Mask | None,
+    T: int,
+    S: int,
+    q_offset: int | None,
+    kv_offset: int,
+    tiling: str | None = None,
+    split: bool = True,
 ) -> tuple[int, int]:
     """The tile of ``TILINGS[tiling]`` (default :func:`_tiling`) with the least work on the mask's non-empty tiles.
 
@@ -440,8 +446,8 @@ def _auto_block(
     def work(tile):
         bq, bk = min(tile[0], T), min(tile[1], S)
         kinds = _blockwise.static_kinds(mask, T, S, bq, bk, q_offset, kv_offset, halve=split)
-        tiles = np.count_nonzero(kinds != EMPTY) - np.count_nonzero(kinds == LOWER) / 4
-        return tiles * (bq * bk + overhead)
+        count = np.count_nonzero(kinds != EMPTY) - np.count_nonzero(kinds == LOWER) / 4
+        return count * (bq * bk + overhead)
 
     return min(tiles, key=work)
 
