@@ -310,5 +310,5 @@ def tile_grads(p: Array, ds: Array, qt: Array, kb: Array, dot: Array, precision,
 
 
 def transposed(x: Array) -> Array:
-    """A query-side block ``(B, t, X)`` as ``(B, X, t)``, for :func:`tile_grads`."""
+    """``(B, t, X)`` as ``(B, X, t)``: the query side of :func:`tile_grads`, and its dk, dv back."""
     return jnp.swapaxes(x, 1, 2)
