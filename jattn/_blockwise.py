@@ -9,7 +9,8 @@ mask, partial blocks apply it. Each query block loops over the list of its non-e
 only (:meth:`_Plan.sweep`), so causal attention costs about half of full attention and a sliding
 window of width w costs O(T·w). A partial tile whose top-right quarter is empty (the causal
 diagonal) is computed as its two non-empty parts, top rows against the first half of its keys and
-bottom rows against all of them: 3/4 of the tile (:data:`SPLIT_MIN`).
+bottom rows against all of them: 3/4 of the tile; one whose first quarters of rows are empty (the
+diagonal of a tall tile) as its last quarters only (:data:`SPLIT_MIN`).
 
 Masks read from arrays are classified on device, per row of the flattened leading axis B: an
 array mask, ``padding`` lengths and ``segment_ids`` (packed documents: a tile whose query ids
@@ -71,6 +72,8 @@ from jattn._masks import (
 )
 from jattn._online import (
     LOWER,
+    SPLIT_AREA,
+    TOP_EMPTY,
     Tree,
     accumulate,
     backward_rows,
@@ -114,8 +117,9 @@ TILE_BYTES = 2**22
 
 #: The smallest tile side (query rows and keys) whose LOWER tiles (:data:`jattn._online.LOWER`:
 #: partial, top-right quarter empty, as on the causal diagonal) are computed as their two non-empty
-#: parts, 3/4 of the tile; smaller tiles are computed whole. Only without a score modification,
-#: bias or dropout, whose tile-shaped arrays would have to be cut too.
+#: parts, 3/4 of the tile, and whose TOP_EMPTY tiles (:data:`jattn._online.TOP_EMPTY`: the first
+#: quarters of rows empty) as their other rows; smaller tiles are computed whole. Only without a
+#: score modification, bias or dropout, whose tile-shaped arrays would have to be cut too.
 SPLIT_MIN = 128
 
 
@@ -155,10 +159,12 @@ def group_size(b: int, bq: int, bk: int, itemsize: int, platform: str, threads: 
 def static_kinds(
     mask: Mask | None, T: int, S: int, bq: int, bk: int, q_offset: int, kv_offset: int, halve: bool
 ) -> np.ndarray:
-    """``(nq, nk)`` int8 kinds of the tiles of ``bq`` x ``bk``, keys past S masked; LOWER marked when ``halve``.
+    """``(nq, nk)`` int8 kinds of the tiles of ``bq`` x ``bk``, keys past S masked; split kinds marked when ``halve``.
 
-    ``halve`` (tiles of :data:`SPLIT_MIN` and up, even sides) marks a PARTIAL tile whose top-right
-    quarter is empty as LOWER (:data:`jattn._online.LOWER`), computed as its two non-empty parts.
+    ``halve`` (tiles of :data:`SPLIT_MIN` and up) marks a PARTIAL tile whose top-right quarter is
+    empty (even sides) as LOWER (:data:`jattn._online.LOWER`), computed as its two non-empty parts,
+    and one whose first 1-3 quarters of rows are empty (``bq`` a multiple of 4) as TOP_EMPTY
+    (:data:`jattn._online.TOP_EMPTY`), computed as its other rows; the latter wins where both hold.
     """
     nq, nk = -(-T // bq), -(-S // bk)
     limit = KeyBelow(kv_offset + S)  # keys past S (block padding) are masked
@@ -167,6 +173,11 @@ def static_kinds(
     if halve and min(bq, bk) >= SPLIT_MIN and bq % 2 == bk % 2 == 0:
         quarters = full.block_kinds(nq * bq, nk * bk, bq // 2, bk // 2, q_offset=q_offset, kv_offset=kv_offset)
         kinds = np.where((kinds == PARTIAL) & (quarters[0::2, 1::2] == EMPTY), np.int8(LOWER), kinds)
+    if halve and min(bq, bk) >= SPLIT_MIN and bq % 4 == 0:
+        rows = full.block_kinds(nq * bq, nk * bk, bq // 4, bk, q_offset=q_offset, kv_offset=kv_offset)
+        empty = (rows.reshape(nq, 4, nk)[:, :3] == EMPTY).cumprod(axis=1).sum(axis=1)  # leading empty quarters
+        top = np.asarray(TOP_EMPTY, np.int8)[np.maximum(empty - 1, 0)]
+        kinds = np.where(((kinds == PARTIAL) | (kinds == LOWER)) & (empty > 0), top, kinds)
     return kinds
 
 
@@ -232,8 +243,12 @@ def _kernels(plan: _Plan, precision):
 
 
 def _group_kinds(kinds: Array) -> Array:
-    """A group's rows' kinds ``(b|1, ...)`` as one (:func:`jattn._masks.reduce_kinds`), LOWER kept where a row has it."""
-    return jnp.where(jnp.any(kinds == LOWER, axis=0), jnp.int8(LOWER), reduce_kinds(kinds))
+    """A group's rows' kinds ``(b|1, ...)`` as one (:func:`jattn._masks.reduce_kinds`), a split kind kept where a row has it.
+
+    A tile's rows share its static split kind, or are EMPTY on device (:meth:`_Plan.run`).
+    """
+    split = jnp.max(jnp.where(kinds >= LOWER, kinds, jnp.int8(EMPTY)), axis=0)
+    return jnp.where(split != EMPTY, split, reduce_kinds(kinds))
 
 
 def _folding(kernel, foldable: bool = True, shared: tuple[int, ...] = ()):
@@ -314,7 +329,7 @@ class _Plan:
         limit = KeyBelow(kv_offset + S)
         self.predicate = limit if mask is None else mask & limit
         kinds = static_kinds(mask, T, S, bq, bk, q_offset, kv_offset, halve=mod is None and not bias and not dropout)
-        self.halve = bool(np.any(kinds == LOWER))  # LOWER tiles: partial, with an empty top-right quarter
+        self.splits = tuple(k for k in SPLIT_AREA if np.any(kinds == k))  # the kinds computed in parts
         self.index, self.kind = _schedule(kinds)  # per query block: its key blocks
         self.count = (self.kind != EMPTY).sum(1).astype(np.int32)  # per query block: its scheduled key blocks
         same = self.kind[0, 0] if np.all(self.kind == self.kind[0, 0]) else EMPTY
@@ -420,7 +435,7 @@ class _Plan:
         rows = np.arange(self.index.shape[0])[:, None]  # padding entries of the schedule stay EMPTY
         static = jnp.asarray(self.kind)[None]  # (1, nq, width)
         kind = kinds[:, rows, self.index]  # (B|1, nq, width)
-        kind = jnp.where((static == LOWER) & (kind != EMPTY), jnp.int8(LOWER), kind)  # a LOWER tile is never FULL
+        kind = jnp.where((static >= LOWER) & (kind != EMPTY), static, kind)  # a split tile is never FULL
         return _Run(jnp.where(static == EMPTY, jnp.int8(EMPTY), kind), arrays)
 
     def branches(self, arrays: tuple[Array, ...]) -> tuple[int | None, tuple[int, ...] | None]:
@@ -446,9 +461,16 @@ class _Plan:
             return jax.lax.fori_loop(0, count[i], step, carry)
         return jax.lax.scan(key_block, carry, (index[i], kind[i]))[0]
 
-    def halves(self) -> tuple[tuple[slice, slice], tuple[slice, slice]]:
-        """The (rows, keys) of a LOWER tile's two non-empty parts: top rows x first keys, bottom rows x all keys."""
-        return (slice(0, self.bq // 2), slice(0, self.bk // 2)), (slice(self.bq // 2, None), slice(None))
+    def parts(self, kind: int) -> tuple[tuple[slice, slice | None], ...]:
+        """A split tile's rows, in order, each with the keys it is computed against (None: not computed).
+
+        LOWER: top rows x first keys, bottom rows x all keys; TOP_EMPTY: the empty quarters of rows
+        x none, the rest x all keys.
+        """
+        if kind == LOWER:
+            return (slice(0, self.bq // 2), slice(0, self.bk // 2)), (slice(self.bq // 2, None), slice(None))
+        top = (TOP_EMPTY.index(kind) + 1) * self.bq // 4
+        return (slice(0, top), None), (slice(top, None), slice(None))
 
 
 class _Rows(NamedTuple):
@@ -534,16 +556,19 @@ def _forward(
                 drop = plan.dropped(i, j, seeds)
                 return accumulate(carry, s, keep, group.block(v, j, plan.bk), precision, plan.compute, drop)
 
-            def lower(carry):  # a LOWER tile as its two parts, each row's state updated by its own part
+            def split(carry, kind):  # a tile as its parts, each row's state updated by its own part (or kept)
                 kb, vb, keep = group.block(k, j, plan.bk), group.block(v, j, plan.bk), plan.allowed(i, j, arrays)
                 parts = []
-                for r, c in plan.halves():
-                    s = scaled_scores(qb[:, r], kb[:, c], scale, plan.compute, precision)
+                for r, c in plan.parts(kind):
                     state = tuple(x[:, r] for x in carry)
-                    parts.append(accumulate(state, s, keep[:, r, c], vb[:, c], precision, plan.compute))
+                    if c is not None:
+                        s = scaled_scores(qb[:, r], kb[:, c], scale, plan.compute, precision)
+                        state = accumulate(state, s, keep[:, r, c], vb[:, c], precision, plan.compute)
+                    parts.append(state)
                 return tuple(jnp.concatenate(xs, axis=1) for xs in zip(*parts, strict=True))
 
-            return per_block(kd, update, carry, *plan.branches(arrays), lower if plan.halve else None), None
+            splits = {kind: functools.partial(split, kind=kind) for kind in plan.splits}
+            return per_block(kd, update, carry, *plan.branches(arrays), splits), None
 
         init = fresh(empty_state(b, plan.bq, e, plan.compute))
         state = plan.sweep(key_block, init, i, index, kind)
@@ -607,9 +632,12 @@ def _backward(
                     gb = jnp.sum(dx, axes, keepdims=True) if axes else dx
                 return (*tile_grads(p, ds, qt, kb, dot, precision, compute), gc, gb)
 
-            def lower(zeros):  # a LOWER tile as its two parts (no modification, bias or dropout here)
-                keep, gq, (_, gk, gv, gc, gb) = plan.allowed(i, j, arrays), [], zeros
-                for r, c in plan.halves():
+            def split(zeros, kind):  # a tile as its parts (no modification, bias or dropout here)
+                keep, gq, (zq, gk, gv, gc, gb) = plan.allowed(i, j, arrays), [], zeros
+                for r, c in plan.parts(kind):
+                    if c is None:  # rows not computed: no share of dq
+                        gq.append(zq[:, r])
+                        continue
                     s = scaled_scores(qb_scaled[:, r], kb[:, c], s_scale, compute, precision)
                     p, ds, _, _ = score_grads(
                         s, keep[:, r, c], lse_i[:, r], dob[:, r], vb[:, c], delta_i[:, r], scale, precision, compute
@@ -625,7 +653,8 @@ def _backward(
                 jax.tree.map(jnp.zeros_like, dc),
                 () if bias is None else jnp.zeros(window[1], compute),
             ))  # fmt: skip
-            gq, gk, gv, gc, gb = per_block(kd, update, zeros, *plan.branches(arrays), lower if plan.halve else None)
+            splits = {kind: functools.partial(split, kind=kind) for kind in plan.splits}
+            gq, gk, gv, gc, gb = per_block(kd, update, zeros, *plan.branches(arrays), splits)
             dc = jax.tree.map(jnp.add, dc, gc)
             if bias is not None:
                 db = jax.lax.dynamic_update_slice(db, jax.lax.dynamic_slice(db, *window) + gb, window[0])

@@ -42,7 +42,7 @@ from jattn._masks import (
     on_batch_axis,
 )
 from jattn._masks import array as masks_array
-from jattn._online import LOWER, compute_dtype, lead_index
+from jattn._online import SPLIT_AREA, compute_dtype, lead_index
 from jattn._pallas import pallas_attention
 from jattn._softmax import SoftmaxParts, softmax_parts
 
@@ -429,12 +429,12 @@ def _auto_block(
 ) -> tuple[int, int]:
     """The tile of ``TILINGS[tiling]`` (default :func:`_tiling`) with the least work on the mask's non-empty tiles.
 
-    Work is ``tiles x (tile area + overhead)``, a LOWER tile (the causal diagonal, computed as two
-    parts) at 3/4 of its area, ties to the first listed: full and causal attention keep the largest
-    tile; a narrow sliding window takes smaller ones, which waste fewer masked entries. A mask with
-    arrays (padding, documents) keeps to tiles of 512 and less, which its run-time kinds can skip
-    (statically every tile they touch counts). ``split``: LOWER tiles are computed as two parts
-    (no bias, score modification or dropout).
+    Work is ``tiles x (tile area + overhead)``, a tile computed in parts (the causal diagonal:
+    LOWER, TOP_EMPTY) at the share of its area they compute, ties to the first listed: full and
+    causal attention keep the largest tile; a narrow sliding window takes smaller ones, which waste
+    fewer masked entries. A mask with arrays (padding, documents) keeps to tiles of 512 and less,
+    which its run-time kinds can skip (statically every tile they touch counts). ``split``: tiles
+    may be computed in parts (no bias, score modification or dropout).
     """
     tiles, overhead = TILINGS[_tiling() if tiling is None else tiling]
     if T == 0 or S == 0:  # no tiles
@@ -446,7 +446,9 @@ def _auto_block(
     def work(tile):
         bq, bk = min(tile[0], T), min(tile[1], S)
         kinds = _blockwise.static_kinds(mask, T, S, bq, bk, q_offset, kv_offset, halve=split)
-        count = np.count_nonzero(kinds != EMPTY) - np.count_nonzero(kinds == LOWER) / 4
+        count = np.count_nonzero(kinds != EMPTY) - sum(
+            (1 - a) * np.count_nonzero(kinds == k) for k, a in SPLIT_AREA.items()
+        )
         return count * (bq * bk + overhead)
 
     return min(tiles, key=work)

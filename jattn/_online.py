@@ -41,6 +41,8 @@ Tree = TypeVar("Tree")  # a pytree of arrays
 
 __all__ = [
     "LOWER",
+    "SPLIT_AREA",
+    "TOP_EMPTY",
     "Tree",
     "accumulate",
     "backward_rows",
@@ -103,24 +105,30 @@ def scaled_scores(qb: Array, kb: Array, scale: float, compute, precision) -> Arr
 
 
 #: The kind of a PARTIAL tile whose top-right quarter (first half of its query rows, last half of
-#: its keys) is empty, as on the diagonal of causal attention: :func:`per_block` hands it to
-#: ``lower`` instead, which computes the two non-empty parts (top rows against the first half of
-#: the keys, bottom rows against all of them) and skips the quarter.
+#: its keys) is empty, as on the diagonal of causal attention: computed as its two non-empty parts
+#: (top rows against the first half of the keys, bottom rows against all of them), 3/4 of the tile.
 LOWER = 3
 
+#: The kinds of a PARTIAL tile whose first 1, 2 or 3 quarters of query rows are empty, as on the
+#: causal diagonal of a tall tile (1024 x 128): only its last 3, 2 or 1 quarters are computed.
+TOP_EMPTY = (4, 5, 6)
 
-def per_block(kind: Array, update, carry, uniform: int | None = None, kinds: tuple[int, ...] | None = None, lower=None):
+#: The kinds computed in parts, and the share of the tile's area each computes.
+SPLIT_AREA = {LOWER: 0.75, TOP_EMPTY[0]: 0.75, TOP_EMPTY[1]: 0.5, TOP_EMPTY[2]: 0.25}
+
+
+def per_block(kind: Array, update, carry, uniform: int | None = None, kinds: tuple[int, ...] | None = None, split=None):
     """Runs ``update(carry, masked)`` on a PARTIAL or FULL tile; an EMPTY one is skipped.
 
-    ``lower(carry)`` (optional) takes the LOWER tiles, which only occur when it is given.
-    ``uniform`` (PARTIAL, FULL or LOWER) says statically that every tile has that kind: no branch;
-    else ``kinds`` (optional) lists the kinds that occur, and only their branches are compiled: it
-    must hold every value ``kind`` can take (any other would run the EMPTY branch).
+    ``split`` (optional) maps kinds of :data:`SPLIT_AREA` to the functions ``f(carry)`` that take
+    their tiles, which only occur when given. ``uniform`` (a kind) says statically that every tile
+    has that kind: no branch; else ``kinds`` (optional) lists the kinds that occur, and only their
+    branches are compiled: it must hold every value ``kind`` can take (any other would run the
+    EMPTY branch).
     """
     branches = {EMPTY: lambda c: c, PARTIAL: functools.partial(update, masked=True)}
     branches[FULL] = functools.partial(update, masked=False)
-    if lower is not None:
-        branches[LOWER] = lower
+    branches.update(split or {})
     if uniform is not None:
         return branches[uniform](carry)
     keys = sorted(branches if kinds is None else {EMPTY, *kinds})

@@ -247,8 +247,9 @@ def test_automatic_tiles_shrink_for_narrow_windows_and_keep_the_result():
     assert auto(None, "other") == auto(masks.causal(), "other") == (512, 512)
     assert auto(None, "cpu") == auto(masks.causal(), "cpu", T=16384) == (2048, 2048)
     assert auto(None, "cpu, 1 thread") == (1024, 128)  # one head's 512 KiB tile in L2
-    # causal on one thread: 512 x 256 (its diagonal tiles are LOWER, 3/4 of the work) against 1024 x 128
-    assert auto(masks.causal(), "cpu, 1 thread") == (512, 256)
+    # causal on one thread: 1024 x 128, its diagonal tiles TOP_EMPTY (only their last quarters computed)
+    assert auto(masks.causal(), "cpu, 1 thread") == (1024, 128)
+    assert auto(masks.causal(), "cpu, 1 thread", T=2048) == (1024, 128)
     assert auto(None, "other", T=1100) == (256, 256)  # 512 tiles would pad 1100 to 1536
     # a mask of arrays (documents, padding, a boolean array) is classified on device: tiles of 512 and less
     ids = jnp.repeat(jnp.arange(8, dtype=jnp.int32), 1024)[None]
@@ -429,19 +430,23 @@ def _per_example_cases(rng, B, T, S):
 @pytest.mark.parametrize(
     "case", ["none", "causal", "causal-offset", "window", "causal&padding", "segments&causal", "sinks"]
 )
-def test_lower_tiles_computed_as_two_parts_equal_the_reference(monkeypatch, dtype, case):
-    """Partial tiles with an empty top-right quarter (the causal diagonal) are computed as their two parts.
+@pytest.mark.parametrize("block", [(6, 4), (16, 4)])
+def test_tiles_computed_in_parts_equal_the_reference(monkeypatch, dtype, case, block):
+    """Partial tiles with empty corners (the causal diagonal) are computed as their non-empty parts.
 
-    Top rows against the first half of the keys, bottom rows against all keys (the half-tile
-    matmuls are in the jaxpr); values, lse and gradients against float64 with the explicit mask.
-    ``SPLIT_MIN`` lowered so 6 x 4 tiles split; T and S odd so the diagonal cuts tiles unevenly.
-    Without a mask the last key block (one key of 4, the rest padding) is such a tile too.
+    6 x 4 tiles with an empty top-right quarter (LOWER): top rows against the first half of the
+    keys, bottom rows against all keys. Tall 16 x 4 tiles whose first quarters of rows are empty
+    (TOP_EMPTY): their last 12, 8 or 4 rows only. The part matmuls are in the jaxpr; values, lse
+    and gradients against float64 with the explicit mask. ``SPLIT_MIN`` lowered so these tiles
+    split; T and S odd so the diagonal cuts tiles unevenly. Without a mask the last key block (one
+    key of 4, the rest padding) is a LOWER tile too.
     """
     import jattn._blockwise as bw
 
     monkeypatch.setattr(bw, "SPLIT_MIN", 4)
     rng = np.random.default_rng(3)
-    B, N, T, S = 3, 2, 13, 13 if case != "causal-offset" else 17
+    B, N, T = 3, 2, 13 if block == (6, 4) else 29  # 16-row tiles: two query blocks, the last ragged
+    S = T if case != "causal-offset" else T + 4
     t, s = np.arange(T)[:, None], np.arange(S)[None, :]
     causal = s <= t + (S - T)
     q_len, kv_len = np.array([13, 5, 9]), np.array([13, 8, 2])
@@ -468,7 +473,7 @@ def test_lower_tiles_computed_as_two_parts_equal_the_reference(monkeypatch, dtyp
     g = _rand((B, N, T, 4), 3, dtype)
 
     def loss(q, k, v):
-        kw = dict(implementation="blockwise", block_size=(6, 4), return_lse=True, sinks=sinks)
+        kw = dict(implementation="blockwise", block_size=block, return_lse=True, sinks=sinks)
         out, lse = jattn.attention(q, k, v, mask=mask, **kw)
         return jnp.sum(out.astype(jnp.float32) * g.astype(jnp.float32)), (out, lse)
 
@@ -478,8 +483,11 @@ def test_lower_tiles_computed_as_two_parts_equal_the_reference(monkeypatch, dtyp
     _close_lse(lse, want_lse, dtype)
     for got, w in zip(grads, ref.attention_grads(q, k, v, g, dense, sinks=sinks)[:3], strict=True):
         ref.assert_grad_close(got, w, dtype)
-    shapes = _dot_shapes(lambda q, k, v: loss(q, k, v)[0], q, k, v)
-    assert {s.rsplit("[", 1)[1].split(",", 1)[1] for s in shapes} >= {"3,2]", "3,4]"}, shapes  # the two parts
+    shapes = {s.rsplit("[", 1)[1].split(",", 1)[1] for s in _dot_shapes(lambda q, k, v: loss(q, k, v)[0], q, k, v)}
+    if block == (6, 4) or case == "none":  # LOWER's two parts
+        assert shapes >= {f"{block[0] // 2},2]", f"{block[0] // 2},4]"}, shapes
+    else:  # TOP_EMPTY tiles: the last 12 and the last 4 rows
+        assert shapes >= {"12,4]", "4,4]"}, shapes
 
 
 @pytest.mark.parametrize("extra", ["bias", "score_mod"])
