@@ -113,7 +113,7 @@ LOWER = 3
 #: causal diagonal of a tall tile (1024 x 128): only its last 3, 2 or 1 quarters are computed.
 TOP_EMPTY = (4, 5, 6)
 
-#: The kinds computed in parts, and the share of the tile's area each computes.
+#: The kinds computed in parts (the codes from LOWER up), and the share of the tile's area each computes.
 SPLIT_AREA = {LOWER: 0.75, TOP_EMPTY[0]: 0.75, TOP_EMPTY[1]: 0.5, TOP_EMPTY[2]: 0.25}
 
 
