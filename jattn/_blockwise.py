@@ -63,6 +63,7 @@ from jattn._masks import (
     PARTIAL,
     KeyBelow,
     Mask,
+    box_kinds,
     call_rows,
     fill_arrays,
     reduce_kinds,
@@ -170,14 +171,21 @@ def static_kinds(
     limit = KeyBelow(kv_offset + S)  # keys past S (block padding) are masked
     full = limit if mask is None else mask & limit
     kinds = full.block_kinds(nq * bq, nk * bk, bq, bk, q_offset=q_offset, kv_offset=kv_offset)
-    if halve and min(bq, bk) >= SPLIT_MIN and bq % 2 == bk % 2 == 0:
-        quarters = full.block_kinds(nq * bq, nk * bk, bq // 2, bk // 2, q_offset=q_offset, kv_offset=kv_offset)
-        kinds = np.where((kinds == PARTIAL) & (quarters[0::2, 1::2] == EMPTY), np.int8(LOWER), kinds)
-    if halve and min(bq, bk) >= SPLIT_MIN and bq % 4 == 0:
-        rows = full.block_kinds(nq * bq, nk * bk, bq // 4, bk, q_offset=q_offset, kv_offset=kv_offset)
-        empty = (rows.reshape(nq, 4, nk)[:, :3] == EMPTY).cumprod(axis=1).sum(axis=1)  # leading empty quarters
-        top = np.asarray(TOP_EMPTY, np.int8)[np.maximum(empty - 1, 0)]
-        kinds = np.where(((kinds == PARTIAL) | (kinds == LOWER)) & (empty > 0), top, kinds)
+    if not halve or min(bq, bk) < SPLIT_MIN:
+        return kinds
+    qi, kj = np.nonzero(kinds == PARTIAL)  # only partial tiles split: their corners are classified alone
+    i0, j0 = q_offset + qi * bq, kv_offset + kj * bk  # each one's first query and key position
+
+    def empty(rows: int, keys: slice) -> np.ndarray:  # its first rows against keys[0] .. keys[1] - 1, all masked?
+        return box_kinds(full, i0, i0 + rows - 1, j0 + keys.start, j0 + keys.stop - 1) == EMPTY
+
+    split = kinds[qi, kj]
+    if bq % 2 == bk % 2 == 0:
+        split = np.where(empty(bq // 2, slice(bk // 2, bk)), np.int8(LOWER), split)
+    if bq % 4 == 0:  # more empty quarters of rows win
+        for n, kind in enumerate(TOP_EMPTY, start=1):
+            split = np.where(empty(n * bq // 4, slice(0, bk)), np.int8(kind), split)
+    kinds[qi, kj] = split
     return kinds
 
 

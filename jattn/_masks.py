@@ -147,11 +147,7 @@ class Mask:
         i1 = np.minimum(i0 + block_q, q_offset + T) - 1
         j0 = kv_offset + np.arange(0, S, block_kv)[None, :]
         j1 = np.minimum(j0 + block_kv, kv_offset + S) - 1
-        empty, full = self._blocks(i0, i1, j0, j1)
-        kinds = np.full(np.broadcast_shapes(i0.shape, j0.shape), PARTIAL, np.int8)
-        kinds[np.broadcast_to(full, kinds.shape)] = FULL
-        kinds[np.broadcast_to(empty, kinds.shape)] = EMPTY
-        return kinds
+        return box_kinds(self, i0, i1, j0, j1)
 
     def render(self, T: int, S: int | None = None, **offsets) -> str:
         """Rows of ``#`` (attend) and ``.`` (masked), one per query; first example if per-example."""
@@ -692,6 +688,19 @@ def tile_kinds(mask: Mask, T: int, S: int, block_q: int, block_kv: int, *, q_off
     lead = _broadcast_ranked(example_lead(mask, ndim), *leads)
     rows = as_rows(mask, lead)._bind(q_offset, kv_offset)
     return reduce_kinds(row_kinds(rows, T, S, block_q, block_kv, q_offset=q_offset, kv_offset=kv_offset))
+
+
+def box_kinds(mask: Mask, i0, i1, j0, j1) -> np.ndarray:
+    """int8 EMPTY / PARTIAL / FULL of the boxes of query positions ``[i0, i1]`` x key positions ``[j0, j1]``.
+
+    Inclusive bounds, int arrays that broadcast together (static, as :meth:`Mask.block_kinds`,
+    which is this on a grid).
+    """
+    empty, full = mask._blocks(i0, i1, j0, j1)
+    kinds = np.full(np.broadcast_shapes(*map(np.shape, (i0, i1, j0, j1))), PARTIAL, np.int8)
+    kinds[np.broadcast_to(full, kinds.shape)] = FULL
+    kinds[np.broadcast_to(empty, kinds.shape)] = EMPTY
+    return kinds
 
 
 def reduce_kinds(kinds: Array) -> Array:
