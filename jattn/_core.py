@@ -211,15 +211,23 @@ def _dropout(p: Array, rate: float, rng: Array | None, lead: tuple[int, ...]) ->
     return jnp.broadcast_to(p, keep.shape) * keep_scale(keep, rate, p.dtype)
 
 
-#: The tiles ``(query rows, keys)`` the blockwise path chooses from, by where it runs, and the fixed
-#: cost of one tile in score entries (README "Tiles by thread count"). On one CPU thread, tall narrow
-#: tiles of one head stay in the core's L2 cache (1024 x 128 float32: 512 KiB); on more threads XLA
-#: splits every op of a tile over them, and the split pays only on big tiles (fitted on 2 threads:
-#: a tile costs 256² entries more). Elsewhere (GPU, TPU) the square tiles fitted before on CPU.
+def _fixed_cost(tiles: tuple[tuple[int, int], ...], overhead: int) -> dict[tuple[int, int], float]:
+    """Each tile's cost of one score entry when a tile costs ``overhead`` entries more than its area."""
+    return {t: 1 + overhead / (t[0] * t[1]) for t in tiles}
+
+
+#: The tiles ``(query rows, keys)`` the blockwise path chooses from, by where it runs, each with the
+#: cost of one score entry in it, in order of preference (README "Tiles by thread count"). On one
+#: CPU thread, tall narrow tiles of one head stay in the core's L2 cache (1024 x 128 float32: 512
+#: KiB), and a tile costs 64² entries more than its area. On more threads XLA splits every op of a
+#: tile over them and only big tiles pay for the split: measured on 2 threads (causal and full
+#: forward, T = 2048 to 16384, alternated), an entry of a 2048² tile costs 0.86-0.94 of one in a
+#: 512² tile, of a 1024² tile 0.96-0.98 and of a 256² tile 1.47-1.55 (128²: the 256² trend).
+#: Elsewhere (GPU, TPU) the square tiles fitted before on CPU.
 TILINGS = {
-    "cpu, 1 thread": (((1024, 128), (512, 256), (256, 128), (128, 128)), 64 * 64),
-    "cpu": (((2048, 2048), (1024, 1024), (512, 512), (256, 256), (128, 128)), 256 * 256),
-    "other": (((512, 512), (256, 256), (128, 128)), 112 * 112),
+    "cpu, 1 thread": _fixed_cost(((1024, 128), (512, 256), (256, 128), (128, 128)), 64 * 64),
+    "cpu": {(2048, 2048): 0.9, (1024, 1024): 0.97, (512, 512): 1.0, (256, 256): 1.5, (128, 128): 3.0},
+    "other": _fixed_cost(((512, 512), (256, 256), (128, 128)), 112 * 112),
 }
 AUTO_BLOCKWISE_MIN = 1024 * 1024  # T·S from which 'auto' prefers blockwise on CPU (bench/README)
 IMPLEMENTATIONS = ("dense", "blockwise", "xla", "cudnn", "pallas")
@@ -429,14 +437,16 @@ def _auto_block(
 ) -> tuple[int, int]:
     """The tile of ``TILINGS[tiling]`` (default :func:`_tiling`) with the least work on the mask's non-empty tiles.
 
-    Work is ``tiles x (tile area + overhead)``, a tile computed in parts (the causal diagonal:
-    LOWER, TOP_EMPTY) at the share of its area they compute, ties to the first listed: full and
-    causal attention keep the largest tile; a narrow sliding window takes smaller ones, which waste
-    fewer masked entries. A mask with arrays (padding, documents) keeps to tiles of 512 and less,
-    which its run-time kinds can skip (statically every tile they touch counts). ``split``: tiles
+    Work is ``tiles x tile area x cost of an entry``, a tile computed in parts (the causal
+    diagonal: LOWER, TOP_EMPTY) at the share of its area they compute, ties to the first listed:
+    full attention keeps the largest tile; causal attention and narrow sliding windows take
+    smaller ones where they waste fewer masked entries. A mask with arrays (padding, documents)
+    keeps to tiles of 512 and less, which its run-time kinds can skip (statically every tile they
+    touch counts). ``split``: tiles
     may be computed in parts (no bias, score modification or dropout).
     """
-    tiles, overhead = TILINGS[_tiling() if tiling is None else tiling]
+    cost = TILINGS[_tiling() if tiling is None else tiling]
+    tiles = tuple(cost)
     if T == 0 or S == 0:  # no tiles
         return tiles[0]
     if mask is not None and (mask.has_arrays or mask.per_example):  # run-time kinds skip small tiles best
@@ -449,7 +459,7 @@ def _auto_block(
         count = np.count_nonzero(kinds != EMPTY) - sum(
             (1 - a) * np.count_nonzero(kinds == k) for k, a in SPLIT_AREA.items()
         )
-        return count * (bq * bk + overhead)
+        return count * bq * bk * cost[tile]
 
     return min(tiles, key=work)
 

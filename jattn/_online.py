@@ -117,8 +117,12 @@ TOP_EMPTY = (4, 5, 6)
 SPLIT_AREA = {LOWER: 0.75, TOP_EMPTY[0]: 0.75, TOP_EMPTY[1]: 0.5, TOP_EMPTY[2]: 0.25}
 
 
-def per_block(kind: Array, update, carry, uniform: int | None = None, kinds: tuple[int, ...] | None = None, split=None):
+def per_block(
+    kind: Array | int, update, carry, uniform: int | None = None, kinds: tuple[int, ...] | None = None, split=None
+):
     """Runs ``update(carry, masked)`` on a PARTIAL or FULL tile; an EMPTY one is skipped.
+
+    ``kind`` is the tile's kind, traced (a branch on it) or an int (that kind's code alone).
 
     ``split`` (optional) maps kinds of :data:`SPLIT_AREA` to the functions ``f(carry)`` that take
     their tiles, which only occur when given. ``uniform`` (a kind) says statically that every tile
@@ -129,8 +133,8 @@ def per_block(kind: Array, update, carry, uniform: int | None = None, kinds: tup
     branches = {EMPTY: lambda c: c, PARTIAL: functools.partial(update, masked=True)}
     branches[FULL] = functools.partial(update, masked=False)
     branches.update(split or {})
-    if uniform is not None:
-        return branches[uniform](carry)
+    if uniform is not None or isinstance(kind, int):  # one kind, known statically: no branch
+        return branches[kind if uniform is None else uniform](carry)
     keys = sorted(branches if kinds is None else {EMPTY, *kinds})
     slot = jnp.asarray([keys.index(k) if k in keys else 0 for k in range(max(keys) + 1)], jnp.int32)
     return jax.lax.switch(slot[kind.astype(jnp.int32)], [branches[k] for k in keys], carry)

@@ -246,6 +246,9 @@ def test_automatic_tiles_shrink_for_narrow_windows_and_keep_the_result():
 
     assert auto(None, "other") == auto(masks.causal(), "other") == (512, 512)
     assert auto(None, "cpu") == auto(masks.causal(), "cpu", T=16384) == (2048, 2048)
+    # causal on several threads: 512² up to T=4096 (2048² would compute more masked entries), then 2048²
+    assert auto(masks.causal(), "cpu", T=2048) == auto(masks.causal(), "cpu", T=4096) == (512, 512)
+    assert auto(masks.causal(), "cpu") == (2048, 2048)
     assert auto(None, "cpu, 1 thread") == (1024, 128)  # one head's 512 KiB tile in L2
     # causal on one thread: 1024 x 128, its diagonal tiles TOP_EMPTY (only their last quarters computed)
     assert auto(masks.causal(), "cpu, 1 thread") == (1024, 128)
@@ -488,6 +491,67 @@ def test_tiles_computed_in_parts_equal_the_reference(monkeypatch, dtype, case, b
         assert shapes >= {f"{block[0] // 2},2]", f"{block[0] // 2},4]"}, shapes
     else:  # TOP_EMPTY tiles: the last 12 and the last 4 rows
         assert shapes >= {"12,4]", "4,4]"}, shapes
+
+
+def _loops_with_bare_dots(jaxpr) -> list[bool]:
+    """For each while loop in ``jaxpr`` (nested ones too): does its body run a matmul outside any ``cond``?"""
+    found = []
+
+    def subs(eqn):
+        for p in eqn.params.values():
+            for x in p if isinstance(p, (tuple, list)) else (p,):
+                if hasattr(x, "eqns") or hasattr(x, "jaxpr"):
+                    yield getattr(x, "jaxpr", x)
+
+    def bare_dot(jx) -> bool:  # a dot_general reached without passing a cond or another loop
+        return any(
+            e.primitive.name == "dot_general"
+            or (e.primitive.name not in ("cond", "while", "scan") and any(bare_dot(j) for j in subs(e)))
+            for e in jx.eqns
+        )
+
+    def walk(jx):
+        for e in jx.eqns:
+            if e.primitive.name == "while":
+                found.append(bare_dot(e.params["body_jaxpr"].jaxpr))
+            for j in subs(e):
+                walk(j)
+
+    walk(jaxpr.jaxpr)
+    return found
+
+
+@pytest.mark.parametrize("case", ["causal-offset", "window", "padding"])
+def test_full_tiles_run_in_a_loop_without_a_branch(case):
+    """With static kinds each query block takes its FULL tiles first, in a loop of their own.
+
+    A branch's result is copied into the loop's state every step, so the FULL tiles (most of a
+    causal mask's) skip the ``lax.switch``; a window's FULL tiles come before its partial edges,
+    an order the values must not depend on. A mask read from arrays keeps one branched loop.
+    Values and gradients against float64 with the explicit mask; T, S odd and unequal.
+    """
+    B, N, T, S = 2, 3, 29, 33
+    t, s = np.arange(T)[:, None], np.arange(S)[None, :]
+    causal = s <= t + (S - T)
+    lengths = np.array([33, 19])
+    mask, dense = {
+        "causal-offset": (masks.causal(), causal),
+        "window": (masks.sliding_window(17), causal & (s >= t + (S - T) - 17)),
+        "padding": (masks.causal() & masks.padding(kv_lengths=lengths), causal & (s < lengths[:, None, None, None])),
+    }[case]
+    q, k, v, g = _rand((B, N, T, 5), 0), _rand((B, N, S, 5), 1), _rand((B, N, S, 4), 2), _rand((B, N, T, 4), 3)
+
+    def loss(q, k, v):
+        out = jattn.attention(q, k, v, mask=mask, implementation="blockwise", block_size=(8, 4))
+        return jnp.sum(out * g), out
+
+    (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    want, _, _ = ref.attention(q, k, v, dense)
+    np.testing.assert_allclose(ref.f64(out), want, **ref.tol(jnp.float32))
+    for got, w in zip(grads, ref.attention_grads(q, k, v, g, dense)[:3], strict=True):
+        ref.assert_grad_close(got, w, jnp.float32)
+    loops = _loops_with_bare_dots(jax.make_jaxpr(jax.grad(lambda *a: loss(*a)[0], (0, 1, 2)))(q, k, v))
+    assert loops.count(True) == (0 if case == "padding" else 2), loops  # forward and backward: one each
 
 
 @pytest.mark.parametrize("extra", ["bias", "score_mod"])
