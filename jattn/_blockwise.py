@@ -6,8 +6,8 @@ axis ``B``): q ``(B, T, D)``, k ``(B, S, D)``, v ``(B, S, E)``. Queries are tile
 (query block, key block) pair statically as empty, partial or full
 (:meth:`jattn.masks.Mask.block_kinds`): empty blocks are never computed, full blocks skip the
 mask, partial blocks apply it. Each query block loops over the list of its non-empty key blocks
-only (:meth:`_Plan.sweep`), so causal attention costs about half of full attention and a sliding
-window of width w costs O(T·w). A partial tile whose top-right quarter is empty (the causal
+only (:meth:`_Plan.sweep`; on CPU its FULL ones first, in a loop without a branch), so causal
+attention costs about half of full attention and a sliding window of width w costs O(T·w). A partial tile whose top-right quarter is empty (the causal
 diagonal) is computed as its two non-empty parts, top rows against the first half of its keys and
 bottom rows against all of them: 3/4 of the tile; one whose first quarters of rows are empty (the
 diagonal of a tall tile) as its last quarters only (:data:`SPLIT_MIN`).
@@ -216,14 +216,18 @@ def _pad(x: Array, axis: int, multiple: int) -> Array:
     return jnp.pad(x, widths)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10))
-def _flash(q, k, v, rows, seeds, sinks, consts, bias, run: _Run, plan: _Plan, precision) -> tuple[Array, Array, Array]:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11))
+def _flash(
+    q, k, v, rows, seeds, sinks, consts, bias, run: _Run, plan: _Plan, back: _Plan, precision
+) -> tuple[Array, Array, Array]:
     """``out (B, T, E)``, ``lse (B, T)`` and the row max logit ``(B, T)`` of padded q, k, v.
 
     ``q (B, T, D)``, ``k (B, S, D)``, ``v (B, S, E)``; ``rows (B, 2)`` int32 (batch, head) of each
     row for the score modification, ``seeds (B,)`` uint32 the dropout seed of each row (read only
     with ``plan.dropout``), ``sinks (B,)`` (read only with ``plan.sinks``), ``consts`` the
     modification's arrays; ``bias`` ``()`` or ``(bias (B|1, T|1, S|1),)`` padded like q and k.
+    ``back`` is the backward's plan: ``plan`` itself, or the same call on tiles that divide
+    ``plan``'s (the backward reads only per-row residuals, out and lse, so any tile recomputes them).
     """
     forward, _ = _kernels(plan, precision)
     return forward(q, k, v, rows, seeds, sinks, run.kind, run.arrays + bias, consts)[0]
@@ -721,20 +725,21 @@ def _backward(
     return ((grads, db), (dc, ())) if own else ((grads, ()), (dc, db))
 
 
-def _flash_fwd(q, k, v, rows, seeds, sinks, consts, bias, run, plan, precision):
+def _flash_fwd(q, k, v, rows, seeds, sinks, consts, bias, run, plan, back, precision):
     forward, _ = _kernels(plan, precision)
     (out, lse, mx), _ = forward(q, k, v, rows, seeds, sinks, run.kind, run.arrays + bias, consts)
     return (out, lse, mx), (q, k, v, rows, seeds, sinks, consts, bias, run, out, lse)
 
 
-def _flash_bwd(plan: _Plan, precision, res, cotangents):
-    """The flash-attention backward: one sweep over the non-empty tiles per group (:func:`_backward`)."""
+def _flash_bwd(plan: _Plan, back: _Plan, precision, res, cotangents):
+    """The flash-attention backward: one sweep over ``back``'s non-empty tiles per group (:func:`_backward`)."""
     q, k, v, rows, seeds, sinks, consts, bias, run, out, lse = res
     d_out, _, _ = cotangents  # the log-sum-exp and max logit are outputs for inspection, not differentiated
 
-    _, backward = _kernels(plan, precision)
+    _, backward = _kernels(back, precision)
+    kind = run.kind if back is plan else back.run(run.arrays).kind
     arrays = run.arrays + bias
-    ((dq, dk, dv), own), (dconsts, shared) = backward(q, k, v, out, lse, d_out, rows, seeds, run.kind, arrays, consts)
+    ((dq, dk, dv), own), (dconsts, shared) = backward(q, k, v, out, lse, d_out, rows, seeds, kind, arrays, consts)
     dsinks = jnp.zeros_like(sinks)
     if plan.sinks:
         _, delta = backward_rows(out, d_out, lse, plan.compute)
@@ -764,6 +769,7 @@ def blockwise_attention(
     bias: Array | None = None,
     dropout_rate: float = 0.0,
     dropout_rng: Array | None = None,
+    backward_block: tuple[int, int] | None = None,
 ) -> tuple[Array, Array, Array]:
     """Blockwise attention of validated ``q (..., T, D)``, ``k (..., S, D)``, ``v (..., S, E)``.
 
@@ -772,7 +778,9 @@ def blockwise_attention(
     dimensions), ``dropout_rate`` and ``dropout_rng`` are as for :func:`jattn.attention`. Returns ``out (..., T, E)``, ``lse (..., T)``
     and the row max logit ``(..., T)``; see the module docstring. The platform
     (:func:`platform`) and, on CPU, the threads (:func:`cpu_threads`) pick the tiling of the leading
-    axis (:func:`group_size`).
+    axis (:func:`group_size`). ``backward_block`` (optional) tiles the backward where the forward's
+    tiles are of several kinds (not all FULL), its sides divide the forward's and there is no
+    ``score_mod``; else the backward takes the forward's tiles.
     """
     T, S = q.shape[-2], k.shape[-2]
     lead = broadcast_all(q=q, k=k, v=v, bias=bias)
@@ -802,15 +810,20 @@ def blockwise_attention(
             (_pad(bias_f, 2, bk) if bias_f.shape[2] > 1 else bias_f,),
             _OWN if bias_f.shape[0] > 1 else _SHARED,
         )
-    plan = _Plan(
-        T, S, bq, bk, skeleton, int(q_offset), int(kv_offset), float(scale), compute, *where, mod,
-        sinks is not None, kind, float(dropout_rate),
+    facts = (
+        skeleton, int(q_offset), int(kv_offset), float(scale), compute, *where, mod, sinks is not None, kind,
+        float(dropout_rate),
     )  # fmt: skip
+    plan = back = _Plan(T, S, bq, bk, *facts)
+    if backward_block is not None and score_mod is None and plan.uniform is None:  # mod: converted for plan's tiles
+        bqb, bkb = min(backward_block[0], bq), min(backward_block[1], bk)
+        if (bqb, bkb) != (bq, bk) and bq % bqb == 0 and bk % bkb == 0:  # q, k, v padded for both
+            back = _Plan(T, S, bqb, bkb, *facts)
     run = plan.run(arrays)
     padded = _pad(qf, 1, bq), _pad(kf, 1, bk), _pad(vf, 1, bk)
     flat = jnp.arange(b, dtype=jnp.int32)  # each row's flat leading index
     seeds = row_seeds(dropout_rng, flat) if dropout_rate else jnp.zeros((b,), jnp.uint32)
-    out, lse, mx = _flash(*padded, head_rows(lead), seeds, sinks_f, consts, bias_t, run, plan, precision)
+    out, lse, mx = _flash(*padded, head_rows(lead), seeds, sinks_f, consts, bias_t, run, plan, back, precision)
     out = out[:, :T].reshape(*lead, T, v.shape[-1]).astype(v.dtype)
     return out, lse[:, :T].reshape(*lead, T), mx[:, :T].reshape(*lead, T)
 

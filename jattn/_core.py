@@ -229,6 +229,13 @@ TILINGS = {
     "cpu": {(2048, 2048): 0.9, (1024, 1024): 0.97, (512, 512): 1.0, (256, 256): 1.5, (128, 128): 3.0},
     "other": _fixed_cost(((512, 512), (256, 256), (128, 128)), 112 * 112),
 }
+#: The largest tile side of the backward, by tiling, where a mask leaves tiles of several kinds
+#: (causal, windows; else, and without an entry, the forward's tiles). On several CPU threads the
+#: backward holds three score-sized tiles (p, dp, ds) where the forward holds one, and causal
+#: fwd+bwd on 2 threads measured (backward on 2048², 1024², 512², forward on 2048²): T=8192 5.89,
+#: 5.68, 5.54 s; T=16384 22.0, 20.7, 20.6 s. Full attention keeps one 2048² tile a head (T=2048:
+#: 630 ms against 669 on 1024²; README "Tiles by thread count").
+BACKWARD_SIDE = {"cpu": 512}
 AUTO_BLOCKWISE_MIN = 1024 * 1024  # T·S from which 'auto' prefers blockwise on CPU (bench/README)
 IMPLEMENTATIONS = ("dense", "blockwise", "xla", "cudnn", "pallas")
 
@@ -442,8 +449,8 @@ def _auto_block(
     full attention keeps the largest tile; causal attention and narrow sliding windows take
     smaller ones where they waste fewer masked entries. A mask with arrays (padding, documents)
     keeps to tiles of 512 and less, which its run-time kinds can skip (statically every tile they
-    touch counts). ``split``: tiles
-    may be computed in parts (no bias, score modification or dropout).
+    touch counts). ``split``: tiles may be computed in parts (no bias, score modification or
+    dropout).
     """
     cost = TILINGS[_tiling() if tiling is None else tiling]
     tiles = tuple(cost)
@@ -659,7 +666,8 @@ def attention(
         applies and the scores would have at least ``AUTO_BLOCKWISE_MIN`` entries per head,
         dense otherwise.
       block_size: ``(block_q, block_kv)`` (or one int for both) of the blockwise path;
-        ``None`` chooses the tile from the mask, the platform and the CPU threads (``_auto_block``),
+        ``None`` chooses the tile from the mask, the platform and the CPU threads (``_auto_block``;
+        on several CPU threads a causal or windowed backward's at 512, :data:`BACKWARD_SIDE`),
         so results may differ in the last bits between machines; pass it to fix them. On
         'pallas' the kernel's blocks (default: 128, or the padded length's power of two).
       score_mod: ``(score, batch, head, q_pos, kv_pos) -> score``, see above.
@@ -698,6 +706,8 @@ def attention(
         T, S = q.shape[-2], k.shape[-2]
         split = bias is None and score_mod is None and not dropout_rate
         bq, bk = _auto_block(mask, T, S, q_offset, kv_offset, split=split) if blocks is None else blocks
+        side = BACKWARD_SIDE.get(_tiling()) if blocks is None else None
+        back = None if side is None else (min(bq, side), min(bk, side))
         bias = _check_bias(bias)  # sinks are checked against the call's leading dims, mask arrays included, there
         out, lse, top = blockwise_attention(
             q,
@@ -715,6 +725,7 @@ def attention(
             bias=bias,
             dropout_rate=dropout_rate,
             dropout_rng=dropout_rng,
+            backward_block=back,
         )
         return result(out, lse, top)
     if path == "pallas":

@@ -285,6 +285,66 @@ def test_cpu_tiles_follow_the_threads(monkeypatch, threads, want):
         np.testing.assert_allclose(ref.f64(got), want_out, **ref.tol(jnp.float32))
 
 
+@pytest.mark.parametrize("case", ["causal", "window&padding", "bias&sinks", "dropout", "score_mod", "none"])
+def test_the_backward_takes_its_own_tiles_on_several_threads(monkeypatch, case):
+    """Automatic tiles on several CPU threads: a masked backward's sides are capped (``BACKWARD_SIDE``).
+
+    Forward tiles of 16² (``TILINGS`` patched), backward ones of 8²: gradients against float64
+    with the explicit mask (dropout: against the forward's own tiles, whose bits are the same),
+    and both tile sizes among the matmuls of the gradient's jaxpr. A score modification is
+    converted for the forward's tiles, and tiles all FULL (no mask, T and S multiples of 16) are
+    best big: the backward keeps them. T=29, S=37 pad to 32 and 48.
+    """
+    import jattn._blockwise as bw
+    import jattn._core as core
+
+    monkeypatch.setattr(bw, "platform", lambda: "cpu")
+    monkeypatch.setattr(bw, "cpu_threads", lambda: 2)
+    monkeypatch.setitem(core.TILINGS, "cpu", {(16, 16): 1.0})
+    monkeypatch.setitem(core.BACKWARD_SIDE, "cpu", 8)
+    B, N, T, S = (2, 3, 29, 37) if case != "none" else (2, 3, 32, 48)
+    t, s = np.arange(T)[:, None], np.arange(S)[None, :]
+    causal = s <= t + (S - T)
+    lengths = np.array([37, 20])
+    bias = _rand((1, N, T, S), 5) if case == "bias&sinks" else None
+    sinks = jnp.asarray([0.3, -0.5, 1.0]) if case == "bias&sinks" else None
+    mask, dense = {
+        "causal": (masks.causal(), causal),
+        "window&padding": (
+            masks.sliding_window(11) & masks.padding(kv_lengths=lengths),
+            causal & (s >= t + (S - T) - 11) & (s < lengths[:, None, None, None]),
+        ),
+        "bias&sinks": (masks.causal(), causal),
+        "dropout": (masks.causal(), causal),
+        "score_mod": (masks.causal(), causal),
+        "none": (None, np.ones((T, S), bool)),
+    }[case]
+    kw = dict(mask=mask, bias=bias, sinks=sinks)
+    if case == "dropout":
+        kw.update(dropout_rate=0.3, dropout_rng=jax.random.key(7))
+    if case == "score_mod":
+        kw.update(score_mod=jattn.score_mods.softcap(2.0))
+    q, k, v, g = _rand((B, N, T, 5), 0), _rand((B, N, S, 5), 1), _rand((B, N, S, 4), 2), _rand((B, N, T, 4), 3)
+
+    def loss(q, k, v, bias=bias, block_size=None):
+        out = jattn.attention(q, k, v, **{**kw, "bias": bias}, implementation="blockwise", block_size=block_size)
+        return jnp.sum(out * g)
+
+    grads = jax.grad(loss, argnums=(0, 1, 2, 3) if bias is not None else (0, 1, 2))(q, k, v, bias)
+    if case == "dropout":  # the same bits on the forward's tiles
+        want = jax.grad(loss, argnums=(0, 1, 2))(q, k, v, block_size=(16, 16))
+        for got, w in zip(grads, want, strict=True):
+            np.testing.assert_allclose(got, w, **ref.tol(jnp.float32))
+    else:
+        softcap = 2.0 if case == "score_mod" else None
+        want = ref.attention_grads(q, k, v, g, dense, bias=bias, sinks=sinks, softcap=softcap)
+        for got, w in zip(grads, want[: len(grads)], strict=True):
+            ref.assert_grad_close(got, w, jnp.float32)
+    shapes = {x.rsplit("[", 1)[1].split(",", 1)[1] for x in _dot_shapes(jax.grad(loss), q, k, v)}
+    assert "16,16]" in shapes
+    assert ("8,8]" in shapes) == (case not in ("score_mod", "none")), shapes
+
+
 @pytest.mark.parametrize("block", [(1024, 128), (512, 256), (128, 1024)])
 @pytest.mark.parametrize("mask", ["causal", "window", "causal-q_offset"])
 def test_the_automatic_tile_shapes_equal_the_reference(block, mask):
