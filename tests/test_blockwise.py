@@ -358,16 +358,7 @@ def test_the_automatic_tile_shapes_equal_the_reference(block, mask):
     t, s = np.arange(T)[:, None] + shift, np.arange(S)[None, :]
     dense = (s >= t - 300) & (s <= t + 20) if mask == "window" else s <= t
     q, k, v, g = _rand((1, 1, T, 8), 0), _rand((1, 1, S, 8), 1), _rand((1, 1, S, 4), 2), _rand((1, 1, T, 4), 3)
-
-    def loss(q, k, v):
-        out = jattn.attention(q, k, v, mask=m, implementation="blockwise", block_size=block, **kw)
-        return jnp.sum(out * g), out
-
-    (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
-    want, _, _ = ref.attention(q, k, v, dense)
-    np.testing.assert_allclose(ref.f64(out), want, **ref.tol(jnp.float32))
-    for got, w in zip(grads, ref.attention_grads(q, k, v, g, dense)[:3], strict=True):
-        ref.assert_grad_close(got, w, jnp.float32)
+    _match_reference(q, k, v, g, dense, mask=m, block_size=block, **kw)
 
 
 @pytest.mark.parametrize(
@@ -420,6 +411,22 @@ def test_cpu_tiles_are_fitted_to_tile_bytes():
     assert group_size(32, 128, 128, 4, "cpu", 2) == min(32, TILE_BYTES // (128 * 128 * 4))  # all 32 at 4 MiB
     assert group_size(32, 1024, 128, 4, "cpu", 1) == 1  # one thread: a budget of TILE_BYTES / 8, one head
     assert group_size(32, 128, 128, 4, "cpu", 1) == TILE_BYTES // 8 // (128 * 128 * 4)
+
+
+def _match_reference(q, k, v, g, dense, **kw):
+    """Blockwise ``attention(q, k, v, **kw)`` and the gradients of ``sum(out * g)`` against float64
+    with the explicit mask ``dense`` (float32 tolerances); returns that loss of (q, k, v)."""
+
+    def loss(q, k, v):
+        out = jattn.attention(q, k, v, implementation="blockwise", **kw)
+        return jnp.sum(out * g), out
+
+    (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    want, _, _ = ref.attention(q, k, v, dense)
+    np.testing.assert_allclose(ref.f64(out), want, **ref.tol(jnp.float32))
+    for got, w in zip(grads, ref.attention_grads(q, k, v, g, dense)[:3], strict=True):
+        ref.assert_grad_close(got, w, jnp.float32)
+    return lambda q, k, v: loss(q, k, v)[0]
 
 
 def _dot_shapes(fn, *args) -> set[str]:
@@ -600,17 +607,8 @@ def test_full_tiles_run_in_a_loop_without_a_branch(case):
         "padding": (masks.causal() & masks.padding(kv_lengths=lengths), causal & (s < lengths[:, None, None, None])),
     }[case]
     q, k, v, g = _rand((B, N, T, 5), 0), _rand((B, N, S, 5), 1), _rand((B, N, S, 4), 2), _rand((B, N, T, 4), 3)
-
-    def loss(q, k, v):
-        out = jattn.attention(q, k, v, mask=mask, implementation="blockwise", block_size=(8, 4))
-        return jnp.sum(out * g), out
-
-    (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
-    want, _, _ = ref.attention(q, k, v, dense)
-    np.testing.assert_allclose(ref.f64(out), want, **ref.tol(jnp.float32))
-    for got, w in zip(grads, ref.attention_grads(q, k, v, g, dense)[:3], strict=True):
-        ref.assert_grad_close(got, w, jnp.float32)
-    loops = _loops_with_bare_dots(jax.make_jaxpr(jax.grad(lambda *a: loss(*a)[0], (0, 1, 2)))(q, k, v))
+    loss = _match_reference(q, k, v, g, dense, mask=mask, block_size=(8, 4))
+    loops = _loops_with_bare_dots(jax.make_jaxpr(jax.grad(loss, (0, 1, 2)))(q, k, v))
     assert loops.count(True) == (0 if case == "padding" else 2), loops  # forward and backward: one each
 
 
