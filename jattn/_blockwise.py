@@ -10,7 +10,8 @@ only (:meth:`_Plan.sweep`; on CPU its FULL ones first, in a loop without a branc
 attention costs about half of full attention and a sliding window of width w costs O(T·w). A partial tile whose top-right quarter is empty (the causal
 diagonal) is computed as its two non-empty parts, top rows against the first half of its keys and
 bottom rows against all of them: 3/4 of the tile; one whose first quarters of rows are empty (the
-diagonal of a tall tile) as its last quarters only (:data:`SPLIT_MIN`).
+diagonal of a tall tile) as its last quarters only (:data:`SPLIT_MIN`); a big square one as a
+staircase of four parts, each quarter of rows against its keys: 10/16 (:data:`STAIRS_MIN`).
 
 Masks read from arrays are classified on device, per row of the flattened leading axis B: an
 array mask, ``padding`` lengths and ``segment_ids`` (packed documents: a tile whose query ids
@@ -75,6 +76,7 @@ from jattn._masks import (
 from jattn._online import (
     LOWER,
     SPLIT_AREA,
+    STAIRS,
     TOP_EMPTY,
     Tree,
     accumulate,
@@ -98,6 +100,7 @@ from jattn._online import (
 
 __all__ = [
     "SPLIT_MIN",
+    "STAIRS_MIN",
     "TILE_BYTES",
     "blockwise_attention",
     "cores",
@@ -123,6 +126,11 @@ TILE_BYTES = 2**22
 #: quarters of rows empty) as their other rows; smaller tiles are computed whole. Only without a
 #: score modification, bias or dropout, whose tile-shaped arrays would have to be cut too.
 SPLIT_MIN = 128
+
+#: The smallest tile side whose STAIRS tiles (:data:`jattn._online.STAIRS`) are computed as four
+#: parts, below it as LOWER's two: causal forward on 2 threads, T=2048, 512² tiles 146 ms as LOWER
+#: and 148 ms as STAIRS, 1024² ones 137-141 ms as STAIRS (README "Tiles by thread count").
+STAIRS_MIN = 1024
 
 
 def platform() -> str:
@@ -167,6 +175,8 @@ def static_kinds(
     empty (even sides) as LOWER (:data:`jattn._online.LOWER`), computed as its two non-empty parts,
     and one whose first 1-3 quarters of rows are empty (``bq`` a multiple of 4) as TOP_EMPTY
     (:data:`jattn._online.TOP_EMPTY`), computed as its other rows; the latter wins where both hold.
+    A LOWER tile of :data:`STAIRS_MIN` and up whose every quarter of rows sees only the keys up to
+    its own quarter is STAIRS (:data:`jattn._online.STAIRS`), computed as four parts.
     """
     nq, nk = -(-T // bq), -(-S // bk)
     limit = KeyBelow(kv_offset + S)  # keys past S (block padding) are masked
@@ -183,6 +193,12 @@ def static_kinds(
     split = kinds[qi, kj]
     if bq % 2 == bk % 2 == 0:
         split = np.where(empty(bq // 2, slice(bk // 2, bk)), np.int8(LOWER), split)
+    if bq % 4 == bk % 4 == 0 and min(bq, bk) >= STAIRS_MIN:  # quarter r of the rows sees keys < (r + 1) bk / 4
+        stairs = [
+            box_kinds(full, i0 + r * bq // 4, i0 + (r + 1) * bq // 4 - 1, j0 + (r + 1) * bk // 4, j0 + bk - 1)
+            for r in range(3)
+        ]
+        split = np.where(np.all(np.stack(stairs) == EMPTY, axis=0), np.int8(STAIRS), split)
     if bq % 4 == 0:  # more empty quarters of rows win
         for n, kind in enumerate(TOP_EMPTY, start=1):
             split = np.where(empty(n * bq // 4, slice(0, bk)), np.int8(kind), split)
@@ -507,10 +523,13 @@ class _Plan:
         """A split tile's rows, in order, each with the keys it is computed against (None: not computed).
 
         LOWER: top rows x first keys, bottom rows x all keys; TOP_EMPTY: the empty quarters of rows
-        x none, the rest x all keys.
+        x none, the rest x all keys; STAIRS: quarter r of the rows x the first r + 1 quarters of keys.
         """
         if kind == LOWER:
             return (slice(0, self.bq // 2), slice(0, self.bk // 2)), (slice(self.bq // 2, None), slice(None))
+        if kind == STAIRS:
+            q4, k4 = self.bq // 4, self.bk // 4
+            return tuple((slice(r * q4, (r + 1) * q4), slice(0, (r + 1) * k4)) for r in range(4))
         top = (TOP_EMPTY.index(kind) + 1) * self.bq // 4
         return (slice(0, top), None), (slice(top, None), slice(None))
 

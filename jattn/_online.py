@@ -42,6 +42,7 @@ Tree = TypeVar("Tree")  # a pytree of arrays
 __all__ = [
     "LOWER",
     "SPLIT_AREA",
+    "STAIRS",
     "TOP_EMPTY",
     "Tree",
     "accumulate",
@@ -113,8 +114,13 @@ LOWER = 3
 #: causal diagonal of a tall tile (1024 x 128): only its last 3, 2 or 1 quarters are computed.
 TOP_EMPTY = (4, 5, 6)
 
+#: The kind of a PARTIAL tile whose quarters of query rows see only the first 1, 2, 3 and 4
+#: quarters of its keys, as on the diagonal of big square tiles of causal attention (2048²): each
+#: quarter of rows computed against its own keys, a staircase, 10/16 of the tile.
+STAIRS = 7
+
 #: The kinds computed in parts (the codes from LOWER up), and the share of the tile's area each computes.
-SPLIT_AREA = {LOWER: 0.75, TOP_EMPTY[0]: 0.75, TOP_EMPTY[1]: 0.5, TOP_EMPTY[2]: 0.25}
+SPLIT_AREA = {LOWER: 0.75, TOP_EMPTY[0]: 0.75, TOP_EMPTY[1]: 0.5, TOP_EMPTY[2]: 0.25, STAIRS: 0.625}
 
 
 def per_block(

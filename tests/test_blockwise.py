@@ -150,12 +150,14 @@ def test_blockwise_weights_are_within_float32_rounding_over_the_whole_exponent_r
 
 def test_no_scores_buffer_in_the_compiled_blockwise_path():
     # Structural memory check on the compiled forward + backward: no (T, S) buffer, and the
-    # scratch memory grows linearly in T for blockwise but quadratically for dense.
+    # scratch memory grows linearly in T for blockwise (on fixed 512² tiles: the automatic ones
+    # grow with T up to 2048², a constant) but quadratically for dense.
     def temp(impl, T):
         spec = jax.ShapeDtypeStruct((1, 2, T, 64), jnp.float32)
+        block = 512 if impl == "blockwise" else None
 
         def loss(q, k, v):
-            return jnp.sum(jattn.attention(q, k, v, mask=masks.causal(), implementation=impl))
+            return jnp.sum(jattn.attention(q, k, v, mask=masks.causal(), implementation=impl, block_size=block))
 
         compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(spec, spec, spec).compile()
         return compiled.memory_analysis().temp_size_in_bytes, compiled.as_text()
@@ -246,9 +248,9 @@ def test_automatic_tiles_shrink_for_narrow_windows_and_keep_the_result():
 
     assert auto(None, "other") == auto(masks.causal(), "other") == (512, 512)
     assert auto(None, "cpu") == auto(masks.causal(), "cpu", T=16384) == (2048, 2048)
-    # causal on several threads: 512² up to T=4096 (2048² would compute more masked entries), then 2048²
-    assert auto(masks.causal(), "cpu", T=2048) == auto(masks.causal(), "cpu", T=4096) == (512, 512)
-    assert auto(masks.causal(), "cpu") == (2048, 2048)
+    # causal on several threads: the STAIRS diagonal of big tiles keeps their masked share small
+    assert auto(masks.causal(), "cpu", T=2048) == (1024, 1024)
+    assert auto(masks.causal(), "cpu", T=4096) == auto(masks.causal(), "cpu") == (2048, 2048)
     assert auto(None, "cpu, 1 thread") == (1024, 128)  # one head's 512 KiB tile in L2
     # causal on one thread: 1024 x 128, its diagonal tiles TOP_EMPTY (only their last quarters computed)
     assert auto(masks.causal(), "cpu, 1 thread") == (1024, 128)
@@ -500,22 +502,24 @@ def _per_example_cases(rng, B, T, S):
 @pytest.mark.parametrize(
     "case", ["none", "causal", "causal-offset", "window", "causal&padding", "segments&causal", "sinks"]
 )
-@pytest.mark.parametrize("block", [(6, 4), (16, 4)])
+@pytest.mark.parametrize("block", [(6, 4), (16, 4), (8, 8)])
 def test_tiles_computed_in_parts_equal_the_reference(monkeypatch, dtype, case, block):
     """Partial tiles with empty corners (the causal diagonal) are computed as their non-empty parts.
 
     6 x 4 tiles with an empty top-right quarter (LOWER): top rows against the first half of the
     keys, bottom rows against all keys. Tall 16 x 4 tiles whose first quarters of rows are empty
-    (TOP_EMPTY): their last 12, 8 or 4 rows only. The part matmuls are in the jaxpr; values, lse
-    and gradients against float64 with the explicit mask. ``SPLIT_MIN`` lowered so these tiles
-    split; T and S odd so the diagonal cuts tiles unevenly. Without a mask the last key block (one
-    key of 4, the rest padding) is a LOWER tile too.
+    (TOP_EMPTY): their last 12, 8 or 4 rows only. Square 8 x 8 tiles on the causal diagonal
+    (STAIRS): each quarter of rows against the first 2, 4, 6 or 8 keys. The part matmuls are in
+    the jaxpr; values, lse and gradients against float64 with the explicit mask. ``SPLIT_MIN`` and
+    ``STAIRS_MIN`` lowered so these tiles split; T and S odd so the diagonal cuts tiles unevenly.
+    Without a mask the last key block (one key of 4, the rest padding) is a LOWER tile too.
     """
     import jattn._blockwise as bw
 
     monkeypatch.setattr(bw, "SPLIT_MIN", 4)
+    monkeypatch.setattr(bw, "STAIRS_MIN", 8)
     rng = np.random.default_rng(3)
-    B, N, T = 3, 2, 13 if block == (6, 4) else 29  # 16-row tiles: two query blocks, the last ragged
+    B, N, T = 3, 2, 29 if block == (16, 4) else 13  # 16-row tiles: two query blocks, the last ragged
     S = T if case != "causal-offset" else T + 4
     t, s = np.arange(T)[:, None], np.arange(S)[None, :]
     causal = s <= t + (S - T)
@@ -554,7 +558,10 @@ def test_tiles_computed_in_parts_equal_the_reference(monkeypatch, dtype, case, b
     for got, w in zip(grads, ref.attention_grads(q, k, v, g, dense, sinks=sinks)[:3], strict=True):
         ref.assert_grad_close(got, w, dtype)
     shapes = {s.rsplit("[", 1)[1].split(",", 1)[1] for s in _dot_shapes(lambda q, k, v: loss(q, k, v)[0], q, k, v)}
-    if block == (6, 4) or case == "none":  # LOWER's two parts
+    if block == (8, 8):  # STAIRS: the diagonal's quarters of rows (an offset diagonal: no stairs)
+        stairs = {"2,2]", "2,4]", "2,6]", "2,8]"}
+        assert (shapes >= stairs) == (case not in ("none", "causal-offset")), shapes
+    elif block == (6, 4) or case == "none":  # LOWER's two parts
         assert shapes >= {f"{block[0] // 2},2]", f"{block[0] // 2},4]"}, shapes
     else:  # TOP_EMPTY tiles: the last 12 and the last 4 rows
         assert shapes >= {"12,4]", "4,4]"}, shapes

@@ -185,7 +185,7 @@ def _all_shapes(jaxpr):
 
 def test_mask_predicate_keeps_the_blockwise_path():
     """A jattn.masks predicate through nnx.MultiHeadAttention: no (T, S) scores anywhere in the jaxpr."""
-    t = 1024
+    t = 2048  # the automatic tiles are smaller than T (at T=1024 a causal call may take one 1024² tile)
     mha = nnx.MultiHeadAttention(num_heads=2, in_features=8, attention_fn=jattn.flax.attention_fn, rngs=nnx.Rngs(0))
     x = jax.ShapeDtypeStruct((1, t, 8), jnp.float32)
     jaxpr = jax.make_jaxpr(lambda x: mha(x, mask=jattn.masks.causal(), decode=False))(x)

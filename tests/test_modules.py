@@ -221,7 +221,7 @@ def test_modules_hand_mask_predicates_to_the_blockwise_path(module):
     """A predicate reaches the core as it is: the automatic choice tiles long sequences (no (T, S) array)."""
     from jattn import masks
 
-    T = 1024  # T·S = AUTO_BLOCKWISE_MIN: the automatic choice is blockwise
+    T = 2048  # T·S >= AUTO_BLOCKWISE_MIN: the automatic choice is blockwise, on tiles below T (T=1024 may be one)
     x = jax.ShapeDtypeStruct((1, T, 8), jnp.float32)
     if module == "nnx":
         m = jattn.nnx.SelfAttention(8, num_heads=2, rngs=nnx.Rngs(0))
