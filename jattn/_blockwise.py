@@ -175,8 +175,9 @@ def static_kinds(
     empty (even sides) as LOWER (:data:`jattn._online.LOWER`), computed as its two non-empty parts,
     and one whose first 1-3 quarters of rows are empty (``bq`` a multiple of 4) as TOP_EMPTY
     (:data:`jattn._online.TOP_EMPTY`), computed as its other rows; the latter wins where both hold.
-    A LOWER tile of :data:`STAIRS_MIN` and up whose every quarter of rows sees only the keys up to
-    its own quarter is STAIRS (:data:`jattn._online.STAIRS`), computed as four parts.
+    A PARTIAL tile of :data:`STAIRS_MIN` and up (sides multiples of 4) whose every quarter of rows
+    sees only the keys up to its own quarter is STAIRS (:data:`jattn._online.STAIRS`), computed as
+    four parts; TOP_EMPTY wins there too.
     """
     nq, nk = -(-T // bq), -(-S // bk)
     limit = KeyBelow(kv_offset + S)  # keys past S (block padding) are masked
