@@ -445,7 +445,7 @@ def _auto_block(
     """The tile of ``TILINGS[tiling]`` (default :func:`_tiling`) with the least work on the mask's non-empty tiles.
 
     Work is ``tiles x tile area x cost of an entry``, a tile computed in parts (the causal
-    diagonal: LOWER, TOP_EMPTY) at the share of its area they compute, ties to the first listed:
+    diagonal: LOWER, TOP_EMPTY, STAIRS) at the share of its area they compute, ties to the first listed:
     full attention keeps the largest tile; causal attention and narrow sliding windows take
     smaller ones where they waste fewer masked entries. A mask with arrays (padding, documents)
     keeps to tiles of 512 and less, which its run-time kinds can skip (statically every tile they
