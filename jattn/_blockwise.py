@@ -7,11 +7,12 @@ axis ``B``): q ``(B, T, D)``, k ``(B, S, D)``, v ``(B, S, E)``. Queries are tile
 (:meth:`jattn.masks.Mask.block_kinds`): empty blocks are never computed, full blocks skip the
 mask, partial blocks apply it. Each query block loops over the list of its non-empty key blocks
 only (:meth:`_Plan.sweep`; on CPU its FULL ones first, in a loop without a branch), so causal
-attention costs about half of full attention and a sliding window of width w costs O(T·w). A partial tile whose top-right quarter is empty (the causal
-diagonal) is computed as its two non-empty parts, top rows against the first half of its keys and
-bottom rows against all of them: 3/4 of the tile; one whose first quarters of rows are empty (the
-diagonal of a tall tile) as its last quarters only (:data:`SPLIT_MIN`); a big square one as a
-staircase of four parts, each quarter of rows against its keys: 10/16 (:data:`STAIRS_MIN`).
+attention costs about half of full attention and a sliding window of width w costs O(T·w). A
+partial tile whose top-right quarter is empty (the causal diagonal) is computed as its two
+non-empty parts, top rows against the first half of its keys and bottom rows against all of
+them: 3/4 of the tile; one whose first quarters of rows are empty (the diagonal of a tall tile)
+as its last quarters only (:data:`SPLIT_MIN`); a big square one as a staircase of four parts,
+each quarter of rows against its keys: 10/16 (:data:`STAIRS_MIN`).
 
 Masks read from arrays are classified on device, per row of the flattened leading axis B: an
 array mask, ``padding`` lengths and ``segment_ids`` (packed documents: a tile whose query ids
