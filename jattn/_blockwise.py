@@ -263,7 +263,7 @@ def _kernels(plan: _Plan, precision):
 
         return _by_group(plan, body, (q, k, v, rows, seeds, sinks), (kind, *arrays))
 
-    def backward(q, k, v, out, lse, d_out, rows, seeds, kind, arrays, consts):
+    def backward(q, k, v, out, lse, d_out, d_lse, rows, seeds, kind, arrays, consts):
         def body(xs, a, group):  # ((dq, dk, dv), own db), (dc, shared db)
             *big, lse, delta, rows, seeds = xs
             lse, delta, rows, seeds = map(group.of, (lse, delta, rows, seeds))
@@ -271,7 +271,7 @@ def _kernels(plan: _Plan, precision):
 
         # delta for all of B before the groups: computed inside a group, XLA fuses its reduction
         # into the tile's dO vᵀ product, 1.5x slower (T = 2048 on 2 threads, one tile a head)
-        lse, delta = backward_rows(out, d_out, lse, plan.compute)
+        lse, delta = backward_rows(out, d_out, lse, plan.compute, d_lse)
         return _by_group(plan, body, (q, k, v, d_out, lse, delta, rows, seeds), (kind, *arrays))
 
     foldable = plan.mod is None and not plan.bias
@@ -755,15 +755,17 @@ def _flash_fwd(q, k, v, rows, seeds, sinks, consts, bias, run, plan, back, preci
 def _flash_bwd(plan: _Plan, back: _Plan, precision, res, cotangents):
     """The flash-attention backward: one sweep over ``back``'s non-empty tiles per group (:func:`_backward`)."""
     q, k, v, rows, seeds, sinks, consts, bias, run, out, lse = res
-    d_out, _, _ = cotangents  # the log-sum-exp and max logit are outputs for inspection, not differentiated
+    d_out, d_lse, _ = cotangents  # the max logit is a monitor without a gradient (jattn.attention)
 
     _, backward = _kernels(back, precision)
     kind = run.kind if back is plan else back.run(run.arrays).kind
     arrays = run.arrays + bias
-    ((dq, dk, dv), own), (dconsts, shared) = backward(q, k, v, out, lse, d_out, rows, seeds, kind, arrays, consts)
+    ((dq, dk, dv), own), (dconsts, shared) = backward(
+        q, k, v, out, lse, d_out, d_lse, rows, seeds, kind, arrays, consts
+    )
     dsinks = jnp.zeros_like(sinks)
     if plan.sinks:
-        _, delta = backward_rows(out, d_out, lse, plan.compute)
+        _, delta = backward_rows(out, d_out, lse, plan.compute, d_lse)
         dsinks = sink_grads(sinks[:, None].astype(plan.compute), lse, delta).sum(-1).astype(sinks.dtype)
     grads = sum_to((dq, dk, dv, dsinks, dconsts, own + shared), (q, k, v, sinks, consts, bias))  # for shard_map
     dq, dk, dv, dsinks, dconsts, dbias = grads

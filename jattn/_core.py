@@ -15,6 +15,7 @@ values.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from collections.abc import Callable
@@ -183,7 +184,8 @@ def _logits(
     if mask is not None:
         s = jnp.broadcast_to(s, jnp.broadcast_shapes(s.shape, mask.shape))
     keep = jnp.ones((1,) * s.ndim, bool) if mask is None else mask
-    top = jnp.max(s, axis=-1, where=keep, initial=-jnp.inf)
+    # A monitor, as on every path: the blockwise and ring backwards have no max-logit term.
+    top = jax.lax.stop_gradient(jnp.max(s, axis=-1, where=keep, initial=-jnp.inf))
     if sinks is not None:
         shape = jnp.broadcast_shapes(s.shape, (*sinks.shape[:-1], 1))
         s = jnp.concatenate([jnp.broadcast_to(s, shape), jnp.broadcast_to(sinks.astype(compute), (*shape[:-1], 1))], -1)
@@ -521,6 +523,46 @@ def _jax_nn_args(
     return kwargs
 
 
+def _dense_lse(mask: Mask | None, q_offset, kv_offset, scale, v: Array):
+    """``lse(q, k, bias)``: the dense path's log-sum-exp of a call, its leading dims and T flattened."""
+
+    def lse(q, k, bias):
+        dense = _dense_mask(mask, q, k, q_offset, kv_offset, v, bias)
+        lead = broadcast_all(q=q, k=k, v=v, mask=dense, bias=bias)
+        ndim = len(lead) + 2
+        q, k, dense, bias = (_pad_rank(x, ndim) for x in (q, k, dense, bias))
+        parts = _logits(q, k, dense, bias, scale, None, None, (), None)[0]
+        return jnp.broadcast_to(parts.logsumexp(), (*lead, q.shape[-2])).reshape(-1)
+
+    return lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _grad_from(fn, value: Array, *args) -> Array:
+    """``value`` (no gradient of its own), differentiated as ``fn(*args)`` (whose value it equals).
+
+    The backward computes ``fn``'s VJP only where the cotangent is not all zeros (``lax.cond``):
+    an lse returned but not used in the loss costs no dense pass.
+    """
+    return value
+
+
+def _grad_from_fwd(fn, value, *args):
+    return value, args
+
+
+def _grad_from_bwd(fn, args, g):
+    def pull(g):
+        out = jax.eval_shape(fn, *args)
+        return jax.vjp(fn, *args)[1](g.reshape(out.shape).astype(out.dtype))
+
+    zeros = jax.tree.map(jnp.zeros_like, args)
+    return (jnp.zeros_like(g), *jax.lax.cond(jnp.any(g != 0), pull, lambda g: zeros, g))
+
+
+_grad_from.defvjp(_grad_from_fwd, _grad_from_bwd)
+
+
 def _jax_nn(q, k, v, mask: Mask | None, bias, scale, path, q_offset, kv_offset, return_lse):
     """Hands the call to ``jax.nn.dot_product_attention`` with its own arguments (see :data:`SUPPORT`)."""
     T, S = q.shape[-2], k.shape[-2]
@@ -553,6 +595,8 @@ def _jax_nn(q, k, v, mask: Mask | None, bias, scale, path, q_offset, kv_offset, 
             **kwargs,
         )
     out, lse = out if return_lse else (out, None)
+    if lse is not None:  # jax.nn stops the residual's gradient: take it from the dense logits'
+        lse = _grad_from(_dense_lse(mask, q_offset, kv_offset, scale, v), lse, q, k, bias)
     out = out.reshape(*lead, T, v.shape[-1])
     if mask is not None:  # jax.nn averages v over a fully masked row; the contract is 0 (and lse -inf)
         dense = _dense_mask(mask, q, k, q_offset, kv_offset, v, bias)  # (..., T, S): reduced before it is broadcast
@@ -672,7 +716,8 @@ def attention(
         'pallas' the kernel's blocks (default: 128, or the padded length's power of two).
       score_mod: ``(score, batch, head, q_pos, kv_pos) -> score``, see above.
       sinks: floating sink logits, broadcastable to the leading dimensions ``...``.
-      return_max_logit: also return the ``(..., T)`` row max logit (QK-clip monitoring).
+      return_max_logit: also return the ``(..., T)`` row max logit (QK-clip monitoring),
+        without a gradient on every path (the log-sum-exp has one).
 
     Returns:
       ``out`` of shape ``(..., T, E)``, followed by ``lse`` when ``return_lse`` and then

@@ -215,10 +215,18 @@ def mod_args(rows: Array, q_pos: Array, kv_pos: Array) -> tuple[Array, Array, Ar
     return rows[:, 0, None, None], rows[:, 1, None, None], q_pos[None, :, None], kv_pos[None, None, :]
 
 
-def backward_rows(out: Array, d_out: Array, lse: Array, compute) -> tuple[Array, Array]:
-    """Per query row for the backward: a finite ``lse (B, T)`` (0 on empty rows) and ``delta = rowsum(dO ∘ O)``."""
+def backward_rows(out: Array, d_out: Array, lse: Array, compute, d_lse: Array | None = None) -> tuple[Array, Array]:
+    """Per query row for the backward: a finite ``lse (B, T)`` (0 on empty rows) and ``delta = rowsum(dO ∘ O) - d_lse``.
+
+    ``d_lse (B, T)`` (optional) is the cotangent of the log-sum-exp: since ``d lse / dx = p``, it
+    adds ``p · d_lse`` to each tile's ``dx = p (dp - delta)``, and to a sink's gradient
+    ``-e^(sink - lse) · delta`` its ``e^(sink - lse) · d_lse`` (:func:`sink_grads`).
+    """
+    delta = jnp.sum(d_out.astype(compute) * out.astype(compute), -1)
+    if d_lse is not None:  # an lse of -inf (a row with no key) depends on nothing
+        delta = delta - jnp.where(lse == -jnp.inf, jnp.zeros((), compute), d_lse.astype(compute))
     lse = jnp.where(lse == -jnp.inf, jnp.zeros_like(lse), lse)  # empty rows have p = 0 by the mask anyway
-    return lse, jnp.sum(d_out.astype(compute) * out.astype(compute), -1)
+    return lse, delta
 
 
 def convert_mod(score_mod, b: int, t: int, s: int, compute, like=None) -> tuple:

@@ -225,15 +225,15 @@ def _shared_sum(g: Array, like: Array, axis_name: str) -> Array:
 
 def _ring_bwd(ring: _Ring, precision, res, cotangents):
     q, k, v, q_seg, kv_seg, rows, sinks, consts, out, lse = res
-    d_out, _, _ = cotangents  # the log-sum-exp and max logit are returned for inspection, not differentiated
+    d_out, d_lse, _ = cotangents  # the max logit is a monitor without a gradient (jattn.attention)
     dsinks = jnp.zeros_like(sinks)
     if ring.sinks:
-        _, delta = backward_rows(out, d_out, lse, ring.compute)
+        _, delta = backward_rows(out, d_out, lse, ring.compute, d_lse)
         dsinks = sink_grads(sinks[:, None].astype(ring.compute), lse, delta).sum(-1).astype(sinks.dtype)
         dsinks = _shared_sum(dsinks, sinks, ring.axis_name)
     c, compute = ring.owned.shape[1], ring.compute
     r = jax.lax.axis_index(ring.axis_name)
-    lse, delta = backward_rows(out, d_out, lse, compute)  # (B, T) each
+    lse, delta = backward_rows(out, d_out, lse, compute, d_lse)  # (B, T) each
     scale = jnp.asarray(ring.scale, compute)
     qc, qsc, doc = _chunks(q, c), _chunks(q_seg, c), _chunks(d_out, c)
     qtc, dotc = [transposed(x) for x in qc], [transposed(x) for x in doc]  # for tile_grads
@@ -371,7 +371,8 @@ def ring_attention(
         with *global* positions; arrays it closes over get gradients (summed over the ring
         where they are the same on every device).
       sinks: sink logits broadcastable to the leading dimensions, as in :func:`jattn.attention`.
-      return_max_logit: also return the row max logit ``(..., T)`` (after ``return_lse``'s lse).
+      return_max_logit: also return the row max logit ``(..., T)`` (after ``return_lse``'s lse),
+        a monitor without a gradient (the lse has one).
     """
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     check_qkv(q, k, v)

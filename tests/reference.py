@@ -171,6 +171,33 @@ def attention_grads(q, k, v, dout, mask=None, bias=None, scale=None, sinks=None,
     ) + ((dsinks,) if sinks is not None else ())
 
 
+def lse_grads(q, k, dlse, mask=None, bias=None, scale=None, sinks=None):
+    """Float64 gradients of ``sum(lse · dlse)``: (dq, dk, dbias) and with ``sinks`` a fourth, dsinks.
+
+    ``d lse_t / d x_ts = P_ts``, the softmax weight (sinks included in its denominator), so dS =
+    P ∘ dlse, dQ = dS K · scale, dK = dSᵀ Q · scale, dbias = dS; a sink's weight P_sink,t gives
+    d sink = Σ_t P_sink,t · dlse_t. A row with no key and no sink has lse -inf and no gradient.
+    """
+    lead = None if sinks is None else np.broadcast_shapes(np.shape(q)[:-2], np.shape(k)[:-2], np.shape(sinks))
+    s, m = scores(q, k, mask, bias, scale, lead=lead)
+    sink = None if sinks is None else np.broadcast_to(np.asarray(sinks, np.float64), s.shape[:-2])[..., None]
+    w, lse, w_sink = softmax(s, m, sink)
+    g = np.where(
+        np.isneginf(np.broadcast_to(lse, s.shape[:-1])),
+        0.0,
+        np.broadcast_to(np.asarray(dlse, np.float64), s.shape[:-1]),
+    )
+    ds = w * g[..., None]
+    q, k = f64(q), f64(k)
+    scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
+    grads = (
+        unbroadcast(np.matmul(ds, k) * scale, q.shape),
+        unbroadcast(np.matmul(np.swapaxes(ds, -1, -2), q) * scale, k.shape),
+        None if bias is None else unbroadcast(ds, np.shape(bias)),
+    )
+    return grads if sinks is None else (*grads, unbroadcast(np.sum(w_sink * g, -1), np.shape(sinks)))
+
+
 def unbroadcast(x, shape):
     """Sums ``x`` over the axes that broadcasting added to ``shape``."""
     x = np.sum(x, axis=tuple(range(x.ndim - len(shape)))) if x.ndim > len(shape) else x

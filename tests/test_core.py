@@ -153,6 +153,49 @@ def test_fully_masked_rows_give_zero_and_zero_gradient():
     np.testing.assert_array_equal(jattn.attention(q, k, v, bias=bias + minus_inf), out)
 
 
+@pytest.mark.parametrize("impl", ["dense", "blockwise", "xla"])
+@pytest.mark.parametrize("case", ["none", "causal offset", "padding with an empty row", "window, bias", "sinks"])
+def test_the_lse_is_differentiable_and_the_max_logit_is_a_monitor(impl, case):
+    """The lse's cotangent reaches q, k, bias and sinks as the float64 reference's; the max logit's reaches nothing.
+
+    The lse's cotangent is nonzero on rows with no key too (lse -inf: no gradient, or the sink's).
+    """
+    if impl == "xla" and case == "sinks":
+        pytest.skip("jax.nn takes no sinks (the support table's refusal)")
+    q, k, v = _rand((2, 3, 7, 5), 0), _rand((2, 3, 11, 5), 1), _rand((2, 3, 11, 5 if impl == "xla" else 4), 2)
+    kw = {
+        "none": {},
+        "causal offset": dict(mask=jattn.masks.causal(), q_offset=1),
+        "padding with an empty row": dict(mask=jattn.masks.padding(kv_lengths=jnp.array([0, 6]))),
+        "window, bias": dict(mask=jattn.masks.sliding_window(2, 1), bias=_rand((3, 7, 11), 3)),
+        "sinks": dict(mask=jattn.masks.causal(), sinks=jnp.array([0.5, -1.0, 2.0])),
+    }[case]
+    bias, sinks = kw.pop("bias", None), kw.pop("sinks", None)
+    extra = {} if impl != "blockwise" else dict(block_size=(4, 3))
+
+    def call(q, k, v, bias, sinks):
+        return jattn.attention(
+            q, k, v, bias=bias, sinks=sinks, return_lse=True, return_max_logit=impl != "xla",
+            implementation=impl, **kw, **extra,
+        )  # fmt: skip
+
+    outs, pull = jax.vjp(call, q, k, v, bias, sinks)
+    dout, dlse = _rand(outs[0].shape, 4), _rand(outs[1].shape, 5)
+    zero = [jnp.zeros_like(x) for x in outs]
+    dense = None if "mask" not in kw else kw["mask"].dense(7, 11, q_offset=kw.get("q_offset"))
+    dense = None if dense is None else np.asarray(dense).reshape((2, 1, 7, 11) if dense.ndim == 4 else dense.shape)
+    want_out = ref.attention_grads(q, k, v, dout, dense, bias, sinks=sinks)
+    want_lse = ref.lse_grads(q, k, dlse, dense, bias, sinks=sinks)
+    got = pull((dout, dlse, *zero[2:]))
+    for i, j in enumerate((0, 1, 3, 4)):  # q, k, bias, sinks (None where the call has none)
+        if got[j] is not None:
+            ref.assert_grad_close(got[j], want_out[j] + want_lse[i], jnp.float32)
+    ref.assert_grad_close(got[2], want_out[2], jnp.float32)  # v: the lse does not depend on it
+    if impl != "xla":  # the max logit's cotangent alone: no gradient anywhere
+        for g in pull((*zero[:2], _rand(outs[2].shape, 6))):
+            assert g is None or not np.any(np.asarray(g))
+
+
 def test_nan_in_unmasked_input_propagates_and_masked_logits_do_not_leak():
     q, k, v = _rand((7, 5), 0), _rand((13, 5), 1), _rand((13, 4), 2)
     assert np.all(np.isnan(jattn.attention(q.at[2, 0].set(jnp.nan), k, v)[2]))

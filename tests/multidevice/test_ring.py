@@ -108,6 +108,54 @@ def test_ring_segments_and_fully_masked_rows(layout):
             np.testing.assert_allclose(g, e, **ref.tol(jnp.float64))
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_ring_lse_has_the_dense_gradient_and_the_max_logit_none(layout):
+    """The lse's cotangent (with sinks, and on rows that see no key) reaches q, k, v and sinks as on the dense path."""
+    p = 4
+    with jax.enable_x64(True):
+        q, k, v = _qkv(np.random.default_rng(4), 2, 3, 4 * p, 4 * p)
+        q_seg = np.zeros((2, 4 * p), np.int32)
+        q_seg[0, 5:9] = 7  # no key carries 7: these rows see nothing
+        seg = (jnp.asarray(q_seg), jnp.zeros((2, 4 * p), jnp.int32))
+        sinks = jnp.array([0.5, -1.0, 2.0])
+        seq, rows = PartitionSpec(None, None, "s", None), PartitionSpec(None, None, "s")
+
+        def lay(x, axis=-2):
+            return jattn.zigzag(x, p, axis) if layout == "zigzag" else x
+
+        def ring(q, k, v, sinks):
+            def local(q, k, v, sinks, qs, ks):
+                return jattn.ring_attention(
+                    q, k, v, axis_name="s", layout=layout, mask=masks.causal(), segment_ids=(qs, ks), sinks=sinks,
+                    return_lse=True, return_max_logit=True,
+                )  # fmt: skip
+
+            specs = (seq, seq, seq, PartitionSpec(), PartitionSpec(None, "s"), PartitionSpec(None, "s"))
+            out = jax.shard_map(local, mesh=_mesh(p), in_specs=specs, out_specs=(seq, rows, rows))(
+                lay(q), lay(k), lay(v), sinks, *(lay(x, -1) for x in seg)
+            )
+            return (
+                out
+                if layout == "contiguous"
+                else (jattn.unzigzag(out[0], p), *(jattn.unzigzag(x, p, -1) for x in out[1:]))
+            )
+
+        def dense(q, k, v, sinks):
+            mask = masks.causal() & masks.segment_ids(*seg)
+            return jattn.attention(q, k, v, mask=mask, sinks=sinks, return_lse=True, return_max_logit=True)
+
+        rng = np.random.default_rng(5)
+        outs, pull = jax.vjp(jax.jit(ring), q, k, v, sinks)
+        want_outs, want_pull = jax.vjp(dense, q, k, v, sinks)
+        for a, b in zip(outs, want_outs, strict=True):
+            np.testing.assert_allclose(a, b, **ref.tol(jnp.float64))
+        cots = [jnp.asarray(rng.normal(size=x.shape)) for x in outs]
+        for cot in ((cots[0], cots[1], 0 * cots[2]), (0 * cots[0], cots[1], 0 * cots[2])):
+            for g, e in zip(pull(cot), want_pull(cot), strict=True):
+                np.testing.assert_allclose(g, e, **ref.tol(jnp.float64))
+        assert all(not np.any(np.asarray(g)) for g in pull((0 * cots[0], 0 * cots[1], cots[2])))
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_ring_low_precision_accumulates_in_float32(dtype):
     p = 4
