@@ -781,7 +781,7 @@ def blockwise_attention(
     v: Array,
     *,
     mask: Mask | None,
-    scale: float,
+    scale: float | Array,
     q_offset: int | None,
     kv_offset: int,
     block_q: int,
@@ -810,8 +810,10 @@ def blockwise_attention(
     if mask is not None:
         lead, mask = call_rows(mask, q, k, v, bias)  # every array leaf as rows (B|1, ...) of lead flattened
     skeleton, arrays = (None, ()) if mask is None else split_arrays(mask)
-    qf, kf, vf = (flat_lead(x, lead) for x in (q, k, v))
     compute = compute_dtype(q.dtype)
+    if isinstance(scale, jax.core.Tracer):  # traced (a jit argument, differentiated): into q here, the plan's is 1
+        q, scale = q.astype(compute) * jnp.asarray(scale, compute), 1.0  # prescale's product, outside the kernel
+    qf, kf, vf = (flat_lead(x, lead) for x in (q, k, v))
     b = qf.shape[0]
     if sinks is not None:
         check_sinks(sinks, lead, q.dtype)

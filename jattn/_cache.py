@@ -132,6 +132,37 @@ def read(cache: Cache, k: Array, v: Array, pos: Array, valid: Array, mask: Mask)
     return keys, values, allowed
 
 
+def dropped_seen(cache: Cache, pos: Array, valid: Array, mask: Mask) -> Array:
+    """``(B, T)``: the tokens at ``pos`` whose query ``mask`` lets see a key the ring has dropped.
+
+    A ring holds the newest ``window`` keys and the pinned ones: it serves masks whose queries
+    see nothing older (a sliding window, global tokens pinned as keys); a global token's query,
+    which sees every earlier key, needs the full cache. Probed, exactly, at key position 0 and at
+    the newest dropped key (a wider window, a global query, an unpinned prefix or global key are
+    seen at one of them). Concrete hits raise a ValueError before anything changes; traced ones
+    are returned, for NaN outputs. All False for the full and linear caches.
+    """
+    if "window" not in cache:
+        return jnp.zeros(pos.shape, bool)
+    gone = (cache["next"] - cache["window"])[:, None, None, None]  # keys below it left the ring (B, 1, 1, 1)
+    i = pos[:, None, :, None]  # (B, 1, T, 1), as read() asks the mask
+    seen = jnp.zeros(pos.shape, bool)
+    for j in (jnp.zeros_like(gone), gone - 1):
+        pinned = jnp.any(j[..., None] == cache["pinned"].reshape(1, 1, 1, 1, -1), axis=-1)
+        hit = (j >= 0) & (j < gone) & ~pinned & mask.allowed(i, j)
+        seen = seen | jnp.broadcast_to(hit, (*pos.shape[:1], 1, pos.shape[1], 1)).reshape(pos.shape)
+    seen = seen & valid
+    if not is_traced(seen) and bool(jnp.any(seen)):
+        where = np.argwhere(np.asarray(seen))[0]
+        raise ValueError(
+            f"the mask lets the query at position {int(pos[tuple(where)])} (example {int(where[0])}) see keys "
+            f"that the ring cache (window={int(cache['window'])}, pinned={np.asarray(cache['pinned']).tolist()}) "
+            "has dropped: pin those keys (init_cache(pinned=...)), widen the window, or, for a global token's "
+            "query (it sees every key), use the full cache (no window)"
+        )
+    return seen
+
+
 def write(cache: Cache, k: Array, v: Array, pos: Array, valid: Array, lengths: Array) -> Cache:
     """The cache after appending this step's ``k, v (B, T, K*D)`` at ``pos (B, T)`` where ``valid``."""
     end = cache["next"] + lengths  # (B,)

@@ -74,7 +74,13 @@ def _as_mask(mask: ArrayLike | Mask | None) -> Mask | None:
 
 
 def _check_offsets(mask: Mask | None, q_offset: ArrayLike | None, kv_offset: ArrayLike) -> None:
-    """Offsets place predicates; with no predicate at all they would silently do nothing."""
+    """Offsets are integers (ints or integer arrays) and place predicates; with none they would silently do nothing."""
+    for name, offset in (("q_offset", q_offset), ("kv_offset", kv_offset)):
+        if offset is None or (isinstance(offset, numbers.Integral) and not isinstance(offset, bool)):
+            continue
+        if not isinstance(offset, np.ndarray | jax.Array) or not jnp.issubdtype(offset.dtype, jnp.integer):
+            got = f"dtype {offset.dtype} with shape {np.shape(offset)}" if hasattr(offset, "dtype") else repr(offset)
+            raise TypeError(f"{name} must be an int or an integer array, got {got} of type {type(offset).__name__}")
     given = q_offset is not None or not (isinstance(kv_offset, numbers.Integral) and kv_offset == 0)
     if given and (mask is None or isinstance(mask, ArrayMask)):
         raise ValueError(
@@ -570,6 +576,11 @@ def _jax_nn(q, k, v, mask: Mask | None, bias, scale, path, q_offset, kv_offset, 
     lead, axis = broadcast_all(q=q, k=k, v=v, bias=bias), 0
     if mask is not None and q.ndim > 2:
         lead, axis = call_lead(mask, q, k, v, bias)  # with a per-example mask's batch, on q's first axis
+    if T == 0 or S == 0:  # no key (or no query): every row is empty, 0 with lse -inf; jax.nn cannot reshape it
+        dense = _dense_mask(mask, q, k, q_offset, kv_offset, v, bias)
+        lead = tuple(np.broadcast_shapes(lead, broadcast_all(q=q, k=k, v=v, bias=bias, mask=dense)))
+        out = jnp.zeros((*lead, T, v.shape[-1]), v.dtype)
+        return (out, jnp.full((*lead, T), -jnp.inf, jnp.float32)) if return_lse else out
     kwargs = _jax_nn_args(mask, path, T, S, q_offset, kv_offset, lead or (1,), axis)  # jax.nn needs a batch axis
     rest = kwargs.pop("mask", None)
     dense = _dense_mask(rest, q, k, q_offset, kv_offset, v, bias)
@@ -724,7 +735,8 @@ def attention(
       ``max_logit`` when ``return_max_logit`` (a tuple when either is asked for).
 
     Raises:
-      TypeError: non-floating or mismatched dtypes of q, k, v; non-bool mask; non-float bias.
+      TypeError: non-floating or mismatched dtypes of q, k, v; non-bool mask; non-float bias;
+        offsets that are not ints or integer arrays.
       ValueError: ranks below 2, mismatched D or S, leading dimensions or a mask/bias shape
         that does not broadcast.
     """

@@ -576,6 +576,7 @@ def forward(
             new = _cache.write_linear(cache, state, lengths)
         else:
             keys, values, allowed = _cache.read(cache, k, v, pos, valid, mask)  # (B, C + T, K*D) x2, (B, 1, T, C + T)
+            bad = bad | _cache.dropped_seen(cache, pos, valid, mask)  # a ring that lost what the mask sees
             mod = opts.score_mod
             if mod is not None:  # the core sees the (T, C + T) grid; the mod gets the tokens' absolute positions
                 mod = at_positions(mod, pos, _cache.key_positions(cache, pos, valid))

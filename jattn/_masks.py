@@ -650,7 +650,17 @@ def call_lead(mask: Mask, q: Array, k: Array, v: Array | None, bias: Array | Non
     check_lengths(mask, T, S)
     lead = broadcast_all(q=q, k=k, v=v, bias=bias)
     leads = [broadcast_all(q=q, k=k, v=v, mask=a.array) for a in array_leaves(mask)]
-    lead = tuple(np.broadcast_shapes(lead, *leads, example_lead(mask, q.ndim)))
+    batch = example_lead(mask, q.ndim)
+    try:
+        lead = tuple(np.broadcast_shapes(lead, *leads, batch))
+    except ValueError:
+        raise ValueError(
+            f"leading dimensions do not broadcast: q {q.shape}, k {k.shape}"
+            + ("" if v is None else f", v {v.shape}")
+            + ("" if bias is None else f", bias {bias.shape}")
+            + "".join(f", mask array {a.array.shape}" for a in array_leaves(mask))
+            + (f", the mask's batch {batch} (a per-example mask's B on q's first axis)" if batch else "")
+        ) from None
     return lead, len(lead) - (q.ndim - 2)
 
 

@@ -36,6 +36,27 @@ def _close_lse(a, b, dtype):
     np.testing.assert_allclose(np.where(np.isneginf(a), 0, a), np.where(np.isneginf(b), 0, b), **ref.tol(dtype))
 
 
+
+def test_a_traced_scale_is_folded_into_q():
+    """A scale that is a jit argument, or differentiated, runs blockwise: values and d/dscale against float64."""
+    q, k, v = _rand((2, 3, 9, 4), 0), _rand((2, 3, 11, 4), 1), _rand((2, 3, 11, 5), 2)
+    mask = masks.causal()
+    dense = np.asarray(mask.dense(9, 11))
+
+    def call(scale):
+        return jattn.attention(q, k, v, scale=scale, mask=mask, implementation="blockwise", block_size=(4, 3))
+
+    want, _, _ = ref.attention(q, k, v, dense, scale=0.7)
+    np.testing.assert_allclose(jax.jit(call)(0.7), want, **ref.tol(jnp.float32))
+    cot = np.asarray(_rand(want.shape, 3), np.float64)
+    got = jax.grad(lambda s: jnp.sum(call(s) * cot))(jnp.float32(0.7))
+
+    def ref_loss(scale):
+        return np.sum(ref.attention(q, k, v, dense, scale=scale)[0] * cot)
+
+    h = 1e-5  # central difference in float64
+    np.testing.assert_allclose(got, (ref_loss(0.7 + h) - ref_loss(0.7 - h)) / (2 * h), rtol=1e-4)
+
 @settings(max_examples=10)
 @given(
     ref.static_masks(),

@@ -163,6 +163,37 @@ def test_linen_decoding_equals_full_pass_and_nnx(options, mask, layout):
         assert cache["k"].shape[1] == layout["window"] + len(layout.get("pinned", ()))
 
 
+@pytest.mark.parametrize(
+    ("mask", "layout", "row"),
+    [
+        pytest.param(
+            masks.causal() & (masks.sliding_window(2) | masks.global_tokens([4])),
+            dict(window=2, pinned=(4,)),
+            4,
+            id="global_query",
+        ),
+        pytest.param(masks.causal() & masks.sliding_window(3), dict(window=2), 3, id="wider_window"),
+        pytest.param(
+            masks.causal() & (masks.sliding_window(2) | masks.global_tokens([1])), dict(window=2), 4, id="unpinned_key"
+        ),
+    ],
+)
+def test_a_ring_that_dropped_keys_the_mask_sees_refuses(mask, layout, row):
+    """Eager decoding raises naming the first such query; under jit its output is NaN, earlier ones the full pass's."""
+    m, x = _nnx(num_heads=2), _rand((1, 6, D), 1)
+    full = m(x, mask)
+    m.init_cache(1, 6, **layout)
+    for t in range(row):
+        np.testing.assert_allclose(m(x[:, t : t + 1], mask, decode=True), full[:, t : t + 1], **F32)
+    with pytest.raises(ValueError, match=f"query at position {row} .* has dropped"):
+        m(x[:, row : row + 1], mask, decode=True)
+    m.init_cache(1, 6, **layout)
+    step = nnx.jit(lambda m, x: m(x, mask, decode=True))
+    got = jnp.concatenate([step(m, x[:, t : t + 1]) for t in range(6)], 1)
+    np.testing.assert_allclose(got[:, :row], full[:, :row], **F32)
+    assert np.all(np.isnan(np.asarray(got[:, row])))
+
+
 def test_linen_ragged_prefill_decodes_each_example_like_alone():
     options = dict(num_heads=2, rope=True)
     prompts, T = [2, 5], 7

@@ -428,6 +428,27 @@ CORE_BAD = [
     ("q integer", _attend(q=jnp.ones((2, 5, 4), jnp.int32)), TypeError, "q must be"),
     ("q rank one", _attend(q=jnp.ones((4,))), ValueError, "q must have at least 2"),
     ("offsets without predicate", _attend(q_offset=1), ValueError, "q_offset"),
+    ("q_offset float", _attend(mask=masks.causal(), q_offset=1.9), TypeError, "q_offset must be an int or an integer"),
+    ("q_offset bool", _attend(mask=masks.causal(), q_offset=True), TypeError, "q_offset must be an int or an integer"),
+    *(
+        (f"kv_offset float array on {impl}", call, TypeError, r"kv_offset must be .* dtype float32 with shape \(2,\)")
+        for impl in ("dense", "blockwise", "xla")
+        for call in [_attend(mask=masks.causal(), kv_offset=jnp.array([1.0, 2.0]), implementation=impl)]
+    ),
+    *(
+        (f"per-example mask of another batch on {impl}", call, ValueError, r"do not broadcast: q \(2, 3, 5, 4\)")
+        for impl in ("dense", "blockwise", "xla")
+        for m in (masks.padding(kv_lengths=jnp.array([1, 2, 3])), masks.segment_ids(jnp.zeros((3, 5), jnp.int32)))
+        for call in [
+            _attend(
+                q=jnp.ones((2, 3, 5, 4)),
+                k=jnp.ones((2, 3, 5, 4)),
+                v=jnp.ones((2, 3, 5, 4)),
+                mask=m,
+                implementation=impl,
+            )
+        ]
+    ),
     ("combine with a number", lambda: masks.causal() & 1.5, TypeError, "masks combine only"),
 ]
 
@@ -438,7 +459,7 @@ def test_bad_core_input_is_named(call, error, match):
         call()
 
 
-@pytest.mark.parametrize("impl", ["dense", "blockwise"])
+@pytest.mark.parametrize("impl", ["dense", "blockwise", "xla"])
 def test_empty_sequences_are_defined(impl):
     """T = 0 gives an empty output; S = 0 leaves every row without keys: 0, log-sum-exp -inf, zero gradient."""
     q, k = _rand((2, 3, 4), 0), _rand((2, 0, 4), 1)
