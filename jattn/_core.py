@@ -21,6 +21,7 @@ import numbers
 from collections.abc import Callable
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 from jax import Array
@@ -529,10 +530,17 @@ def _jax_nn_args(
     return kwargs
 
 
-def _dense_lse(mask: Mask | None, q_offset, kv_offset, scale, v: Array):
-    """``lse(q, k, bias)``: the dense path's log-sum-exp of a call, its leading dims and T flattened."""
+def _lse_grad(value: Array, q, k, v, bias, mask: Mask | None, scale, q_offset, kv_offset) -> Array:
+    """jax.nn's log-sum-exp ``value`` (any shape of B·T entries), differentiated as the dense path's.
 
-    def lse(q, k, bias):
+    jax.nn stops its residual's gradient. Here it gets the gradient of the dense logits'
+    log-sum-exp with respect to q, k and bias (:func:`_grad_from`). Everything traced that the
+    dense one reads (mask arrays, v, offsets, scale) becomes an argument (the constants of its
+    jaxpr), so it also holds where the backward runs outside the forward's ``jit``
+    (``grad(jit(f))``).
+    """
+
+    def lse(q, k, bias=None):
         dense = _dense_mask(mask, q, k, q_offset, kv_offset, v, bias)
         lead = broadcast_all(q=q, k=k, v=v, mask=dense, bias=bias)
         ndim = len(lead) + 2
@@ -540,12 +548,26 @@ def _dense_lse(mask: Mask | None, q_offset, kv_offset, scale, v: Array):
         parts = _logits(q, k, dense, bias, scale, None, None, (), None)[0]
         return jnp.broadcast_to(parts.logsumexp(), (*lead, q.shape[-2])).reshape(-1)
 
-    return lse
+    diff = (q, k) if bias is None else (q, k, bias)
+    closed = jax.make_jaxpr(lse)(*diff)
+    return _grad_from(_Jaxpr(closed.jaxpr), value, diff, tuple(closed.consts))
+
+
+class _Jaxpr:
+    """A jaxpr as a function of its inputs and then its constants (for :func:`_grad_from`)."""
+
+    def __init__(self, jaxpr) -> None:
+        self.jaxpr = jaxpr
+
+    def __call__(self, *args):
+        n = len(self.jaxpr.constvars)
+        args, consts = args[: len(args) - n], args[len(args) - n :]
+        return jax.extend.core.jaxpr_as_fun(jax.extend.core.ClosedJaxpr(self.jaxpr, consts))(*args)[0]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _grad_from(fn, value: Array, *args) -> Array:
-    """``value`` (no gradient of its own), differentiated as ``fn(*args)`` (whose value it equals).
+def _grad_from(fn, value: Array, diff: tuple, rest: tuple) -> Array:
+    """``value`` (no gradient of its own), differentiated as ``fn(*diff, *rest)`` (whose value it equals) in ``diff``.
 
     The backward computes ``fn``'s VJP only where the cotangent is not all zeros (``lax.cond``):
     an lse returned but not used in the loss costs no dense pass.
@@ -553,17 +575,20 @@ def _grad_from(fn, value: Array, *args) -> Array:
     return value
 
 
-def _grad_from_fwd(fn, value, *args):
-    return value, args
+def _grad_from_fwd(fn, value, diff, rest):
+    return value, (diff, rest)
 
 
-def _grad_from_bwd(fn, args, g):
+def _grad_from_bwd(fn, res, g):
+    diff, rest = res
+
     def pull(g):
-        out = jax.eval_shape(fn, *args)
-        return jax.vjp(fn, *args)[1](g.reshape(out.shape).astype(out.dtype))
+        out, vjp = jax.vjp(lambda *d: fn(*d, *rest), *diff)
+        return vjp(g.reshape(out.shape).astype(out.dtype))
 
-    zeros = jax.tree.map(jnp.zeros_like, args)
-    return (jnp.zeros_like(g), *jax.lax.cond(jnp.any(g != 0), pull, lambda g: zeros, g))
+    zeros = jax.tree.map(jnp.zeros_like, diff)
+    grads = jax.lax.cond(jnp.any(g != 0), pull, lambda g: zeros, g)
+    return jnp.zeros_like(g), grads, jax.tree.map(lambda _: None, rest)
 
 
 _grad_from.defvjp(_grad_from_fwd, _grad_from_bwd)
@@ -607,7 +632,7 @@ def _jax_nn(q, k, v, mask: Mask | None, bias, scale, path, q_offset, kv_offset, 
         )
     out, lse = out if return_lse else (out, None)
     if lse is not None:  # jax.nn stops the residual's gradient: take it from the dense logits'
-        lse = _grad_from(_dense_lse(mask, q_offset, kv_offset, scale, v), lse, q, k, bias)
+        lse = _lse_grad(lse, q, k, v, bias, mask, scale, q_offset, kv_offset)
     out = out.reshape(*lead, T, v.shape[-1])
     if mask is not None:  # jax.nn averages v over a fully masked row; the contract is 0 (and lse -inf)
         dense = _dense_mask(mask, q, k, q_offset, kv_offset, v, bias)  # (..., T, S): reduced before it is broadcast

@@ -36,7 +36,6 @@ def _close_lse(a, b, dtype):
     np.testing.assert_allclose(np.where(np.isneginf(a), 0, a), np.where(np.isneginf(b), 0, b), **ref.tol(dtype))
 
 
-
 def test_a_traced_scale_is_folded_into_q():
     """A scale that is a jit argument, or differentiated, runs blockwise: values and d/dscale against float64."""
     q, k, v = _rand((2, 3, 9, 4), 0), _rand((2, 3, 11, 4), 1), _rand((2, 3, 11, 5), 2)
@@ -56,6 +55,7 @@ def test_a_traced_scale_is_folded_into_q():
 
     h = 1e-5  # central difference in float64
     np.testing.assert_allclose(got, (ref_loss(0.7 + h) - ref_loss(0.7 - h)) / (2 * h), rtol=1e-4)
+
 
 @settings(max_examples=10)
 @given(
