@@ -212,6 +212,7 @@ class SelfAttention(_Attention):
           decode: continue the cached tokens (the ``'cache'`` collection from
             :meth:`init_cache`, passed mutable); None: the ``decode`` field.
         """
+        check_int("d_model", self.d_model, min=1)  # the field first: x is checked against it
         _heads.check_input("x", x, self.d_model)
         return self._run(
             x,
@@ -273,6 +274,7 @@ class CrossAttention(_Attention):
 
         Other arguments as :meth:`SelfAttention.__call__`.
         """
+        check_int("d_model", self.d_model, min=1)  # the fields first: x and context are checked against them
         check_int("context_features", self.context_features, min=1)
         _heads.check_context(x, self.d_model, context, self.context_features, context_mask)
         return self._run(

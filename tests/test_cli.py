@@ -144,6 +144,47 @@ def test_a_resumed_run_may_run_longer_and_log_differently(run, finished):
     assert json.loads((run / "config.json").read_text())["steps"] == 50
 
 
+def test_a_run_continued_from_an_odd_step_keeps_its_cadence(tmp_path):
+    """Continued from step 23, its chunks end on multiples of log_every: evals and checkpoints at 30, 40, 50."""
+    workdir = tmp_path / "run"
+    train(tiny(workdir, steps=23, eval_every=10, checkpoint_every=10, log_every=5, warmup_steps=2))
+    train(tiny(workdir, steps=60, eval_every=10, checkpoint_every=10, log_every=5, warmup_steps=2))
+    steps = [r[0] for r in rows(workdir)]
+    assert steps == [5, 10, 15, 20, 23, 25, 30, 35, 40, 45, 50, 55, 60]
+    assert [r[0] for r in rows(workdir) if r[3] is not None] == [10, 20, 23, 30, 40, 50, 60]
+    saved = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+    assert saved[-2:] == [50, 60]  # the newest kept (before: 23 and 60)
+
+
+@pytest.mark.parametrize("entry", ["train.eval", "train.sample"])
+@pytest.mark.parametrize("count", ["0", "-1", "two"])
+def test_a_bad_example_count_is_named(entry, count, finished):
+    done = subprocess.run(
+        [sys.executable, "-m", entry, "--run", str(finished), "--examples", count],
+        capture_output=True, text=True, timeout=LIMIT, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert f"argument --examples: must be a positive int, got {count if count == 'two' else int(count)}" in (
+        done.stderr.replace("'two'", "two")
+    )
+
+
+def test_an_interrupted_control_says_so_and_the_verdict_lists_only_drawn_pictures(tmp_path, monkeypatch, capsys):
+    cfg = tiny(tmp_path / "run", control=True)
+    main = {"moved_aside": None, "interrupted": False, "lengths": [], "workdir": str(tmp_path / "run")}
+    calls = iter([main, {"interrupted": True, "step": 7}])
+    monkeypatch.setattr(loop, "train", lambda *a, **k: next(calls))
+    assert cli.run(cfg, progress=False) == 130
+    assert (
+        "interrupted the control at step 7: checkpoint saved; run the same command to resume" in capsys.readouterr().out
+    )
+    monkeypatch.setattr(loop, "verdict", lambda *a: "verdict")
+    for mixer, pictures in [("attention", "curves.png, attention.png"), ("linear", "curves.png")]:
+        monkeypatch.setattr(loop, "train", lambda *a, **k: main)
+        assert cli.run(tiny(tmp_path / "run", **{"model.mixer": mixer}), progress=False) == 0
+        assert f"(metrics.jsonl, {pictures}, checkpoints/)" in capsys.readouterr().out
+
+
 def test_a_directory_that_is_not_a_run_is_refused(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     with pytest.raises(RunError, match=r"holds files but no config\.json"):

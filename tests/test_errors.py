@@ -132,6 +132,22 @@ BAD = [
         ValueError,
         "d_model must be a positive",
     ),
+    *(
+        (f"linen_{name}_d_model_{d!r}", call, error, match)
+        for d, error, match in [
+            (0, ValueError, "d_model must be a positive int, got 0"),
+            ("8", TypeError, "d_model must be an int"),
+        ]
+        for name, call in [
+            ("self", lambda d=d: jattn.linen.SelfAttention(d).init(jax.random.key(0), jnp.ones((2, 5, 8)))),
+            (
+                "cross",
+                lambda d=d: jattn.linen.CrossAttention(d, context_features=4).init(
+                    jax.random.key(0), jnp.ones((2, 5, 8)), jnp.ones((2, 3, 4))
+                ),
+            ),
+        ]
+    ),
     ("module_qkv_features_zero", lambda: _nnx(qkv_features=0), ValueError, "qkv_features must be a positive int"),
     ("module_out_features_zero", lambda: _nnx(out_features=0), ValueError, "out_features must be a positive int"),
     ("module_out_proj_not_bool", lambda: _nnx(out_proj="yes"), TypeError, "out_proj must be a bool"),

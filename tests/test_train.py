@@ -170,6 +170,12 @@ BAD_CONFIGS = [
     (["--config.control_model.mixer=rnn"], "the control (control_model={'mixer': 'rnn'}): config key 'model.mixer'"),
     (["--config.extrapolate=(2,)"], "config key 'extrapolate'=(2,): task 'mqar' has no longer version"),
     (["--config.extrapolate=(0,)"], "config key 'extrapolate' must be a tuple of integers >= 1, got (0,)"),
+    (
+        ["--config.model.mixer=linear", "--config.model.window=4"],
+        "config key 'model.window'=4 needs softmax attention: 'model.mixer'='linear' takes the causal mask only",
+    ),
+    (["--config.model.implementation=cudnn"], "config key 'model.implementation'='cudnn' needs an NVIDIA GPU"),
+    (["--config.control_model.d_model=32"], "on the command line control_model takes the keys its config file sets"),
 ]
 
 

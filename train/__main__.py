@@ -78,11 +78,18 @@ def run(cfg, *, progress: bool) -> int:
         ctl.workdir = str(loop.workdir_of(cfg) / "control")
         control = loop.train(ctl, progress=progress, pictures=False)
         if control["interrupted"]:
+            print(
+                f"interrupted the control at step {control['step']}: checkpoint saved; run the same command to resume"
+            )
             return 130
         loop.compare(summary, control)
     print(loop.verdict(summary, control))
-    lengths = ", lengths.png" if summary["lengths"] else ""
-    print(f"run directory: {summary['workdir']} (metrics.jsonl, curves.png, attention.png{lengths}, checkpoints/)")
+    pictures = (
+        ["curves.png"]
+        + ["attention.png"] * (cfg.model.mixer == "attention")
+        + ["lengths.png"] * bool(summary["lengths"])
+    )
+    print(f"run directory: {summary['workdir']} (metrics.jsonl, {', '.join(pictures)}, checkpoints/)")
     return 0
 
 

@@ -15,6 +15,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import jax
 import ml_collections
 from absl import flags
 from ml_collections import config_flags
@@ -83,6 +84,12 @@ def _explain(argv: list[str], error: Exception, cfg: ml_collections.ConfigDict |
         for depth, part in enumerate(key.split(".")):
             if not isinstance(node, ml_collections.ConfigDict) or part not in node:
                 where = ".".join(key.split(".")[: depth + 1])
+                if depth == 1 and key.startswith("control_model."):
+                    return (
+                        f"config key {key!r} (value {value!r}): on the command line control_model takes the keys "
+                        f"its config file sets ({', '.join(node) or 'none'}); set other model keys of the control "
+                        "in a config file's get_config()"
+                    )
                 return (
                     f"unknown config key {where!r} (in --config.{key}={value})"
                     if where != key
@@ -320,6 +327,15 @@ def validate(cfg: ml_collections.ConfigDict) -> Task:
         raise ConfigError(f"config key 'model.num_kv_heads'={kv} must be 0 or a divisor of 'model.num_heads'")
     if cfg.model.window < 0:
         raise ConfigError(f"config key 'model.window' must be >= 0, got {cfg.model.window}")
+    if cfg.model.window and cfg.model.mixer == "linear":
+        raise ConfigError(
+            f"config key 'model.window'={cfg.model.window} needs softmax attention: 'model.mixer'='linear' takes "
+            "the causal mask only"
+        )
+    if cfg.model.implementation == "cudnn" and jax.default_backend() != "gpu":
+        raise ConfigError(
+            f"config key 'model.implementation'='cudnn' needs an NVIDIA GPU; this backend is {jax.default_backend()!r}"
+        )
     if cfg.model.global_tokens and not cfg.model.window:
         raise ConfigError("config key 'model.global_tokens' needs 'model.window' > 0")
     if any(not 0 <= g < task.length for g in cfg.model.global_tokens):

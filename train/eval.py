@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from train import loop
-from train.rundir import RunError
+from train.rundir import RunError, positive_int
 
 
 def examples(exp: loop.Experiment, params, count: int) -> list[str]:
@@ -38,7 +38,7 @@ def examples(exp: loop.Experiment, params, count: int) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m train.eval", description=__doc__)
     parser.add_argument("--run", required=True, help="run directory, e.g. runs/mqar")
-    parser.add_argument("--examples", type=int, default=3)
+    parser.add_argument("--examples", type=positive_int, default=3)
     args = parser.parse_args(argv)
     try:
         exp, params, step = loop.restore(args.run)

@@ -276,7 +276,7 @@ def train(
         with progress_bar(progress and main) as bar, _Stop(should_stop) as stop:
             job = bar.add_task(f"{cfg.name}/{cfg.model.mixer}", total=cfg.steps, completed=start, stats="")
             while step < cfg.steps:
-                n = min(cfg.log_every, cfg.steps - step)
+                n = min(cfg.log_every - step % cfg.log_every, cfg.steps - step)  # chunks end on multiples
                 t0 = time.perf_counter()
                 params, opt_state, losses, accs = chunk(params, opt_state, step, n)
                 losses, accs = np.asarray(losses), np.asarray(accs)  # the one host sync per call

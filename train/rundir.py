@@ -23,6 +23,7 @@ rewrites (dropping steps past the checkpoint a run resumes from) go through a te
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import tempfile
@@ -57,6 +58,17 @@ class RunError(Exception):
 
 class MetricsError(RunError):
     """A line of ``metrics.jsonl`` that is not a metrics row."""
+
+
+def positive_int(text: str) -> int:
+    """An argparse ``type`` for counts such as ``--examples``: a positive int, or argparse's error naming the flag."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive int, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive int, got {n}")
+    return n
 
 
 def workdir_of(cfg: ml_collections.ConfigDict) -> Path:

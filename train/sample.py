@@ -17,7 +17,7 @@ from flax import nnx
 from jax import Array
 
 from train import loop
-from train.rundir import RunError
+from train.rundir import RunError, positive_int
 
 
 def answer_positions(exp: loop.Experiment) -> np.ndarray:
@@ -65,7 +65,7 @@ def greedy_cached(exp: loop.Experiment, params, inputs: Array) -> Array:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m train.sample", description=__doc__)
     parser.add_argument("--run", required=True, help="run directory, e.g. runs/mqar")
-    parser.add_argument("--examples", type=int, default=4)
+    parser.add_argument("--examples", type=positive_int, default=4)
     args = parser.parse_args(argv)
     try:
         exp, params, step = loop.restore(args.run)
