@@ -174,7 +174,6 @@ BAD_CONFIGS = [
         ["--config.model.mixer=linear", "--config.model.window=4"],
         "config key 'model.window'=4 needs softmax attention: 'model.mixer'='linear' takes the causal mask only",
     ),
-    (["--config.model.implementation=cudnn"], "config key 'model.implementation'='cudnn' needs an NVIDIA GPU"),
     (["--config.control_model.d_model=32"], "on the command line control_model takes the keys its config file sets"),
 ]
 
@@ -327,6 +326,19 @@ def test_bad_attention_path_is_a_config_error():
         cfg = config.override(config.load(), [f"--config.{key}={value}"])
         with pytest.raises(config.ConfigError, match=message):
             config.validate(cfg)
+
+
+def test_cudnn_without_a_gpu_is_a_config_error_before_the_run_directory(tmp_path):
+    """Checked once the backend starts (after a multi-process run joins), before anything is written."""
+    cfg = config.override(
+        config.load(), [f"--config.workdir={tmp_path / 'run'}", "--config.model.implementation=cudnn"]
+    )
+    config.validate(cfg)
+    with pytest.raises(
+        config.ConfigError, match=r"'model.implementation'='cudnn' needs an NVIDIA GPU; this backend is 'cpu'"
+    ):
+        loop.train(cfg, progress=False)
+    assert not (tmp_path / "run").exists()
 
 
 # -- positions: ALiBi against a learned table, past the training length ---------------------------

@@ -15,7 +15,6 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import jax
 import ml_collections
 from absl import flags
 from ml_collections import config_flags
@@ -270,6 +269,12 @@ def _check_mesh(cfg: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"config key 'batch_size'={cfg.batch_size} must be a multiple of 'mesh.data'={cfg.mesh.data}")
 
 
+def check_backend(cfg: ml_collections.ConfigDict, backend: str) -> None:
+    """Checks what depends on JAX's ``backend`` (known only once it starts, after a multi-process run joins)."""
+    if cfg.model.implementation == "cudnn" and backend != "gpu":
+        raise ConfigError(f"config key 'model.implementation'='cudnn' needs an NVIDIA GPU; this backend is {backend!r}")
+
+
 def control_of(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """The control run of ``cfg``: a copy with the model keys of ``cfg.control_model`` changed.
 
@@ -331,10 +336,6 @@ def validate(cfg: ml_collections.ConfigDict) -> Task:
         raise ConfigError(
             f"config key 'model.window'={cfg.model.window} needs softmax attention: 'model.mixer'='linear' takes "
             "the causal mask only"
-        )
-    if cfg.model.implementation == "cudnn" and jax.default_backend() != "gpu":
-        raise ConfigError(
-            f"config key 'model.implementation'='cudnn' needs an NVIDIA GPU; this backend is {jax.default_backend()!r}"
         )
     if cfg.model.global_tokens and not cfg.model.window:
         raise ConfigError("config key 'model.global_tokens' needs 'model.window' > 0")

@@ -31,7 +31,7 @@ from rich.text import Text
 
 from train import plots, rundir, sharding
 from train.checkpoints import CheckpointError, Checkpoints
-from train.config import ConfigError, validate
+from train.config import ConfigError, check_backend, validate
 from train.model import Decoder
 from train.rundir import workdir_of
 from train.tasks import Task
@@ -255,6 +255,7 @@ def train(
     checkpoints) for a run directory that cannot be used; both carry a one-line message.
     """
     sharding.init_distributed(cfg)
+    check_backend(cfg, jax.default_backend())  # the backend starts here, after joining
     exp = build(cfg)
     mesh = _make_mesh(cfg)
     main = jax.process_index() == 0  # the process that writes logs, summaries and pictures
