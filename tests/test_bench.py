@@ -1,4 +1,4 @@
-"""The benchmark's FLOP accounting (useful work counts only unmasked pairs)."""
+"""The benchmark: its FLOP accounting (useful work counts only unmasked pairs), results and harness."""
 
 import argparse
 import dataclasses
@@ -69,3 +69,21 @@ def test_a_failing_candidate_is_recorded_not_fatal():
     timings = suite.run_case(suite.Case(1, 1, 16, 8), ("jattn-dense", "jax.nn-cudnn"), repeats=1)
     assert timings["jattn-dense"]["ms"] > 0
     assert set(timings["jax.nn-cudnn"]) == {"error"}
+
+
+def test_a_call_with_gigabytes_of_scratch_lets_the_memory_go_before_the_next(monkeypatch):
+    events = []
+
+    def fake(name, case):
+        def run():
+            events.append(name)
+
+        run.temp_mib = {"dense": 16384.0, "blockwise": 6.0, "torch": float("nan")}[name]
+        return run
+
+    monkeypatch.setattr(suite, "candidate", fake)
+    monkeypatch.setattr(suite.time, "sleep", lambda s: events.append(s))
+    timings = suite.run_case(suite.Case(1, 2, 64, 8), ("blockwise", "dense", "torch"), repeats=2)
+    pause = suite.SETTLE_S
+    assert events == ["blockwise", "dense", pause, "torch"] + ["blockwise", "dense", pause, "torch"] * 2
+    assert set(timings) == {"blockwise", "dense", "torch"}
