@@ -3,12 +3,14 @@
 // Full attention (no mask), float32, q (H, T, D), k and v (H, S, D), out (H, T, D), all
 // contiguous; H counts batch x heads. One task per (head, block of Br query rows), handed to
 // `threads` std::threads; each task walks the keys in blocks of Bc with the online softmax:
-//   s = scale q kᵀ (sgemm), m' = max(m, rowmax s), p = exp(s - m'), l = l e^(m - m') + rowsum p,
-//   acc = acc e^(m - m') + p v (sgemm), and at the end out = acc / l.
+//   s = scale q kᵀ, m' = max(m, rowmax s), p = exp(s - m'), l = l e^(m - m') + rowsum p,
+//   acc = acc e^(m - m') + p v, and at the end out = acc / l.
 // The tile s (Br x Bc) stays in the core's cache between the two products; the row max, the exp
 // and the row sum are one pass each over it (AVX-512 where the compiler targets it).
-// The products come from a CBLAS library opened at run time: OpenBLAS from NumPy's wheel
-// (scipy_cblas_sgemm64_, ILP64) or MKL's mkl_rt (cblas_sgemm, LP64), each on one thread.
+// The products are the sketch's own (a 6 x 64 micro-kernel; kᵀ packed once a head in panels of
+// 64 keys, key blocks rounded up to whole panels) or a CBLAS library's, opened at run time:
+// OpenBLAS from NumPy's wheel (scipy_cblas_sgemm64_, ILP64) or MKL's mkl_rt (cblas_sgemm, LP64),
+// each on one thread.
 #include <dlfcn.h>
 
 #include <algorithm>
@@ -169,13 +171,31 @@ extern "C" int fused_init(const char* library) {  // "" for the built-in product
 extern "C" void fused_forward(const float* q, const float* k, const float* v, float* out, int64_t H,
                               int64_t T, int64_t S, int64_t D, float scale, int64_t Br, int64_t Bc,
                               int threads) {
-  const int64_t blocks = (T + Br - 1) / Br;
+  const bool builtin = !blas32 && !blas64;
+  if (builtin) Bc = (Bc + 63) / 64 * 64;  // key blocks of whole panels
+  const int64_t blocks = (T + Br - 1) / Br, Sp = (S + 63) / 64 * 64;
+  // The built-in products read kᵀ as panels of 64 keys, kt[h][p][d][0:64], packed once a head.
+  std::vector<float> kt(builtin ? H * Sp * D : 0);
+  auto run = [threads](auto&& work) {
+    std::vector<std::thread> pool;
+    for (int t = 1; t < threads; ++t) pool.emplace_back(work);
+    work();
+    for (auto& t : pool) t.join();
+  };
   std::atomic<int64_t> next{0};
-  auto work = [&] {
-    const bool builtin = !blas32 && !blas64;
-    const int64_t panels = (Bc + 63) / 64;
-    std::vector<float> s(Br * panels * 64), acc(Br * D), m(Br), l(Br), qs(builtin ? Br * D : 0),
-        kt(builtin ? panels * 64 * D : 0);
+  if (builtin) {
+    run([&] {
+      for (int64_t h; (h = next.fetch_add(1)) < H;) {
+        for (int64_t c = 0; c < Sp; ++c) {
+          float* panel = kt.data() + (h * Sp + c / 64 * 64) * D + c % 64;
+          for (int64_t d = 0; d < D; ++d) panel[d * 64] = c < S ? k[(h * S + c) * D + d] : 0.f;
+        }
+      }
+    });
+    next = 0;
+  }
+  run([&] {
+    std::vector<float> s(Br * Bc), acc(Br * D), m(Br), l(Br), rescale(Br), qs(builtin ? Br * D : 0);
     for (int64_t task; (task = next.fetch_add(1)) < H * blocks;) {
       const int64_t h = task / blocks, r0 = (task % blocks) * Br, rows = std::min(Br, T - r0);
       const float* qh = q + (h * T + r0) * D;
@@ -187,41 +207,33 @@ extern "C" void fused_forward(const float* q, const float* k, const float* v, fl
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t c0 = 0; c0 < S; c0 += Bc) {
         const int64_t cols = std::min(Bc, S - c0);
-        const float* kb = k + (h * S + c0) * D;
         const float* vb = v + (h * S + c0) * D;
-        if (builtin) {  // kᵀ packed as panels of 64 keys: kt[p][d][0:64]
-          for (int64_t p = 0; p < panels; ++p) {
-            float* panel = kt.data() + p * 64 * D;
-            for (int64_t c = 0; c < 64; ++c) {
-              const float* key = kb + (p * 64 + c) * D;
-              const bool in = p * 64 + c < cols;
-              for (int64_t d = 0; d < D; ++d) panel[d * 64 + c] = in ? key[d] : 0.f;
-            }
-          }
-          gemm(rows, cols, D, qs.data(), D, kt.data(), 64 * D, 64, s.data(), panels * 64, false);
+        if (builtin) {
+          gemm(rows, cols, D, qs.data(), D, kt.data() + (h * Sp + c0) * D, 64 * D, 64, s.data(), Bc, false);
         } else {
-          sgemm(kNoTrans, kTrans, rows, cols, D, scale, qh, D, kb, D, 0.f, s.data(), panels * 64);
+          sgemm(kNoTrans, kTrans, rows, cols, D, scale, qh, D, k + (h * S + c0) * D, D, 0.f, s.data(), Bc);
         }
         for (int64_t i = 0; i < rows; ++i) {
           const float m_old = m[i];
-          const float sum = softmax_row(s.data() + i * panels * 64, cols, &m[i]);
-          const float rescale = std::exp(m_old - m[i]);
-          l[i] = l[i] * rescale + sum;
-          for (int64_t d = 0; d < D; ++d) acc[i * D + d] *= rescale;
+          const float sum = softmax_row(s.data() + i * Bc, cols, &m[i]);
+          rescale[i] = std::exp(m_old - m[i]);
+          l[i] = l[i] * rescale[i] + sum;
         }
         if (builtin) {
-          gemm(rows, D, cols, s.data(), panels * 64, vb, 64, D, acc.data(), D, true);
+          for (int64_t i = 0; i < rows; ++i) {
+            if (rescale[i] == 1.f) continue;  // the row's max did not move
+            for (int64_t d = 0; d < D; ++d) acc[i * D + d] *= rescale[i];
+          }
+          gemm(rows, D, cols, s.data(), Bc, vb, 64, D, acc.data(), D, true);
         } else {
-          sgemm(kNoTrans, kNoTrans, rows, D, cols, 1.f, s.data(), panels * 64, vb, D, 1.f, acc.data(), D);
+          for (int64_t i = 0; i < rows; ++i)
+            for (int64_t d = 0; d < D; ++d) acc[i * D + d] *= rescale[i];
+          sgemm(kNoTrans, kNoTrans, rows, D, cols, 1.f, s.data(), Bc, vb, D, 1.f, acc.data(), D);
         }
       }
       for (int64_t i = 0; i < rows; ++i) {
         for (int64_t d = 0; d < D; ++d) out[(h * T + r0 + i) * D + d] = acc[i * D + d] / l[i];
       }
     }
-  };
-  std::vector<std::thread> pool;
-  for (int t = 1; t < threads; ++t) pool.emplace_back(work);
-  work();
-  for (auto& t : pool) t.join();
+  });
 }
