@@ -201,7 +201,8 @@ def finish(state, dtype, sink: Array | None = None) -> tuple[Array, Array, Array
 def sink_grads(sink: Array, lse: Array, delta: Array) -> Array:
     """``d sink (B, t)`` per row: ``-e^(sink - lse) · delta`` (0 on rows with 0 output, whose delta is 0).
 
-    ``sink`` ``(B, 1|t)``, ``lse (B, t)`` the saved log-sum-exp (sink included), ``delta = rowsum(dO ∘ O)``.
+    ``sink`` ``(B, 1|t)``, ``lse (B, t)`` the saved log-sum-exp (sink included), ``delta`` from
+    :func:`backward_rows` (``rowsum(dO ∘ O)`` less the lse's cotangent).
     """
     w = jnp.exp(jnp.where(lse == -jnp.inf, -jnp.inf, sink - jnp.where(lse == -jnp.inf, 0, lse).astype(sink.dtype)))
     return -w * delta

@@ -226,14 +226,14 @@ def _shared_sum(g: Array, like: Array, axis_name: str) -> Array:
 def _ring_bwd(ring: _Ring, precision, res, cotangents):
     q, k, v, q_seg, kv_seg, rows, sinks, consts, out, lse = res
     d_out, d_lse, _ = cotangents  # the max logit is a monitor without a gradient (jattn.attention)
-    dsinks = jnp.zeros_like(sinks)
-    if ring.sinks:
-        _, delta = backward_rows(out, d_out, lse, ring.compute, d_lse)
-        dsinks = sink_grads(sinks[:, None].astype(ring.compute), lse, delta).sum(-1).astype(sinks.dtype)
-        dsinks = _shared_sum(dsinks, sinks, ring.axis_name)
     c, compute = ring.owned.shape[1], ring.compute
+    finite, delta = backward_rows(out, d_out, lse, compute, d_lse)  # (B, T) each
+    dsinks = jnp.zeros_like(sinks)
+    if ring.sinks:  # from the saved lse (-inf on rows with no key)
+        dsinks = sink_grads(sinks[:, None].astype(compute), lse, delta).sum(-1).astype(sinks.dtype)
+        dsinks = _shared_sum(dsinks, sinks, ring.axis_name)
+    lse = finite
     r = jax.lax.axis_index(ring.axis_name)
-    lse, delta = backward_rows(out, d_out, lse, compute, d_lse)  # (B, T) each
     scale = jnp.asarray(ring.scale, compute)
     qc, qsc, doc = _chunks(q, c), _chunks(q_seg, c), _chunks(d_out, c)
     qtc, dotc = [transposed(x) for x in qc], [transposed(x) for x in doc]  # for tile_grads
