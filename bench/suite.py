@@ -9,8 +9,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 import statistics
 import time
+import unittest.mock
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,6 +28,7 @@ CANDIDATES = (
     "jattn",
     "jattn-dense",
     "jattn-blockwise",
+    "jattn-xla-tiles",
     "jattn-vmap",
     "jattn-sharded",
     "jattn-pallas",
@@ -108,6 +111,7 @@ def _jax_candidate(name: str, case: Case) -> Callable | None:
             "jattn": None,
             "jattn-dense": "dense",
             "jattn-blockwise": "blockwise",
+            "jattn-xla-tiles": None,  # the default path with the fused CPU forward switched off
             "jattn-vmap": None,
             "jattn-sharded": None,
             "jattn-pallas": "pallas",
@@ -155,7 +159,9 @@ def _jax_candidate(name: str, case: Case) -> Callable | None:
     jitted = jax.jit(f)
     args = tuple(layout(x) for x in _inputs(case))
     t0, c0 = time.perf_counter(), time.process_time()
-    compiled = jitted.lower(*args).compile()
+    switch = {"JATTN_FUSED_CPU": "0"} if name == "jattn-xla-tiles" else {}
+    with unittest.mock.patch.dict(os.environ, switch):  # read at trace time (jattn._fused_cpu.available)
+        compiled = jitted.lower(*args).compile()
     compile_s = (time.perf_counter() - t0, time.process_time() - c0)
 
     def run():

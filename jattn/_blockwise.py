@@ -58,6 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
+from jattn import _fused_cpu
 from jattn._checks import broadcast_all, check_sinks
 from jattn._dropout import keep_mask, keep_scale, row_seeds
 from jattn._masks import (
@@ -69,6 +70,7 @@ from jattn._masks import (
     box_kinds,
     call_rows,
     fill_arrays,
+    key_interval,
     reduce_kinds,
     row_kinds,
     shared_arrays,
@@ -106,6 +108,7 @@ __all__ = [
     "blockwise_attention",
     "cores",
     "cpu_threads",
+    "fused_forward",
     "group_size",
     "platform",
     "static_kinds",
@@ -256,6 +259,12 @@ def _kernels(plan: _Plan, precision):
     """The forward and backward of one plan, group by group, each folding ``vmap`` into B (:func:`_folding`)."""
 
     def forward(q, k, v, rows, seeds, sinks, kind, arrays, consts):
+        if plan.fused is not None:  # one custom call over all of B (jattn._fused_cpu)
+            offsets = dict(q_offset=plan.q_offset, kv_offset=plan.kv_offset)
+            window = dict(window=plan.fused, scale=plan.scale, threads=plan.threads)
+            outs = _fused_cpu.forward(q, k, v, length=plan.S, **offsets, **window)
+            return vary(outs, q, k, v), ()  # under shard_map, varying as q, k, v (a custom call's results are not)
+
         def body(xs, a, group):
             *big, rows, seeds, sinks = xs
             rows, seeds, sinks = map(group.of, (rows, seeds, sinks))
@@ -352,8 +361,9 @@ class _Plan:
     def __init__(
         self,
         T, S, bq, bk, mask, q_offset, kv_offset, scale, compute, platform, threads, mod=None, sinks=False, bias=False,
-        dropout=0.0,
+        dropout=0.0, fused=None,
     ):  # fmt: skip
+        self.fused = fused  # (left, right): the forward is the fused CPU kernel's for this key interval (or None)
         self.T, self.S, self.bq, self.bk, self.platform, self.threads = T, S, bq, bk, platform, threads
         self.mod, self.sinks = mod, sinks  # the closure-converted score_mod (or None); whether rows have sinks
         self.dropout = dropout  # the dropout rate (0.0: none)
@@ -375,7 +385,7 @@ class _Plan:
         # On CPU, with static kinds, a loop without a branch takes each query block's FULL tiles (sweep).
         self.lead = platform == "cpu" and self.uniform is None and bool(self.full.any())
         self._key = (
-            T, S, bq, bk, mask, q_offset, kv_offset, scale, compute, platform, threads, mod, sinks, bias, dropout,
+            T, S, bq, bk, mask, q_offset, kv_offset, scale, compute, platform, threads, mod, sinks, bias, dropout, fused,
         )  # fmt: skip
         self.shared = shared_arrays(mask)  # mask arrays every row shares: they never fold under vmap
 
@@ -793,6 +803,7 @@ def blockwise_attention(
     dropout_rate: float = 0.0,
     dropout_rng: Array | None = None,
     backward_block: tuple[int, int] | None = None,
+    fused: bool = False,
 ) -> tuple[Array, Array, Array]:
     """Blockwise attention of validated ``q (..., T, D)``, ``k (..., S, D)``, ``v (..., S, E)``.
 
@@ -803,7 +814,8 @@ def blockwise_attention(
     (:func:`platform`) and, on CPU, the threads (:func:`cpu_threads`) pick the tiling of the leading
     axis (:func:`group_size`). ``backward_block`` (optional) tiles the backward where the forward's
     tiles are of several kinds (not all FULL), its sides divide the forward's and there is no
-    ``score_mod``; else the backward takes the forward's tiles.
+    ``score_mod``; else the backward takes the forward's tiles. ``fused``: on CPU, the forward may
+    be the fused kernel (:func:`fused_forward`), its tiles its own.
     """
     T, S = q.shape[-2], k.shape[-2]
     lead = broadcast_all(q=q, k=k, v=v, bias=bias)
@@ -839,7 +851,12 @@ def blockwise_attention(
         skeleton, int(q_offset), int(kv_offset), float(scale), compute, *where, mod, sinks is not None, kind,
         float(dropout_rate),
     )  # fmt: skip
-    plan = back = _Plan(T, S, bq, bk, *facts)
+    window = key_interval(skeleton) if fused and not arrays else None
+    plain = score_mod is None and sinks is None and bias is None and not dropout_rate and precision is None
+    use = window is not None and plain and fused_forward(compute, where[0])
+    plan = back = _Plan(T, S, bq, bk, *facts, fused=window if use else None)
+    if use:  # the backward keeps XLA's tiles (the forward's or backward_block's)
+        back = _Plan(T, S, bq, bk, *facts)
     if backward_block is not None and score_mod is None and plan.uniform is None:  # mod: converted for plan's tiles
         bqb, bkb = min(backward_block[0], bq), min(backward_block[1], bk)
         if (bqb, bkb) != (bq, bk) and bq % bqb == 0 and bk % bkb == 0:  # q, k, v padded for both
@@ -851,6 +868,16 @@ def blockwise_attention(
     out, lse, mx = _flash(*padded, head_rows(lead), seeds, sinks_f, consts, bias_t, run, plan, back, precision)
     out = out[:, :T].reshape(*lead, T, v.shape[-1]).astype(v.dtype)
     return out, lse[:, :T].reshape(*lead, T), mx[:, :T].reshape(*lead, T)
+
+
+def fused_forward(compute, platform: str) -> bool:
+    """Whether a forward computing in ``compute`` on ``platform`` can be the fused CPU kernel (:mod:`jattn._fused_cpu`).
+
+    On CPU, float32 (16-bit inputs upcast), where the kernel is built for an AVX-512 CPU and not
+    switched off (``JATTN_FUSED_CPU=0``); the call must also have a key interval mask (none,
+    causal, sliding windows) and no score_mod, sinks, bias, dropout or precision.
+    """
+    return platform == "cpu" and compute == jnp.float32 and _fused_cpu.available()
 
 
 def _flat_mask(m: Array, lead: tuple[int, ...]) -> Array:

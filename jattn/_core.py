@@ -808,6 +808,7 @@ def attention(
             dropout_rate=dropout_rate,
             dropout_rng=dropout_rng,
             backward_block=back,
+            fused=blocks is None,
         )
         return result(out, lse, top)
     if path == "pallas":

@@ -948,3 +948,26 @@ def check_lengths(mask: Mask, T: int, S: int) -> None:
             part = getattr(mask, field.name)
             if isinstance(part, Mask):
                 check_lengths(part, T, S)
+
+
+#: A side of :func:`key_interval` without a bound.
+UNBOUNDED = 2**62
+
+
+def key_interval(mask: Mask | None) -> tuple[int, int] | None:
+    """``(left, right)`` when ``mask`` lets query i see exactly the keys ``i - left <= j <= i + right``, else None.
+
+    No mask, :class:`Causal`, :class:`SlidingWindow` and their ``&``; an unbounded side is
+    :data:`UNBOUNDED` (the fused CPU forward's masks, :mod:`jattn._fused_cpu`).
+    """
+    if mask is None:
+        return UNBOUNDED, UNBOUNDED
+    if type(mask) is Causal:
+        return UNBOUNDED, 0
+    if type(mask) is SlidingWindow:
+        return min(mask.left, UNBOUNDED), min(mask.right, UNBOUNDED)
+    if type(mask) is _And:
+        a, b = key_interval(mask.a), key_interval(mask.b)
+        if a is not None and b is not None:
+            return min(a[0], b[0]), min(a[1], b[1])
+    return None

@@ -3,17 +3,13 @@
 import argparse
 import dataclasses
 import json
-import shutil
 import subprocess
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from bench import __main__ as bench_main
 from bench import suite
-from bench.fused_cpu import Fused
-from tests import reference as ref
 
 
 @pytest.mark.parametrize(
@@ -91,18 +87,3 @@ def test_a_call_with_gigabytes_of_scratch_lets_the_memory_go_before_the_next(mon
     pause = suite.SETTLE_S
     assert events == ["blockwise", "dense", pause, "torch"] + ["blockwise", "dense", pause, "torch"] * 2
     assert set(timings) == {"blockwise", "dense", "torch"}
-
-
-@pytest.mark.skipif(shutil.which("g++") is None, reason="the fused sketch is compiled with g++")
-@pytest.mark.parametrize(
-    ("blas", "threads", "S", "D"), [(None, 1, 150, 24), (None, 2, 150, 80), ("openblas", 2, 53, 24)]
-)
-def test_the_fused_cpu_sketch_matches_float64(tmp_path, blas, threads, S, D):
-    fused = Fused(blas, build_dir=tmp_path)
-    rng = np.random.default_rng(threads)
-    q, k, v = (rng.standard_normal((3, n, D), dtype=np.float32) for n in (37, S, S))
-    q *= 3.0  # logits of a few units: the online rescale matters
-    # Tails everywhere: 16-row blocks of 37 rows, key blocks of 20 (64 for the built-in products)
-    # over S keys, depth panels of 64 over D.
-    got = fused(q, k, v, rows=16, keys=20, threads=threads)
-    np.testing.assert_allclose(got, ref.attention(q, k, v)[0], **ref.tol(np.float32))

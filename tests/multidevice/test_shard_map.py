@@ -6,6 +6,9 @@ on the whole arrays and the float64 reference, on the dense and the blockwise pa
 
 from __future__ import annotations
 
+import pathlib
+import shutil
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -74,6 +77,35 @@ def test_attention_inside_shard_map_equals_the_whole_call_and_the_reference(impl
     np.testing.assert_allclose(ref.f64(out), want, **ref.tol(jnp.float32))
     dq, dk, dv, _, dsinks = ref.attention_grads(q, k, v, g, explicit, sinks=sinks)
     for got, w in zip(grads, (dq, dk, dv, dsinks), strict=True):
+        ref.assert_grad_close(got, w, jnp.float32)
+
+
+@pytest.mark.parametrize("name, kv_heads", [("none", N), ("causal", 1)])
+def test_the_fused_cpu_forward_inside_shard_map_keeps_values_and_gradients(name, kv_heads):
+    """Blockwise on automatic tiles without sinks: on an AVX-512 CPU its forward is the fused kernel
+    (a custom call, in the jaxpr), whose results must vary over the mesh axes as q does, or the
+    backward sums the gradients of the wrong shards."""
+    T = 300
+    (make_mask, _, dense), _ = _case(name, T)
+    mesh = jax.make_mesh((2, 2), ("b", "h"), axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[:4])
+    rng = np.random.default_rng(1)
+    q = jnp.asarray(rng.normal(size=(B, N, T, D)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(B, kv_heads, T, d)), jnp.float32) for d in (D, E))
+    g = jnp.asarray(rng.normal(size=(B, N, T, E)), jnp.float32)
+
+    def local(q, k, v):
+        return jattn.attention(q, k, v, mask=make_mask(None), implementation="blockwise")
+
+    heads = PartitionSpec("b", "h")
+    kv = heads if kv_heads == N else PartitionSpec("b")
+    sharded = jax.shard_map(local, mesh=mesh, in_specs=(heads, kv, kv), out_specs=heads)
+    if " avx512f" in pathlib.Path("/proc/cpuinfo").read_text() and shutil.which("g++"):
+        assert "jattn_fused_forward" in str(jax.make_jaxpr(sharded)(q, k, v))
+    out = jax.jit(sharded)(q, k, v)
+    grads = jax.jit(jax.grad(lambda q, k, v: jnp.sum(sharded(q, k, v) * g), argnums=(0, 1, 2)))(q, k, v)
+    explicit = np.broadcast_to(dense, (B, 1, T, T))
+    np.testing.assert_allclose(ref.f64(out), ref.attention(q, k, v, explicit)[0], **ref.tol(jnp.float32))
+    for got, w in zip(grads, ref.attention_grads(q, k, v, g, explicit)[:3], strict=True):
         ref.assert_grad_close(got, w, jnp.float32)
 
 

@@ -1,0 +1,295 @@
+// jattn's fused CPU attention forward: an XLA FFI custom call (jattn/_fused_cpu.py builds and loads it).
+//
+// Dimension key as in jattn/_core.py. q (B, T, D), k (B, S, D), v (B, S, E) float32, contiguous,
+// any leading dimensions flattened to B; results out (B, T, E), lse (B, T) and the row max logit
+// (B, T), float32. Query row t (position q_offset + t) sees key s (position kv_offset + s) where
+//   s < length  and  q_offset + t - left <= kv_offset + s <= q_offset + t + right,
+// an interval of keys a row: full attention, causal (right = 0), a sliding window; an unbounded
+// side is any value >= 2^62.
+//
+// One task per (B row, block of `block_q` query rows), taken from a shared counter by `threads`
+// std::threads, last query blocks first (the costliest under a causal mask). A task walks the key
+// blocks of `block_kv` keys (a multiple of 64) that its rows' intervals touch, with the online
+// softmax in the core's cache between the two products:
+//   s = (scale q) kᵀ,  m' = max(m, rowmax s),  p = e^(s - m'),  l = l e^(m - m') + rowsum p,
+//   acc = acc e^(m - m') + p v,  and at the end  out = acc / l,  lse = m + log l.
+// Keys outside a row's interval get p = 0 (never scored); a row with none gives out 0 and lse and
+// max -inf. A NaN score makes its row's l, out and lse NaN (and its max logit NaN); a NaN value
+// reaches the rows that weigh it (p = 0 included, as in a dense product).
+//
+// The products are the file's own: a 6 x 64 AVX-512 micro-kernel, kᵀ packed once per B row into
+// panels of 64 keys. Without AVX-512 the file still compiles (plain loops) and says so
+// (jattn_fused_simd() == 0); jattn then keeps XLA's tiles.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <thread>
+#include <vector>
+#include <cstdlib>
+
+#include "xla/ffi/api/ffi.h"
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+#ifdef __AVX512F__
+// e^x for x <= 0 (Cephes' polynomial on [-ln2/2, ln2/2], 2^n by scalef; -inf gives 0, NaN stays NaN:
+// max_ps returns its second operand when one is NaN).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(_mm512_set1_ps(-104.f), x);
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// The max of row[0:n] folded into *m; row[0:n] = e^(row - *m); returns the row's sum. A row whose max
+// stays -inf (no key yet, none here) is set to 0.
+inline float softmax_row(float* row, int64_t n, float* m) {
+  __m512 vmax = _mm512_set1_ps(*m);
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(row + j));
+  const __mmask16 tail = static_cast<__mmask16>((1u << (n - j)) - 1);
+  vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(vmax, tail, row + j));
+  *m = _mm512_reduce_max_ps(vmax);
+  if (*m == -kInf) {
+    std::fill(row, row + n, 0.f);
+    return 0.f;
+  }
+  const __m512 vm = _mm512_set1_ps(*m);
+  __m512 vsum = _mm512_setzero_ps();
+  for (j = 0; j + 16 <= n; j += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(row + j), vm));
+    _mm512_storeu_ps(row + j, e);
+    vsum = _mm512_add_ps(vsum, e);
+  }
+  const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, row + j), vm));
+  _mm512_mask_storeu_ps(row + j, tail, e);
+  vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(tail, e));
+  return _mm512_reduce_add_ps(vsum);
+}
+
+// C[M x N] (+)= A[M x K] B[K x N], B as panels of 64 columns (panel p at B + p * pstride, rows ldb
+// apart). The micro-kernel keeps a R x 64 block of C in 4R registers, streaming A (broadcast) and B.
+template <int R>
+void ukernel(int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc,
+             bool accumulate, const __mmask16* mask) {
+  __m512 c[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j)
+      c[r][j] = accumulate ? _mm512_maskz_loadu_ps(mask[j], C + r * ldc + 16 * j) : _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const float* b = B + k * ldb;
+    const __m512 b0 = _mm512_maskz_loadu_ps(mask[0], b), b1 = _mm512_maskz_loadu_ps(mask[1], b + 16);
+    const __m512 b2 = _mm512_maskz_loadu_ps(mask[2], b + 32), b3 = _mm512_maskz_loadu_ps(mask[3], b + 48);
+    for (int r = 0; r < R; ++r) {
+      const __m512 a = _mm512_set1_ps(A[r * lda + k]);
+      c[r][0] = _mm512_fmadd_ps(a, b0, c[r][0]);
+      c[r][1] = _mm512_fmadd_ps(a, b1, c[r][1]);
+      c[r][2] = _mm512_fmadd_ps(a, b2, c[r][2]);
+      c[r][3] = _mm512_fmadd_ps(a, b3, c[r][3]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) _mm512_mask_storeu_ps(C + r * ldc + 16 * j, mask[j], c[r][j]);
+}
+
+void gemm_panels(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B, int64_t pstride,
+                 int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+  for (int64_t j = 0; j < N; j += 64) {
+    __mmask16 mask[4];
+    for (int v = 0; v < 4; ++v) {
+      const int64_t n = std::clamp<int64_t>(N - j - 16 * v, 0, 16);
+      mask[v] = static_cast<__mmask16>((1u << n) - 1);
+    }
+    const float* b = B + (j / 64) * pstride;
+    int64_t i = 0;
+    for (; i + 6 <= M; i += 6) ukernel<6>(K, A + i * lda, lda, b, ldb, C + i * ldc + j, ldc, accumulate, mask);
+    const float* a = A + i * lda;
+    float* c = C + i * ldc + j;
+    switch (M - i) {
+      case 5: ukernel<5>(K, a, lda, b, ldb, c, ldc, accumulate, mask); break;
+      case 4: ukernel<4>(K, a, lda, b, ldb, c, ldc, accumulate, mask); break;
+      case 3: ukernel<3>(K, a, lda, b, ldb, c, ldc, accumulate, mask); break;
+      case 2: ukernel<2>(K, a, lda, b, ldb, c, ldc, accumulate, mask); break;
+      case 1: ukernel<1>(K, a, lda, b, ldb, c, ldc, accumulate, mask); break;
+    }
+  }
+}
+
+// C (+)= A B in chunks of kDepth along K, each over all of C's rows: a chunk of B (kDepth rows of 64,
+// 32 KiB) stays in L1 while the rows of A stream past it (p v: 4-5% faster than one pass over K).
+constexpr int64_t kDepth = 128;
+void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B, int64_t pstride, int64_t ldb,
+          float* C, int64_t ldc, bool accumulate) {
+  for (int64_t k0 = 0; k0 < K; k0 += kDepth) {
+    gemm_panels(M, N, std::min(kDepth, K - k0), A + k0, lda, B + k0 * ldb, pstride, ldb, C, ldc, accumulate || k0 > 0);
+  }
+}
+constexpr int kSimd = 1;
+#else
+inline float softmax_row(float* row, int64_t n, float* m) {
+  for (int64_t j = 0; j < n; ++j) *m = std::isnan(row[j]) ? row[j] : std::max(*m, row[j]);
+  if (*m == -kInf) {
+    std::fill(row, row + n, 0.f);
+    return 0.f;
+  }
+  float sum = 0.f;
+  for (int64_t j = 0; j < n; ++j) sum += row[j] = std::exp(row[j] - *m);
+  return sum;
+}
+
+void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B, int64_t pstride, int64_t ldb,
+          float* C, int64_t ldc, bool accumulate) {
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t j = 0; j < N; ++j) {
+      float sum = accumulate ? C[i * ldc + j] : 0.f;
+      for (int64_t k = 0; k < K; ++k) sum += A[i * lda + k] * B[(j / 64) * pstride + k * ldb + j % 64];
+      C[i * ldc + j] = sum;
+    }
+}
+constexpr int kSimd = 0;
+#endif
+
+// Scratch of n floats on a 64-byte boundary (whole cache lines: no vector load or store splits one).
+struct Scratch {
+  explicit Scratch(int64_t n) : data(static_cast<float*>(std::aligned_alloc(64, (n * sizeof(float) + 63) / 64 * 64))) {}
+  ~Scratch() { std::free(data); }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  float& operator[](int64_t i) { return data[i]; }
+  float* data;
+};
+
+template <typename Work>
+void run(int threads, const Work& work) {
+  std::vector<std::thread> pool;
+  for (int t = 1; t < threads; ++t) pool.emplace_back(work);
+  work();
+  for (auto& t : pool) t.join();
+}
+
+struct Rows {  // the key interval [lo, hi) of each query row of a block, as key indices
+  std::vector<int64_t> lo, hi;
+};
+
+ffi::Error Forward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                   ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse, ffi::ResultBuffer<ffi::F32> mx,
+                   int64_t length, int64_t q_offset, int64_t kv_offset, int64_t left, int64_t right, float scale,
+                   int64_t block_q, int64_t block_kv, int64_t threads) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  const size_t rank = qd.size();
+  if (rank < 2 || kd.size() != rank || vd.size() != rank) return ffi::Error::InvalidArgument("q, k, v: ranks differ");
+  const int64_t T = qd[rank - 2], D = qd[rank - 1], S = kd[rank - 2], E = vd[rank - 1];
+  int64_t B = 1;  // the leading dimensions, flattened
+  for (size_t a = 0; a + 2 < rank; ++a) {
+    if (kd[a] != qd[a] || vd[a] != qd[a]) return ffi::Error::InvalidArgument("q, k, v: leading dimensions differ");
+    B *= qd[a];
+  }
+  if (kd[rank - 1] != D || vd[rank - 2] != S || block_kv % 64 || block_q < 1 || threads < 1)
+    return ffi::Error::InvalidArgument("fused attention: inconsistent shapes or blocks");
+  const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data();
+  float *op = out->typed_data(), *lp = lse->typed_data(), *mp = mx->typed_data();
+  length = std::min(length, S);
+  const int64_t Sp = (length + 63) / 64 * 64, blocks = (T + block_q - 1) / block_q;
+  const int64_t Bq = block_q, Bc = block_kv;
+  const int n = static_cast<int>(std::min<int64_t>(threads, std::max<int64_t>(B * blocks, 1)));
+
+  // kᵀ as panels of 64 keys, kt[b][p][d][0:64], zero past `length`.
+  Scratch kt(B * Sp * D);
+  std::atomic<int64_t> next{0};
+  run(n, [&] {
+    for (int64_t b; (b = next.fetch_add(1)) < B;) {
+      for (int64_t c = 0; c < Sp; ++c) {
+        float* panel = kt.data + (b * Sp + c / 64 * 64) * D + c % 64;
+        const float* key = kp + (b * S + c) * D;
+        for (int64_t d = 0; d < D; ++d) panel[d * 64] = c < length ? key[d] : 0.f;
+      }
+    }
+  });
+
+  next = 0;
+  run(n, [&] {
+    Scratch s(Bq * Bc), acc(Bq * E), qs(Bq * D);
+    std::vector<float> m(Bq), l(Bq);
+    std::vector<int64_t> lo(Bq), hi(Bq);
+    for (int64_t task; (task = next.fetch_add(1)) < B * blocks;) {
+      const int64_t b = task / blocks, r0 = (blocks - 1 - task % blocks) * Bq, rows = std::min(Bq, T - r0);
+      const float* qb = qp + (b * T + r0) * D;
+      for (int64_t i = 0; i < rows * D; ++i) qs[i] = qb[i] * scale;  // the scale folded into q, as jattn does
+      int64_t first = length, last = 0;  // the keys any row sees: [first, last)
+      for (int64_t i = 0; i < rows; ++i) {
+        const int64_t at = q_offset + r0 + i - kv_offset;  // the row's position among the keys' indices
+        lo[i] = std::max<int64_t>(0, left >= (int64_t{1} << 62) ? 0 : at - left);
+        hi[i] = std::min<int64_t>(length, right >= (int64_t{1} << 62) ? length : at + right + 1);
+        if (lo[i] < hi[i]) first = std::min(first, lo[i]), last = std::max(last, hi[i]);
+      }
+      std::fill(m.begin(), m.begin() + rows, -kInf);
+      std::fill(l.begin(), l.begin() + rows, 0.f);
+      std::fill(acc.data, acc.data + rows * E, 0.f);
+      for (int64_t c0 = first / 64 * 64; c0 < last; c0 += Bc) {
+        const int64_t cols = std::min(Bc, last - c0);
+        gemm(rows, cols, D, qs.data, D, kt.data + (b * Sp + c0) * D, 64 * D, 64, s.data, Bc, false);
+        for (int64_t i = 0; i < rows; ++i) {
+          float* row = s.data + i * Bc;
+          const int64_t a = std::clamp<int64_t>(lo[i] - c0, 0, cols), z = std::clamp<int64_t>(hi[i] - c0, a, cols);
+          std::fill(row, row + a, 0.f);  // keys outside the row's interval weigh 0
+          std::fill(row + z, row + cols, 0.f);
+          const float m_old = m[i];
+          const float sum = a < z ? softmax_row(row + a, z - a, &m[i]) : 0.f;
+          const float rescale = m[i] == -kInf ? 1.f : std::exp(m_old - m[i]);
+          l[i] = l[i] * rescale + sum;
+          if (rescale == 1.f) continue;  // the row's max did not move
+          for (int64_t e = 0; e < E; ++e) acc[i * E + e] *= rescale;
+        }
+        gemm(rows, E, cols, s.data, Bc, vp + (b * S + c0) * E, 64, E, acc.data, E, true);
+      }
+      for (int64_t i = 0; i < rows; ++i) {
+        const int64_t t = b * T + r0 + i;
+        const float inv = l[i] == 0.f ? 0.f : 1.f / l[i];
+        for (int64_t e = 0; e < E; ++e) op[t * E + e] = acc[i * E + e] * inv;
+        lp[t] = l[i] == 0.f ? -kInf : m[i] + std::log(l[i]);
+        mp[t] = std::isnan(l[i]) ? l[i] : m[i];
+      }
+    }
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JattnFusedForward, Forward,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("length")
+                                  .Attr<int64_t>("q_offset")
+                                  .Attr<int64_t>("kv_offset")
+                                  .Attr<int64_t>("left")
+                                  .Attr<int64_t>("right")
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("block_q")
+                                  .Attr<int64_t>("block_kv")
+                                  .Attr<int64_t>("threads"));
+
+extern "C" int jattn_fused_simd() { return kSimd; }

@@ -1,0 +1,149 @@
+"""The fused CPU forward of blockwise attention: ``_fused_cpu.cc`` as an XLA FFI custom call.
+
+Shapes follow :mod:`jattn._core` with leading dimensions flattened to ``B``: q ``(B, T, D)``,
+k ``(B, S, D)``, v ``(B, S, E)``. XLA runs a tile's ops one after another, each split over the
+threads; the kernel gives each thread whole (row of B, query block) tasks and keeps the score
+tile in its core's cache between the two products, with the online softmax in between (README
+"The fused CPU forward"). It serves the masks that give each query row one interval of keys
+(:func:`jattn._masks.key_interval`: none, causal, sliding windows and their ``&``) in float32
+(16-bit inputs are upcast), and returns the lse, so the backward stays jattn's XLA one.
+
+The C++ source is compiled on first use with the system's ``g++`` for this machine's CPU
+(``-march=native``) and cached under ``$JATTN_CACHE_DIR`` (default ``~/.cache/jattn``), keyed by
+the source, the jaxlib and the CPU's flags. Without a compiler, or on a CPU without AVX-512, or
+with ``JATTN_FUSED_CPU=0``, :func:`available` is False and blockwise attention keeps XLA's tiles.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import pathlib
+import shutil
+import subprocess
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import Array
+
+__all__ = ["BLOCK_KV", "BLOCK_Q", "available", "forward"]
+
+_log = logging.getLogger(__name__)
+TARGET = "jattn_fused_forward"
+SOURCE = pathlib.Path(__file__).with_suffix(".cc")
+#: Query rows of one task and keys of one tile (a multiple of 64): full forward, B=4 N=8 D=64, 2 threads (README).
+BLOCK_Q, BLOCK_KV = 256, 512
+
+
+def _cpu_flags() -> str:
+    try:
+        text = pathlib.Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    return next((line for line in text.splitlines() if line.startswith("flags")), "")
+
+
+def _build() -> pathlib.Path | None:
+    """The compiled library, built here if the cache lacks it; None (logged) without ``g++`` or when it fails."""
+    compiler = shutil.which(os.environ.get("CXX", "g++"))
+    if compiler is None:
+        _log.info("jattn: no C++ compiler found; blockwise attention keeps XLA's tiles on CPU")
+        return None
+    include = jax.ffi.include_dir()
+    flags = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread", f"-I{include}"]
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), jax.__version__.encode(), " ".join(flags).encode(), _cpu_flags().encode()):
+        key.update(part)
+    cache = pathlib.Path(os.environ.get("JATTN_CACHE_DIR", pathlib.Path.home() / ".cache" / "jattn"))
+    target = cache / f"fused_cpu-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=cache, suffix=".so", delete=False) as tmp:
+            partial = pathlib.Path(tmp.name)
+        try:
+            done = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(partial)], capture_output=True, text=True)
+            if done.returncode != 0:
+                _log.warning("jattn: building %s failed; XLA's tiles stay:\n%s", SOURCE.name, done.stderr[-2000:])
+                return None
+            os.replace(partial, target)  # atomic: another process sees no library or the whole one
+        finally:
+            partial.unlink(missing_ok=True)
+    except OSError as e:
+        _log.warning("jattn: cannot build the fused CPU forward in %s (%s); XLA's tiles stay", cache, e)
+        return None
+    return target
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    path = _build()
+    if path is None:
+        return None
+    library = ctypes.CDLL(str(path))
+    if library.jattn_fused_simd() != 1:
+        return None
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.JattnFusedForward), platform="cpu")
+    return library
+
+
+def available() -> bool:
+    """Whether the fused forward runs here: built (or cached) for an AVX-512 CPU and not switched off.
+
+    ``JATTN_FUSED_CPU=0`` switches it off (read at trace time).
+    """
+    return os.environ.get("JATTN_FUSED_CPU", "1") != "0" and _library() is not None
+
+
+def forward(
+    q: Array,
+    k: Array,
+    v: Array,
+    *,
+    length: int,
+    q_offset: int,
+    kv_offset: int,
+    window: tuple[int, int],
+    scale: float,
+    threads: int,
+    block_q: int = BLOCK_Q,
+    block_kv: int = BLOCK_KV,
+) -> tuple[Array, Array, Array]:
+    """``out (B, T, E)``, ``lse (B, T)`` and the row max logit ``(B, T)``, float32.
+
+    ``q (B, T, D)``, ``k (B, S, D)``, ``v (B, S, E)`` (any float dtype but float64: upcast to
+    float32); keys at ``length`` and after are masked (block padding), and query row t sees key
+    s where ``q_offset + t - left <= kv_offset + s <= q_offset + t + right``
+    (``window = (left, right)``, :func:`jattn._masks.key_interval`). Requires :func:`available`.
+    """
+    if _library() is None:
+        raise RuntimeError("jattn's fused CPU forward is not available here (jattn._fused_cpu.available())")
+    f32 = jnp.float32
+    B, T, E = q.shape[0], q.shape[1], v.shape[2]
+    shapes = (
+        jax.ShapeDtypeStruct((B, T, E), f32),
+        jax.ShapeDtypeStruct((B, T), f32),
+        jax.ShapeDtypeStruct((B, T), f32),
+    )
+    call = jax.ffi.ffi_call(TARGET, shapes, vmap_method="broadcast_all")
+    out, lse, mx = call(
+        q.astype(f32),
+        k.astype(f32),
+        v.astype(f32),
+        length=np.int64(length),
+        q_offset=np.int64(q_offset),
+        kv_offset=np.int64(kv_offset),
+        left=np.int64(window[0]),
+        right=np.int64(window[1]),
+        scale=np.float32(scale),
+        block_q=np.int64(block_q),
+        block_kv=np.int64(-(-block_kv // 64) * 64),
+        threads=np.int64(threads),
+    )
+    return out, lse, mx

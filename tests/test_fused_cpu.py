@@ -1,0 +1,187 @@
+"""The fused CPU forward (jattn/_fused_cpu.cc) that blockwise attention runs on CPU for key-interval masks.
+
+Through the public API: which calls take it (the custom call in the jaxpr), their values, lse,
+max logit and gradients against the float64 reference on odd sizes that cross the kernel's
+256-row and 512-key blocks, NaN propagation and rows without keys, vmap, and the calls that keep
+XLA's tiles. Skipped where the kernel cannot run (no g++, or a CPU without AVX-512).
+"""
+
+from __future__ import annotations
+
+import pathlib
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jattn
+from jattn import masks, score_mods
+from tests import reference as ref
+
+TARGET = "jattn_fused_forward"
+
+
+def _cpu_has_avx512() -> bool:
+    try:
+        return " avx512f" in pathlib.Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+pytestmark = pytest.mark.skipif(
+    jax.default_backend() != "cpu" or shutil.which("g++") is None or not _cpu_has_avx512(),
+    reason="the fused CPU forward needs a CPU backend, g++ and AVX-512",
+)
+
+
+def _rand(shape, seed, dtype=jnp.float32):
+    return jax.random.normal(jax.random.key(seed), shape, jnp.float32).astype(dtype)
+
+
+def _fused(fn, *args) -> bool:
+    return TARGET in str(jax.make_jaxpr(fn)(*args))
+
+
+def _close(got, want, dtype):
+    got, want = ref.f64(got), np.asarray(want, np.float64)
+    np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
+    np.testing.assert_allclose(
+        np.where(np.isneginf(got), 0, got), np.where(np.isneginf(want), 0, want), **ref.tol(dtype)
+    )
+
+
+CASES = {  # mask, (T, S), q_offset, kv_offset, dtype, (lead of q, lead of k and v), (D, E)
+    "none, odd sizes, E != D": (None, (37, 53), None, 0, jnp.float32, ((2, 3), (2, 3)), (13, 7)),
+    "causal, several key and row blocks": (masks.causal(), (300, 1100), None, 0, jnp.float32, ((3,), (3,)), (16, 9)),
+    "causal, rows without keys": (masks.causal(), (290, 130), None, 0, jnp.float32, ((2,), (2,)), (8, 8)),
+    "window, shared kv head": (masks.sliding_window(5, 3), (150, 150), None, 0, jnp.float32, ((2, 3), (2, 1)), (6, 5)),
+    "causal & window, offsets": (
+        masks.causal() & masks.sliding_window(40),
+        (70, 600),
+        530,
+        3,
+        jnp.float32,
+        ((2,), (2,)),
+        (8, 8),
+    ),
+    "bfloat16": (masks.causal(), (130, 130), None, 0, jnp.bfloat16, ((2,), (2,)), (8, 8)),
+    "float16": (None, (70, 530), None, 0, jnp.float16, ((2,), (2,)), (8, 8)),
+}
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_the_fused_forward_matches_float64(case):
+    mask, (T, S), q_offset, kv_offset, dtype, (lq, lk), (D, E) = case
+    q, k, v = _rand((*lq, T, D), 0, dtype), _rand((*lk, S, D), 1, dtype), _rand((*lk, S, E), 2, dtype)
+    kw = dict(mask=mask, q_offset=q_offset, kv_offset=kv_offset, scale=0.6, implementation="blockwise")
+
+    def call(q, k, v):
+        return jattn.attention(q, k, v, return_lse=True, return_max_logit=True, **kw)
+
+    assert _fused(call, q, k, v)
+    out, lse, top = jax.jit(call)(q, k, v)
+    dense = None if mask is None else np.asarray(mask.dense(T, S, q_offset=q_offset, kv_offset=kv_offset))
+    want, _, want_lse, want_top = ref.attention(q, k, v, dense, scale=0.6, stats=True)
+    assert out.dtype == dtype and lse.dtype == top.dtype == jnp.float32
+    _close(out, want, dtype)
+    _close(lse, want_lse, jnp.float32)
+    _close(top, want_top * np.ones_like(want_lse), jnp.float32)
+
+
+@pytest.mark.parametrize("mask", [None, masks.causal(), masks.sliding_window(7, 2)], ids=["none", "causal", "window"])
+def test_the_fused_forward_keeps_the_gradients(mask):
+    """Gradients (the XLA backward from the kernel's out and lse) against float64, lse's cotangent included."""
+    T, S = 270, 530
+    q, k, v = _rand((2, 3, T, 8), 0), _rand((2, 1, S, 8), 1), _rand((2, 1, S, 5), 2)
+    dout, dlse = _rand((2, 3, T, 5), 3), _rand((2, 3, T), 4)
+
+    def loss(q, k, v):
+        out, lse = jattn.attention(q, k, v, mask=mask, return_lse=True, implementation="blockwise")
+        return jnp.sum(out * dout) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0) * dlse)
+
+    assert _fused(loss, q, k, v)
+    got = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    dense = None if mask is None else np.asarray(mask.dense(T, S))
+    dq, dk, dv = ref.attention_grads(q, k, v, dout, dense)[:3]
+    dq_lse, dk_lse, _ = ref.lse_grads(q, k, dlse, dense)
+    for g, w in zip(got, (dq + dq_lse, dk + dk_lse, dv), strict=True):
+        ref.assert_grad_close(g, w, jnp.float32)
+
+
+def test_nan_propagates_and_rows_without_keys_are_zero():
+    """A NaN in q spoils its row; one in k the rows that see that key; rows with no key give 0, lse and max -inf."""
+    T, S = 300, 90
+    q, k, v = np.array(_rand((2, T, 16), 0)), np.array(_rand((2, S, 16), 1)), _rand((2, S, 16), 2)
+    q[0, 250, 3] = np.nan
+    k[1, 40, 0] = np.nan
+
+    def call(q, k, v):
+        return jattn.attention(
+            q, k, v, mask=masks.causal(), return_lse=True, return_max_logit=True, implementation="blockwise"
+        )
+
+    assert _fused(call, q, k, v)
+    out, lse, top = map(np.asarray, call(q, k, v))
+    first = T - S  # bottom-right alignment: row t sees keys <= t - (T - S)
+    sees_nan_key = np.arange(T) - first >= 40
+    np.testing.assert_array_equal(np.isnan(out[0]).any(-1), np.arange(T) == 250)
+    np.testing.assert_array_equal(np.isnan(out[1]).any(-1), sees_nan_key)
+    for x in (lse, top):
+        np.testing.assert_array_equal(np.isnan(x), np.stack([np.arange(T) == 250, sees_nan_key]))
+    assert np.all(out[:, :first] == 0) and np.all(np.isneginf(lse[:, :first])) and np.all(np.isneginf(top[:, :first]))
+    dense = np.asarray(masks.causal().dense(T, S))
+    want, _, want_lse = ref.attention(q[0, first:250], k[0], v[0], dense[first:250])
+    np.testing.assert_allclose(out[0, first:250], want, **ref.tol(jnp.float32))
+    np.testing.assert_allclose(lse[0, first:250], want_lse, **ref.tol(jnp.float32))
+
+
+def test_vmap_folds_into_the_fused_call():
+    q, k, v = _rand((3, 2, 140, 8), 0), _rand((3, 2, 530, 8), 1), _rand((3, 2, 530, 8), 2)
+
+    def call(q, k, v):
+        return jattn.attention(q, k, v, mask=masks.causal(), implementation="blockwise")
+
+    assert _fused(jax.vmap(call), q, k, v)
+    looped = jnp.stack([call(q[i], k[i], v[i]) for i in range(3)])
+    np.testing.assert_allclose(jax.jit(jax.vmap(call))(q, k, v), looped, rtol=1e-6, atol=1e-6)
+
+
+def test_the_default_path_takes_it_from_auto_blockwise_sizes():
+    q = _rand((1, 1, 1024, 8), 0)
+    call = lambda q: jattn.attention(q, q, q, mask=masks.causal())  # noqa: E731
+    assert jattn.choose_implementation(q, q, q, mask=masks.causal()) == "blockwise"
+    assert _fused(call, q)
+
+
+KEEP_XLA = {
+    "float64": (dict(), jnp.float64),
+    "explicit block_size": (dict(block_size=(64, 64)), jnp.float32),
+    "bias": (dict(bias=jnp.zeros((70, 90))), jnp.float32),
+    "score_mod": (dict(score_mod=score_mods.softcap(30.0)), jnp.float32),
+    "sinks": (dict(sinks=jnp.zeros(())), jnp.float32),
+    "dropout": (dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), jnp.float32),
+    "precision": (dict(precision="highest"), jnp.float32),
+    "global tokens": (dict(mask=masks.global_tokens([3])), jnp.float32),
+    "array mask": (dict(mask=jnp.ones((70, 90), bool)), jnp.float32),
+    "padding": (dict(mask=masks.padding(kv_lengths=jnp.array([80, 90]))), jnp.float32),
+}
+
+
+@pytest.mark.parametrize("case", KEEP_XLA.values(), ids=KEEP_XLA.keys())
+def test_what_the_kernel_does_not_serve_keeps_xla_tiles(case):
+    """Each of these calls, without its one argument, takes the kernel (the tests above); with it, XLA's tiles."""
+    kw, dtype = case
+    with jax.enable_x64(dtype == jnp.float64):
+        q, k, v = _rand((2, 70, 8), 0, dtype), _rand((2, 90, 8), 1, dtype), _rand((2, 90, 8), 2, dtype)
+        call = lambda q, k, v: jattn.attention(q, k, v, implementation="blockwise", **kw)  # noqa: E731
+        assert not _fused(call, q, k, v)
+
+
+def test_jattn_fused_cpu_0_switches_it_off(monkeypatch):
+    """Read at trace time (a new function here: JAX caches the trace of the old one)."""
+    q = _rand((2, 70, 8), 0)
+    assert _fused(lambda q: jattn.attention(q, q, q, implementation="blockwise"), q)
+    monkeypatch.setenv("JATTN_FUSED_CPU", "0")
+    assert not _fused(lambda q: jattn.attention(q, q, q, implementation="blockwise"), q)
