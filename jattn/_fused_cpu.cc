@@ -17,22 +17,23 @@
 // max -inf. A NaN score makes its row's l, out and lse NaN (and its max logit NaN); a NaN value
 // reaches the rows that weigh it (p = 0 included, as in a dense product).
 //
-// The products are the file's own: a 6 x 64 AVX-512 micro-kernel, kᵀ packed once per B row into
-// panels of 64 keys. Without AVX-512 the file still compiles (plain loops) and says so
-// (jattn_fused_simd() == 0); jattn then keeps XLA's tiles.
+// The products are the file's own: a 6 x 64 AVX-512 micro-kernel, kᵀ packed (by gathers) once per
+// B row into panels of 64 keys, p v taken in chunks of 128 keys; scratch on 64-byte boundaries.
+// AVX-512F only: elsewhere jattn keeps XLA's tiles.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
 #include <thread>
 #include <vector>
-#include <cstdlib>
 
 #include "xla/ffi/api/ffi.h"
-#ifdef __AVX512F__
-#include <immintrin.h>
+#ifndef __AVX512F__
+#error "jattn's fused CPU forward needs AVX-512 (jattn/_fused_cpu.py builds it only where the CPU has it)"
 #endif
+#include <immintrin.h>
 
 namespace ffi = xla::ffi;
 
@@ -40,7 +41,6 @@ namespace {
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
-#ifdef __AVX512F__
 // e^x for x <= 0 (Cephes' polynomial on [-ln2/2, ln2/2], 2^n by scalef; -inf gives 0, NaN stays NaN:
 // max_ps returns its second operand when one is NaN).
 inline __m512 exp16(__m512 x) {
@@ -110,6 +110,7 @@ void ukernel(int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb
     for (int j = 0; j < 4; ++j) _mm512_mask_storeu_ps(C + r * ldc + 16 * j, mask[j], c[r][j]);
 }
 
+// C (+)= A B a panel of B at a time, 6 rows of A a micro-kernel call (the panel stays in L1 meanwhile).
 void gemm_panels(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B, int64_t pstride,
                  int64_t ldb, float* C, int64_t ldc, bool accumulate) {
   for (int64_t j = 0; j < N; j += 64) {
@@ -142,30 +143,20 @@ void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const fl
     gemm_panels(M, N, std::min(kDepth, K - k0), A + k0, lda, B + k0 * ldb, pstride, ldb, C, ldc, accumulate || k0 > 0);
   }
 }
-constexpr int kSimd = 1;
-#else
-inline float softmax_row(float* row, int64_t n, float* m) {
-  for (int64_t j = 0; j < n; ++j) *m = std::isnan(row[j]) ? row[j] : std::max(*m, row[j]);
-  if (*m == -kInf) {
-    std::fill(row, row + n, 0.f);
-    return 0.f;
-  }
-  float sum = 0.f;
-  for (int64_t j = 0; j < n; ++j) sum += row[j] = std::exp(row[j] - *m);
-  return sum;
-}
 
-void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B, int64_t pstride, int64_t ldb,
-          float* C, int64_t ldc, bool accumulate) {
-  for (int64_t i = 0; i < M; ++i)
-    for (int64_t j = 0; j < N; ++j) {
-      float sum = accumulate ? C[i * ldc + j] : 0.f;
-      for (int64_t k = 0; k < K; ++k) sum += A[i * lda + k] * B[(j / 64) * pstride + k * ldb + j % 64];
-      C[i * ldc + j] = sum;
+// One panel of kᵀ: keys[0:64] (rows D apart, the first `keys` of them real) as panel[d][0:64], zero past them.
+void pack_panel(const float* k, int64_t D, int64_t keys, float* panel) {
+  const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                          _mm512_set1_epi32(static_cast<int>(D)));
+  for (int v = 0; v < 4; ++v) {  // 16 keys a gather
+    const int64_t n = std::clamp<int64_t>(keys - 16 * v, 0, 16);
+    const __mmask16 real = static_cast<__mmask16>((1u << n) - 1);
+    for (int64_t d = 0; d < D; ++d) {
+      const float* base = k + 16 * v * D + d;
+      _mm512_storeu_ps(panel + d * 64 + 16 * v, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), real, rows, base, 4));
     }
+  }
 }
-constexpr int kSimd = 0;
-#endif
 
 // Scratch of n floats on a 64-byte boundary (whole cache lines: no vector load or store splits one).
 struct Scratch {
@@ -184,10 +175,6 @@ void run(int threads, const Work& work) {
   work();
   for (auto& t : pool) t.join();
 }
-
-struct Rows {  // the key interval [lo, hi) of each query row of a block, as key indices
-  std::vector<int64_t> lo, hi;
-};
 
 ffi::Error Forward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
                    ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse, ffi::ResultBuffer<ffi::F32> mx,
@@ -216,11 +203,7 @@ ffi::Error Forward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
   std::atomic<int64_t> next{0};
   run(n, [&] {
     for (int64_t b; (b = next.fetch_add(1)) < B;) {
-      for (int64_t c = 0; c < Sp; ++c) {
-        float* panel = kt.data + (b * Sp + c / 64 * 64) * D + c % 64;
-        const float* key = kp + (b * S + c) * D;
-        for (int64_t d = 0; d < D; ++d) panel[d * 64] = c < length ? key[d] : 0.f;
-      }
+      for (int64_t c0 = 0; c0 < Sp; c0 += 64) pack_panel(kp + (b * S + c0) * D, D, length - c0, kt.data + (b * Sp + c0) * D);
     }
   });
 
@@ -228,7 +211,7 @@ ffi::Error Forward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
   run(n, [&] {
     Scratch s(Bq * Bc), acc(Bq * E), qs(Bq * D);
     std::vector<float> m(Bq), l(Bq);
-    std::vector<int64_t> lo(Bq), hi(Bq);
+    std::vector<int64_t> lo(Bq), hi(Bq);  // each row's keys, [lo, hi), as key indices
     for (int64_t task; (task = next.fetch_add(1)) < B * blocks;) {
       const int64_t b = task / blocks, r0 = (blocks - 1 - task % blocks) * Bq, rows = std::min(Bq, T - r0);
       const float* qb = qp + (b * T + r0) * D;
@@ -291,5 +274,3 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JattnFusedForward, Forward,
                                   .Attr<int64_t>("block_q")
                                   .Attr<int64_t>("block_kv")
                                   .Attr<int64_t>("threads"));
-
-extern "C" int jattn_fused_simd() { return kSimd; }

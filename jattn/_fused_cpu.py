@@ -10,7 +10,7 @@ tile in its core's cache between the two products, with the online softmax in be
 
 The C++ source is compiled on first use with the system's ``g++`` for this machine's CPU
 (``-march=native``) and cached under ``$JATTN_CACHE_DIR`` (default ``~/.cache/jattn``), keyed by
-the source, the jaxlib and the CPU's flags. Without a compiler, or on a CPU without AVX-512, or
+the source, jax's version, the compiler and the CPU's flags. Without a compiler, or on a CPU without AVX-512, or
 with ``JATTN_FUSED_CPU=0``, :func:`available` is False and blockwise attention keeps XLA's tiles.
 """
 
@@ -50,6 +50,9 @@ def _cpu_flags() -> str:
 
 def _build() -> pathlib.Path | None:
     """The compiled library, built here if the cache lacks it; None (logged) without ``g++`` or when it fails."""
+    if "avx512f" not in _cpu_flags().split():
+        _log.info("jattn: this CPU has no AVX-512; blockwise attention keeps XLA's tiles on CPU")
+        return None
     compiler = shutil.which(os.environ.get("CXX", "g++"))
     if compiler is None:
         _log.info("jattn: no C++ compiler found; blockwise attention keeps XLA's tiles on CPU")
@@ -57,8 +60,8 @@ def _build() -> pathlib.Path | None:
     include = jax.ffi.include_dir()
     flags = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread", f"-I{include}"]
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), jax.__version__.encode(), " ".join(flags).encode(), _cpu_flags().encode()):
-        key.update(part)
+    for part in (SOURCE.read_bytes(), jax.__version__, compiler, " ".join(flags), _cpu_flags()):
+        key.update(part if isinstance(part, bytes) else part.encode())
     cache = pathlib.Path(os.environ.get("JATTN_CACHE_DIR", pathlib.Path.home() / ".cache" / "jattn"))
     target = cache / f"fused_cpu-{key.hexdigest()[:16]}.so"
     if target.exists():
@@ -87,8 +90,6 @@ def _library() -> ctypes.CDLL | None:
     if path is None:
         return None
     library = ctypes.CDLL(str(path))
-    if library.jattn_fused_simd() != 1:
-        return None
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.JattnFusedForward), platform="cpu")
     return library
 

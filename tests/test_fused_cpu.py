@@ -185,3 +185,18 @@ def test_jattn_fused_cpu_0_switches_it_off(monkeypatch):
     assert _fused(lambda q: jattn.attention(q, q, q, implementation="blockwise"), q)
     monkeypatch.setenv("JATTN_FUSED_CPU", "0")
     assert not _fused(lambda q: jattn.attention(q, q, q, implementation="blockwise"), q)
+
+
+def test_the_result_does_not_depend_on_the_thread_count(monkeypatch):
+    """Each (row, query block) task is computed whole by one thread: 1, 2 or 5 threads give the same bits."""
+    import jattn._blockwise as bw
+
+    q, k, v = _rand((3, 2, 600, 8), 0), _rand((3, 2, 700, 8), 1), _rand((3, 2, 700, 8), 2)
+    outs = []
+    for threads in (1, 2, 5):
+        monkeypatch.setattr(bw, "cpu_threads", lambda threads=threads: threads)
+        call = lambda q, k, v: jattn.attention(q, k, v, mask=masks.causal(), implementation="blockwise")  # noqa: E731
+        assert _fused(call, q, k, v)
+        outs.append(np.asarray(call(q, k, v)))
+    np.testing.assert_array_equal(outs[0], outs[1])
+    np.testing.assert_array_equal(outs[0], outs[2])
