@@ -43,6 +43,12 @@ On CPU the leading axis B is cut into groups whose score tile ``(group, bq, bk)`
 after another (:func:`group_size`); GPU and TPU tile
 all of B at once. Under ``jax.vmap`` the mapped axis is folded into B (:func:`_folding`), so a
 vmapped call has the tiles of an explicit batch.
+
+On CPU the forward of a call whose mask gives each query one interval of keys
+(:func:`jattn._masks.key_interval`), without a modification, sinks, bias, dropout or precision,
+is one custom call to the fused kernel of :mod:`jattn._fused_cpu` (:func:`fused_forward`) when the
+core passes ``fused=True`` (no explicit ``block_size``); it returns the same out, lse and max
+logit, so the backward above runs on XLA's tiles as before.
 """
 
 from __future__ import annotations
