@@ -59,22 +59,17 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// The max of row[0:n] folded into *m; row[0:n] = e^(row - *m); returns the row's sum. A row whose max
-// stays -inf (no key yet, none here) is set to 0.
-inline float softmax_row(float* row, int64_t n, float* m) {
-  __m512 vmax = _mm512_set1_ps(*m);
-  int64_t j = 0;
-  for (; j + 16 <= n; j += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(row + j));
-  const __mmask16 tail = static_cast<__mmask16>((1u << (n - j)) - 1);
-  vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(vmax, tail, row + j));
-  *m = _mm512_reduce_max_ps(vmax);
-  if (*m == -kInf) {
+// row[0:n] = e^(row - m), returning the row's sum; m = -inf (no key yet, none here) sets it to 0.
+inline float exp_sum(float* row, int64_t n, float m) {
+  if (m == -kInf) {
     std::fill(row, row + n, 0.f);
     return 0.f;
   }
-  const __m512 vm = _mm512_set1_ps(*m);
+  const __m512 vm = _mm512_set1_ps(m);
+  const __mmask16 tail = static_cast<__mmask16>((1u << (n % 16)) - 1);
   __m512 vsum = _mm512_setzero_ps();
-  for (j = 0; j + 16 <= n; j += 16) {
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
     const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(row + j), vm));
     _mm512_storeu_ps(row + j, e);
     vsum = _mm512_add_ps(vsum, e);
@@ -85,11 +80,21 @@ inline float softmax_row(float* row, int64_t n, float* m) {
   return _mm512_reduce_add_ps(vsum);
 }
 
+// The max of row[0:n] and m.
+inline float row_max(const float* row, int64_t n, float m) {
+  __m512 vmax = _mm512_set1_ps(m);
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(row + j));
+  const __mmask16 tail = static_cast<__mmask16>((1u << (n - j)) - 1);
+  vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(vmax, tail, row + j));
+  return _mm512_reduce_max_ps(vmax);
+}
+
 // C[M x N] (+)= A[M x K] B[K x N], B as panels of 64 columns (panel p at B + p * pstride, rows ldb
 // apart). The micro-kernel keeps a R x 64 block of C in 4R registers, streaming A (broadcast) and B.
 template <int R>
 void ukernel(int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc,
-             bool accumulate, const __mmask16* mask) {
+             bool accumulate, const __mmask16* mask, __m512* vmax) {
   __m512 c[R][4];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 4; ++j)
@@ -108,11 +113,19 @@ void ukernel(int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb
   }
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 4; ++j) _mm512_mask_storeu_ps(C + r * ldc + 16 * j, mask[j], c[r][j]);
+  if (vmax) {  // each row's running max, 16 lanes wide, over the columns stored
+    const __m512 none = _mm512_set1_ps(-kInf);
+    for (int r = 0; r < R; ++r) {
+      const __m512 m01 = _mm512_max_ps(_mm512_mask_mov_ps(none, mask[0], c[r][0]), _mm512_mask_mov_ps(none, mask[1], c[r][1]));
+      const __m512 m23 = _mm512_max_ps(_mm512_mask_mov_ps(none, mask[2], c[r][2]), _mm512_mask_mov_ps(none, mask[3], c[r][3]));
+      vmax[r] = _mm512_max_ps(vmax[r], _mm512_max_ps(m01, m23));
+    }
+  }
 }
 
 // C (+)= A B a panel of B at a time, 6 rows of A a micro-kernel call (the panel stays in L1 meanwhile).
 void gemm_panels(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B, int64_t pstride,
-                 int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+                 int64_t ldb, float* C, int64_t ldc, bool accumulate, __m512* vmax = nullptr) {
   for (int64_t j = 0; j < N; j += 64) {
     __mmask16 mask[4];
     for (int v = 0; v < 4; ++v) {
@@ -121,15 +134,17 @@ void gemm_panels(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, c
     }
     const float* b = B + (j / 64) * pstride;
     int64_t i = 0;
-    for (; i + 6 <= M; i += 6) ukernel<6>(K, A + i * lda, lda, b, ldb, C + i * ldc + j, ldc, accumulate, mask);
+    for (; i + 6 <= M; i += 6)
+      ukernel<6>(K, A + i * lda, lda, b, ldb, C + i * ldc + j, ldc, accumulate, mask, vmax ? vmax + i : nullptr);
+    __m512* vm = vmax ? vmax + i : nullptr;
     const float* a = A + i * lda;
     float* c = C + i * ldc + j;
     switch (M - i) {
-      case 5: ukernel<5>(K, a, lda, b, ldb, c, ldc, accumulate, mask); break;
-      case 4: ukernel<4>(K, a, lda, b, ldb, c, ldc, accumulate, mask); break;
-      case 3: ukernel<3>(K, a, lda, b, ldb, c, ldc, accumulate, mask); break;
-      case 2: ukernel<2>(K, a, lda, b, ldb, c, ldc, accumulate, mask); break;
-      case 1: ukernel<1>(K, a, lda, b, ldb, c, ldc, accumulate, mask); break;
+      case 5: ukernel<5>(K, a, lda, b, ldb, c, ldc, accumulate, mask, vm); break;
+      case 4: ukernel<4>(K, a, lda, b, ldb, c, ldc, accumulate, mask, vm); break;
+      case 3: ukernel<3>(K, a, lda, b, ldb, c, ldc, accumulate, mask, vm); break;
+      case 2: ukernel<2>(K, a, lda, b, ldb, c, ldc, accumulate, mask, vm); break;
+      case 1: ukernel<1>(K, a, lda, b, ldb, c, ldc, accumulate, mask, vm); break;
     }
   }
 }
@@ -211,6 +226,7 @@ ffi::Error Forward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
   run(n, [&] {
     Scratch s(Bq * Bc), acc(Bq * E), qs(Bq * D);
     std::vector<float> m(Bq), l(Bq);
+    std::vector<__m512> vmax(Bq);  // each row's max over the tile, from the first product
     std::vector<int64_t> lo(Bq), hi(Bq);  // each row's keys, [lo, hi), as key indices
     for (int64_t task; (task = next.fetch_add(1)) < B * blocks;) {
       const int64_t b = task / blocks, r0 = (blocks - 1 - task % blocks) * Bq, rows = std::min(Bq, T - r0);
@@ -228,14 +244,20 @@ ffi::Error Forward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
       std::fill(acc.data, acc.data + rows * E, 0.f);
       for (int64_t c0 = first / 64 * 64; c0 < last; c0 += Bc) {
         const int64_t cols = std::min(Bc, last - c0);
-        gemm(rows, cols, D, qs.data, D, kt.data + (b * Sp + c0) * D, 64 * D, 64, s.data, Bc, false);
+        std::fill(vmax.begin(), vmax.begin() + rows, _mm512_set1_ps(-kInf));
+        gemm_panels(rows, cols, D, qs.data, D, kt.data + (b * Sp + c0) * D, 64 * D, 64, s.data, Bc, false, vmax.data());
         for (int64_t i = 0; i < rows; ++i) {
           float* row = s.data + i * Bc;
           const int64_t a = std::clamp<int64_t>(lo[i] - c0, 0, cols), z = std::clamp<int64_t>(hi[i] - c0, a, cols);
           std::fill(row, row + a, 0.f);  // keys outside the row's interval weigh 0
           std::fill(row + z, row + cols, 0.f);
           const float m_old = m[i];
-          const float sum = a < z ? softmax_row(row + a, z - a, &m[i]) : 0.f;
+          if (a == 0 && z == cols) {  // every key of the tile: the product's own max
+            m[i] = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_set1_ps(m_old), vmax[i]));
+          } else if (a < z) {
+            m[i] = row_max(row + a, z - a, m_old);
+          }
+          const float sum = a < z ? exp_sum(row + a, z - a, m[i]) : 0.f;
           const float rescale = m[i] == -kInf ? 1.f : std::exp(m_old - m[i]);
           l[i] = l[i] * rescale + sum;
           if (rescale == 1.f) continue;  // the row's max did not move
