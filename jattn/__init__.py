@@ -6,7 +6,14 @@ The dimension key (B, T, S, N, K, G, D, E) is stated in :mod:`jattn._core`. Flax
 ring attention (``ring_attention`` inside ``jax.shard_map``, ``sequence_parallel_attention``
 outside it) in :mod:`jattn._ring`. :func:`dot_product_attention` takes ``jax.nn``'s signature and
 layout (top-left causal alignment); :mod:`jattn.flax` has an ``attention_fn`` for Flax's modules.
+
+``jattn.nnx``, ``jattn.linen`` and ``jattn.flax`` are imported on first access (PEP 562), so
+``import jattn`` does not import Flax; they are left out of ``__all__`` for the same reason (a
+``from jattn import *`` would import them).
 """
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from jattn import masks, score_mods
 from jattn._compat import dot_product_attention
@@ -45,3 +52,22 @@ __all__ = [
     "zigzag",
 ]
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:  # the lazy submodules, for type checkers (explicit re-exports)
+    from jattn import flax as flax
+    from jattn import linen as linen
+    from jattn import nnx as nnx
+
+_LAZY_SUBMODULES = ("flax", "linen", "nnx")  # they import Flax
+
+
+def __getattr__(name: str) -> Any:
+    """Imports the Flax submodules ``jattn.nnx``, ``jattn.linen`` and ``jattn.flax`` on first access."""
+    if name in _LAZY_SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")  # the import also binds it here
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """The module's names with the lazy submodules."""
+    return sorted({*globals(), *_LAZY_SUBMODULES})

@@ -6,7 +6,9 @@ parameter names (``wq``, ``wk``, ``wv`` and, with an output projection, ``wo``, 
 the same output. The call itself is shared with NNX in ``jattn._heads``.
 
 Dropout draws from the ``'dropout'`` rng collection when not deterministic, or from a call-time
-``dropout_rng``. Decoding keeps the cache in the ``'cache'`` collection (Flax's convention)::
+``dropout_rng``. The call's ``deterministic`` overrides the field of that name (default False);
+Flax's ``MultiHeadDotProductAttention`` takes one or the other (both set raise there), and where
+it takes a setting the two agree: the field alone, or the call's value with the field unset. Decoding keeps the cache in the ``'cache'`` collection (Flax's convention)::
 
     cache = layer.init(key, batch_size, max_length, method="init_cache")["cache"]
     y, vars = layer.apply({"params": params, "cache": cache}, x, decode=True, mutable=["cache"])
@@ -115,7 +117,7 @@ class _Attention(nn.Module):
         o = self._options(kv_features)
         _heads.check_call(deterministic, return_weights, decode, sow_weights)
         decode = o.decode if decode is None else decode
-        deterministic = o.deterministic if deterministic is None else deterministic
+        deterministic = self.deterministic if deterministic is None else deterministic  # the call's value wins
         rng = None
         if o.dropout_rate > 0 and not deterministic:
             rng = self.make_rng("dropout") if dropout_rng is None else dropout_rng
@@ -206,6 +208,7 @@ class SelfAttention(_Attention):
         """Attends ``x (..., T, d_model)`` to itself.
 
         Args: as :meth:`jattn.nnx.SelfAttention.__call__`, and
+          deterministic: overrides the ``deterministic`` field for this call (None: the field).
           dropout_rng: a key for dropout, instead of the ``'dropout'`` rng collection.
           sow_weights: sow the weights ``(..., N, T, S)`` into ``'intermediates'`` under
             ``'attention_weights'`` (read them with ``mutable=['intermediates']``).

@@ -23,6 +23,7 @@ from flax import nnx
 from jax import Array
 
 from jattn import _heads
+from jattn._checks import check_bool
 from jattn._masks import Mask
 from jattn._score_mods import ScoreMod
 
@@ -94,6 +95,7 @@ class _Attention(nnx.Module):
             sinks=sinks,
         )
         self.options = o
+        self.deterministic = bool(deterministic)  # Flax's switch: .eval(), .train() and nnx.view set it
         self.d_model, self.kv_features, self.num_heads = o.d_model, o.kv_features, o.num_heads
         self.num_kv_heads, self.head_depth, self.kind = o.num_kv_heads, o.head_depth, o.kind
 
@@ -124,6 +126,15 @@ class _Attention(nnx.Module):
         self.dropout_rngs = rngs.dropout.fork() if o.dropout_rate > 0 else nnx.data(None)
         self.cache: dict[str, nnx.Cache] | None = nnx.data(None)
 
+    def set_view(self, deterministic: bool | None = None) -> None:
+        """Sets the switches ``nnx.view`` is given (Flax's hook, as on ``nnx.MultiHeadAttention``).
+
+        Args:
+          deterministic: if True, dropout is off (the new default of the call-time switch); None: unchanged.
+        """
+        if deterministic is not None:
+            self.deterministic = check_bool("deterministic", deterministic)
+
     def _call(
         self,
         x: Array,
@@ -142,7 +153,8 @@ class _Attention(nnx.Module):
     ) -> Array | tuple[Array, Array]:
         _heads.check_call(deterministic, return_weights, decode, sow_weights)
         decode = self.options.decode if decode is None else decode
-        deterministic = self.options.deterministic if deterministic is None else deterministic
+        if deterministic is None:
+            deterministic = check_bool("deterministic (the module attribute)", self.deterministic)
         rng = None
         if self.options.dropout_rate > 0 and not deterministic:
             rng = (rngs.dropout if rngs is not None else self.dropout_rngs)()
@@ -195,7 +207,10 @@ class SelfAttention(_Attention):
         only masks are None and ``masks.causal()``).
       feature_map: the feature map of linear attention (``'elu'``, ... or a callable).
       dropout_rate: dropout on the attention weights (softmax kind), in ``[0, 1)``.
-      deterministic: default for the call-time switch; dropout is off when True.
+      deterministic: the attribute ``deterministic``, the default of the call-time switch;
+        dropout is off when True. Flax's convention, as ``nnx.MultiHeadAttention``:
+        ``model.eval()`` sets it True and ``model.train()`` False in every nested module, and
+        ``nnx.view(model, deterministic=...)`` gives a view with it set (:meth:`set_view`).
       dtype: computation dtype (default: inferred from input and params).
       param_dtype: parameter dtype.
       precision: matmul precision for projections and attention.
@@ -314,7 +329,8 @@ class SelfAttention(_Attention):
             same for every head) or ``(..., N, T, T)``, any axis may be 1; or a
             :class:`jattn.masks.Mask` such as ``masks.causal()`` (a per-example predicate,
             e.g. ``masks.padding``, takes the batch dims flattened into one).
-          deterministic: overrides the constructor's switch; dropout is off when True.
+          deterministic: overrides the attribute ``deterministic`` (set by the constructor,
+            ``.eval()``, ``.train()`` or ``nnx.view``) for this call; dropout is off when True.
           rngs: overrides the constructor's dropout stream.
           return_weights: also return the attention weights ``(..., N, T, S)`` (before dropout).
           sow_weights: sow the weights as ``nnx.Intermediate`` under ``'attention_weights'``
