@@ -7,6 +7,7 @@ Integers are Python or NumPy integers (or 0-d concrete integer arrays), never ``
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 from typing import Any
@@ -20,13 +21,16 @@ __all__ = [
     "check_block_size",
     "check_bool",
     "check_dtype",
+    "check_grid",
     "check_int",
+    "check_mask",
     "check_qkv",
     "check_real",
     "check_score_mod",
     "check_sinks",
     "int_array",
     "is_traced",
+    "layout_hint",
 ]
 
 
@@ -132,19 +136,155 @@ def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array | None) -> None:
         raise ValueError(f"k and v must have the same length S (axis -2), got k {k.shape} and v {v.shape}")
 
 
+def _leads(arrays: dict[str, jax.Array]) -> tuple[int, ...] | None:
+    """The broadcast of the arrays' leading shapes (all but the last two axes), or None."""
+    try:
+        return tuple(np.broadcast_shapes(*(x.shape[:-2] for x in arrays.values())))
+    except ValueError:
+        return None
+
+
 def broadcast_all(**arrays: jax.Array | None) -> tuple[int, ...]:
-    """The broadcast leading shape ``...`` of the named arrays, or an error naming their shapes."""
+    """The broadcast leading shape ``...`` of the named arrays, or an error naming their shapes.
+
+    q, k (and v) are checked first, with :func:`layout_hint`; then ``mask`` and ``bias``
+    against ``(..., T, S)`` (:func:`check_grid`), then every leading shape together.
+    """
     named = {n: x for n, x in arrays.items() if x is not None}
-    t, s = named["q"].shape[-2], named["k"].shape[-2]
+    q, k = named["q"], named["k"]
+    qkv = {n: x for n, x in named.items() if n in ("q", "k", "v")}
+    if _leads(qkv) is None:
+        shapes = ", ".join(f"{n} {x.shape}" for n, x in qkv.items())
+        raise ValueError(
+            f"leading dimensions of {', '.join(qkv)} do not broadcast: {shapes}" + layout_hint(q.shape, k.shape)
+        )
+    for name in ("mask", "bias"):
+        if name in named:
+            check_grid(name, named[name].shape, q.shape, k.shape)
+    lead = _leads(named)
+    if lead is None:
+        shapes = ", ".join(f"{n} {x.shape}" for n, x in named.items())
+        raise ValueError(
+            f"leading dimensions do not broadcast: {shapes}; a mask or bias (..., T, S) broadcasts against the leading "
+            f"dims {_leads(qkv)} of q, k, v" + _grouped_grid_hint(named)
+        )
+    return lead
+
+
+def layout_hint(q_shape: tuple[int, ...], k_shape: tuple[int, ...]) -> str:
+    """What :func:`jattn.attention` takes, the grouped form for ``q_shape``/``k_shape`` and jax.nn's entry point.
+
+    Appended to the errors of q, k, v leading dims that do not broadcast: torch's grouped-query
+    ``(B, N, T, D)`` against ``(B, K, S, D)`` and jax.nn's ``(B, T, N, H)`` land there.
+    """
+    grouped = "q.reshape(B, K, G, T, D) with k[:, :, None] and v[:, :, None]"
+    if len(q_shape) == len(k_shape) >= 3:
+        n, kv = q_shape[-3], k_shape[-3]
+        if 0 < kv < n and n % kv == 0:  # torch's grouped heads: q (..., N, T, D) against k (..., K, S, D)
+            cut = ", ".join(map(str, (*q_shape[:-3], kv, n // kv, *q_shape[-2:])))
+            index = ":, " * (len(k_shape) - 2) + "None"
+            grouped = (
+                f"for these shapes read as (B, N, T, D), (B, K, S, D): q.reshape({cut}) with k[{index}] and v[{index}]"
+            )
+    return (
+        "; jattn.attention reads q (..., T, D), k (..., S, D), v (..., S, E), the heads among the leading dims ... "
+        "as in torch's (B, N, T, D); grouped-query heads (N = K·G) go as q (B, K, G, T, D) against k, v "
+        f"(B, K, 1, S, D), {grouped}; for jax.nn's layout q (B, T, N, H), k, v (B, S, K, H) call "
+        "jattn.dot_product_attention(q, k, v)"
+    )
+
+
+def _grouped_grid_hint(named: dict[str, jax.Array]) -> str:
+    """For grouped q ``(..., K, G, T, D)``: how a ``(B, N, T, S)`` mask or bias takes the grouped form."""
+    q = named["q"]
+    if q.ndim < 5:
+        return ""
+    K, G = q.shape[-4:-2]
     for name in ("mask", "bias"):
         x = named.get(name)
-        if x is not None and (x.ndim < 2 or x.shape[-2] not in (1, t) or x.shape[-1] not in (1, s)):
-            raise ValueError(f"{name} of shape {x.shape} does not broadcast to (..., T, S) = (..., {t}, {s})")
-    try:
-        return tuple(jnp.broadcast_shapes(*(x.shape[:-2] for x in named.values())))
-    except ValueError:
-        shapes = ", ".join(f"{n} {x.shape}" for n, x in named.items())
-        raise ValueError(f"leading dimensions do not broadcast: {shapes}") from None
+        if x is not None and x.ndim == q.ndim - 1 and x.shape[-3] == K * G:
+            cut = ", ".join(map(str, (*x.shape[:-3], K, G, *x.shape[-2:])))
+            return f"; a (B, N, T, S) {name} goes with grouped heads as {name}.reshape({cut}) (B, K, G, T, S)"
+    return "; a (B, N, T, S) mask or bias goes with grouped heads as x.reshape(B, K, G, T, S)"
+
+
+def check_grid(name: str, shape: tuple[int, ...], q_shape: tuple[int, ...], k_shape: tuple[int, ...]) -> None:
+    """Raises unless a ``mask``/``bias`` of ``shape`` (as the caller gave it) broadcasts to ``(..., T, S)``.
+
+    ``T`` and ``S`` are axis -2 of ``q_shape`` and ``k_shape``; 0-D and 1-D ``(S,)`` shapes
+    broadcast like NumPy. The error reports ``shape`` itself and, where the shape fits them,
+    torch's ``(B, S)`` key padding and jax.nn's layout (:func:`_grid_hint`).
+    """
+    t, s = q_shape[-2], k_shape[-2]
+    grid = (1,) * max(0, 2 - len(shape)) + tuple(shape)
+    if grid[-2] in (1, t) and grid[-1] in (1, s):
+        return
+    raise ValueError(
+        f"{name} of shape {tuple(shape)} does not broadcast to (..., T, S) = (..., {t}, {s}) (T and S: axis -2 of "
+        f"q {tuple(q_shape)} and k {tuple(k_shape)})" + _grid_hint(name, grid, q_shape, k_shape)
+    )
+
+
+def _grid_hint(name: str, grid: tuple[int, ...], q_shape: tuple[int, ...], k_shape: tuple[int, ...]) -> str:
+    """What a ``(..., T, S)`` array that does not fit may be: torch's key padding ``(B, S)``, or jax.nn's layout."""
+    hints = []
+    if len(grid) == 2 and len(q_shape) >= 3 and grid == (q_shape[0], k_shape[-2]):
+        expand = f"{name}[:, {'None, ' * (len(q_shape) - 2)}:]"
+        if name == "mask":
+            hints.append(
+                f"a (B, S) key-padding mask (B = q's first axis) is masks.padding(kv_lengths=lengths) with the valid "
+                f"keys (B,) of each example, or {expand} (True = attend: torch's key_padding_mask is True at "
+                "padding, so pass ~mask)"
+            )
+        else:
+            hints.append(f"a (B, S) bias per example and key (B = q's first axis) goes as {expand}")
+    if len(q_shape) >= 3 and len(k_shape) >= 3 and grid[-2] in (1, q_shape[-3]) and grid[-1] in (1, k_shape[-3]):
+        hints.append(
+            f"it fits (T, S) = ({q_shape[-3]}, {k_shape[-3]}) as if q and k were jax.nn's (B, T, N, H) and "
+            "(B, S, K, H), which jattn.attention reads as (..., T, D) with T = N: call jattn.dot_product_attention, "
+            "or swap the axes of q, k, v to (B, N, T, D) with x.swapaxes(-3, -2)"
+        )
+    return "".join(f"; {h}" for h in hints)
+
+
+def check_mask(mask: Any, *, arrays_only: bool = False) -> None:
+    """Raises a TypeError naming ``mask`` for a function given as a mask (e.g. ``masks.causal``, uncalled).
+
+    A jattn mask predicate is built by calling its constructor (``masks.causal()``); a function
+    of ``(batch, head, q_pos, kv_pos)`` becomes one with ``masks.predicate(fn)``. With
+    ``arrays_only`` (jax.nn's signature, :func:`jattn.dot_product_attention`) a
+    :class:`jattn.masks.Mask` is refused too. Every entry point that takes a mask calls this.
+    """
+    from jattn._masks import Mask  # jattn._masks imports this module
+
+    if arrays_only and (callable(mask) or isinstance(mask, Mask)):
+        raise TypeError(
+            f"mask must be a boolean array broadcastable to (B, N, T, S) (jax.nn's mask, True = attend), got "
+            f"{_called(mask)}; pass is_causal=True for a causal mask and local_window_size=(left, right) for a band, "
+            "or call jattn.attention (q (B, N, T, D)) to use a jattn.masks predicate"
+        )
+    if callable(mask):
+        raise TypeError(f"mask must be a boolean array or a jattn.masks.Mask, got {_called(mask)}: {_mask_fix(mask)}")
+
+
+def _called(fn: Any) -> str:
+    """``fn`` for an error message: a jattn.masks constructor by its public name."""
+    if inspect.isfunction(fn) and fn.__module__ == "jattn._masks":
+        return f"the function masks.{fn.__name__}"
+    return f"{fn!r} of type {type(fn).__name__}"
+
+
+def _mask_fix(fn: Any) -> str:
+    """How to make a mask of the callable ``fn``: call a jattn.masks constructor, or wrap a predicate."""
+    if inspect.isfunction(fn) and fn.__module__ == "jattn._masks" and not fn.__name__.startswith("_"):
+        params = inspect.signature(fn).parameters.values()
+        required = [p.name for p in params if p.default is p.empty]
+        args = ", ".join(required) if required or not params else "..."
+        return f"a mask predicate is built by calling its constructor: mask=masks.{fn.__name__}({args})"
+    return (
+        "a mask predicate is built by calling its constructor, e.g. mask=masks.causal(), and a function "
+        "fn(batch, head, q_pos, kv_pos) -> bool becomes one with mask=masks.predicate(fn)"
+    )
 
 
 def check_block_size(block_size: int | tuple[int, int] | None) -> tuple[int, int] | None:

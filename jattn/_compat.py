@@ -17,11 +17,17 @@ from jax import Array
 from jax.typing import ArrayLike
 
 from jattn import masks
-from jattn._checks import check_bool, check_int, int_array
+from jattn._checks import check_bool, check_int, check_mask, int_array
 from jattn._core import IMPLEMENTATIONS, attention
 from jattn._masks import array as array_mask
 
 __all__ = ["dot_product_attention"]
+
+#: Appended to the shape errors of :func:`dot_product_attention`, which torch's layout lands in.
+_TORCH_LAYOUT = (
+    "; dot_product_attention takes jax.nn's layout, the heads after the length; for torch's (B, N, T, D) call "
+    "jattn.attention(q, k, v), with grouped heads as q.reshape(B, K, N // K, T, D) against k[:, :, None], v[:, :, None]"
+)
 
 
 def _window(local_window_size: int | tuple[int, int]) -> tuple[int, int]:
@@ -38,9 +44,11 @@ def _window(local_window_size: int | tuple[int, int]) -> tuple[int, int]:
 def _heads_grid(name: str, x: ArrayLike, B: int, N: int, K: int, T: int, S: int, dtype_kind: str) -> Array:
     """A ``mask``/``bias`` in jax.nn's ``(B|1, N|1, T|1, S|1)`` layout as ``(B|1, K|1, G|1, T|1, S|1)``.
 
-    Fewer than 4 dimensions are left-padded with unit axes, as jax.nn does.
+    Fewer than 4 dimensions are left-padded with unit axes, as jax.nn does. Errors report the
+    shape given; a ``(B, S)`` one (torch's key padding) is told how to expand.
     """
     x = jnp.asarray(x)
+    given = x.shape
     if dtype_kind == "bool" and x.dtype != jnp.bool_:
         raise TypeError(f"mask must be boolean (True = attend), got dtype {x.dtype} with shape {x.shape}")
     if dtype_kind == "float" and not jnp.issubdtype(x.dtype, jnp.floating):
@@ -49,7 +57,15 @@ def _heads_grid(name: str, x: ArrayLike, B: int, N: int, K: int, T: int, S: int,
         raise ValueError(f"{name} must have at most 4 dimensions (B, N, T, S), got shape {x.shape}")
     x = x.reshape((1,) * (4 - x.ndim) + x.shape)
     if any(n not in (1, full) for n, full in zip(x.shape, (B, N, T, S), strict=True)):
-        raise ValueError(f"{name} of shape {x.shape} does not broadcast to (B, N, T, S) = {(B, N, T, S)}")
+        hint = ""
+        if given == (B, S):
+            hint = f"; a (B, S) {name} per example and key goes as {name}[:, None, None, :]"
+            if name == "mask":
+                hint += (
+                    " (True = attend: torch's key_padding_mask is True at padding, so ~mask), or pass "
+                    "key_value_seq_lengths=lengths with the valid keys (B,) of each example"
+                )
+        raise ValueError(f"{name} of shape {given} does not broadcast to (B, N, T, S) = {(B, N, T, S)}{hint}")
     b, n, t, s = x.shape
     return x.reshape(b, K, N // K, t, s) if n == N and N > 1 else x.reshape(b, 1, 1, t, s)
 
@@ -91,6 +107,10 @@ def dot_product_attention(
         out       like query (last axis E), in the inputs' dtype
         residual  (B, T, N) or (T, N): the log-sum-exp of each row's logits
 
+    The heads come after the length. Torch's ``(B, N, T, D)`` belongs to :func:`jattn.attention`;
+    given here in arrays of one shape it is read as ``(B, T, N, H)`` without an error (as
+    jax.nn reads it), and where shapes differ the error points to :func:`jattn.attention`.
+
     Alignment is jax.nn's (and torch's): **top-left**. With ``is_causal``, query ``t`` sees
     keys ``s <= t`` even when ``T != S``; ``local_window_size=(left, right)`` (an int is
     ``(w, w)``) lets query ``t`` see keys ``t - left <= s <= t + right``. (``jattn.attention``
@@ -123,11 +143,14 @@ def dot_product_attention(
       ``out`` shaped like ``query`` (last axis E), or ``(out, residual)``.
 
     Raises:
-      TypeError: non-floating or mismatched dtypes, a non-boolean mask, non-integer lengths.
+      TypeError: non-floating or mismatched dtypes, a non-boolean mask (a function or a
+        :class:`jattn.masks.Mask` included: ``is_causal=True`` is the causal mask), non-integer
+        lengths.
       ValueError: wrong ranks, mismatched B, S or H, N not a multiple of K, a mask, bias or
         lengths shape that does not broadcast, a bad window or implementation.
     """
     q, k, v = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
+    check_mask(mask, arrays_only=True)
     if q.ndim not in (3, 4) or k.ndim != q.ndim or v.ndim != q.ndim:
         raise ValueError(
             "query, key and value must all be (B, T|S, N|K, H) or all (T|S, N|K, H), got "
@@ -141,12 +164,12 @@ def dot_product_attention(
     if k.shape[0] != B or v.shape[0] != B or k.shape[-1] != H or v.shape[1:3] != (S, K):
         raise ValueError(
             f"expected query (B, T, N, H), key (B, S, K, H), value (B, S, K, E) with one B, S, K and H, got "
-            f"query {jnp.shape(query)}, key {jnp.shape(key)}, value {jnp.shape(value)}"
+            f"query {jnp.shape(query)}, key {jnp.shape(key)}, value {jnp.shape(value)}" + _TORCH_LAYOUT
         )
     if K == 0 or N % K:
         raise ValueError(
             f"the query heads N must be a multiple of the key/value heads K, got N={N} (query {jnp.shape(query)}) "
-            f"and K={K} (key {jnp.shape(key)})"
+            f"and K={K} (key {jnp.shape(key)})" + _TORCH_LAYOUT
         )
     if implementation is not None and implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be None or one of {IMPLEMENTATIONS}, got {implementation!r}")

@@ -29,7 +29,16 @@ from jax.typing import ArrayLike
 
 from jattn import _blockwise
 from jattn._blockwise import blockwise_attention
-from jattn._checks import broadcast_all, check_block_size, check_qkv, check_real, check_score_mod, check_sinks
+from jattn._checks import (
+    broadcast_all,
+    check_block_size,
+    check_grid,
+    check_mask,
+    check_qkv,
+    check_real,
+    check_score_mod,
+    check_sinks,
+)
 from jattn._dropout import keep_mask, keep_scale, row_seeds
 from jattn._masks import (
     EMPTY,
@@ -67,11 +76,21 @@ def _check_scale(scale: float | ArrayLike | None) -> None:
         )
 
 
-def _as_mask(mask: ArrayLike | Mask | None) -> Mask | None:
-    """A boolean array mask as :class:`~jattn.masks.ArrayMask` (1-D and 0-D included), else unchanged."""
+def _as_mask(mask: ArrayLike | Mask | None, bias: ArrayLike | None, q: Array, k: Array) -> Mask | None:
+    """A boolean array mask as :class:`~jattn.masks.ArrayMask` (1-D and 0-D included), else unchanged.
+
+    Checks first that ``mask`` is no function (:func:`~jattn._checks.check_mask`), and that an
+    array mask and ``bias`` broadcast to ``(..., T, S)``, in the shapes the caller gave.
+    """
+    check_mask(mask)
+    if bias is not None:
+        _check_bias(bias)  # its dtype first
+        check_grid("bias", jnp.shape(bias), q.shape, k.shape)
     if mask is None or isinstance(mask, Mask):
         return mask
-    return masks_array(mask)
+    array = masks_array(mask)
+    check_grid("mask", jnp.shape(mask), q.shape, k.shape)
+    return array
 
 
 def _check_offsets(mask: Mask | None, q_offset: ArrayLike | None, kv_offset: ArrayLike) -> None:
@@ -683,6 +702,23 @@ def attention(
     ``(B, K, G, T, D)`` against k, v of shape ``(B, K, 1, S, D)``. ``vmap`` over any leading
     axis is free.
 
+    Layout: the heads are leading dimensions, as in torch's ``(B, N, T, D)``. No check on shapes
+    can tell this from jax.nn's and Flax's ``(B, T, N, H)``: ``(2, 32, 1, 128)`` is one token of
+    32 heads here (decoding) and 32 tokens of one head there, ``(2, 8, 4, 64)`` a prompt of 4
+    tokens with 8 heads or of 8 tokens with 4, and any leading dims (windows, axial rows, sets)
+    are valid. So ``(B, T, N, H)`` arrays with ``T == S`` attend over the heads of each token
+    (N query heads against K key heads) without an error; pass them to
+    :func:`jattn.dot_product_attention` (jax.nn's signature and layout, grouped heads included)
+    or swap them to ``(B, N, T, H)`` with ``x.swapaxes(-3, -2)``. With ``T != S`` their leading
+    dims do not broadcast, and a mask ``(T, S)`` does not fit the ``(N, K)`` read from them: both
+    errors name the layouts. One query token ``(B, 1, N, H)`` against ``(B, S, K, H)`` does
+    broadcast, to an output ``(B, S, N, H)`` unlike q's shape. Grouped heads in torch's layout,
+    q ``(B, N, T, D)`` against k, v ``(B, K, S, D)``, take the form above:
+    ``q.reshape(B, K, N // K, T, D)`` with ``k[:, :, None]`` and ``v[:, :, None]``. A torch
+    key-padding mask ``(B, S)`` is ``masks.padding(kv_lengths=...)`` or ``mask[:, None, None, :]``
+    here (True = attend); passed as it is, it is read as ``(T, S)``: an error that says so, unless
+    ``B`` is 1 (the same mask) or ``T`` (then one row per query, without an error).
+
     .. math::
         \mathrm{out}_t = \sum_s \frac{e^{x_{ts} - m_t}}{\sum_{s'} e^{x_{ts'} - m_t}} v_s, \quad
         x_{ts} = \mathrm{scale}\, q_t \cdot k_s + \mathrm{bias}_{ts}, \quad m_t = \max_s x_{ts}
@@ -760,15 +796,16 @@ def attention(
       ``max_logit`` when ``return_max_logit`` (a tuple when either is asked for).
 
     Raises:
-      TypeError: non-floating or mismatched dtypes of q, k, v; non-bool mask; non-float bias;
-        offsets that are not ints or integer arrays.
+      TypeError: non-floating or mismatched dtypes of q, k, v; non-bool mask; a function as
+        mask (``masks.causal`` uncalled); non-float bias; offsets that are not ints or integer
+        arrays.
       ValueError: ranks below 2, mismatched D or S, leading dimensions or a mask/bias shape
-        that does not broadcast.
+        that does not broadcast (the message names the layouts above).
     """
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     check_qkv(q, k, v)
     _check_scale(scale)
-    mask = _as_mask(mask)
+    mask = _as_mask(mask, bias, q, k)
     _check_offsets(mask, q_offset, kv_offset)
     dropout_rate = _check_dropout(dropout_rate, dropout_rng)
     blocks = check_block_size(block_size)
@@ -866,7 +903,7 @@ def choose_implementation(
     """
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     check_qkv(q, k, v)
-    mask = _as_mask(mask)
+    mask = _as_mask(mask, bias, q, k)
     used = _features(
         q, v, mask, bias, q_offset, kv_offset, dropout_rate, precision, return_lse, block_size,
         score_mod, sinks, return_max_logit,
@@ -895,7 +932,7 @@ def attention_weights(
     q, k = jnp.asarray(q), jnp.asarray(k)
     check_qkv(q, k, None)
     _check_scale(scale)
-    mask = _as_mask(mask)
+    mask = _as_mask(mask, bias, q, k)
     _check_offsets(mask, q_offset, kv_offset)
     mask, bias = _dense_mask(mask, q, k, q_offset, kv_offset, None, bias), _check_bias(bias)
     ndim = len(broadcast_all(q=q, k=k, mask=mask, bias=bias)) + 2

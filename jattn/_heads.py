@@ -16,7 +16,15 @@ import jax.numpy as jnp
 from jax import Array
 
 from jattn import _cache
-from jattn._checks import check_block_size, check_bool, check_dtype, check_int, check_real, check_score_mod
+from jattn._checks import (
+    check_block_size,
+    check_bool,
+    check_dtype,
+    check_int,
+    check_mask,
+    check_real,
+    check_score_mod,
+)
 from jattn._core import IMPLEMENTATIONS, attention, attention_weights
 from jattn._linear import LinearState, feature_fn, linear_attention
 from jattn._masks import Causal, Mask
@@ -113,9 +121,13 @@ def _check_mask_shape(got: tuple[int, ...], shape: tuple[int, int, int, int]) ->
     b, n, t, s = shape
     want = {2: (t, s), 3: (b, t, s), 4: (b, n, t, s)}.get(len(got))
     if want is None or any(m not in (1, w) for m, w in zip(got, want, strict=True)):
+        padding = (
+            "; a (B, S) key-padding mask goes as mask[:, None, :] (B, 1, S) or masks.padding(kv_lengths=lengths) "
+            "(True = attend: torch's key_padding_mask is True at padding, so ~mask)"
+        )
         raise ValueError(
             f"mask must have shape (T, S) = {(t, s)}, (B, T, S) = {(b, t, s)} or (B, N, T, S) = {shape} "
-            f"(each axis may be 1), got shape {tuple(got)}"
+            f"(each axis may be 1), got shape {tuple(got)}" + (padding if tuple(got) == (b, s) else "")
         )
 
 
@@ -123,8 +135,10 @@ def _split_mask(mask: Array | None, shape: tuple[int, int, int, int], num_kv_hea
     """A boolean mask for ``shape = (B, N, T, S)`` -> broadcastable to ``(B, K, G, T, S)``.
 
     The rule: a 2-D mask is ``(T, S)``, a 3-D mask ``(B, T, S)`` per example (broadcast over
-    heads) and a 4-D mask ``(B, N, T, S)``; any axis may be 1 (broadcast).
+    heads) and a 4-D mask ``(B, N, T, S)``; any axis may be 1 (broadcast). A function (e.g.
+    ``masks.causal`` uncalled) raises a TypeError (:func:`jattn._checks.check_mask`).
     """
+    check_mask(mask)
     if mask is None:
         return None
     mask = jnp.asarray(mask)
@@ -312,7 +326,11 @@ def multihead(
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    """The checked, static configuration of an attention module (NNX or Linen)."""
+    """The checked, static configuration of an attention module (NNX or Linen).
+
+    ``deterministic`` is not here: it is the module's own switch (the NNX attribute that
+    ``.eval()``/``.train()``/``nnx.view`` set, the Linen field), read at each call.
+    """
 
     d_model: int
     kv_features: int
@@ -323,7 +341,6 @@ class Options:
     kind: str
     feature_map: str | Callable[[Array], Array]
     dropout_rate: float
-    deterministic: bool
     precision: jax.lax.PrecisionLike
     sequence_axis: str | None
     implementation: str | None
@@ -405,7 +422,6 @@ def options(
         kind=kind,
         feature_map=feature_map,
         dropout_rate=float(dropout_rate),
-        deterministic=bool(deterministic),
         precision=precision,
         sequence_axis=sequence_axis,
         implementation=implementation,
@@ -521,6 +537,7 @@ def forward(
     implementation = opts.implementation if implementation is None else implementation
     block_size = opts.block_size if block_size is None else block_size
     check_path(implementation, block_size)
+    check_mask(mask)
     batch, t = x.shape[:-2], x.shape[-2]
     ctx = x if context is None else context
     s = ctx.shape[-2]

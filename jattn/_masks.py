@@ -942,7 +942,9 @@ def check_lengths(mask: Mask, T: int, S: int) -> None:
                 f"segment_ids q_segments {q} and kv_segments {kv} must have shapes (B, T={T}) and (B, S={S})"
             )
     if isinstance(mask, ArrayMask) and (mask.array.shape[-2] not in (1, T) or mask.array.shape[-1] not in (1, S)):
-        raise ValueError(f"mask of shape {mask.array.shape} does not broadcast to (..., T, S) = (..., {T}, {S})")
+        shape = mask.array.shape
+        held = " (as masks.array holds it: a 1-D (S,) array is (1, S))" if len(shape) == 2 and shape[0] == 1 else ""
+        raise ValueError(f"mask of shape {shape}{held} does not broadcast to (..., T, S) = (..., {T}, {S})")
     if dataclasses.is_dataclass(mask):
         for field in dataclasses.fields(mask):
             part = getattr(mask, field.name)

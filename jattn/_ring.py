@@ -38,7 +38,7 @@ import numpy as np
 from jax import Array
 from jax.typing import ArrayLike
 
-from jattn._checks import broadcast_all, check_qkv, check_score_mod, check_sinks
+from jattn._checks import broadcast_all, check_mask, check_qkv, check_score_mod, check_sinks
 from jattn._masks import EMPTY, FULL, PARTIAL, KeyBelow, Mask
 from jattn._online import (
     accumulate,
@@ -292,6 +292,7 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
 def _check_mask(mask: object) -> None:
+    check_mask(mask)
     if mask is not None and (not isinstance(mask, Mask) or mask.per_example or mask.per_row):
         raise ValueError(f"ring_attention takes a position-only jattn.masks predicate (or segment_ids), got {mask!r}")
 

@@ -30,6 +30,7 @@ from jax import Array
 from jax.typing import ArrayLike
 
 from jattn import masks
+from jattn._checks import check_mask
 from jattn._core import attention, attention_weights
 from jattn._masks import Mask
 from jattn._masks import array as array_mask
@@ -129,6 +130,7 @@ def attention_fn(
             "jattn.flax.attention_fn has its own matmuls: qk_attn_weights_einsum and attn_weights_value_einsum "
             f"must be None, got {qk_attn_weights_einsum!r} and {attn_weights_value_einsum!r}"
         )
+    check_mask(mask)
     q, k, v = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
     if dtype is None:
         dtype = jnp.result_type(q, k, v)

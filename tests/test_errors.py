@@ -14,6 +14,7 @@ import pytest
 from flax import nnx
 
 import jattn
+import jattn.flax
 import jattn.linen
 import jattn.nnx
 from jattn import masks
@@ -485,3 +486,213 @@ def test_empty_sequences_are_defined(impl):
     assert np.all(np.asarray(dq) == 0)
     out = jattn.attention(k, q, q, implementation=impl)
     assert out.shape == (2, 0, 4)
+
+
+# -- what a newcomer brings (issue #31): another layout, a mask constructor uncalled, torch's masks -----
+
+# jax.nn's (B, T, N, H) with T=6 != S=5, and torch's (B, N, T, D) with N=4 query heads against K=2
+_JAX_NN = tuple(_rand(shape, seed) for shape, seed in [((2, 6, 4, 8), 30), ((2, 5, 2, 8), 31), ((2, 5, 2, 8), 32)])
+_TORCH = tuple(_rand(shape, seed) for shape, seed in [((2, 4, 6, 8), 33), ((2, 2, 5, 8), 34), ((2, 2, 5, 8), 35)])
+_Q4, _K4 = _rand((2, 4, 6, 8), 36), _rand((2, 4, 5, 8), 37)  # jattn's (B, N, T, D), (B, N, S, D)
+_QG, _KG = _TORCH[0].reshape(2, 2, 2, 6, 8), _TORCH[1][:, :, None]  # the grouped form (B, K, G, T, D), (B, K, 1, S, D)
+_LAYOUTS = (
+    r"jattn\.attention reads q \(\.\.\., T, D\).*q \(B, K, G, T, D\) against k, v \(B, K, 1, S, D\).*"
+    r"jax\.nn's layout q \(B, T, N, H\).*jattn\.dot_product_attention\(q, k, v\)"
+)
+_TORCH_GROUPED = r"q\.reshape\(2, 2, 2, 6, 8\) with k\[:, :, None\] and v\[:, :, None\]"
+_UNCALLED = (
+    r"mask must be a boolean array or a jattn\.masks\.Mask, got the function masks\.causal: .*mask=masks\.causal\(\)"
+)
+_ARRAYS_ONLY = r"mask must be a boolean array broadcastable to \(B, N, T, S\).*pass is_causal=True"
+_KEY_PADDING = r"mask of shape \(2, 5\) does not broadcast.*masks\.padding\(kv_lengths=lengths\).*"
+
+NEWCOMER = [
+    # 1 and 4: another layout's q, k, v (the same shapes run: attention's docstring, "Layout")
+    *(
+        (
+            f"jax.nn layout on {impl}",
+            lambda impl=impl: jattn.attention(*_JAX_NN, implementation=impl),
+            ValueError,
+            r"leading dimensions of q, k, v do not broadcast: q \(2, 6, 4, 8\), k \(2, 5, 2, 8\).*" + _LAYOUTS,
+        )
+        for impl in ("dense", "blockwise", "xla", "pallas")
+    ),
+    *(
+        (
+            f"torch grouped heads on {impl}",
+            lambda impl=impl: jattn.attention(*_TORCH, implementation=impl),
+            ValueError,
+            r"leading dimensions of q, k, v do not broadcast: q \(2, 4, 6, 8\).*q \(B, K, G, T, D\).*"
+            + _TORCH_GROUPED
+            + r".*jattn\.dot_product_attention\(q, k, v\)",
+        )
+        for impl in ("dense", "blockwise", "xla", "pallas")
+    ),
+    (
+        "torch grouped heads, weights",
+        lambda: jattn.attention_weights(*_TORCH[:2]),
+        ValueError,
+        r"leading dimensions of q, k do not broadcast.*" + _TORCH_GROUPED,
+    ),
+    (
+        "torch grouped heads, predicate",
+        lambda: jattn.attention(*_TORCH, mask=masks.causal()),
+        ValueError,
+        _TORCH_GROUPED,
+    ),
+    (
+        "jax.nn layout with its mask",
+        lambda: jattn.attention(_JAX_NN[0], _JAX_NN[0], _JAX_NN[0], mask=jnp.tril(jnp.ones((6, 6), bool))),
+        ValueError,
+        r"mask of shape \(6, 6\) does not broadcast to \(\.\.\., T, S\) = \(\.\.\., 4, 4\).*fits \(T, S\) = \(6, 6\) "
+        r"as if q and k were jax\.nn's \(B, T, N, H\).*jattn\.dot_product_attention",
+    ),
+    (
+        "torch's (B, N, T, S) bias with grouped heads",
+        lambda: jattn.attention(_QG, _KG, _KG, bias=jnp.zeros((2, 4, 6, 5))),
+        ValueError,
+        r"bias \(2, 4, 6, 5\).*bias\.reshape\(2, 2, 2, 6, 5\) \(B, K, G, T, S\)",
+    ),
+    (
+        "torch layout in dot_product_attention",
+        lambda: jattn.dot_product_attention(*_TORCH),
+        ValueError,
+        r"dot_product_attention takes jax\.nn's layout.*for torch's \(B, N, T, D\) call jattn\.attention",
+    ),
+    # 2: a mask constructor passed uncalled, or a plain function
+    *(
+        (
+            f"uncalled on {impl}",
+            lambda impl=impl: jattn.attention(_Q4, _K4, _K4, mask=masks.causal, implementation=impl),
+            TypeError,
+            _UNCALLED,
+        )
+        for impl in ("dense", "blockwise")
+    ),
+    ("uncalled, weights", lambda: jattn.attention_weights(_Q4, _K4, mask=masks.causal), TypeError, _UNCALLED),
+    ("uncalled, choose", lambda: jattn.choose_implementation(_Q4, _K4, _K4, mask=masks.causal), TypeError, _UNCALLED),
+    ("uncalled, flax", lambda: jattn.flax.attention_fn(*_JAX_NN, mask=masks.causal), TypeError, _UNCALLED),
+    ("uncalled, module", lambda: _nnx()(X, masks.causal), TypeError, _UNCALLED),
+    ("uncalled, decoding", lambda: _cached()(X, masks.causal, decode=True), TypeError, _UNCALLED),
+    (
+        "uncalled, linen",
+        lambda: jattn.linen.SelfAttention(D).init(jax.random.key(0), X, masks.causal),
+        TypeError,
+        _UNCALLED,
+    ),
+    (
+        "uncalled, ring",
+        lambda: jattn.ring_attention(_Q4, _Q4, _Q4, axis_name="x", mask=masks.causal),
+        TypeError,
+        _UNCALLED,
+    ),
+    (
+        "uncalled, sequence parallel",
+        lambda: jattn.sequence_parallel_attention(_Q4, _Q4, _Q4, axis_name="x", mask=masks.causal),
+        TypeError,
+        _UNCALLED,
+    ),
+    (
+        "uncalled with arguments",
+        lambda: jattn.attention(_Q4, _K4, _K4, mask=masks.sliding_window),
+        TypeError,
+        r"got the function masks\.sliding_window: .*mask=masks\.sliding_window\(left\)",
+    ),
+    (
+        "a plain function",
+        lambda: jattn.attention(_Q4, _K4, _K4, mask=lambda b, h, i, j: i >= j),
+        TypeError,
+        r"mask must be .*got <function .*masks\.causal\(\).*mask=masks\.predicate\(fn\)",
+    ),
+    (
+        "uncalled, jax.nn's signature",
+        lambda: jattn.dot_product_attention(*_JAX_NN, mask=masks.causal),
+        TypeError,
+        _ARRAYS_ONLY,
+    ),
+    (
+        "a predicate, jax.nn's signature",
+        lambda: jattn.dot_product_attention(*_JAX_NN, mask=masks.causal()),
+        TypeError,
+        _ARRAYS_ONLY,
+    ),
+    # 3: torch's key padding (B, S), and 1-D masks reported as given
+    (
+        "key padding",
+        lambda: jattn.attention(_Q4, _K4, _K4, mask=jnp.ones((2, 5), bool)),
+        ValueError,
+        _KEY_PADDING + r"mask\[:, None, None, :\] \(True = attend.*~mask",
+    ),
+    (
+        "key padding, grouped",
+        lambda: jattn.attention(_QG, _KG, _KG, mask=jnp.ones((2, 5), bool)),
+        ValueError,
+        _KEY_PADDING + r"mask\[:, None, None, None, :\]",
+    ),
+    (
+        "key padding, jax.nn's signature",
+        lambda: jattn.dot_product_attention(*_JAX_NN, mask=jnp.ones((2, 5), bool)),
+        ValueError,
+        r"mask of shape \(2, 5\) does not broadcast to \(B, N, T, S\).*mask\[:, None, None, :\].*"
+        r"key_value_seq_lengths=lengths",
+    ),
+    (
+        "key padding, module",
+        lambda: _nnx()(X, jnp.ones((2, 3), bool)),
+        ValueError,
+        r"got shape \(2, 3\); a \(B, S\) key-padding mask goes as mask\[:, None, :\] \(B, 1, S\) or masks\.padding",
+    ),
+    *(
+        (
+            f"1-D mask on {impl}",
+            lambda impl=impl: jattn.attention(_Q4, _K4, _K4, mask=jnp.ones(9, bool), implementation=impl),
+            ValueError,
+            r"mask of shape \(9,\) does not broadcast to \(\.\.\., T, S\) = \(\.\.\., 6, 5\)",
+        )
+        for impl in ("dense", "blockwise", "xla")
+    ),
+    ("1-D bias", lambda: jattn.attention(_Q4, _K4, _K4, bias=jnp.zeros(9)), ValueError, r"bias of shape \(9,\) does"),
+    (
+        "1-D mask, jax.nn's signature",
+        lambda: jattn.dot_product_attention(*_JAX_NN, mask=jnp.ones(9, bool)),
+        ValueError,
+        r"mask of shape \(9,\) does not broadcast to \(B, N, T, S\)",
+    ),
+]
+
+
+@pytest.mark.parametrize(("call", "error", "match"), [b[1:] for b in NEWCOMER], ids=[b[0] for b in NEWCOMER])
+def test_newcomer_mistakes_are_named(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
+def test_layouts_are_not_guessed_from_shapes():
+    """Shapes cannot tell (B, N, T, D) from jax.nn's (B, T, N, H) (attention's docstring, "Layout"): none is refused.
+
+    One token of 32 heads (decoding) and a 4-token prompt of 8 heads would be flagged by a rule "axis -3 larger
+    than axis -2"; both are jattn's layout. jax.nn's arrays of the same shape go to dot_product_attention.
+    """
+    for q_shape, kv_shape in [((1, 32, 1, 16), (1, 32, 7, 16)), ((2, 8, 4, 16), (2, 8, 4, 16))]:
+        q, k, v = _rand(q_shape, 40), _rand(kv_shape, 41), _rand(kv_shape, 42)
+        want, _, _ = ref.attention(q, k, v)
+        np.testing.assert_allclose(jattn.attention(q, k, v), want, **ref.tol(jnp.float32))
+    # the same (2, 8, 4, 16) as jax.nn's (B, T=8, N=4, H): the reference runs on it swapped to (B, N, T, H)
+    want, _, _ = ref.attention(*(np.swapaxes(ref.f64(x), 1, 2) for x in (q, k, v)))
+    got = jattn.dot_product_attention(q, k, v)
+    np.testing.assert_allclose(got, np.swapaxes(want, 1, 2), **ref.tol(jnp.float32))
+
+
+def test_the_fixes_the_messages_name_are_right():
+    """The grouped form, the key-padding expands and dot_product_attention compute what the caller meant."""
+    q, k, v = _TORCH  # torch's grouped heads: query head n reads kv head n // G
+    kr, vr = (np.repeat(ref.f64(x), 2, axis=1) for x in (k, v))
+    keep = jnp.arange(5)[None] < jnp.array([[3], [5]])  # torch's key padding (B, S), True = attend here
+    for mask in (None, keep[:, None, None, None, :], masks.padding(kv_lengths=jnp.array([3, 5]))):
+        want, _, _ = ref.attention(q, kr, vr, mask=None if mask is None else np.asarray(keep)[:, None, None, :])
+        got = jattn.attention(q.reshape(2, 2, 2, 6, 8), k[:, :, None], v[:, :, None], mask=mask).reshape(q.shape)
+        np.testing.assert_allclose(got, want, **ref.tol(jnp.float32))
+    want = np.swapaxes(ref.attention(q, kr, vr, mask=np.asarray(keep)[:, None, None, :])[0], 1, 2)
+    q, k, v = (x.swapaxes(1, 2) for x in _TORCH)  # the same heads in jax.nn's (B, T, N, H)
+    for kwargs in (dict(mask=keep[:, None, None, :]), dict(key_value_seq_lengths=jnp.array([3, 5]))):
+        np.testing.assert_allclose(jattn.dot_product_attention(q, k, v, **kwargs), want, **ref.tol(jnp.float32))
