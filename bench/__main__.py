@@ -17,26 +17,46 @@ from rich.table import Table
 from bench import suite
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
-    p.add_argument("--T", type=int, nargs="+", default=[512, 2048])
-    p.add_argument("--B", type=int, default=4)
-    p.add_argument("--N", type=int, default=8)
-    p.add_argument("--D", type=int, default=64)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--modes", nargs="+", default=["fwd"], choices=["fwd", "fwdbwd"])
-    p.add_argument("--masks", nargs="+", default=["none", "causal"], choices=suite.MASKS)
-    p.add_argument("--window", type=int, default=256)
-    p.add_argument("--candidates", nargs="+", default=["jattn", "jax.nn", "torch"], choices=suite.CANDIDATES)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument(
-        "--cpu-devices", type=int, default=None, help="split the CPU into this many JAX devices (jattn-sharded)"
+def parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m bench``: every option with its help and (in ``--help``) its default."""
+    p = argparse.ArgumentParser(
+        prog="python -m bench", description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    p.add_argument("--out", type=Path, default=Path("bench/results"))
+    p.add_argument("--T", type=int, nargs="+", default=[512, 2048], help="sequence lengths, one table each")
+    p.add_argument("--B", type=int, default=4, help="batch size")
+    p.add_argument("--N", type=int, default=8, help="attention heads")
+    p.add_argument("--D", type=int, default=64, help="head dimension")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="q, k, v dtype")
+    p.add_argument(
+        "--modes", nargs="+", default=["fwd"], choices=["fwd", "fwdbwd"], help="forward, or forward + backward"
+    )
+    p.add_argument("--masks", nargs="+", default=["none", "causal"], choices=suite.MASKS, help="masks to time")
+    p.add_argument("--window", type=int, default=256, help="sliding-window size of the 'window' and 'global' masks")
+    p.add_argument(
+        "--candidates",
+        nargs="+",
+        default=["jattn", "jax.nn", "torch"],
+        choices=suite.CANDIDATES,
+        metavar="NAME",
+        help="attention implementations to time, from: " + ", ".join(suite.CANDIDATES),
+    )
+    p.add_argument("--repeats", type=int, default=5, help="timed calls per candidate (the median is shown)")
+    p.add_argument(
+        "--cpu-devices",
+        type=int,
+        default=None,
+        help="split the CPU into this many JAX devices (jattn-sharded); None: JAX's own count",
+    )
+    p.add_argument("--out", type=Path, default=Path("bench/results"), help="directory for the JSON and PNG")
     p.add_argument("--module", action="store_true", help="jattn.nnx.SelfAttention(512, 8 heads), causal: paths")
     p.add_argument("--gpu", action="store_true", help="the GPU preset (bench/gpu.sh): " + str(suite.GPU_PRESET))
     p.add_argument("--flex", action="store_true", help="blockwise forward with softcap, alibi, sinks vs plain (ratios)")
     p.add_argument("--packed", action="store_true", help="8 packed causal documents vs full causal, blockwise (T=8192)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
     args = p.parse_args(argv)
     if args.cpu_devices:  # before JAX's backend starts; every other candidate still runs on device 0
         import jax

@@ -87,3 +87,16 @@ def test_a_call_with_gigabytes_of_scratch_lets_the_memory_go_before_the_next(mon
     pause = suite.SETTLE_S
     assert events == ["blockwise", "dense", pause, "torch"] + ["blockwise", "dense", pause, "torch"] * 2
     assert set(timings) == {"blockwise", "dense", "torch"}
+
+
+def test_help_gives_every_option_a_meaning_and_its_default(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "100")
+    with pytest.raises(SystemExit) as exit_info:
+        bench_main.main(["--help"])
+    assert exit_info.value.code == 0
+    shown = "".join(capsys.readouterr().out.split())  # help text is wrapped over lines, hyphens too
+    options = [a for a in bench_main.parser()._actions if a.option_strings != ["-h", "--help"]]
+    assert len(options) == 16
+    for action in options:
+        assert action.help, action.option_strings
+        assert "".join(f"{action.help} (default: {action.default})".split()) in shown, action.option_strings

@@ -6,12 +6,14 @@ a thread with a time limit, every command in a subprocess with a timeout.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import io
 import json
 import os
 import re
 import shutil
+import stat
 import subprocess
 import sys
 import threading
@@ -25,7 +27,7 @@ import train.__main__ as cli
 from train import config, loop, plots, rundir
 from train.checkpoints import CheckpointError, DamagedCheckpointWarning
 from train.rundir import MetricsError, RunError
-from train.tasks import Induction, Reverse
+from train.tasks import TASKS, Induction, Reverse
 
 ROOT = Path(__file__).resolve().parent.parent
 LIMIT = 120  # seconds: generous on 2 shared cores, far below "hangs forever"
@@ -285,6 +287,7 @@ def reads_garbage():
 @pytest.mark.parametrize("how", ["empty", "partial", "corrupted"])
 def test_a_damaged_newest_checkpoint_is_skipped_for_the_previous_one(run, finished, how):
     damage(run / "checkpoints" / "40", how)
+    (run / "summary.json").unlink()  # stopped before its summary: not complete, so the command resumes it
     with pytest.warns(DamagedCheckpointWarning, match="checkpoint step 40 .* cannot be read"):
         summary = train(tiny(run))
     assert summary["step"] == 40
@@ -298,6 +301,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_for_the_previous_one(run, finish
 def test_no_readable_checkpoint_is_refused_in_one_line(run):
     damage(run / "checkpoints" / "30", "corrupted")
     damage(run / "checkpoints" / "40", "empty")
+    (run / "summary.json").unlink()  # stopped before its summary: not complete, so the command resumes it
     before = snapshot(run)
     with pytest.raises(CheckpointError) as error, pytest.warns(DamagedCheckpointWarning):
         train(tiny(run))
@@ -351,6 +355,169 @@ def test_progress_bar_keeps_the_elapsed_time_at_80_columns():
     assert len(line) <= 80 and "\n" not in line
     assert re.search(r"350/2000 \d:\d\d:\d\d eta --:--", line), line
     assert "loss 0.123" in line
+
+
+# -- what a newcomer trips over (issue #31) ---------------------------------------------------------
+
+CONFIGS = sorted(p.stem for p in (ROOT / "configs").glob("*.py") if p.stem != "__init__")
+
+
+def test_every_config_key_has_one_description_and_none_is_stale():
+    """Every key of every config file (and every field of every task) is in config.KEYS; KEYS names no other."""
+    task_keys = {f"task.{f.name}" for task in TASKS.values() for f in dataclasses.fields(task)}
+    known = set(config.flatten(config.load())) | task_keys
+    for name in CONFIGS:
+        for key in config.flatten(config.load(f"configs/{name}.py")):
+            model_key = key.replace("control_model.", "model.", 1)
+            assert model_key in config.KEYS, f"configs/{name}.py: {key} has no description"
+    assert task_keys <= set(config.KEYS)
+    assert set(config.KEYS) - known == {"control_model"}  # the group (its keys are model keys)
+
+
+@pytest.mark.parametrize("name", ["default", "sort"])
+def test_help_lists_each_key_with_the_config_files_default_and_its_meaning(name, capsys, monkeypatch):
+    monkeypatch.setattr(loop, "train", lambda *a, **k: pytest.fail("training started"))
+    monkeypatch.setenv("COLUMNS", "100")
+    assert cli.main(["--config", f"configs/{name}.py", "--help"]) == 0
+    out = capsys.readouterr().out
+    flat = " ".join(out.split())  # the meanings are wrapped over lines
+    assert f"(defaults of configs/{name}.py)" in out
+    for key, value in config.flatten(config.load(f"configs/{name}.py")).items():
+        assert re.search(rf"^  {re.escape(f'{key} = {value!r}')}( |$)", out, re.MULTILINE), key
+        assert " ".join(config.describe(key).split()) in flat, key
+    assert max(map(len, out.splitlines())) <= 100
+
+
+@pytest.mark.parametrize(
+    ("arg", "nearest"),
+    [
+        ("--config.step=5", "did you mean 'steps'?"),
+        ("--config.model.d_mdoel=32", "did you mean 'model.d_model'?"),
+        ("--config.d_model=32", "did you mean 'model.d_model'?"),
+        ("--config.modle.d_model=32", "did you mean 'model.d_model'?"),
+        ("--config.warmup=5", "did you mean 'warmup_steps'?"),
+        ("--config.mesh.dat=2", "did you mean 'mesh.data'?"),
+    ],
+)
+def test_an_unknown_key_is_answered_with_the_nearest(arg, nearest, capsys, monkeypatch):
+    monkeypatch.setattr(loop, "train", lambda *a, **k: pytest.fail("training started"))
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([arg])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1
+    assert err.rstrip().endswith(nearest), err
+
+
+def test_unknown_keys_of_config_files_are_answered_with_the_nearest():
+    cfg = config.load("configs/sort.py")
+    with cfg.unlocked():
+        cfg.stepz = 5
+    with pytest.raises(config.ConfigError, match=r"unknown config key 'stepz' \(value 5\); did you mean 'steps'\?$"):
+        config.validate(cfg)
+    cfg = config.load("configs/sort.py")
+    with cfg.unlocked():
+        cfg.task.sise = 4
+    with pytest.raises(config.ConfigError, match=r"'task.sise' for task 'sort' .*; did you mean 'task.size'\?$"):
+        config.validate(cfg)
+    assert config.did_you_mean("zzz", config.flatten(cfg)) == ""  # nothing near: no guess
+
+
+def parsed(argv: list[str], monkeypatch, capsys) -> tuple[object, str]:
+    """The config ``python -m train argv`` would train, and what it printed (nothing is trained)."""
+    got = []
+
+    def run(cfg, **kwargs) -> int:
+        got.append(cfg)
+        return 0
+
+    monkeypatch.setattr(cli, "run", run)
+    assert cli.main(argv) == 0
+    return got[0], capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("name", "steps"), [("sort", 200), ("default", 150), ("alibi", 7)])
+def test_a_short_run_scales_the_warmup_it_did_not_set_to_the_files_fraction(name, steps, monkeypatch, capsys):
+    file = config.load(f"configs/{name}.py")
+    cfg, out = parsed(["--config", f"configs/{name}.py", f"--config.steps={steps}"], monkeypatch, capsys)
+    assert cfg.warmup_steps == file.warmup_steps * steps // file.steps < steps
+    assert out.count("\n") == 1 and f"scaled to {cfg.warmup_steps}," in out and "--config.warmup_steps" in out
+    again, _ = parsed(["--config", f"configs/{name}.py", f"--config.steps={steps}"], monkeypatch, capsys)
+    assert again.to_dict() == cfg.to_dict()  # the same command, the same run
+    cfg, out = parsed(
+        ["--config", f"configs/{name}.py", f"--config.steps={file.warmup_steps + 1}"], monkeypatch, capsys
+    )
+    assert cfg.warmup_steps == file.warmup_steps and out == ""  # fits: kept, no note
+
+
+def test_an_explicit_warmup_not_below_steps_names_the_flag(capsys, monkeypatch):
+    monkeypatch.setattr(cli, "run", lambda *a, **k: pytest.fail("training started"))
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--config", "configs/sort.py", "--config.steps=200", "--config.warmup_steps=300"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1
+    assert "'warmup_steps'=300 must be below 'steps'=200: pass --config.warmup_steps=N with N < 200" in err
+
+
+def test_a_scaled_warmup_resumes_and_continuing_names_its_flag(tmp_path, monkeypatch, capsys):
+    """The same command is the same run; more steps without the warm-up are refused with the flag to pass."""
+    argv = ["--config", "configs/sort.py", f"--config.workdir={tmp_path}", "--config.steps=200"]
+    cfg, _ = parsed(argv, monkeypatch, capsys)
+    rundir.write_config(tmp_path, cfg)  # as a run of that command leaves it
+    again, _ = parsed(argv, monkeypatch, capsys)
+    assert rundir.plan(tmp_path, again) == "resume"
+    longer, _ = parsed([*argv, "--config.steps=400"], monkeypatch, capsys)
+    with pytest.raises(RunError, match=r"\(warmup_steps 20 -> 200\): .*pass --config.warmup_steps=20 to continue it"):
+        rundir.plan(tmp_path, longer)
+    kept, _ = parsed([*argv, "--config.steps=400", "--config.warmup_steps=20"], monkeypatch, capsys)
+    assert rundir.plan(tmp_path, kept) == "resume"
+
+
+def files(workdir: Path) -> dict[str, tuple[bytes, int]]:
+    """Every file of a run directory: its bytes and modification time."""
+    return {
+        str(p.relative_to(workdir)): (p.read_bytes(), p.stat().st_mtime_ns) for p in workdir.rglob("*") if p.is_file()
+    }
+
+
+def nothing_built(monkeypatch) -> None:
+    for name in ("build", "make_train_chunk", "make_evaluate", "compare"):
+        monkeypatch.setattr(loop, name, lambda *a, name=name, **k: pytest.fail(f"loop.{name} called"))
+
+
+def test_a_complete_run_says_so_and_exits_at_once(run, capsys, monkeypatch):
+    before = files(run)
+    nothing_built(monkeypatch)
+    assert within(LIMIT, cli.main, ["--quiet", *overrides(run)]) == 0
+    out = capsys.readouterr().out
+    assert f"{run.resolve()} is already complete at step 40 (--config.steps=40): nothing to train" in out
+    assert "rerun with --config.steps=N for an N > 40" in out and "after 40 steps" in out  # and the verdict
+    assert files(run) == before
+
+
+def test_a_complete_run_trains_its_unfinished_control_then_both_are_complete(run, capsys, monkeypatch):
+    before = {k: v for k, v in files(run).items() if k in ("config.json", "metrics.jsonl", "summary.json")}
+    assert within(LIMIT, cli.main, ["--quiet", *overrides(run, control=True)]) == 0
+    out = capsys.readouterr().out
+    assert "already complete" not in out and "the control (mixer=none, positions=learned) reaches" in out
+    assert [r[0] for r in rows(run / "control")] == [10, 20, 30, 40]
+    assert all(files(run)[k] == v for k, v in before.items())  # the run itself: nothing trained
+    nothing_built(monkeypatch)
+    assert within(LIMIT, cli.main, ["--quiet", *overrides(run, control=True)]) == 0
+    assert f"{run.resolve()} and its control are already complete at step 40" in capsys.readouterr().out
+
+
+def test_the_files_of_a_run_share_one_mode(finished, tmp_path):
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in finished.iterdir() if p.is_file()}
+    assert {"config.json", "metrics.jsonl", "summary.json"} <= set(modes)
+    assert len(set(modes.values())) == 1, modes
+    old = os.umask(0o022)
+    try:
+        rundir.write_atomic(tmp_path / "atomic.json", "{}\n")
+        (tmp_path / "plain.json").write_text("{}\n")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "atomic.json").stat().st_mode) == 0o644
+    assert stat.S_IMODE((tmp_path / "plain.json").stat().st_mode) == 0o644
 
 
 # -- pictures ------------------------------------------------------------------------------------

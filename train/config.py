@@ -3,15 +3,24 @@
 ``--config PATH`` and the overrides ``--config.model.d_model=64`` are parsed by
 ``ml_collections.config_flags`` (absl flags, on a fresh ``FlagValues`` per call: nothing global);
 a bad key or value stops the program before anything is compiled, with the key and value named
-in one line (:class:`ConfigError`).
+in one line (:class:`ConfigError`); an unknown key comes with the nearest known ones
+(:func:`did_you_mean`).
+
+:data:`KEYS` is the one description of the keys (``python -m train --help`` prints it with the
+``--config`` file's defaults, :func:`help_text`). :func:`scale_warmup` fits the config file's
+warm-up below a shorter ``--config.steps`` when the command line does not set ``warmup_steps``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import re
+import shutil
+import textwrap
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +40,120 @@ class ConfigError(ValueError):
 
 
 PROG = "python -m train"
+
+# What each config key means: the one description of the keys, shown by ``python -m train --help``
+# (with the defaults of the --config file). ``task.*`` keys depend on ``task.name``;
+# ``control_model.K`` is the control's ``model.K`` (:func:`describe`).
+KEYS: dict[str, str] = {
+    "name": "run name: the run directory is runs/<name> unless workdir is set",
+    "workdir": "the run directory; '' means runs/<name>",
+    "resume": "an existing run directory of this name: True resumes it (the config must match on every key "
+    "that shapes the run) or, when it is complete, says so and exits; False moves it aside to <dir>.old-<n> "
+    "and starts afresh",
+    "seed": "seed of the parameters, the training batches and the held-out evaluation batches",
+    "task.name": "the task: " + ", ".join(map(repr, TASKS)) + "; its other task keys depend on it",
+    "task.num_pairs": "mqar: key-value pairs in the context",
+    "task.num_queries": "mqar: keys asked after the context (at most num_pairs); the loss is on their values",
+    "task.num_keys": "mqar: key tokens the keys are drawn from (at least num_pairs)",
+    "task.num_values": "mqar: value tokens the values are drawn from (chance is 1/num_values)",
+    "task.size": "sort, reverse, induction: tokens in the first half; the second half is them sorted, "
+    "reversed or repeated",
+    "task.vocab": "sort, reverse, induction: symbols the tokens are drawn from (chance is 1/vocab)",
+    "model.mixer": "'attention' (softmax), 'linear', or 'none' (the token-local control)",
+    "model.positions": "'learned' (an absolute table) or 'alibi' (no table; softmax attention only)",
+    "model.d_model": "width of the residual stream",
+    "model.num_heads": "attention heads (a divisor of d_model)",
+    "model.num_kv_heads": "key/value heads: 0 means as many as num_heads; fewer is grouped-query attention",
+    "model.num_layers": "decoder blocks",
+    "model.mlp_ratio": "the MLP's hidden width, in multiples of d_model",
+    "model.window": "> 0: causal sliding window of this many past keys (+ the query itself); 0: all past keys",
+    "model.global_tokens": "with a window: positions that see and are seen by all (causally)",
+    "model.implementation": "jattn.attention's path: '' (chosen per call), " + ", ".join(map(repr, IMPLEMENTATIONS)),
+    "model.block_size": "blockwise tiles (one int for both sides); 0: chosen from the mask",
+    "steps": "training steps; a larger value continues a finished run",
+    "batch_size": "sequences per step (a multiple of mesh.data)",
+    "learning_rate": "AdamW's peak learning rate: linear warm-up, then cosine decay to 1% of it",
+    "warmup_steps": "steps of the linear warm-up, below steps; not set on the command line and not below "
+    "--config.steps, it is scaled to the config file's fraction (warmup_steps * steps // the file's steps)",
+    "weight_decay": "AdamW's weight decay",
+    "grad_clip": "gradients are clipped to this global norm",
+    "log_every": "steps per jitted call (one lax.scan) and per metrics line",
+    "eval_every": "held-out evaluation every this many steps (a multiple of log_every)",
+    "eval_batches": "held-out batches per evaluation",
+    "checkpoint_every": "a checkpoint every this many steps (a multiple of log_every); the last two are kept",
+    "control": "also train the control (the model with control_model's keys) on the same budget, in "
+    "<run directory>/control; the verdict shows both",
+    "control_model": "the model keys the control changes",
+    "extrapolate": "after training, also evaluate on the task scaled to these multiples of its length (tasks "
+    "with a longer version); the learned position table then has rows for the longest, untrained past L",
+    "mesh.data": "devices splitting the batch (data * seq * model devices are used)",
+    "mesh.seq": "devices splitting the sequence inside attention (ring attention)",
+    "mesh.model": "devices splitting attention heads and the MLP's hidden features",
+    "distributed.coordinator_address": "multi-host: host:port of process 0; '' means JAX_COORDINATOR_ADDRESS "
+    "or, unset, one process",
+    "distributed.num_processes": "multi-host: the number of processes; 0 means JAX_NUM_PROCESSES",
+    "distributed.process_id": "multi-host: this process's index; -1 means JAX_PROCESS_ID",
+}
+
+
+def flatten(cfg: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"model.d_model": 64, ...}``: the leaves of a (nested) ConfigDict or dict under dotted keys."""
+    out: dict[str, Any] = {}
+    for key, value in cfg.items():
+        if isinstance(value, (ml_collections.ConfigDict, dict)):
+            out |= flatten(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def describe(key: str) -> str:
+    """The meaning of a dotted config key (from :data:`KEYS`); ``control_model.K`` is the control's ``model.K``."""
+    if key.startswith("control_model."):
+        model_key = key.removeprefix("control_")
+        return f"the control's {model_key}: {KEYS.get(model_key, 'not a model key')}"
+    return KEYS.get(key, "(no description)")
+
+
+def help_text(cfg: ml_collections.ConfigDict, source: str, width: int | None = None) -> str:
+    """The config keys of ``cfg`` with their values (the defaults of ``source``) and meanings, for ``--help``."""
+    width = width or max(shutil.get_terminal_size().columns - 2, 60)
+    lines = [f"config keys, set with --config.KEY=VALUE (defaults of {source}):"]
+    order = {key: i for i, key in enumerate(KEYS)}  # KEYS's order: the run, the task, the model, training...
+    flat = flatten(cfg)
+    for key in sorted(flat, key=lambda k: (order.get(k, order.get(k.split(".")[0], len(order))), k)):
+        value = flat[key]
+        left = f"  {key} = {value!r}"
+        indent = " " * 32
+        wrapped = textwrap.wrap(
+            describe(key), width, initial_indent=indent, subsequent_indent=indent, break_on_hyphens=False
+        )
+        if len(left) < len(indent) - 1:
+            wrapped[0] = left.ljust(len(indent)) + wrapped[0][len(indent) :]
+        else:
+            wrapped.insert(0, left)
+        lines += wrapped
+    return "\n".join(lines)
+
+
+def did_you_mean(key: str, candidates: Iterable[str]) -> str:
+    """``"; did you mean 'steps'?"`` for the candidates close to ``key``, else ``""``.
+
+    :func:`difflib.get_close_matches` on the whole dotted key (``step`` -> ``steps``,
+    ``model.d_mdoel`` -> ``model.d_model``), else on its last part (``d_model`` -> ``model.d_model``),
+    else the keys whose last part it begins (``warmup`` -> ``warmup_steps``).
+    """
+    names = sorted(set(candidates))
+    close = difflib.get_close_matches(key, names, n=3, cutoff=0.8)
+    if not close:
+        by_last: dict[str, list[str]] = {}
+        for name in names:
+            by_last.setdefault(name.rpartition(".")[2], []).append(name)
+        last = key.rpartition(".")[2]
+        parts = difflib.get_close_matches(last, list(by_last), n=3, cutoff=0.85)
+        parts = parts or [part for part in by_last if last and part.startswith(last)]
+        close = [name for part in parts for name in by_last[part]][:3]
+    return f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
 
 
 def _flag_values(argv: list[str], define, explain) -> flags.FlagValues:
@@ -64,6 +187,15 @@ def _config_path(argv: list[str]) -> str:
     return path
 
 
+def config_path(argv: list[str]) -> str:
+    """The config file ``argv`` names with ``--config`` (default ``configs/default.py``), as the user would write it."""
+    path = Path(_config_path(argv))
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:  # outside the working directory
+        return str(path)
+
+
 def _overrides(argv: list[str]) -> list[tuple[str, str]]:
     """``(key, value)`` of each ``--config.KEY=VALUE`` / ``--config.KEY VALUE`` in ``argv``."""
     pairs = []
@@ -89,10 +221,11 @@ def _explain(argv: list[str], error: Exception, cfg: ml_collections.ConfigDict |
                         f"its config file sets ({', '.join(node) or 'none'}); set other model keys of the control "
                         "in a config file's get_config()"
                     )
+                hint = did_you_mean(key, flatten(cfg))
                 return (
-                    f"unknown config key {where!r} (in --config.{key}={value})"
+                    f"unknown config key {where!r} (in --config.{key}={value}){hint}"
                     if where != key
-                    else (f"unknown config key {key!r} (value {value!r})")
+                    else (f"unknown config key {key!r} (value {value!r}){hint}")
                 )
             node = node[part]
     bad = re.search(r"--config\.([\w.]+)=(.*?): (.*)", str(error).splitlines()[0] if str(error) else "")
@@ -154,6 +287,32 @@ def override(cfg: ml_collections.ConfigDict, args: list[str]) -> ml_collections.
     return _flag_values(args, define, lambda e: _explain(args, e, cfg)).config
 
 
+def scale_warmup(cfg: ml_collections.ConfigDict, argv: list[str]) -> str | None:
+    """Fits the config file's ``warmup_steps`` below a shorter ``--config.steps``; returns a one-line note, or None.
+
+    Only when ``argv`` (the arguments :func:`parse` took) does not set ``warmup_steps`` and the
+    file's value is not below ``steps``: it becomes ``warmup_steps * steps // file_steps``, the
+    config file's fraction (``configs/sort.py``'s 200 of 2000, with ``--config.steps=200``: 20).
+    That depends only on the config file and ``steps``, so the same command resumes the same run
+    (and a finished one is found complete); continuing it with more steps needs its warm-up
+    spelled out, ``--config.warmup_steps=20``. An explicit ``--config.warmup_steps`` is left as it
+    is: :func:`validate` names the flag when it is too long. Changes ``cfg`` in place.
+    """
+    if "warmup_steps" in dict(_overrides(argv)):
+        return None
+    path = config_path(argv)
+    warmup, steps, file_steps = cfg.warmup_steps, cfg.steps, load(path).steps
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (warmup, steps, file_steps)):
+        return None  # validate() names the key
+    if not (0 <= warmup < file_steps and 0 < steps <= warmup):
+        return None
+    cfg.warmup_steps = warmup * steps // file_steps
+    return (
+        f"note: warmup_steps={warmup} of {path} is not below --config.steps={steps}: scaled to "
+        f"{cfg.warmup_steps}, the file's {warmup} of {file_steps} steps; --config.warmup_steps=N sets it"
+    )
+
+
 def _get(cfg: ml_collections.ConfigDict, key: str) -> Any:
     value = cfg
     for part in key.split("."):
@@ -206,19 +365,23 @@ def _check_keys(cfg: ml_collections.ConfigDict) -> None:
     defaults = load(DEFAULT_CONFIG)
     for key in cfg:
         if key not in defaults:
-            raise ConfigError(f"unknown config key {key!r} (value {cfg[key]!r})")
+            raise ConfigError(f"unknown config key {key!r} (value {cfg[key]!r}){did_you_mean(key, flatten(defaults))}")
         if key == "control_model":  # any model keys
             if not isinstance(cfg[key], ml_collections.ConfigDict):
                 raise ConfigError(f"config key {key!r} must be a group of model keys, got {cfg[key]!r}")
             for sub in cfg[key]:
                 if sub not in defaults.model:
-                    raise ConfigError(f"unknown config key '{key}.{sub}': not a model key (value {cfg[key][sub]!r})")
+                    hint = did_you_mean(f"{key}.{sub}", [f"{key}.{m}" for m in defaults.model])
+                    raise ConfigError(
+                        f"unknown config key '{key}.{sub}': not a model key (value {cfg[key][sub]!r}){hint}"
+                    )
         elif key != "task" and isinstance(defaults[key], ml_collections.ConfigDict):
             if not isinstance(cfg[key], ml_collections.ConfigDict):
                 raise ConfigError(f"config key {key!r} must be a group of keys, got {cfg[key]!r}")
             for sub in cfg[key]:
                 if sub not in defaults[key]:
-                    raise ConfigError(f"unknown config key '{key}.{sub}' (value {cfg[key][sub]!r})")
+                    hint = did_you_mean(f"{key}.{sub}", flatten(defaults))
+                    raise ConfigError(f"unknown config key '{key}.{sub}' (value {cfg[key][sub]!r}){hint}")
     for key in defaults:
         if key not in cfg:
             raise ConfigError(f"config key {key!r} is missing")
@@ -248,7 +411,8 @@ def make_task(cfg: ml_collections.ConfigDict) -> Task:
     fields = {f.name for f in dataclasses.fields(TASKS[name])}
     for key, value in spec.items():
         if key not in fields:
-            raise ConfigError(f"unknown config key 'task.{key}' for task {name!r} (value {value!r})")
+            hint = did_you_mean(f"task.{key}", [f"task.{f}" for f in fields])
+            raise ConfigError(f"unknown config key 'task.{key}' for task {name!r} (value {value!r}){hint}")
         _integer(cfg, f"task.{key}")
         _positive(cfg, f"task.{key}")
     task = TASKS[name](**spec)
@@ -292,14 +456,23 @@ def control_of(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     return ctl
 
 
-def validate(cfg: ml_collections.ConfigDict) -> Task:
-    """Checks every value the program depends on (the control's too); returns the task. Raises :class:`ConfigError`."""
-    _check_keys(cfg)
-    _check_run(cfg)
-    task = make_task(cfg)
-    _check_mesh(cfg)
-    _positive(cfg, "learning_rate", "grad_clip", "model.d_model", "model.num_heads", "model.num_layers")
-    _positive(cfg, "model.mlp_ratio")
+def _check_schedule(cfg: ml_collections.ConfigDict) -> None:
+    """The optimiser's keys and the cadence of logs, evaluations and checkpoints."""
+    _positive(cfg, "learning_rate", "grad_clip")
+    _non_negative(cfg, "weight_decay", "warmup_steps")
+    if cfg.warmup_steps >= cfg.steps:
+        raise ConfigError(
+            f"config key 'warmup_steps'={cfg.warmup_steps} must be below 'steps'={cfg.steps}: pass "
+            f"--config.warmup_steps=N with N < {cfg.steps}, e.g. --config.warmup_steps={cfg.steps // 10}"
+        )
+    for key in ("eval_every", "checkpoint_every"):
+        if cfg[key] % cfg.log_every:
+            raise ConfigError(f"config key {key!r}={cfg[key]} must be a multiple of 'log_every'={cfg.log_every}")
+
+
+def _check_model(cfg: ml_collections.ConfigDict, task: Task) -> None:
+    """The ``model`` keys, together and against the task's length."""
+    _positive(cfg, "model.d_model", "model.num_heads", "model.num_layers", "model.mlp_ratio")
     _integer(cfg, "model.d_model", "model.num_heads", "model.num_layers", "model.mlp_ratio")
     _integer(cfg, "model.num_kv_heads", "model.window", "model.block_size")
     _non_negative(cfg, "model.block_size")
@@ -307,15 +480,9 @@ def validate(cfg: ml_collections.ConfigDict) -> Task:
         raise ConfigError(
             f"config key 'model.implementation'={cfg.model.implementation!r}: choose from {IMPLEMENTATIONS} or ''"
         )
-    _non_negative(cfg, "weight_decay", "warmup_steps")
     tokens = cfg.model.global_tokens
     if not isinstance(tokens, (tuple, list)) or not all(isinstance(g, int) and not isinstance(g, bool) for g in tokens):
         raise ConfigError(f"config key 'model.global_tokens' must be a tuple of integers, got {tokens!r}")
-    if cfg.warmup_steps >= cfg.steps:
-        raise ConfigError(f"config key 'warmup_steps'={cfg.warmup_steps} must be below 'steps'={cfg.steps}")
-    for key in ("eval_every", "checkpoint_every"):
-        if cfg[key] % cfg.log_every:
-            raise ConfigError(f"config key {key!r}={cfg[key]} must be a multiple of 'log_every'={cfg.log_every}")
     if cfg.model.mixer not in MIXERS:
         raise ConfigError(f"config key 'model.mixer': unknown mixer {cfg.model.mixer!r}; choose from {MIXERS}")
     if cfg.model.positions not in POSITIONS:
@@ -343,6 +510,14 @@ def validate(cfg: ml_collections.ConfigDict) -> Task:
         raise ConfigError(
             f"config key 'model.global_tokens'={tuple(cfg.model.global_tokens)} must lie in [0, {task.length})"
         )
+    if cfg.model.d_model % cfg.model.num_heads:
+        raise ConfigError(
+            f"config key 'model.num_heads'={cfg.model.num_heads} does not divide 'model.d_model'={cfg.model.d_model}"
+        )
+
+
+def _check_extrapolate(cfg: ml_collections.ConfigDict, task: Task) -> None:
+    """``extrapolate``: factors >= 1, for a task with a longer version."""
     extrapolate = cfg.extrapolate
     if not isinstance(extrapolate, (tuple, list)) or not all(
         isinstance(f, int) and not isinstance(f, bool) and f >= 1 for f in extrapolate
@@ -353,10 +528,17 @@ def validate(cfg: ml_collections.ConfigDict) -> Task:
             task.scaled(2)
         except NotImplementedError as e:
             raise ConfigError(f"config key 'extrapolate'={tuple(extrapolate)}: {e}") from None
-    if cfg.model.d_model % cfg.model.num_heads:
-        raise ConfigError(
-            f"config key 'model.num_heads'={cfg.model.num_heads} does not divide 'model.d_model'={cfg.model.d_model}"
-        )
+
+
+def validate(cfg: ml_collections.ConfigDict) -> Task:
+    """Checks every value the program depends on (the control's too); returns the task. Raises :class:`ConfigError`."""
+    _check_keys(cfg)
+    _check_run(cfg)
+    task = make_task(cfg)
+    _check_mesh(cfg)
+    _check_schedule(cfg)
+    _check_model(cfg, task)
+    _check_extrapolate(cfg, task)
     if cfg.control:
         try:
             validate(control_of(cfg))

@@ -248,7 +248,9 @@ def train(
     ``summary.json``; :mod:`train.rundir` says when an existing one is resumed, refused or moved
     aside (``summary['moved_aside']``), and ``config.json`` is written only once all checks have
     passed. SIGINT/SIGTERM (or ``should_stop(step)`` returning True) saves a checkpoint and
-    returns early with ``summary['interrupted'] = True``.
+    returns early with ``summary['interrupted'] = True``. A run that is already complete
+    (:func:`train.rundir.completed`) is neither built nor trained: its saved summary comes back
+    with ``summary['already_complete'] = True`` and nothing in the directory changes.
 
     Raises :class:`~train.config.ConfigError` for a config that cannot run and
     :class:`~train.rundir.RunError` (a :class:`~train.checkpoints.CheckpointError` for
@@ -256,10 +258,14 @@ def train(
     """
     sharding.init_distributed(cfg)
     check_backend(cfg, jax.default_backend())  # the backend starts here, after joining
+    validate(cfg)  # before the run directory is read (build() validates again: a few ms)
+    workdir = workdir_of(cfg).resolve()
+    done = rundir.completed(workdir, cfg)
+    if not _agree(done is None) and done is not None:  # complete on every process: nothing to build or train
+        return {**done, "workdir": str(workdir), "moved_aside": None, "already_complete": True}
     exp = build(cfg)
     mesh = _make_mesh(cfg)
     main = jax.process_index() == 0  # the process that writes logs, summaries and pictures
-    workdir = workdir_of(cfg).resolve()
     moved = _open_run(cfg, workdir, main)
     metrics = rundir.MetricsLog(workdir / "metrics.jsonl")
     rows = metrics.read()

@@ -11,6 +11,9 @@ A run directory (``runs/<name>``, or ``cfg.workdir`` when set) holds ``config.js
   ``<dir>.old-<n>`` (:func:`move_aside`) and the run starts afresh;
 * anything else (files, but no ``config.json``): refused.
 
+A resumed run that has already trained its ``steps`` is complete (:func:`completed`): the
+program trains nothing and says so.
+
 Only the keys in :data:`RESUMABLE_KEYS` may differ on resume: where the run lives, how long it
 runs, how often it logs, evaluates and checkpoints, whether the control runs after it, and the
 devices it runs on. Everything else (the seed, the task, the model, the optimiser, the batch size)
@@ -18,7 +21,8 @@ decides the numbers training computes, so it must match.
 
 ``metrics.jsonl`` is appended one whole line per write, flushed and synced (:class:`MetricsLog`);
 rewrites (dropping steps past the checkpoint a run resumes from) go through a temporary file and
-``os.replace``, as does ``config.json``.
+``os.replace``, as do ``config.json`` and ``summary.json``. Every file of a run gets the same
+mode, ``0o666`` less the umask.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import tempfile
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +54,10 @@ RESUMABLE_KEYS = frozenset(
         "distributed",
     }
 )
+
+
+# The keys of summary.json that a complete run's verdict reads (train.loop.verdict, train.__main__)
+SUMMARY_KEYS = frozenset({"name", "task", "mixer", "positions", "step", "interrupted", "chance", "eval", "lengths"})
 
 
 class RunError(Exception):
@@ -77,8 +85,13 @@ def workdir_of(cfg: ml_collections.ConfigDict) -> Path:
 
 
 def write_atomic(path: Path, text: str) -> None:
-    """Writes ``text`` to ``path`` through a synced temporary file and ``os.replace``."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    """Writes ``text`` to ``path`` through a synced temporary file and ``os.replace``.
+
+    The file gets the mode every other file of the run gets (``0o666`` less the umask), not
+    ``tempfile.mkstemp``'s ``0o600``.
+    """
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
@@ -155,13 +168,42 @@ def plan(workdir: Path, cfg: ml_collections.ConfigDict) -> str:
         return "fresh"
     if not cfg.resume:
         return "move_aside"
-    diff = differences(read_config(workdir), cfg)
+    saved = read_config(workdir)
+    diff = differences(saved, cfg)
     if diff:
+        keep = ""  # a warm-up scaled to a shorter run (config.scale_warmup) is the one usually differing alone
+        if len(diff) == 1 and diff[0].startswith("warmup_steps "):
+            keep = f", pass --config.warmup_steps={saved.warmup_steps} to continue it"
         raise RunError(
-            f"{workdir} holds another run ({'; '.join(diff)}): choose another --config.name, "
+            f"{workdir} holds another run ({'; '.join(diff)}): choose another --config.name{keep}, "
             "or pass --config.resume=False to move the old run aside and start afresh"
         )
     return "resume"
+
+
+def completed(workdir: Path, cfg: ml_collections.ConfigDict) -> dict | None:
+    """The saved summary of the run in ``workdir`` when ``cfg`` would train nothing more there, else None.
+
+    Complete means: the directory holds this run (:func:`plan` says ``"resume"``; it raises
+    :class:`RunError` for another run, as training would), its ``summary.json`` says it finished
+    (not interrupted) at a step at or past ``cfg.steps`` after evaluating ``cfg.eval_batches``
+    batches, that step is the last line of ``metrics.jsonl`` (nothing ran since), and its
+    checkpoint directory is there (its contents are not read: a damaged one shows when the run is
+    continued or evaluated). Reads only.
+    """
+    if not (workdir / "summary.json").is_file() or plan(workdir, cfg) != "resume":
+        return None
+    try:
+        summary = json.loads((workdir / "summary.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None  # training again rewrites it
+    rows = MetricsLog(workdir / "metrics.jsonl").read()
+    if not isinstance(summary, dict) or not summary.keys() >= SUMMARY_KEYS or summary["interrupted"] is not False:
+        return None  # also a summary of an older version, without keys the verdict reads
+    step = summary["step"]
+    finished = isinstance(step, int) and step >= cfg.steps and bool(rows) and rows[-1]["step"] == step
+    saved = finished and (workdir / "checkpoints" / str(step)).is_dir()  # orbax's directory of that step
+    return summary if saved and read_config(workdir).eval_batches == cfg.eval_batches else None
 
 
 def move_aside(workdir: Path) -> Path:
