@@ -40,7 +40,7 @@ dk and dv in one sweep over the same non-empty tiles, so training memory is O(T)
 
 On CPU the leading axis B is cut into groups whose score tile ``(group, bq, bk)`` stays about
 :data:`TILE_BYTES` (an eighth of it on one thread, :func:`cpu_threads`), and the groups run one
-after another (:func:`group_size`); GPU and TPU tile
+after another (:func:`jattn._platform.group_size`); GPU and TPU tile
 all of B at once. Under ``jax.vmap`` the mapped axis is folded into B (:func:`_folding`), so a
 vmapped call has the tiles of an explicit batch.
 
@@ -54,8 +54,6 @@ logit, so the backward above runs on XLA's tiles as before.
 from __future__ import annotations
 
 import functools
-import math
-import os
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -64,19 +62,18 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
-from jattn import _fused_cpu
+from jattn import _fused_cpu, _platform
 from jattn._checks import broadcast_all, check_sinks
 from jattn._dropout import keep_mask, keep_scale, row_seeds
 from jattn._masks import (
     EMPTY,
     FULL,
-    PARTIAL,
     KeyBelow,
     Mask,
-    box_kinds,
     call_rows,
     fill_arrays,
     key_interval,
+    query_offset,
     reduce_kinds,
     row_kinds,
     shared_arrays,
@@ -106,132 +103,12 @@ from jattn._online import (
     transposed,
     vary,
 )
+from jattn._tiles import schedule, static_kinds
 
 __all__ = [
-    "SPLIT_MIN",
-    "STAIRS_MIN",
-    "TILE_BYTES",
     "blockwise_attention",
-    "cores",
-    "cpu_threads",
     "fused_forward",
-    "group_size",
-    "platform",
-    "static_kinds",
 ]
-
-#: Bytes of one score tile on CPU: the leading axis B is cut into groups of rows whose tile
-#: ``(group, bq, bk)`` stays about this size, and the groups run one after another. A tile over all
-#: of B (32 MiB at B·N = 32 and 512 x 512 tiles) leaves the caches and halves the matmul rate. XLA
-#: splits each op of a tile over its threads, so the best size grows with them: on 2 threads 4 MiB
-#: (four heads of a float32 512 x 512 tile) measured 6-16% faster than 1 MiB; on 1 thread a group
-#: is an eighth of this (512 KiB: one head of the 1024 x 128 tiles chosen there), whose tiles stay
-#: in the core's L2 cache (README). GPU and TPU keep one tile over all of B.
-TILE_BYTES = 2**22
-
-
-#: The smallest tile side (query rows and keys) whose LOWER tiles (:data:`jattn._online.LOWER`:
-#: partial, top-right quarter empty, as on the causal diagonal) are computed as their two non-empty
-#: parts, 3/4 of the tile, and whose TOP_EMPTY tiles (:data:`jattn._online.TOP_EMPTY`: the first
-#: quarters of rows empty) as their other rows; smaller tiles are computed whole. Only without a
-#: score modification, bias or dropout, whose tile-shaped arrays would have to be cut too.
-SPLIT_MIN = 128
-
-#: The smallest tile side whose STAIRS tiles (:data:`jattn._online.STAIRS`) are computed as four
-#: parts, below it as LOWER's two: causal forward on 2 threads, T=2048, 512² tiles 146 ms as LOWER
-#: and 148 ms as STAIRS, 1024² ones 137-141 ms as STAIRS (README "Tiles by thread count").
-STAIRS_MIN = 1024
-
-
-def platform() -> str:
-    """The platform the tiles are shaped for: JAX's default backend at trace time (``'cpu'``, ``'gpu'``, ``'tpu'``)."""
-    return jax.default_backend()
-
-
-def cores() -> int:
-    """The cores this process may run on (its CPU affinity): XLA:CPU's threads."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def cpu_threads() -> int:
-    """The threads one program's ops are split over: :func:`cores` over an enclosing ``shard_map``'s shards.
-
-    Per-device programs run at once on one thread pool. Affinity only: a cgroup CPU quota,
-    ``--xla_cpu_multi_thread_eigen=false`` or a jit sharded over CPU devices without ``shard_map``
-    are not seen (they change the speed of a tile, never its result).
-    """
-    mesh = jax.sharding.get_abstract_mesh()
-    return max(1, cores() // math.prod(mesh.shape[a] for a in mesh.manual_axes))
-
-
-def group_size(b: int, bq: int, bk: int, itemsize: int, platform: str, threads: int) -> int:
-    """Rows of B per tile: all of them off CPU, else the largest divisor of B whose tile fits :data:`TILE_BYTES`.
-
-    On one CPU thread the budget is an eighth of :data:`TILE_BYTES`; a tile bigger than the
-    budget (2048 x 2048 float32 is 16 MiB) is one row of B.
-    """
-    if platform != "cpu":
-        return b
-    cap = max(1, (TILE_BYTES if threads > 1 else TILE_BYTES // 8) // (bq * bk * itemsize))
-    return max(d for d in range(1, min(b, cap) + 1) if b % d == 0)
-
-
-def static_kinds(
-    mask: Mask | None, T: int, S: int, bq: int, bk: int, q_offset: int, kv_offset: int, halve: bool
-) -> np.ndarray:
-    """``(nq, nk)`` int8 kinds of the tiles of ``bq`` x ``bk``, keys past S masked; split kinds marked when ``halve``.
-
-    ``halve`` (tiles of :data:`SPLIT_MIN` and up) marks a PARTIAL tile whose top-right quarter is
-    empty (even sides) as LOWER (:data:`jattn._online.LOWER`), computed as its two non-empty parts,
-    and one whose first 1-3 quarters of rows are empty (``bq`` a multiple of 4) as TOP_EMPTY
-    (:data:`jattn._online.TOP_EMPTY`), computed as its other rows; the latter wins where both hold.
-    A PARTIAL tile of :data:`STAIRS_MIN` and up (sides multiples of 4) whose every quarter of rows
-    sees only the keys up to its own quarter is STAIRS (:data:`jattn._online.STAIRS`), computed as
-    four parts; TOP_EMPTY wins there too.
-    """
-    nq, nk = -(-T // bq), -(-S // bk)
-    limit = KeyBelow(kv_offset + S)  # keys past S (block padding) are masked
-    full = limit if mask is None else mask & limit
-    kinds = full.block_kinds(nq * bq, nk * bk, bq, bk, q_offset=q_offset, kv_offset=kv_offset)
-    if not halve or min(bq, bk) < SPLIT_MIN:
-        return kinds
-    qi, kj = np.nonzero(kinds == PARTIAL)  # only partial tiles split: their corners are classified alone
-    i0, j0 = q_offset + qi * bq, kv_offset + kj * bk  # each one's first query and key position
-
-    def empty(rows: int, keys: slice) -> np.ndarray:  # its first rows against keys[0] .. keys[1] - 1, all masked?
-        return box_kinds(full, i0, i0 + rows - 1, j0 + keys.start, j0 + keys.stop - 1) == EMPTY
-
-    split = kinds[qi, kj]
-    if bq % 2 == bk % 2 == 0:
-        split = np.where(empty(bq // 2, slice(bk // 2, bk)), np.int8(LOWER), split)
-    if bq % 4 == bk % 4 == 0 and min(bq, bk) >= STAIRS_MIN:  # quarter r of the rows sees keys < (r + 1) bk / 4
-        stairs = [
-            box_kinds(full, i0 + r * bq // 4, i0 + (r + 1) * bq // 4 - 1, j0 + (r + 1) * bk // 4, j0 + bk - 1)
-            for r in range(3)
-        ]
-        split = np.where(np.all(np.stack(stairs) == EMPTY, axis=0), np.int8(STAIRS), split)
-    if bq % 4 == 0:  # more empty quarters of rows win
-        for n, kind in enumerate(TOP_EMPTY, start=1):
-            split = np.where(empty(n * bq // 4, slice(0, bk)), np.int8(kind), split)
-    kinds[qi, kj] = split
-    return kinds
-
-
-def _schedule(kinds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per query block, its non-empty key blocks ``(nq, width)`` and their kinds (EMPTY = padding).
-
-    A row's FULL tiles come first (in key order, then the others), so that a loop can take them
-    without a branch (:meth:`_Plan.sweep`).
-    """
-    width = max(1, int((kinds != EMPTY).sum(1).max()))
-    index = np.zeros((kinds.shape[0], width), np.int32)
-    kind = np.full((kinds.shape[0], width), EMPTY, np.int8)
-    for i, row in enumerate(kinds):
-        cols = np.flatnonzero(row != EMPTY)
-        cols = cols[np.argsort(row[cols] != FULL, kind="stable")]
-        index[i, : len(cols)] = cols
-        kind[i, : len(cols)] = row[cols]
-    return index, kind
 
 
 def _pad(x: Array, axis: int, multiple: int) -> Array:
@@ -382,7 +259,7 @@ class _Plan:
         self.predicate = limit if mask is None else mask & limit
         kinds = static_kinds(mask, T, S, bq, bk, q_offset, kv_offset, halve=mod is None and not bias and not dropout)
         self.splits = tuple(k for k in SPLIT_AREA if np.any(kinds == k))  # the kinds computed in parts
-        self.index, self.kind = _schedule(kinds)  # per query block: its key blocks
+        self.index, self.kind = schedule(kinds)  # per query block: its key blocks
         self.count = (self.kind != EMPTY).sum(1).astype(np.int32)  # per query block: its scheduled key blocks
         self.full = (self.kind == FULL).sum(1).astype(np.int32)  # per query block: its FULL ones, scheduled first
         same = self.kind[0, 0] if np.all(self.kind == self.kind[0, 0]) else EMPTY
@@ -402,8 +279,8 @@ class _Plan:
         return isinstance(other, _Plan) and self._key == other._key
 
     def group(self, b: int) -> int:
-        """Rows of a leading axis of ``b`` per tile on this plan's platform and threads (:func:`group_size`)."""
-        return group_size(b, self.bq, self.bk, jnp.dtype(self.compute).itemsize, self.platform, self.threads)
+        """Rows of a leading axis of ``b`` per tile on this plan's platform and threads (:func:`jattn._platform.group_size`)."""
+        return _platform.group_size(b, self.bq, self.bk, jnp.dtype(self.compute).itemsize, self.platform, self.threads)
 
     def predicate_with(self, arrays: tuple[Array, ...]) -> Mask:
         """The mask with its arrays put back and placed at this call's offsets."""
@@ -818,7 +695,7 @@ def blockwise_attention(
     dimensions), ``dropout_rate`` and ``dropout_rng`` are as for :func:`jattn.attention`. Returns ``out (..., T, E)``, ``lse (..., T)``
     and the row max logit ``(..., T)``; see the module docstring. The platform
     (:func:`platform`) and, on CPU, the threads (:func:`cpu_threads`) pick the tiling of the leading
-    axis (:func:`group_size`). ``backward_block`` (optional) tiles the backward where the forward's
+    axis (:func:`jattn._platform.group_size`). ``backward_block`` (optional) tiles the backward where the forward's
     tiles are of several kinds (not all FULL), its sides divide the forward's and there is no
     ``score_mod``; else the backward takes the forward's tiles. ``fused``: on CPU, the forward may
     be the fused kernel (:func:`fused_forward`), its tiles its own.
@@ -841,9 +718,9 @@ def blockwise_attention(
         lse = empty if sinks is None else jnp.broadcast_to(sinks_f[:, None].astype(compute), (b, T))
         return out.reshape(*lead, T, v.shape[-1]), lse.reshape(*lead, T), empty.reshape(*lead, T)
     bq, bk = min(block_q, T), min(block_kv, S)
-    q_offset = kv_offset + S - T if q_offset is None else q_offset
-    where = platform(), cpu_threads()
-    g = group_size(b, bq, bk, jnp.dtype(compute).itemsize, *where)
+    q_offset = query_offset(q_offset, kv_offset, T, S)
+    where = _platform.platform(), _platform.cpu_threads()
+    g = _platform.group_size(b, bq, bk, jnp.dtype(compute).itemsize, *where)
     mod, consts = convert_mod(score_mod, g, bq, bk, compute)
     bias_t, kind = (), 0
     if bias is not None:  # (B|1, T|1, S|1), padded like q and k where it has those axes

@@ -19,6 +19,7 @@ from jax.typing import ArrayLike
 from jattn import masks
 from jattn._checks import check_bool, check_int, check_mask, int_array
 from jattn._core import IMPLEMENTATIONS, attention
+from jattn._layouts import from_grouped, heads_grid, to_grouped
 from jattn._masks import array as array_mask
 
 __all__ = ["dot_product_attention"]
@@ -41,33 +42,13 @@ def _window(local_window_size: int | tuple[int, int]) -> tuple[int, int]:
     return check_int("local_window_size left", left, min=0), check_int("local_window_size right", right, min=0)
 
 
-def _heads_grid(name: str, x: ArrayLike, B: int, N: int, K: int, T: int, S: int, dtype_kind: str) -> Array:
-    """A ``mask``/``bias`` in jax.nn's ``(B|1, N|1, T|1, S|1)`` layout as ``(B|1, K|1, G|1, T|1, S|1)``.
-
-    Fewer than 4 dimensions are left-padded with unit axes, as jax.nn does. Errors report the
-    shape given; a ``(B, S)`` one (torch's key padding) is told how to expand.
-    """
+def _typed(name: str, x: ArrayLike, kind: type) -> Array:
+    """``x`` as an array, or a TypeError unless its dtype is boolean (``kind`` bool) or floating."""
     x = jnp.asarray(x)
-    given = x.shape
-    if dtype_kind == "bool" and x.dtype != jnp.bool_:
-        raise TypeError(f"mask must be boolean (True = attend), got dtype {x.dtype} with shape {x.shape}")
-    if dtype_kind == "float" and not jnp.issubdtype(x.dtype, jnp.floating):
-        raise TypeError(f"bias must be floating point, got dtype {x.dtype} with shape {x.shape}")
-    if x.ndim > 4:
-        raise ValueError(f"{name} must have at most 4 dimensions (B, N, T, S), got shape {x.shape}")
-    x = x.reshape((1,) * (4 - x.ndim) + x.shape)
-    if any(n not in (1, full) for n, full in zip(x.shape, (B, N, T, S), strict=True)):
-        hint = ""
-        if given == (B, S):
-            hint = f"; a (B, S) {name} per example and key goes as {name}[:, None, None, :]"
-            if name == "mask":
-                hint += (
-                    " (True = attend: torch's key_padding_mask is True at padding, so ~mask), or pass "
-                    "key_value_seq_lengths=lengths with the valid keys (B,) of each example"
-                )
-        raise ValueError(f"{name} of shape {given} does not broadcast to (B, N, T, S) = {(B, N, T, S)}{hint}")
-    b, n, t, s = x.shape
-    return x.reshape(b, K, N // K, t, s) if n == N and N > 1 else x.reshape(b, 1, 1, t, s)
+    if not jnp.issubdtype(x.dtype, kind):
+        what = "boolean (True = attend)" if kind is jnp.bool_ else "floating point"
+        raise TypeError(f"{name} must be {what}, got dtype {x.dtype} with shape {x.shape}")
+    return x
 
 
 def _lengths(name: str, x: ArrayLike, B: int, L: int, axis: int) -> Array:
@@ -175,16 +156,11 @@ def dot_product_attention(
         raise ValueError(f"implementation must be None or one of {IMPLEMENTATIONS}, got {implementation!r}")
     is_causal = check_bool("is_causal", is_causal)
     return_residual = check_bool("return_residual", return_residual)
-    G = N // K
-
-    # (B, T, N, H) -> (B, K, G, T, H); (B, S, K, H) -> (B, K, 1, S, H)
-    qj = q.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4)
-    kj = k.transpose(0, 2, 1, 3)[:, :, None]
-    vj = v.transpose(0, 2, 1, 3)[:, :, None]
+    qj, kj, vj = to_grouped(q, k, v, K)  # (B, K, G, T, H), (B, K, 1, S, H), (B, K, 1, S, E)
 
     arrays = []
     if mask is not None:
-        arrays.append(_heads_grid("mask", mask, B, N, K, T, S, "bool"))
+        arrays.append(heads_grid("mask", _typed("mask", mask, jnp.bool_), (B,), N, K, T, S))
     if query_seq_lengths is not None:
         arrays.append(_lengths("query_seq_lengths", query_seq_lengths, B, T, axis=-2))
     if key_value_seq_lengths is not None:
@@ -199,7 +175,7 @@ def dot_product_attention(
     for term in [*predicates, *(array_mask(a) for a in arrays)]:
         combined = term if combined is None else combined & term
     offsets = dict(q_offset=0, kv_offset=0) if predicates else {}
-    jbias = None if bias is None else _heads_grid("bias", bias, B, N, K, T, S, "float")
+    jbias = None if bias is None else heads_grid("bias", _typed("bias", bias, jnp.floating), (B,), N, K, T, S)
 
     result = attention(
         qj,
@@ -213,8 +189,7 @@ def dot_product_attention(
         **offsets,
     )
     out, lse = result if return_residual else (result, None)
-    E = v.shape[-1]
-    out = out.reshape(B, N, T, E).transpose(0, 2, 1, 3)  # (B, K, G, T, E) -> (B, T, N, E)
+    out = from_grouped(out, N)  # (B, K, G, T, E) -> (B, T, N, E)
     if not batched:
         out = out[0]
     if not return_residual:

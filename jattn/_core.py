@@ -6,6 +6,7 @@ Dimension key, used in every einsum and shape comment of jattn:
   N  query heads                S  key/value length
   K  key/value heads            D  query/key depth
   G  query heads per kv head    E  value depth
+  F  feature depth of linear attention's feature map (F = D for the elementwise maps)
   ...  any leading dimensions (batch, heads, groups), broadcast like NumPy
 
 The computation is the article's: ``scores = q kᵀ · scale``, a softmax over the keys of each
@@ -27,7 +28,7 @@ import numpy as np
 from jax import Array
 from jax.typing import ArrayLike
 
-from jattn import _blockwise
+from jattn import _platform
 from jattn._blockwise import blockwise_attention
 from jattn._checks import (
     broadcast_all,
@@ -41,7 +42,6 @@ from jattn._checks import (
 )
 from jattn._dropout import keep_mask, keep_scale, row_seeds
 from jattn._masks import (
-    EMPTY,
     ArrayMask,
     Causal,
     Mask,
@@ -51,11 +51,13 @@ from jattn._masks import (
     call_rows,
     conjuncts,
     on_batch_axis,
+    query_offset,
 )
 from jattn._masks import array as masks_array
-from jattn._online import SPLIT_AREA, compute_dtype, lead_index
+from jattn._online import compute_dtype, lead_index
 from jattn._pallas import pallas_attention
-from jattn._softmax import SoftmaxParts, softmax_parts
+from jattn._softmax import SoftmaxParts, softmax_parts, zero_empty_rows
+from jattn._tiles import choose_tiles
 
 __all__ = ["IMPLEMENTATIONS", "SUPPORT", "attention", "attention_weights", "choose_implementation"]
 
@@ -138,7 +140,7 @@ def _dense_rows(mask: Mask, q, k, v, bias, q_offset, kv_offset) -> Array:
             f"a masks.predicate takes static int offsets, got q_offset={q_offset!r}, kv_offset={kv_offset!r}"
         )
     lead, rows = call_rows(mask, q, k, v, _check_bias(bias))
-    q0 = kv_offset + S - T if q_offset is None else q_offset
+    q0 = query_offset(q_offset, kv_offset, T, S)
     rows = rows._bind(q0, kv_offset)
     m = rows.allowed(q0 + jnp.arange(T, dtype=jnp.int32)[:, None], kv_offset + jnp.arange(S, dtype=jnp.int32)[None])
     return jnp.broadcast_to(m, (math.prod(lead), T, S)).reshape(*lead, T, S)
@@ -172,7 +174,7 @@ def _positions(q_offset, kv_offset, T: int, S: int, ndim: int) -> tuple[Array, A
         pos = pos.reshape((1,) * (ndim - 2) + pos.shape)
         return offset + pos if offset.ndim else pos + offset
 
-    q_offset = S - T + jnp.asarray(kv_offset, jnp.int32) if q_offset is None else q_offset
+    q_offset = query_offset(q_offset, jnp.asarray(kv_offset, jnp.int32), T, S)
     return place(q_offset, T, 0), place(kv_offset, S, 1)
 
 
@@ -239,31 +241,6 @@ def _dropout(p: Array, rate: float, rng: Array | None, lead: tuple[int, ...]) ->
     return jnp.broadcast_to(p, keep.shape) * keep_scale(keep, rate, p.dtype)
 
 
-def _fixed_cost(tiles: tuple[tuple[int, int], ...], overhead: int) -> dict[tuple[int, int], float]:
-    """Each tile's cost of one score entry when a tile costs ``overhead`` entries more than its area."""
-    return {t: 1 + overhead / (t[0] * t[1]) for t in tiles}
-
-
-#: The tiles ``(query rows, keys)`` the blockwise path chooses from, by where it runs, each with the
-#: cost of one score entry in it, in order of preference (README "Tiles by thread count"). On one
-#: CPU thread, tall narrow tiles of one head stay in the core's L2 cache (1024 x 128 float32: 512
-#: KiB), and a tile costs 64² entries more than its area. On more threads XLA splits every op of a
-#: tile over them and only big tiles pay for the split: measured on 2 threads (causal and full
-#: forward, T = 2048 to 16384, alternated), an entry of a 2048² tile costs 0.86-0.94 of one in a
-#: 512² tile, of a 1024² tile 0.96-0.98 and of a 256² tile 1.47-1.55 (128²: the 256² trend).
-#: Elsewhere (GPU, TPU) the square tiles fitted before on CPU.
-TILINGS = {
-    "cpu, 1 thread": _fixed_cost(((1024, 128), (512, 256), (256, 128), (128, 128)), 64 * 64),
-    "cpu": {(2048, 2048): 0.9, (1024, 1024): 0.97, (512, 512): 1.0, (256, 256): 1.5, (128, 128): 3.0},
-    "other": _fixed_cost(((512, 512), (256, 256), (128, 128)), 112 * 112),
-}
-#: The largest tile side of the backward, by tiling, where a mask leaves tiles of several kinds
-#: (causal, windows; else, and without an entry, the forward's tiles). On several CPU threads the
-#: backward holds three score-sized tiles (p, dp, ds) where the forward holds one, and causal
-#: fwd+bwd on 2 threads measured (backward on 2048², 1024², 512², forward on 2048²): T=8192 5.89,
-#: 5.68, 5.54 s; T=16384 22.0, 20.7, 20.6 s. Full attention keeps one 2048² tile a head (T=2048:
-#: 630 ms against 669 on 1024²; README "Tiles by thread count").
-BACKWARD_SIDE = {"cpu": 512}
 AUTO_BLOCKWISE_MIN = 1024 * 1024  # T·S from which 'auto' prefers blockwise on CPU (bench/README)
 IMPLEMENTATIONS = ("dense", "blockwise", "xla", "cudnn", "pallas")
 
@@ -449,54 +426,9 @@ def _choose(implementation, q, k, used: list[str]) -> str:
         return implementation
     big = q.shape[-2] * k.shape[-2] >= AUTO_BLOCKWISE_MIN
     order = ("blockwise", "dense") if big else ("dense", "blockwise")
-    if _blockwise.platform() in ("gpu", "tpu"):  # the fused kernel first, where it honours everything
+    if _platform.platform() in ("gpu", "tpu"):  # the fused kernel first, where it honours everything
         order = ("pallas", *order)
     return next((p for p in order if _refusal(p, used, partly=False) is None), "dense")
-
-
-def _tiling() -> str:
-    """The key of :data:`TILINGS` for the default backend (and, on CPU, the threads) at trace time."""
-    if _blockwise.platform() != "cpu":
-        return "other"
-    return "cpu, 1 thread" if _blockwise.cpu_threads() == 1 else "cpu"
-
-
-def _auto_block(
-    mask: Mask | None,
-    T: int,
-    S: int,
-    q_offset: int | None,
-    kv_offset: int,
-    tiling: str | None = None,
-    split: bool = True,
-) -> tuple[int, int]:
-    """The tile of ``TILINGS[tiling]`` (default :func:`_tiling`) with the least work on the mask's non-empty tiles.
-
-    Work is ``tiles x tile area x cost of an entry``, a tile computed in parts (the causal
-    diagonal: LOWER, TOP_EMPTY, STAIRS) at the share of its area they compute, ties to the first listed:
-    full attention keeps the largest tile; causal attention and narrow sliding windows take
-    smaller ones where they waste fewer masked entries. A mask with arrays (padding, documents)
-    keeps to tiles of 512 and less, which its run-time kinds can skip (statically every tile they
-    touch counts). ``split``: tiles may be computed in parts (no bias, score modification or
-    dropout).
-    """
-    cost = TILINGS[_tiling() if tiling is None else tiling]
-    tiles = tuple(cost)
-    if T == 0 or S == 0:  # no tiles
-        return tiles[0]
-    if mask is not None and (mask.has_arrays or mask.per_example):  # run-time kinds skip small tiles best
-        tiles = tuple(t for t in tiles if max(t) <= 512)
-    q_offset = S - T + kv_offset if q_offset is None else q_offset
-
-    def work(tile):
-        bq, bk = min(tile[0], T), min(tile[1], S)
-        kinds = _blockwise.static_kinds(mask, T, S, bq, bk, q_offset, kv_offset, halve=split)
-        count = np.count_nonzero(kinds != EMPTY) - sum(
-            (1 - a) * np.count_nonzero(kinds == k) for k, a in SPLIT_AREA.items()
-        )
-        return count * bq * bk * cost[tile]
-
-    return min(tiles, key=work)
 
 
 def _jax_nn_args(
@@ -510,7 +442,7 @@ def _jax_nn_args(
     argument for are materialised into its ``mask`` (xla) or refused (cudnn). Padding lengths
     ``(B,)`` lie along ``lead``'s axis ``batch_axis``, where q's first axis lands (as for every path).
     """
-    q_offset = S - T + kv_offset if q_offset is None else q_offset
+    q_offset = query_offset(q_offset, kv_offset, T, S)
     d = q_offset - kv_offset
     left = right = None  # the band s - t in [-left, right] (None: unbounded)
     kwargs: dict = {}
@@ -656,8 +588,7 @@ def _jax_nn(q, k, v, mask: Mask | None, bias, scale, path, q_offset, kv_offset, 
     if mask is not None:  # jax.nn averages v over a fully masked row; the contract is 0 (and lse -inf)
         dense = _dense_mask(mask, q, k, q_offset, kv_offset, v, bias)  # (..., T, S): reduced before it is broadcast
         seen = jnp.broadcast_to(jnp.any(jnp.broadcast_to(dense, (*dense.shape[:-2], T, S)), axis=-1), (*lead, T))
-        out = jnp.where(seen[..., None], out, jnp.zeros((), out.dtype))
-        lse = None if lse is None else jnp.where(seen, lse.reshape(*lead, T).astype(jnp.float32), -jnp.inf)
+        out, lse = zero_empty_rows(out, seen, None if lse is None else lse.reshape(*lead, T))
     elif lse is not None:
         lse = lse.reshape(*lead, T).astype(jnp.float32)
     return (out, lse) if return_lse else out
@@ -782,7 +713,7 @@ def attention(
         applies and the scores would have at least ``AUTO_BLOCKWISE_MIN`` entries per head,
         dense otherwise.
       block_size: ``(block_q, block_kv)`` (or one int for both) of the blockwise path;
-        ``None`` chooses the tile from the mask, the platform and the CPU threads (``_auto_block``;
+        ``None`` chooses the tile from the mask, the platform and the CPU threads (:func:`jattn._tiles.auto_block`;
         on several CPU threads a causal or windowed backward's at 512, :data:`BACKWARD_SIDE`),
         so results may differ in the last bits between machines; pass it to fix them. On
         'pallas' the kernel's blocks (default: 128, or the padded length's power of two).
@@ -824,9 +755,7 @@ def attention(
     if path == "blockwise":
         T, S = q.shape[-2], k.shape[-2]
         split = bias is None and score_mod is None and not dropout_rate
-        bq, bk = _auto_block(mask, T, S, q_offset, kv_offset, split=split) if blocks is None else blocks
-        side = BACKWARD_SIDE.get(_tiling()) if blocks is None else None
-        back = None if side is None else (min(bq, side), min(bk, side))
+        (bq, bk), back = choose_tiles(mask, T, S, q_offset, kv_offset, blocks, split)
         bias = _check_bias(bias)  # sinks are checked against the call's leading dims, mask arrays included, there
         out, lse, top = blockwise_attention(
             q,

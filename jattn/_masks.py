@@ -61,6 +61,15 @@ __all__ = [
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
 
+def query_offset(q_offset: ArrayLike | None, kv_offset: ArrayLike, T: int, S: int) -> ArrayLike:
+    """The first query's absolute position: ``q_offset``, or by default ``kv_offset + S - T``.
+
+    The default aligns the queries bottom-right, at the end of the keys (a KV cache's last
+    tokens). Ints give an int (static), arrays an array.
+    """
+    return kv_offset + (S - T) if q_offset is None else q_offset
+
+
 class Mask:
     """A predicate ``allowed(i, j)`` of query position ``i`` and key position ``j``."""
 
@@ -142,7 +151,7 @@ class Mask:
         """
         T, S = check_int("T", T, min=0), check_int("S", S, min=0)
         block_q, block_kv = check_int("block_q", block_q, min=1), check_int("block_kv", block_kv, min=1)
-        q_offset = S - T + kv_offset if q_offset is None else q_offset
+        q_offset = query_offset(q_offset, kv_offset, T, S)
         i0 = q_offset + np.arange(0, T, block_q)[:, None]
         i1 = np.minimum(i0 + block_q, q_offset + T) - 1
         j0 = kv_offset + np.arange(0, S, block_kv)[None, :]
@@ -185,7 +194,7 @@ def _positions(
     an offset ``(B,)`` is per example.
     """
     kv_offset = jnp.asarray(kv_offset, jnp.int32)
-    q_offset = kv_offset + (S - T) if q_offset is None else jnp.asarray(q_offset, jnp.int32)
+    q_offset = jnp.asarray(query_offset(q_offset, kv_offset, T, S), jnp.int32)
     for name, off in (("q_offset", q_offset), ("kv_offset", kv_offset)):
         if off.ndim > 1:
             raise ValueError(f"{name} must be a scalar or per-example (B,), got shape {off.shape}")

@@ -39,9 +39,20 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
-from jattn import _blockwise
+from jattn import _platform
 from jattn._checks import broadcast_all
-from jattn._masks import Causal, Mask, Padding, SegmentIds, SlidingWindow, call_lead, conjuncts, on_batch_axis
+from jattn._masks import (
+    Causal,
+    Mask,
+    Padding,
+    SegmentIds,
+    SlidingWindow,
+    call_lead,
+    conjuncts,
+    on_batch_axis,
+    query_offset,
+)
+from jattn._softmax import zero_empty_rows
 
 __all__ = ["KERNEL_BLOCK", "kernel_platform", "pallas_attention"]
 
@@ -53,11 +64,11 @@ KERNEL_BLOCK = 128
 def kernel_platform() -> tuple[str, bool]:
     """The kernel for this platform and whether it runs in interpret mode.
 
-    ``'tpu'`` (splash attention) where :func:`jattn._blockwise.platform` says TPU, ``'gpu'``
+    ``'tpu'`` (splash attention) where :func:`jattn._platform.platform` says TPU, ``'gpu'``
     otherwise; interpreted unless JAX's backend is that platform (so on CPU; tests switch the
     platform to run the TPU translation on CPU).
     """
-    kernel = "tpu" if _blockwise.platform() == "tpu" else "gpu"
+    kernel = "tpu" if _platform.platform() == "tpu" else "gpu"
     return kernel, jax.default_backend() != kernel
 
 
@@ -127,7 +138,7 @@ def pallas_attention(
         if q.ndim < 3:
             raise ValueError(f"a per-example mask needs a batch axis in q, got q of shape {q.shape}")
         lead, axis = call_lead(mask, q, k, v, None)  # with the batch on lead[axis], where q's first axis lands
-    d = (S - T + kv_offset if q_offset is None else q_offset) - kv_offset
+    d = query_offset(q_offset, kv_offset, T, S) - kv_offset
     drop = min(max(-d, 0), T) if causal else 0  # queries that see no key at all
     front = max(d, 0) if causal else 0  # rows above the first query (query t sits at row t + front)
     Tk = T - drop
@@ -190,7 +201,7 @@ def pallas_attention(
             seen = drop + _row(Tk, len(lead)) < _lengths(pad.q_lengths, lead, T, axis)[..., None]
         if pad.kv_lengths is not None:
             seen = seen & (_lengths(pad.kv_lengths, lead, S, axis) > 0)[..., None]
-        out = jnp.where(seen[..., None], out, jnp.zeros((), out.dtype))
+        out, _ = zero_empty_rows(out, seen)
     if drop:
         out = jnp.concatenate([jnp.zeros((*lead, drop, E), out.dtype), out], axis=-2)
     return out
@@ -262,7 +273,7 @@ def _splash(q, k, v, mask: Mask | None, scale, q_offset, kv_offset, blocks, inte
         arrays += [] if seg is None else [seg.q_segments, seg.kv_segments]
         B = max(jnp.shape(x)[0] for x in arrays if x is not None)
         lead = jnp.broadcast_shapes(lead, (B, *(1,) * (len(lead) - 1)))
-    q0 = S - T + kv_offset if q_offset is None else q_offset
+    q0 = query_offset(q_offset, kv_offset, T, S)
     d = q0 - kv_offset
     if blocks is None:
         b = min(SPLASH_BLOCK, -(-max(T, S) // 128) * 128)
@@ -351,4 +362,4 @@ def _splash(q, k, v, mask: Mask | None, scale, q_offset, kv_offset, blocks, inte
     out = out[:, :, :T].reshape(*lead, T, E).astype(q.dtype)
     seen = jnp.asarray(seen)  # (B|1, T)
     seen = jnp.broadcast_to(seen.reshape(-1, *(1,) * (n_lead - 1), T) if n_lead else seen.reshape(T), (*lead, T))
-    return jnp.where(seen[..., None], out, jnp.zeros((), out.dtype))
+    return zero_empty_rows(out, seen)[0]

@@ -132,3 +132,13 @@ def softmax(x: Array, where: Array | None = None) -> Array:
     A row with no kept entry gives all zeros (not NaN, not uniform weights).
     """
     return softmax_parts(x, where).weights()
+
+
+def zero_empty_rows(out: Array, seen: Array, lse: Array | None = None) -> tuple[Array, Array | None]:
+    """The contract for rows that see no key: ``out (..., T, E)`` 0 and ``lse (..., T)`` ``-inf`` where ``seen`` is False.
+
+    ``seen (..., T)`` is True for a row with at least one key to attend to. For the paths whose
+    kernels give such a row something else (jax.nn: the mean of v; splash: NaN or the mean).
+    """
+    out = jnp.where(seen[..., None], out, jnp.zeros((), out.dtype))
+    return out, None if lse is None else jnp.where(seen, lse.astype(jnp.float32), -jnp.inf)

@@ -32,23 +32,11 @@ from jax.typing import ArrayLike
 from jattn import masks
 from jattn._checks import check_mask
 from jattn._core import attention, attention_weights
+from jattn._layouts import from_grouped, heads_grid, to_grouped
 from jattn._masks import Mask
 from jattn._masks import array as array_mask
 
 __all__ = ["attention_fn"]
-
-
-def _heads_grid(name: str, x: ArrayLike, lead: tuple[int, ...], N: int, K: int, T: int, S: int) -> Array:
-    """A mask/bias broadcastable to ``(batch..., N, T, S)`` as ``(batch..., K|1, G|1, T|1, S|1)``."""
-    x = jnp.asarray(x)
-    full = (*lead, N, T, S)
-    if x.ndim > len(full):
-        raise ValueError(f"{name} of shape {x.shape} has more dimensions than (batch..., N, T, S) = {full}")
-    x = x.reshape((1,) * (len(full) - x.ndim) + x.shape)
-    if any(n not in (1, f) for n, f in zip(x.shape, full, strict=True)):
-        raise ValueError(f"{name} of shape {x.shape} does not broadcast to (batch..., N, T, S) = {full}")
-    *b, n, t, s = x.shape
-    return x.reshape(*b, K, N // K, t, s) if n == N and N > 1 else x.reshape(*b, 1, 1, t, s)
 
 
 def _sow(module: Any, weights: Array) -> None:
@@ -154,10 +142,7 @@ def attention_fn(
         raise ValueError(f"the query heads N={N} must be a multiple of the key/value heads K={K}")
     G, nb = N // K, len(lead)
 
-    # Flax (batch..., L, heads, H) -> jattn (batch..., K, G|1, L, H)
-    qj = jnp.moveaxis(q.reshape(*lead, T, K, G, H), nb, nb + 2)
-    kj = jnp.moveaxis(k, nb, nb + 1)[..., None, :, :]
-    vj = jnp.moveaxis(v, nb, nb + 1)[..., None, :, :]
+    qj, kj, vj = to_grouped(q, k, v, K)  # Flax (batch..., L, heads, H) -> jattn (batch..., K, G|1, L, H)
 
     offsets: dict = {}
     if isinstance(mask, Mask):
@@ -168,7 +153,7 @@ def attention_fn(
             )
         jmask = mask & masks.causal() if is_causal else mask
     else:
-        grid = None if mask is None else _heads_grid("mask", mask, lead, N, K, T, S)
+        grid = None if mask is None else heads_grid("mask", mask, lead, N, K, T, S)
         grid = None if grid is None else array_mask(grid if grid.dtype == jnp.bool_ else grid != 0)
         jmask = grid
         if is_causal:
@@ -176,7 +161,7 @@ def attention_fn(
             offsets = dict(q_offset=0, kv_offset=0)
     jbias = None
     if bias is not None:
-        jbias = _heads_grid("bias", bias, lead, N, K, T, S)
+        jbias = heads_grid("bias", bias, lead, N, K, T, S)
         if not jnp.issubdtype(jbias.dtype, jnp.floating):
             raise TypeError(f"bias must be floating point, got {jbias.dtype} with shape {jnp.shape(bias)}")
 
@@ -193,7 +178,7 @@ def attention_fn(
             block_size=block_size,
             **offsets,
         )  # (batch..., K, G, T, E)
-        return jnp.moveaxis(out, nb + 2, nb).reshape(*lead, T, N, v.shape[-1]).astype(dtype)
+        return from_grouped(out, N).astype(dtype)
 
     if dropout and dropout_rng is None:
         raise ValueError(f"dropout_rate={dropout_rate} with deterministic=False needs a dropout_rng key, got None")
@@ -207,5 +192,5 @@ def attention_fn(
         keep = jax.random.bernoulli(dropout_rng, keep_prob, shape)
         multiplier = keep.astype(dtype) / jnp.asarray(keep_prob, dtype=dtype)
         w = w * multiplier.reshape(*multiplier.shape[:-3], *((K, G) if multiplier.shape[-3] == N else (1, 1)), T, S)
-    out = jnp.einsum("...hgts,...shd->...thgd", w, v, precision=precision)  # (batch..., T, K, G, E)
+    out = jnp.einsum("...kgts,...ske->...tkge", w, v, precision=precision)  # (batch..., T, K, G, E)
     return out.reshape(*lead, T, N, v.shape[-1])

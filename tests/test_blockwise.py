@@ -262,7 +262,7 @@ def test_paths_refuse_what_they_cannot_express(kwargs, match):
 
 def test_automatic_tiles_shrink_for_narrow_windows_and_keep_the_result():
     """block_size=None: the largest tile of each tiling for full attention; smaller ones where a window leaves most of a big tile masked."""
-    from jattn._core import _auto_block
+    from jattn._tiles import auto_block as _auto_block
 
     def auto(mask, tiling, T=8192):
         return _auto_block(mask, T, T, None, 0, tiling)
@@ -294,11 +294,11 @@ def test_automatic_tiles_shrink_for_narrow_windows_and_keep_the_result():
 @pytest.mark.parametrize("threads, want", [(1, (1024, 128)), (2, (2048, 2048)), (16, (2048, 2048))])
 def test_cpu_tiles_follow_the_threads(monkeypatch, threads, want):
     """On CPU the automatic tile depends on the cores the process may use; each choice gives the reference's result."""
-    import jattn._blockwise as bw
-    from jattn._core import _auto_block
+    import jattn._platform as platform_facts
+    from jattn._tiles import auto_block as _auto_block
 
-    monkeypatch.setattr(bw, "platform", lambda: "cpu")
-    monkeypatch.setattr(bw, "cpu_threads", lambda: threads)
+    monkeypatch.setattr(platform_facts, "platform", lambda: "cpu")
+    monkeypatch.setattr(platform_facts, "cpu_threads", lambda: threads)
     assert _auto_block(None, 4096, 4096, None, 0) == want
     q, k, v = _rand((1, 3, 1100, 8), 0), _rand((1, 3, 1100, 8), 1), _rand((1, 3, 1100, 8), 2)
     for mask in (None, masks.causal()):
@@ -318,13 +318,12 @@ def test_the_backward_takes_its_own_tiles_on_several_threads(monkeypatch, case):
     converted for the forward's tiles, and tiles all FULL (no mask, T and S multiples of 16) are
     best big: the backward keeps them. T=29, S=37 pad to 32 and 48.
     """
-    import jattn._blockwise as bw
-    import jattn._core as core
+    import jattn._platform as platform_facts
 
-    monkeypatch.setattr(bw, "platform", lambda: "cpu")
-    monkeypatch.setattr(bw, "cpu_threads", lambda: 2)
-    monkeypatch.setitem(core.TILINGS, "cpu", {(16, 16): 1.0})
-    monkeypatch.setitem(core.BACKWARD_SIDE, "cpu", 8)
+    monkeypatch.setattr(platform_facts, "platform", lambda: "cpu")
+    monkeypatch.setattr(platform_facts, "cpu_threads", lambda: 2)
+    monkeypatch.setitem(platform_facts.TILINGS, "cpu", {(16, 16): 1.0})
+    monkeypatch.setitem(platform_facts.BACKWARD_SIDE, "cpu", 8)
     monkeypatch.setenv("JATTN_FUSED_CPU", "0")  # the forward's tiles are XLA's (the fused CPU forward has its own)
     B, N, T, S = (2, 3, 29, 37) if case != "none" else (2, 3, 32, 48)
     t, s = np.arange(T)[:, None], np.arange(S)[None, :]
@@ -393,12 +392,12 @@ def test_the_automatic_tile_shapes_equal_the_reference(block, mask):
 @pytest.mark.parametrize("mask", ["causal-window", "array", "empty-rows"])
 def test_both_platform_tilings_equal_the_reference(monkeypatch, platform, threads, tile_bytes, group, dtype, mask):
     """CPU tiles by groups of B (here 1 and 2 rows of B = 6; a budget of TILE_BYTES / 8 on one thread), GPU/TPU by all of B: same results and gradients."""
-    import jattn._blockwise as bw
+    import jattn._platform as platform_facts
 
-    monkeypatch.setattr(bw, "platform", lambda: platform)
-    monkeypatch.setattr(bw, "cpu_threads", lambda: threads)
-    monkeypatch.setattr(bw, "TILE_BYTES", tile_bytes)
-    assert bw.group_size(6, 4, 3, 4, platform, threads) == group
+    monkeypatch.setattr(platform_facts, "platform", lambda: platform)
+    monkeypatch.setattr(platform_facts, "cpu_threads", lambda: threads)
+    monkeypatch.setattr(platform_facts, "TILE_BYTES", tile_bytes)
+    assert platform_facts.group_size(6, 4, 3, 4, platform, threads) == group
     with jax.enable_x64(dtype == jnp.float64):
         q, k, v = _rand((2, 3, 11, 5), 0, dtype), _rand((2, 3, 7, 5), 1, dtype), _rand((2, 1, 7, 4), 2, dtype)
         m = {
@@ -427,7 +426,7 @@ def test_both_platform_tilings_equal_the_reference(monkeypatch, platform, thread
 
 
 def test_cpu_tiles_are_fitted_to_tile_bytes():
-    from jattn._blockwise import TILE_BYTES, group_size
+    from jattn._platform import TILE_BYTES, group_size
 
     assert group_size(32, 512, 512, 4, "cpu", 2) * 512 * 512 * 4 <= TILE_BYTES
     assert group_size(32, 512, 512, 4, "gpu", 2) == 32
@@ -463,9 +462,9 @@ def _dot_shapes(fn, *args) -> set[str]:
 @pytest.mark.parametrize("mapped", ["qkv", "q", "kv", "array-mask"])
 def test_vmap_equals_a_loop_and_tiles_like_an_explicit_batch(monkeypatch, mapped):
     """vmap folds the mapped axis into the tiled batch: the loop's values and gradients, the batch's tiles."""
-    import jattn._blockwise as bw
+    import jattn._platform as platform_facts
 
-    monkeypatch.setattr(bw, "TILE_BYTES", 2 * 4 * 3 * 4)  # CPU groups of 2 rows of B
+    monkeypatch.setattr(platform_facts, "TILE_BYTES", 2 * 4 * 3 * 4)  # CPU groups of 2 rows of B
     q, k, v = _rand((3, 2, 2, 11, 5), 0), _rand((3, 2, 1, 7, 5), 1), _rand((3, 2, 1, 7, 4), 2)
     arr = jnp.asarray(np.random.default_rng(0).random((3, 2, 2, 11, 7)) > 0.4)
     axes = {"qkv": (0, 0, 0, None), "q": (0, None, None, None), "kv": (None, 0, 0, None), "array-mask": (0, 0, 0, 0)}
@@ -536,10 +535,10 @@ def test_tiles_computed_in_parts_equal_the_reference(monkeypatch, dtype, case, b
     ``STAIRS_MIN`` lowered so these tiles split; T and S odd so the diagonal cuts tiles unevenly.
     Without a mask the last key block (one key of 4, the rest padding) is a LOWER tile too.
     """
-    import jattn._blockwise as bw
+    import jattn._platform as platform_facts
 
-    monkeypatch.setattr(bw, "SPLIT_MIN", 4)
-    monkeypatch.setattr(bw, "STAIRS_MIN", 8)
+    monkeypatch.setattr(platform_facts, "SPLIT_MIN", 4)
+    monkeypatch.setattr(platform_facts, "STAIRS_MIN", 8)
     rng = np.random.default_rng(3)
     B, N, T = 3, 2, 29 if block == (16, 4) else 13  # 16-row tiles: two query blocks, the last ragged
     S = T if case != "causal-offset" else T + 4
@@ -644,9 +643,9 @@ def test_full_tiles_run_in_a_loop_without_a_branch(case):
 @pytest.mark.parametrize("extra", ["bias", "score_mod"])
 def test_lower_tiles_stay_whole_where_a_tile_carries_more_than_the_mask(monkeypatch, extra):
     """A bias or score modification acts on whole tiles: such calls keep them whole and stay exact."""
-    import jattn._blockwise as bw
+    import jattn._platform as platform_facts
 
-    monkeypatch.setattr(bw, "SPLIT_MIN", 4)
+    monkeypatch.setattr(platform_facts, "SPLIT_MIN", 4)
     q, k, v = _rand((2, 3, 13, 5), 0), _rand((2, 3, 13, 5), 1), _rand((2, 3, 13, 4), 2)
     bias = _rand((1, 3, 13, 13), 4)
     kw = {"bias": dict(bias=bias), "score_mod": dict(score_mod=jattn.score_mods.softcap(2.0))}[extra]
@@ -660,7 +659,7 @@ def test_lower_tiles_stay_whole_where_a_tile_carries_more_than_the_mask(monkeypa
 
 def test_lower_tiles_split_at_the_default_threshold():
     """At the default tiles (128 and up) the causal diagonal's tiles are computed as two parts of 64 rows."""
-    from jattn._blockwise import SPLIT_MIN
+    from jattn._platform import SPLIT_MIN
 
     q = _rand((1, 2, 333, 8), 0)
     fn = functools.partial(jattn.attention, mask=masks.causal(), implementation="blockwise", block_size=SPLIT_MIN)
@@ -681,10 +680,10 @@ def test_per_example_masks_on_the_blockwise_path_equal_the_reference(monkeypatch
 
     Tiles are classified per row of B·N on device (CPU groups of one row, or of all rows, and GPU tiling).
     """
-    import jattn._blockwise as bw
+    import jattn._platform as platform_facts
 
-    monkeypatch.setattr(bw, "platform", lambda: platform)
-    monkeypatch.setattr(bw, "TILE_BYTES", tile_bytes)
+    monkeypatch.setattr(platform_facts, "platform", lambda: platform)
+    monkeypatch.setattr(platform_facts, "TILE_BYTES", tile_bytes)
     rng = np.random.default_rng(7)
     B, N, T, S = 3, 2, 11, 13
     mask, dense = _per_example_cases(rng, B, T, S)[name]

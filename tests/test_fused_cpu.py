@@ -189,12 +189,12 @@ def test_jattn_fused_cpu_0_switches_it_off(monkeypatch):
 
 def test_the_result_does_not_depend_on_the_thread_count(monkeypatch):
     """Each (row, query block) task is computed whole by one thread: 1, 2 or 5 threads give the same bits."""
-    import jattn._blockwise as bw
+    import jattn._platform as platform_facts
 
     q, k, v = _rand((3, 2, 600, 8), 0), _rand((3, 2, 700, 8), 1), _rand((3, 2, 700, 8), 2)
     outs = []
     for threads in (1, 2, 5):
-        monkeypatch.setattr(bw, "cpu_threads", lambda threads=threads: threads)
+        monkeypatch.setattr(platform_facts, "cpu_threads", lambda threads=threads: threads)
         call = lambda q, k, v: jattn.attention(q, k, v, mask=masks.causal(), implementation="blockwise")  # noqa: E731
         assert _fused(call, q, k, v)
         outs.append(np.asarray(call(q, k, v)))

@@ -121,13 +121,13 @@ def test_the_benchmarks_sharded_candidate_equals_the_single_device_call(mode):
 
 def test_inside_shard_map_a_program_counts_its_share_of_the_cores(monkeypatch):
     """Per-device programs run at once on one thread pool: each is tiled for cores / shards threads."""
-    import jattn._blockwise as bw
+    import jattn._platform as platform_facts
 
-    monkeypatch.setattr(bw, "cores", lambda: 4)
+    monkeypatch.setattr(platform_facts, "cores", lambda: 4)
     seen = []
 
     def local(x):
-        seen.append(bw.cpu_threads())
+        seen.append(platform_facts.cpu_threads())
         return x
 
     x = jnp.ones((4, 4))
@@ -136,4 +136,4 @@ def test_inside_shard_map_a_program_counts_its_share_of_the_cores(monkeypatch):
             shape, ("b", "h"), axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[: shape[0] * shape[1]]
         )
         jax.jit(jax.shard_map(local, mesh=mesh, in_specs=PartitionSpec("b", "h"), out_specs=PartitionSpec("b", "h")))(x)
-    assert seen == [2, 1, 1] and bw.cpu_threads() == 4
+    assert seen == [2, 1, 1] and platform_facts.cpu_threads() == 4
