@@ -1,7 +1,8 @@
 # Two commands, each setting itself up in a virtual env inside the repo:
 #   make train   the default training run
-#   make test    lint + the whole test suite (single device, then 8 simulated devices)
-# and two more: make fuzz (the slow differential fuzz), make bench (benchmarks, ARGS=...).
+#   make test    lint + the docs site + the whole test suite (single device, then 8 simulated devices)
+# and three more: make docs (the docs site into site/), make fuzz (the slow differential fuzz),
+# make bench (benchmarks, ARGS=...).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
@@ -11,9 +12,16 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
 
-.PHONY: train test fuzz bench
+.PHONY: train test docs fuzz bench
 train: $(VENV)/.installed
 	$(PY) -m train $(ARGS)
+
+# The docs site (mkdocs.yml, docs/): mkdocs build --strict fails on any warning (a broken link or
+# anchor, a page missing from the nav, a docstring it cannot parse); about 2 s. Material's banner
+# about MkDocs 2 is a notice, not a warning of this build: NO_MKDOCS_2_WARNING silences it.
+DOCS_BUILD := NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet --site-dir site
+docs: $(VENV)/.installed
+	$(DOCS_BUILD)
 
 # Most tests compile many small programs and run them once, so the test sessions buy compile speed:
 # LLVM's backend at -O0 (test_core -11%, core + flex + variants -24%), XLA:CPU's classic emitters
@@ -33,6 +41,7 @@ test: export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS := 0.2
 test: $(VENV)/.installed
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(DOCS_BUILD)
 	rm -rf "$(CACHE)"
 	export JATTN_FAST_XLA_FLAGS="$(KNOWN_FAST)" && export XLA_FLAGS="$$JATTN_FAST_XLA_FLAGS$$XLA_FLAGS" && \
 	$(PY) -m pytest -n 2 --durations=15 && \
