@@ -1,10 +1,11 @@
 """Induction: a random block of twelve tokens, then the block again; loss on the repeat.
 
 Run:      python -m train --config configs/induction.py
-Expect:   100% held-out sequence accuracy; chance per token 1/16. Its attention.png shows the
-          two-layer induction circuit: a previous-token head in layer 0 and, in layer 1, queries
-          of the repeat attending to the token after their first occurrence (an off-diagonal
-          stripe eleven positions back: the token after the first occurrence).
+Expect:   100% held-out sequence accuracy; chance per token 1/16. Its attention.png shows
+          layer 0 copying by position: each position of the repeat reads the token eleven
+          positions back (an off-diagonal stripe), which the learned position table makes
+          easy; layer 1 mostly attends to itself. The textbook two-layer induction circuit
+          (previous-token head, then induction head) forms with ALiBi: configs/alibi.py.
 Time:     43-50 s on the 2-core CPU (measured 2026-11-30): 100.0% sequence accuracy.
 """
 

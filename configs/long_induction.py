@@ -4,7 +4,7 @@ Run:      python -m train --config configs/long_induction.py
 Path:     softmax attention on the blockwise path (``model.implementation='blockwise'``): the
           (T, T) scores are never formed, so memory grows linearly in T. Compare
           ``--config.model.implementation=dense``.
-Memory:   see README "Long context in training" for the peak resident memory of both paths.
+Memory:   docs/guide/training.md gives the peak resident memory of both paths.
 """
 
 from configs import induction

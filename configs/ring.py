@@ -3,7 +3,7 @@
 Run:      JAX_NUM_CPU_DEVICES=8 python -m train --config configs/ring.py   (8 simulated CPU devices;
           on a machine with 8 accelerators drop the variable)
 Expect:   the default run's result (attention 100%, control at chance); the loss curve equals the
-          single-device one to float32 reduction order (README "Scaling out").
+          single-device one to float32 reduction order (docs/guide/scaling.md).
 Time:     8 min 10 s on the 2-core CPU for both runs (measured 2026-11-30): attention 100.0% token
           and sequence accuracy, the control 3.4%. The 8 simulated devices share 2 cores, so this
           is slower than the single-device default: it shows the mechanics, not a speed-up.
