@@ -16,16 +16,10 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from jattn import masks, score_mods
-from jattn._compat import dot_product_attention
-from jattn._core import (
-    AUTO_BLOCKWISE_MIN,
-    IMPLEMENTATIONS,
-    SUPPORT,
-    attention,
-    attention_weights,
-    choose_implementation,
-)
+from jattn._core import attention, attention_weights, choose_implementation
+from jattn._dot_product_attention import dot_product_attention
 from jattn._linear import LinearState, linear_attention
+from jattn._paths import AUTO_BLOCKWISE_MIN, IMPLEMENTATIONS, SUPPORT
 from jattn._ring import ring_attention, sequence_parallel_attention, unzigzag, zigzag
 from jattn._rope import rope
 from jattn._softmax import SoftmaxParts, softmax, softmax_parts

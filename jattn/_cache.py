@@ -27,17 +27,14 @@ from jax import Array
 
 from jattn._checks import check_dtype, check_int, int_array, is_traced
 from jattn._linear import LinearState, feature_fn
-from jattn._masks import Mask
+from jattn._mask_base import Mask
 
 Cache = dict[str, Array]
 
 
 def init(
-    *,
     kind: str,
-    num_heads: int,
-    num_kv_heads: int,
-    head_depth: int,
+    heads: tuple[int, int, int],
     feature_map: str | Callable[[Array], Array],
     batch_size: int,
     max_length: int,
@@ -45,7 +42,7 @@ def init(
     pinned: Sequence[int],
     dtype: Any,
 ) -> Cache:
-    """An empty cache (see the module docstring); checks ``batch_size`` .. ``dtype`` by name."""
+    """An empty cache (see the module docstring) for ``heads = (N, K, D)``; checks ``batch_size`` .. ``dtype`` by name."""
     b = check_int("batch_size", batch_size, min=1)
     max_length = check_int("max_length", max_length, min=1)
     check_dtype("dtype", dtype)
@@ -60,7 +57,7 @@ def init(
         raise ValueError(f"pinned={pinned} needs a window (pinned slots sit beside a ring buffer)")
     if kind == "linear" and window is not None:
         raise ValueError(f"window={window} applies to the softmax kind; the linear cache is a recurrent state")
-    kv, d = num_kv_heads, head_depth
+    num_heads, kv, d = heads
     cache: Cache = {"next": jnp.zeros((b,), jnp.int32)}
     if kind == "linear":
         g = num_heads // kv

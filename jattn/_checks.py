@@ -10,22 +10,33 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
+
+if TYPE_CHECKING:
+    from jattn._mask_base import Mask
 
 __all__ = [
+    "Operands",
+    "as_mask",
     "broadcast_all",
+    "check_bias",
     "check_block_size",
     "check_bool",
+    "check_dropout",
     "check_dtype",
     "check_grid",
     "check_int",
     "check_mask",
+    "check_offsets",
+    "check_operands",
     "check_qkv",
     "check_real",
+    "check_scale",
     "check_score_mod",
     "check_sinks",
     "int_array",
@@ -255,7 +266,7 @@ def check_mask(mask: Any, *, arrays_only: bool = False) -> None:
     ``arrays_only`` (jax.nn's signature, :func:`jattn.dot_product_attention`) a
     :class:`jattn.masks.Mask` is refused too. Every entry point that takes a mask calls this.
     """
-    from jattn._masks import Mask  # jattn._masks imports this module
+    from jattn._mask_base import Mask  # jattn._masks imports this module
 
     if arrays_only and (callable(mask) or isinstance(mask, Mask)):
         raise TypeError(
@@ -319,3 +330,121 @@ def check_sinks(sinks: jax.Array, lead: tuple[int, ...], dtype) -> None:
             f"sinks of shape {sinks.shape} does not broadcast to the leading dimensions {tuple(lead)} of q, k, v "
             "(one logit per head: (N,) against (B, N, T, D); (K, G) against (B, K, G, T, D))"
         )
+
+
+def check_scale(scale: float | ArrayLike | None) -> None:
+    """Raises unless ``scale`` is None, a real number or a 0-d floating array."""
+    if scale is None:
+        return
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real | np.ndarray | jax.Array):
+        raise TypeError(
+            f"scale must be a real number or a 0-d float array, got {scale!r} of type {type(scale).__name__}"
+        )
+    if isinstance(scale, np.ndarray | jax.Array) and (
+        np.ndim(scale) != 0 or not jnp.issubdtype(scale.dtype, jnp.floating)
+    ):
+        raise ValueError(
+            f"scale must be a scalar (0-d float array), got dtype {scale.dtype} with shape {np.shape(scale)}"
+        )
+
+
+def check_bias(bias: ArrayLike | None) -> jax.Array | None:
+    """``bias`` as a floating array of at least 2 dims ``(..., T|1, S|1)``, or a TypeError; None stays None."""
+    if bias is None:
+        return None
+    bias = jnp.asarray(bias)
+    if not jnp.issubdtype(bias.dtype, jnp.floating):
+        raise TypeError(f"bias must be floating point, got {bias.dtype} with shape {bias.shape}")
+    return bias.reshape((1,) * max(0, 2 - bias.ndim) + bias.shape)  # NumPy broadcasting: (S,) is (1, S)
+
+
+def as_mask(mask: ArrayLike | Mask | None, bias: ArrayLike | None, q: jax.Array, k: jax.Array) -> Mask | None:
+    """A boolean array mask as :class:`~jattn.masks.ArrayMask` (1-D and 0-D included), else unchanged.
+
+    Checks first that ``mask`` is no function (:func:`check_mask`), and that an array mask and
+    ``bias`` broadcast to ``(..., T, S)`` (T, S: axis -2 of q ``(..., T, D)`` and k
+    ``(..., S, D)``), in the shapes the caller gave.
+    """
+    from jattn._mask_base import Mask  # jattn._masks imports this module
+    from jattn._mask_base import mask_of_array as array
+
+    check_mask(mask)
+    if bias is not None:
+        check_bias(bias)  # its dtype first
+        check_grid("bias", jnp.shape(bias), q.shape, k.shape)
+    if mask is None or isinstance(mask, Mask):
+        return mask
+    masked = array(mask)
+    check_grid("mask", jnp.shape(mask), q.shape, k.shape)
+    return masked
+
+
+def check_offsets(mask: Mask | None, q_offset: ArrayLike | None, kv_offset: ArrayLike) -> None:
+    """Offsets are integers (ints or integer arrays) and place predicates; with none they would silently do nothing."""
+    from jattn._mask_base import ArrayMask  # jattn._masks imports this module
+
+    for name, offset in (("q_offset", q_offset), ("kv_offset", kv_offset)):
+        if offset is None or (isinstance(offset, numbers.Integral) and not isinstance(offset, bool)):
+            continue
+        if not isinstance(offset, np.ndarray | jax.Array) or not jnp.issubdtype(offset.dtype, jnp.integer):
+            got = f"dtype {offset.dtype} with shape {np.shape(offset)}" if hasattr(offset, "dtype") else repr(offset)
+            raise TypeError(f"{name} must be an int or an integer array, got {got} of type {type(offset).__name__}")
+    given = q_offset is not None or not (isinstance(kv_offset, numbers.Integral) and kv_offset == 0)
+    if given and (mask is None or isinstance(mask, ArrayMask)):
+        raise ValueError(
+            "q_offset and kv_offset place a jattn.masks predicate; an array mask (or no mask) indexes the (T, S) grid "
+            f"itself, got mask={'None' if mask is None else 'an array'} with q_offset={q_offset!r}, kv_offset={kv_offset!r}"
+        )
+
+
+def check_dropout(rate: float, rng: jax.Array | None) -> float:
+    """``rate`` as a float in ``[0, 1)`` (a traced one as it is), or an error; a rate above 0 needs ``rng``."""
+    rate = check_real("dropout_rate", rate, low=0.0, high=1.0)
+    if rate and rng is None:
+        raise ValueError(f"dropout_rate={rate} > 0 needs a dropout_rng key")
+    return rate
+
+
+class Operands(NamedTuple):
+    """One call's checked operands, as every path of :func:`jattn.attention` takes them.
+
+    q ``(..., T, D)``, k ``(..., S, D)`` and v ``(..., S, E)`` (None for
+    :func:`jattn.attention_weights`) as arrays, the mask as a :class:`~jattn.masks.Mask` (or
+    None), and ``bias``, ``scale``, ``q_offset``, ``kv_offset`` as the caller gave them.
+    """
+
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array | None
+    mask: Mask | None
+    bias: ArrayLike | None
+    scale: float | ArrayLike | None
+    q_offset: ArrayLike | None
+    kv_offset: ArrayLike
+
+
+def check_operands(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike | None,
+    *,
+    mask: ArrayLike | Mask | None,
+    bias: ArrayLike | None,
+    scale: float | ArrayLike | None,
+    q_offset: ArrayLike | None,
+    kv_offset: ArrayLike,
+    offsets: bool = True,
+) -> Operands:
+    """The :class:`Operands` of a call, checked in this order (the first error raises).
+
+    q ``(..., T, D)``, k ``(..., S, D)``, v ``(..., S, E)`` (:func:`check_qkv`), ``scale``,
+    ``mask`` and ``bias`` (:func:`as_mask`), then the offsets (:func:`check_offsets`) unless
+    ``offsets`` is False (:func:`jattn.choose_implementation` leaves them unchecked).
+    """
+    q, k, v = jnp.asarray(q), jnp.asarray(k), None if v is None else jnp.asarray(v)
+    check_qkv(q, k, v)
+    check_scale(scale)
+    mask = as_mask(mask, bias, q, k)
+    if offsets:
+        check_offsets(mask, q_offset, kv_offset)
+    return Operands(q, k, v, mask, bias, scale, q_offset, kv_offset)

@@ -3,9 +3,9 @@
 Shapes follow :mod:`jattn._core` with leading dimensions flattened to ``B``: q ``(B, T, D)``,
 k ``(B, S, D)``, v ``(B, S, E)``. XLA runs a tile's ops one after another, each split over the
 threads; the kernel gives each thread whole (row of B, query block) tasks and keeps the score
-tile in its core's cache between the two products, with the online softmax in between (README
-"The fused CPU forward"). It serves the masks that give each query row one interval of keys
-(:func:`jattn._masks.key_interval`: none, causal, sliding windows and their ``&``) in float32
+tile in its core's cache between the two products, with the online softmax in between (docs:
+design notes). It serves the masks that give each query row one interval of keys
+(:func:`jattn._position_masks.key_interval`: none, causal, sliding windows and their ``&``) in float32
 (16-bit inputs are upcast), and returns the lse, so the backward stays jattn's XLA one.
 
 The C++ source is compiled on first use with the system's ``g++`` for this machine's CPU
@@ -36,7 +36,7 @@ __all__ = ["BLOCK_KV", "BLOCK_Q", "available", "forward"]
 _log = logging.getLogger(__name__)
 TARGET = "jattn_fused_forward"
 SOURCE = pathlib.Path(__file__).with_suffix(".cc")
-#: Query rows of one task and keys of one tile (a multiple of 64): full forward, B=4 N=8 D=64, 2 threads (README).
+#: Query rows of one task and keys of one tile (a multiple of 64): full forward, B=4 N=8 D=64, 2 threads (docs: design notes).
 BLOCK_Q, BLOCK_KV = 256, 512
 
 
@@ -121,7 +121,7 @@ def forward(
     ``q (B, T, D)``, ``k (B, S, D)``, ``v (B, S, E)`` (any float dtype but float64: upcast to
     float32); keys at ``length`` and after are masked (block padding), and query row t sees key
     s where ``q_offset + t - left <= kv_offset + s <= q_offset + t + right``
-    (``window = (left, right)``, :func:`jattn._masks.key_interval`). Requires :func:`available`.
+    (``window = (left, right)``, :func:`jattn._position_masks.key_interval`). Requires :func:`available`.
     """
     if _library() is None:
         raise RuntimeError("jattn's fused CPU forward is not available here (jattn._fused_cpu.available())")

@@ -39,7 +39,8 @@ from jax import Array
 from jax.typing import ArrayLike
 
 from jattn._checks import broadcast_all, check_mask, check_qkv, check_score_mod, check_sinks
-from jattn._masks import EMPTY, FULL, PARTIAL, KeyBelow, Mask
+from jattn._mask_base import Mask
+from jattn._mask_kinds import EMPTY, FULL, PARTIAL
 from jattn._online import (
     accumulate,
     backward_rows,
@@ -58,6 +59,7 @@ from jattn._online import (
     transposed,
     vary,
 )
+from jattn._position_masks import KeyBelow
 
 __all__ = ["ring_attention", "sequence_parallel_attention", "unzigzag", "zigzag"]
 
@@ -110,17 +112,6 @@ class _Ring:
     compute: jnp.dtype
     mod: object = None  # the closure-converted score_mod (jattn._online.convert_mod), or None
     sinks: bool = False
-
-    def work(self) -> np.ndarray:
-        """``(P steps, P devices)``: the (query chunk, key chunk) pairs each device computes per step.
-
-        Empty pairs are skipped and not counted.
-        """
-        r = np.arange(self.p)
-        steps = [(r - n) % self.p for n in range(self.p)]
-        pairs = self.kinds[self.owned[:, None, :, None], self.owned[None, :, None, :]]  # (P dst, P src, C, C)
-        busy = (pairs != EMPTY).sum((-1, -2))  # (P dst, P src)
-        return np.stack([busy[r, src] for src in steps])
 
     def kind(self, r: Array, src: Array, a: int, b: int) -> Array:
         owned, kinds = jnp.asarray(self.owned, jnp.int32), jnp.asarray(self.kinds)
@@ -223,15 +214,33 @@ def _shared_sum(g: Array, like: Array, axis_name: str) -> Array:
     return g if axis_name in jax.typeof(like).manual_axis_type.varying else jax.lax.psum(g, axis_name)
 
 
+def _ring_sink_grads(ring: _Ring, sinks: Array, lse: Array, delta: Array) -> Array:
+    """The gradient of the sink logits ``(B,)`` (zeros without sinks), from the saved ``lse (B, T)`` (-inf on rows with no key).
+
+    ``delta (B, T)`` is :func:`jattn._online.backward_rows`'s; summed over the ring where the sinks are shared.
+    """
+    if not ring.sinks:
+        return jnp.zeros_like(sinks)
+    dsinks = sink_grads(sinks[:, None].astype(ring.compute), lse, delta).sum(-1).astype(sinks.dtype)
+    return _shared_sum(dsinks, sinks, ring.axis_name)
+
+
+def _zero_const_grads(consts: tuple[Array, ...], axis_name: str) -> tuple[Array, ...]:
+    """Zero gradients of the arrays a score_mod closes over, each varying over the ring where the array does."""
+    # A modification's pullback psums the gradient of an array shared by the devices itself (the
+    # transpose of making it varying), so dc starts with each array's own type.
+    return tuple(
+        vary(jnp.zeros(x.shape, x.dtype), x) if axis_name in jax.typeof(x).manual_axis_type.varying else
+        jnp.zeros(x.shape, x.dtype) for x in consts
+    )  # fmt: skip
+
+
 def _ring_bwd(ring: _Ring, precision, res, cotangents):
     q, k, v, q_seg, kv_seg, rows, sinks, consts, out, lse = res
     d_out, d_lse, _ = cotangents  # the max logit is a monitor without a gradient (jattn.attention)
     c, compute = ring.owned.shape[1], ring.compute
     finite, delta = backward_rows(out, d_out, lse, compute, d_lse)  # (B, T) each
-    dsinks = jnp.zeros_like(sinks)
-    if ring.sinks:  # from the saved lse (-inf on rows with no key)
-        dsinks = sink_grads(sinks[:, None].astype(compute), lse, delta).sum(-1).astype(sinks.dtype)
-        dsinks = _shared_sum(dsinks, sinks, ring.axis_name)
+    dsinks = _ring_sink_grads(ring, sinks, lse, delta)
     lse = finite
     r = jax.lax.axis_index(ring.axis_name)
     scale = jnp.asarray(ring.scale, compute)
@@ -271,12 +280,7 @@ def _ring_bwd(ring: _Ring, precision, res, cotangents):
         return (tuple(dq), dc), (jnp.concatenate(dkc, -1), jnp.concatenate(dvc, -1), *travelling[2:])
 
     dq = tuple(vary(jnp.zeros(x.shape, compute), q) for x in qc)
-    # A modification's pullback psums the gradient of an array shared by the devices itself (the
-    # transpose of making it varying), so dc starts with each array's own type.
-    dc = tuple(
-        vary(jnp.zeros(x.shape, x.dtype), x) if ring.axis_name in jax.typeof(x).manual_axis_type.varying else
-        jnp.zeros(x.shape, x.dtype) for x in consts
-    )  # fmt: skip
+    dc = _zero_const_grads(consts, ring.axis_name)
     # dk and dv travel transposed, (B, D|E, S), as tile_grads gives them: each tile's share is added
     # without a transpose, which XLA would fold back into a slow dsᵀ q form
     dk, dv = vary(tuple(jnp.zeros((x.shape[0], x.shape[2], x.shape[1]), compute) for x in (k, v)), k)

@@ -10,13 +10,17 @@ call. Everything here runs on NumPy at trace time.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from jattn import _platform
-from jattn._masks import EMPTY, FULL, PARTIAL, KeyBelow, Mask, box_kinds, query_offset
+from jattn._mask_base import Mask, query_offset
+from jattn._mask_kinds import EMPTY, FULL, PARTIAL, box_kinds
 from jattn._online import LOWER, SPLIT_AREA, STAIRS, TOP_EMPTY
+from jattn._position_masks import KeyBelow
 
-__all__ = ["auto_block", "choose_tiles", "schedule", "static_kinds"]
+__all__ = ["Schedule", "auto_block", "choose_tiles", "schedule", "static_kinds"]
 
 
 def static_kinds(
@@ -66,7 +70,7 @@ def schedule(kinds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per query block, its non-empty key blocks ``(nq, width)`` and their kinds (EMPTY = padding).
 
     A row's FULL tiles come first (in key order, then the others), so that a loop can take them
-    without a branch (the blockwise sweep, :mod:`jattn._blockwise`).
+    without a branch (the blockwise sweep, :mod:`jattn._tile_loops`).
     """
     width = max(1, int((kinds != EMPTY).sum(1).max()))
     index = np.zeros((kinds.shape[0], width), np.int32)
@@ -77,6 +81,51 @@ def schedule(kinds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         index[i, : len(cols)] = cols
         kind[i, : len(cols)] = row[cols]
     return index, kind
+
+
+class Schedule(NamedTuple):
+    """A plan's tiles in the order they run (:func:`schedule`), and what the loops over them know statically.
+
+    ``index`` and ``kind`` ``(nq, width)``: per query block, its non-empty key blocks (FULL ones
+    first) and their kinds, EMPTY where a row is padding; ``count (nq,)`` int32 its scheduled key
+    blocks and ``full (nq,)`` its FULL ones. ``uniform``: the kind of every scheduled tile where
+    they have one (no branch), else None; ``kinds`` the kinds that occur (EMPTY: padding);
+    ``splits`` the kinds computed in parts (:data:`jattn._online.SPLIT_AREA`). ``lead``: on CPU,
+    with static kinds, a loop without a branch takes each query block's FULL tiles first (the
+    blockwise sweep, :mod:`jattn._tile_loops`).
+    """
+
+    index: np.ndarray
+    kind: np.ndarray
+    count: np.ndarray
+    full: np.ndarray
+    uniform: int | None
+    kinds: tuple[int, ...]
+    splits: tuple[int, ...]
+    lead: bool
+
+    @classmethod
+    def of(cls, kinds: np.ndarray, platform: str) -> Schedule:
+        """The schedule of the tile kinds ``(nq, nk)`` (:func:`static_kinds`) on ``platform``."""
+        splits = tuple(k for k in SPLIT_AREA if np.any(kinds == k))  # the kinds computed in parts
+        index, kind = schedule(kinds)  # per query block: its key blocks
+        count = (kind != EMPTY).sum(1).astype(np.int32)  # per query block: its scheduled key blocks
+        full = (kind == FULL).sum(1).astype(np.int32)  # per query block: its FULL ones, scheduled first
+        same = kind[0, 0] if np.all(kind == kind[0, 0]) else EMPTY
+        uniform = None if same == EMPTY else int(same)  # every scheduled tile of one kind
+        occur = tuple(int(x) for x in np.unique(kind))  # the kinds that occur (EMPTY: padding)
+        # On CPU, with static kinds, a loop without a branch takes each query block's FULL tiles (sweep).
+        lead = platform == "cpu" and uniform is None and bool(full.any())
+        return cls(index, kind, count, full, uniform, occur, splits, lead)
+
+    def branches(self, static: bool) -> tuple[int | None, tuple[int, ...] | None]:
+        """:func:`jattn._online.per_block`'s ``uniform`` and ``kinds``: known only with ``static`` kinds (no mask arrays).
+
+        FULL is left out where the sweep takes those tiles in a loop of their own (``lead``).
+        """
+        if not static:
+            return None, None
+        return self.uniform, tuple(k for k in self.kinds if not (self.lead and k == FULL))
 
 
 def auto_block(

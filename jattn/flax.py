@@ -33,8 +33,8 @@ from jattn import masks
 from jattn._checks import check_mask
 from jattn._core import attention, attention_weights
 from jattn._layouts import from_grouped, heads_grid, to_grouped
-from jattn._masks import Mask
-from jattn._masks import array as array_mask
+from jattn._mask_base import Mask
+from jattn._mask_base import mask_of_array as array_mask
 
 __all__ = ["attention_fn"]
 
@@ -119,46 +119,10 @@ def attention_fn(
             f"must be None, got {qk_attn_weights_einsum!r} and {attn_weights_value_einsum!r}"
         )
     check_mask(mask)
-    q, k, v = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
-    if dtype is None:
-        dtype = jnp.result_type(q, k, v)
-    if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
-        raise TypeError(f"dtype must be a floating dtype, got {dtype!r}")
-    q, k, v = q.astype(dtype), k.astype(dtype), v.astype(dtype)
-    if q.ndim < 3 or k.ndim != q.ndim or v.ndim != q.ndim:
-        raise ValueError(
-            "query, key and value must be (batch..., T|S, N|K, H) with one rank of at least 3, got "
-            f"query {q.shape}, key {k.shape}, value {v.shape}"
-        )
-    *lead, T, N, H = q.shape
-    lead = tuple(lead)
-    S, K = k.shape[-3], k.shape[-2]
-    if k.shape[:-3] != lead or v.shape[:-3] != lead or k.shape[-1] != H or v.shape[-3:-1] != (S, K):
-        raise ValueError(
-            "expected query (batch..., T, N, H), key (batch..., S, K, H), value (batch..., S, K, E) with one batch..., "
-            f"S, K and H, got query {q.shape}, key {k.shape}, value {v.shape}"
-        )
-    if K == 0 or N % K:
-        raise ValueError(f"the query heads N={N} must be a multiple of the key/value heads K={K}")
-    G, nb = N // K, len(lead)
-
+    q, k, v, dtype = _cast(query, key, value, dtype)
+    lead, (T, N, S, K) = _sizes(q, k, v)
     qj, kj, vj = to_grouped(q, k, v, K)  # Flax (batch..., L, heads, H) -> jattn (batch..., K, G|1, L, H)
-
-    offsets: dict = {}
-    if isinstance(mask, Mask):
-        if is_causal and T != S:
-            raise ValueError(
-                f"is_causal (top-left, as Flax) and a jattn.masks predicate (bottom-right) align differently for "
-                f"T={T} != S={S}; put masks.causal() into the predicate instead"
-            )
-        jmask = mask & masks.causal() if is_causal else mask
-    else:
-        grid = None if mask is None else heads_grid("mask", mask, lead, N, K, T, S)
-        grid = None if grid is None else array_mask(grid if grid.dtype == jnp.bool_ else grid != 0)
-        jmask = grid
-        if is_causal:
-            jmask = masks.causal() if grid is None else masks.causal() & grid
-            offsets = dict(q_offset=0, kv_offset=0)
+    jmask, offsets = _grouped_mask(mask, is_causal, lead, N, K, T, S)
     jbias = None
     if bias is not None:
         jbias = heads_grid("bias", bias, lead, N, K, T, S)
@@ -183,14 +147,77 @@ def attention_fn(
     if dropout and dropout_rng is None:
         raise ValueError(f"dropout_rate={dropout_rate} with deterministic=False needs a dropout_rng key, got None")
     w = attention_weights(qj, kj, mask=jmask, bias=jbias, precision=precision, **offsets)
-    w = jnp.broadcast_to(w, (*lead, K, G, T, S)).astype(dtype)
+    w = jnp.broadcast_to(w, (*lead, K, N // K, T, S)).astype(dtype)  # (batch..., K, G, T, S)
     if module is not None:
         _sow(module, w.reshape(*lead, N, T, S))
     if dropout:
-        keep_prob = 1.0 - dropout_rate
-        shape = (1,) * (nb + 1) + (T, S) if broadcast_dropout else (*lead, N, T, S)
-        keep = jax.random.bernoulli(dropout_rng, keep_prob, shape)
-        multiplier = keep.astype(dtype) / jnp.asarray(keep_prob, dtype=dtype)
-        w = w * multiplier.reshape(*multiplier.shape[:-3], *((K, G) if multiplier.shape[-3] == N else (1, 1)), T, S)
+        w = _dropout(w, dropout_rng, dropout_rate, broadcast_dropout)
     out = jnp.einsum("...kgts,...ske->...tkge", w, v, precision=precision)  # (batch..., T, K, G, E)
     return out.reshape(*lead, T, N, v.shape[-1])
+
+
+def _cast(query: ArrayLike, key: ArrayLike, value: ArrayLike, dtype: Any) -> tuple[Array, Array, Array, Any]:
+    """q, k, v cast to ``dtype`` (default: their common dtype), which must be floating, and that dtype."""
+    q, k, v = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
+    if dtype is None:
+        dtype = jnp.result_type(q, k, v)
+    if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
+        raise TypeError(f"dtype must be a floating dtype, got {dtype!r}")
+    return q.astype(dtype), k.astype(dtype), v.astype(dtype), dtype
+
+
+def _sizes(q: Array, k: Array, v: Array) -> tuple[tuple[int, ...], tuple[int, int, int, int]]:
+    """``batch...`` and ``(T, N, S, K)`` of Flax's ``q (batch..., T, N, H)``, ``k (batch..., S, K, H)``, ``v (batch..., S, K, E)``."""
+    if q.ndim < 3 or k.ndim != q.ndim or v.ndim != q.ndim:
+        raise ValueError(
+            "query, key and value must be (batch..., T|S, N|K, H) with one rank of at least 3, got "
+            f"query {q.shape}, key {k.shape}, value {v.shape}"
+        )
+    *lead, T, N, H = q.shape
+    lead = tuple(lead)
+    S, K = k.shape[-3], k.shape[-2]
+    if k.shape[:-3] != lead or v.shape[:-3] != lead or k.shape[-1] != H or v.shape[-3:-1] != (S, K):
+        raise ValueError(
+            "expected query (batch..., T, N, H), key (batch..., S, K, H), value (batch..., S, K, E) with one batch..., "
+            f"S, K and H, got query {q.shape}, key {k.shape}, value {v.shape}"
+        )
+    if K == 0 or N % K:
+        raise ValueError(f"the query heads N={N} must be a multiple of the key/value heads K={K}")
+    return lead, (T, N, S, K)
+
+
+def _grouped_mask(
+    mask: ArrayLike | Mask | None, is_causal: bool, lead: tuple[int, ...], N: int, K: int, T: int, S: int
+) -> tuple[Mask | None, dict[str, int]]:
+    """Flax's ``mask`` (``(batch..., N, T, S)``-broadcastable, nonzero = attend, or a predicate) and ``is_causal`` as jattn's mask.
+
+    Returns the mask over ``(batch..., K, G, T, S)`` and the offsets that align ``is_causal``
+    top-left (as ``jnp.tril``) where the mask is no predicate.
+    """
+    if isinstance(mask, Mask):
+        if is_causal and T != S:
+            raise ValueError(
+                f"is_causal (top-left, as Flax) and a jattn.masks predicate (bottom-right) align differently for "
+                f"T={T} != S={S}; put masks.causal() into the predicate instead"
+            )
+        return (mask & masks.causal() if is_causal else mask), {}
+    grid = None if mask is None else heads_grid("mask", mask, lead, N, K, T, S)
+    grid = None if grid is None else array_mask(grid if grid.dtype == jnp.bool_ else grid != 0)
+    if not is_causal:
+        return grid, {}
+    return (masks.causal() if grid is None else masks.causal() & grid), dict(q_offset=0, kv_offset=0)
+
+
+def _dropout(w: Array, rng: Array, rate: float, broadcast: bool) -> Array:
+    """Flax's dropout on the weights ``w (batch..., K, G, T, S)``: the draw Flax makes from ``rng``, in ``w``'s dtype.
+
+    ``bernoulli(rng, 1 - rate, shape) / (1 - rate)`` with ``shape`` ``(1, ..., 1, T, S)``
+    (``broadcast``) or ``(batch..., N, T, S)``.
+    """
+    *lead, K, G, T, S = w.shape
+    keep_prob = 1.0 - rate
+    shape = (1,) * (len(lead) + 1) + (T, S) if broadcast else (*lead, K * G, T, S)
+    keep = jax.random.bernoulli(rng, keep_prob, shape)
+    multiplier = keep.astype(w.dtype) / jnp.asarray(keep_prob, dtype=w.dtype)
+    heads = (K, G) if multiplier.shape[-3] == K * G else (1, 1)  # (batch..., N, T, S) -> (batch..., K, G, T, S)
+    return w * multiplier.reshape(*multiplier.shape[:-3], *heads, T, S)

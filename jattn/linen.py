@@ -3,7 +3,8 @@
 The same modules as :mod:`jattn.nnx` (see there for every option) with the same option names and
 parameter names (``wq``, ``wk``, ``wv`` and, with an output projection, ``wo``, each an
 ``nn.Dense``; ``query_ln``, ``key_ln`` with ``normalize_qk``); given the same weights both return
-the same output. The call itself is shared with NNX in ``jattn._heads``.
+the same output. The call itself is shared with NNX in ``jattn._module_call``, and so are the
+options, declared once in ``jattn._module_options.ModuleOptions``.
 
 Dropout draws from the ``'dropout'`` rng collection when not deterministic, or from a call-time
 ``dropout_rng``. The call's ``deterministic`` overrides the field of that name (default False);
@@ -18,6 +19,7 @@ Weights are sown into ``'intermediates'`` under ``'attention_weights'`` with ``s
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -26,9 +28,10 @@ import jax.numpy as jnp
 from flax import linen as nn
 from jax import Array
 
-from jattn import _heads
 from jattn._checks import check_int
-from jattn._masks import Mask
+from jattn._mask_base import Mask
+from jattn._module_call import CallArguments, Layers, check_context, check_input, forward, init_cache
+from jattn._module_options import ModuleConfig, ModuleOptions, configure
 from jattn._score_mods import ScoreMod
 
 __all__ = ["CrossAttention", "SelfAttention"]
@@ -39,11 +42,13 @@ SOW_NAME = "attention_weights"
 class _Attention(nn.Module):
     """Options: as :class:`jattn.nnx.SelfAttention` (the same names, types and defaults).
 
+    The fields from ``num_heads`` to ``sinks`` are the module options, documented once, for NNX
+    and Linen, in the Attributes of :class:`jattn._module_options.ModuleOptions` (with ``sinks``
+    the parameter ``sinks (N,)``).
+
     Attributes:
-      d_model, num_heads, num_kv_heads, qkv_features, out_features, out_proj, use_bias, kind,
-      feature_map, dropout_rate, deterministic, dtype, param_dtype, precision, sequence_axis,
-      implementation, block_size, normalize_qk, score_mod, sinks, kernel_init, bias_init: see
-      :class:`jattn.nnx.SelfAttention` (with ``sinks`` the parameter ``sinks (N,)``).
+      d_model: input features.
+      kernel_init, bias_init: initialisers of the projections.
     """
 
     d_model: int
@@ -69,121 +74,75 @@ class _Attention(nn.Module):
     kernel_init: nn.initializers.Initializer = nn.initializers.lecun_normal()
     bias_init: nn.initializers.Initializer = nn.initializers.zeros_init()
 
-    def _options(self, kv_features: int) -> _heads.Options:
-        return _heads.options(
-            self.d_model,
-            kv_features,
-            num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads,
-            qkv_features=self.qkv_features,
-            out_features=self.out_features,
-            out_proj=self.out_proj,
+    def _config(self, kv_features: int) -> ModuleConfig:
+        """The fields that are options, checked and resolved (self-attention's ``rope``, ... where present)."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return configure(self.d_model, kv_features, ModuleOptions.pick(fields))
+
+    def _dense(self, features: int, name: str) -> nn.Dense:
+        """A projection ``(B, L, ·) -> (B, L, features)`` with the module's bias, dtypes, precision and initialisers."""
+        return nn.Dense(
+            features,
             use_bias=self.use_bias,
-            kind=self.kind,
-            feature_map=self.feature_map,
-            dropout_rate=self.dropout_rate,
-            deterministic=self.deterministic,
             dtype=self.dtype,
             param_dtype=self.param_dtype,
             precision=self.precision,
-            sequence_axis=self.sequence_axis,
-            implementation=self.implementation,
-            block_size=self.block_size,
-            normalize_qk=self.normalize_qk,
-            rope=getattr(self, "rope", False),
-            rope_base=getattr(self, "rope_base", 10000.0),
-            decode=getattr(self, "decode", False),
-            score_mod=self.score_mod,
-            sinks=self.sinks,
+            kernel_init=self.kernel_init,
+            bias_init=self.bias_init,
+            name=name,
         )
 
-    def _run(
-        self,
-        x: Array,
-        context: Array | None,
-        mask: Array | Mask | None,
-        *,
-        kv_features: int,
-        context_mask: Array | None = None,
-        deterministic: bool | None,
-        dropout_rng: Array | None,
-        return_weights: bool,
-        sow_weights: bool,
-        decode: bool | None = False,
-        lengths: Array | None = None,
-        implementation: str | None,
-        block_size: int | tuple[int, int] | None,
-    ) -> Array | tuple[Array, Array]:
-        o = self._options(kv_features)
-        _heads.check_call(deterministic, return_weights, decode, sow_weights)
-        decode = o.decode if decode is None else decode
-        deterministic = self.deterministic if deterministic is None else deterministic  # the call's value wins
-        rng = None
-        if o.dropout_rate > 0 and not deterministic:
-            rng = self.make_rng("dropout") if dropout_rng is None else dropout_rng
-        cache = None
-        if decode:
-            cache = self.variables.get("cache")
-            if not cache:
-                raise ValueError(
-                    "decode=True needs a cache: variables from module.init(key, batch_size, max_length, "
-                    "method='init_cache')['cache']"
-                )
-            cache = dict(cache)
-
-        def dense(features: int, name: str) -> nn.Dense:
-            return nn.Dense(
-                features,
-                use_bias=self.use_bias,
-                dtype=self.dtype,
-                param_dtype=self.param_dtype,
-                precision=self.precision,
-                kernel_init=self.kernel_init,
-                bias_init=self.bias_init,
-                name=name,
-            )
+    def _layers(self, o: ModuleConfig) -> Layers:
+        """The projections, QK norms and sinks of a module configured as ``o`` (inside the compact call)."""
 
         def norm(name: str) -> nn.LayerNorm:  # Flax's QK norm: LayerNorm over D without bias, epsilon 1e-6
             return nn.LayerNorm(use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype, name=name)
 
         kv = o.num_kv_heads * o.head_depth
-        layers = _heads.Layers(
-            dense(o.num_heads * o.head_depth, "wq"),
-            dense(kv, "wk"),
-            dense(kv, "wv"),
-            dense(o.out_features, "wo") if o.out_features is not None else None,
+        return Layers(
+            self._dense(o.qkv_features, "wq"),
+            self._dense(kv, "wk"),
+            self._dense(kv, "wv"),
+            self._dense(o.out_features, "wo") if o.out_proj else None,
             norm("query_ln") if o.normalize_qk else None,
             norm("key_ln") if o.normalize_qk else None,
             self.param("sinks", nn.initializers.zeros_init(), (o.num_heads,), self.param_dtype) if o.sinks else None,
         )
-        out, weights, cache = _heads.forward(
-            o,
-            layers,
-            x,
-            context,
-            mask,
-            context_mask=context_mask,
-            cache=cache,
-            lengths=lengths,
-            dropout_rng=rng,
-            return_weights=return_weights or sow_weights,
-            implementation=implementation,
-            block_size=block_size,
-        )
+
+    def _decoding_cache(self) -> dict[str, Array]:
+        """The ``'cache'`` collection, which a decoding call needs."""
+        cache = self.variables.get("cache")
+        if not cache:
+            raise ValueError(
+                "decode=True needs a cache: variables from module.init(key, batch_size, max_length, "
+                "method='init_cache')['cache']"
+            )
+        return dict(cache)
+
+    def _run(
+        self, x: Array, context: Array | None, o: ModuleConfig, call: CallArguments, dropout_rng: Array | None
+    ) -> Array | tuple[Array, Array]:
+        """The call of a module configured as ``o`` (checked before ``call``, so its errors come first)."""
+        deterministic = self.deterministic if call.deterministic is None else call.deterministic  # the call's wins
+        rng = None
+        if o.dropout_rate > 0 and not deterministic:
+            rng = self.make_rng("dropout") if dropout_rng is None else dropout_rng
+        cache = self._decoding_cache() if call.decoding(o) else None
+        out, weights, cache = forward(o, self._layers(o), x, context, call, cache=cache, dropout_rng=rng)
         if cache is not None:
             for name, value in cache.items():
                 self.put_variable("cache", name, value)
-        if sow_weights:
+        if call.sow_weights:
             self.sow("intermediates", SOW_NAME, weights)
-        return (out, weights) if return_weights else out
+        return (out, weights) if call.return_weights else out
 
 
 class SelfAttention(_Attention):
     """Multi-head self-attention over ``x (..., T, d_model)``; see :class:`jattn.nnx.SelfAttention`.
 
     Attributes:
-      rope, rope_base: rotary position embeddings, as :class:`jattn.nnx.SelfAttention`.
-      decode: default for the call-time ``decode`` (Flax's field of that name).
+      rope, rope_base, decode: the self-attention options (rotary embedding, the default of the
+        call-time ``decode``), documented in :class:`jattn._module_options.ModuleOptions`.
     """
 
     rope: bool = False
@@ -216,21 +175,8 @@ class SelfAttention(_Attention):
             :meth:`init_cache`, passed mutable); None: the ``decode`` field.
         """
         check_int("d_model", self.d_model, min=1)  # the field first: x is checked against it
-        _heads.check_input("x", x, self.d_model)
-        return self._run(
-            x,
-            None,
-            mask,
-            kv_features=self.d_model,
-            deterministic=deterministic,
-            dropout_rng=dropout_rng,
-            return_weights=return_weights,
-            sow_weights=sow_weights,
-            decode=decode,
-            lengths=lengths,
-            implementation=implementation,
-            block_size=block_size,
-        )
+        check_input("x", x, self.d_model)
+        return self._run(x, None, self._config(self.d_model), CallArguments.pick(locals()), dropout_rng)
 
     def init_cache(
         self,
@@ -245,7 +191,7 @@ class SelfAttention(_Attention):
 
         Run it as ``module.init(key, batch_size, max_length, window=..., method="init_cache")``.
         """
-        cache = _heads.init_cache(self._options(self.d_model), batch_size, max_length, window, pinned, dtype)
+        cache = init_cache(self._config(self.d_model), batch_size, max_length, window, pinned, dtype)
         for name, value in cache.items():
             self.put_variable("cache", name, value)
 
@@ -279,17 +225,5 @@ class CrossAttention(_Attention):
         """
         check_int("d_model", self.d_model, min=1)  # the fields first: x and context are checked against them
         check_int("context_features", self.context_features, min=1)
-        _heads.check_context(x, self.d_model, context, self.context_features, context_mask)
-        return self._run(
-            x,
-            context,
-            mask,
-            kv_features=self.context_features,
-            context_mask=context_mask,
-            deterministic=deterministic,
-            dropout_rng=dropout_rng,
-            return_weights=return_weights,
-            sow_weights=sow_weights,
-            implementation=implementation,
-            block_size=block_size,
-        )
+        check_context(x, self.d_model, context, self.context_features, context_mask)
+        return self._run(x, context, self._config(self.context_features), CallArguments.pick(locals()), dropout_rng)

@@ -7,38 +7,5 @@ predicates too). ``tile_kinds`` classifies tiles on device, arrays included.
 See :mod:`jattn._masks` for positions, offsets and block classification.
 """
 
-from jattn._masks import (
-    EMPTY,
-    FULL,
-    PARTIAL,
-    ArrayMask,
-    Mask,
-    array,
-    causal,
-    chunked,
-    global_tokens,
-    padding,
-    predicate,
-    prefix_lm,
-    segment_ids,
-    sliding_window,
-    tile_kinds,
-)
-
-__all__ = [
-    "EMPTY",
-    "FULL",
-    "PARTIAL",
-    "ArrayMask",
-    "Mask",
-    "array",
-    "causal",
-    "chunked",
-    "global_tokens",
-    "padding",
-    "predicate",
-    "prefix_lm",
-    "segment_ids",
-    "sliding_window",
-    "tile_kinds",
-]
+from jattn._masks import *  # noqa: F403  (the names of jattn._masks's __all__, below)
+from jattn._masks import __all__ as __all__

@@ -2,8 +2,9 @@
 
 Softmax attention is :func:`jattn.attention`; ``kind='linear'`` uses :func:`jattn.linear_attention`.
 The call itself (batch dims, masks, QK norm, rotary embedding, the decoding cache) is shared with
-:mod:`jattn.linen` in ``jattn._heads``; the cache is a dict of arrays (``jattn._cache``) held in
-``nnx.Cache`` variables.
+:mod:`jattn.linen` in ``jattn._module_call``, and so are the options, declared once (names, types,
+defaults, documentation) in ``jattn._module_options.ModuleOptions``; the cache is a dict of arrays
+(``jattn._cache``) held in ``nnx.Cache`` variables.
 
 Parameters (the article's names): ``wq`` (``d_model -> N*D``), ``wk`` and ``wv`` (keys/values
 features ``-> K*D``, K = ``num_kv_heads``) and, when there is an output projection, ``wo``
@@ -22,9 +23,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import Array
 
-from jattn import _heads
 from jattn._checks import check_bool
-from jattn._masks import Mask
+from jattn._mask_base import Mask
+from jattn._module_call import CallArguments, Layers, check_context, check_input, forward, init_cache
+from jattn._module_options import ModuleOptions, configure
 from jattn._score_mods import ScoreMod
 
 __all__ = ["CrossAttention", "SelfAttention"]
@@ -41,90 +43,49 @@ class _Attention(nnx.Module):
         self,
         d_model: int,
         kv_features: int,
+        options: ModuleOptions,
         *,
-        num_heads: int,
-        num_kv_heads: int | None,
-        qkv_features: int | None,
-        out_features: int | None,
-        out_proj: bool | None,
-        use_bias: bool,
-        kind: str,
-        feature_map: str | Callable[[Array], Array],
-        dropout_rate: float,
-        deterministic: bool,
-        dtype: Any,
-        param_dtype: Any,
-        precision: jax.lax.PrecisionLike,
-        sequence_axis: str | None,
-        implementation: str | None,
-        block_size: int | tuple[int, int] | None,
-        normalize_qk: bool,
-        rope: bool,
-        rope_base: float,
-        decode: bool,
-        score_mod: ScoreMod | None,
-        sinks: bool,
         kernel_init: nnx.Initializer,
         bias_init: nnx.Initializer,
         rngs: nnx.Rngs,
     ) -> None:
-        o = _heads.options(
-            d_model,
-            kv_features,
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            qkv_features=qkv_features,
-            out_features=out_features,
-            out_proj=out_proj,
-            use_bias=use_bias,
-            kind=kind,
-            feature_map=feature_map,
-            dropout_rate=dropout_rate,
-            deterministic=deterministic,
-            dtype=dtype,
-            param_dtype=param_dtype,
-            precision=precision,
-            sequence_axis=sequence_axis,
-            implementation=implementation,
-            block_size=block_size,
-            normalize_qk=normalize_qk,
-            rope=rope,
-            rope_base=rope_base,
-            decode=decode,
-            score_mod=score_mod,
-            sinks=sinks,
-        )
+        o = configure(d_model, kv_features, options)
         self.options = o
-        self.deterministic = bool(deterministic)  # Flax's switch: .eval(), .train() and nnx.view set it
+        self.deterministic = bool(o.deterministic)  # Flax's switch: .eval(), .train() and nnx.view set it
         self.d_model, self.kv_features, self.num_heads = o.d_model, o.kv_features, o.num_heads
         self.num_kv_heads, self.head_depth, self.kind = o.num_kv_heads, o.head_depth, o.kind
-
-        def linear(fin: int, fout: int) -> nnx.Linear:
-            return nnx.Linear(
-                fin,
-                fout,
-                use_bias=use_bias,
-                dtype=dtype,
-                param_dtype=param_dtype,
-                precision=precision,
-                kernel_init=kernel_init,
-                bias_init=bias_init,
-                rngs=rngs,
-            )
-
-        def norm() -> nnx.LayerNorm:  # Flax's QK norm: LayerNorm over D without bias, epsilon 1e-6
-            return nnx.LayerNorm(o.head_depth, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-
-        features = o.num_heads * o.head_depth
-        self.wq = linear(o.d_model, features)
-        self.wk = linear(o.kv_features, o.num_kv_heads * o.head_depth)
-        self.wv = linear(o.kv_features, o.num_kv_heads * o.head_depth)
-        self.wo = linear(features, o.out_features) if o.out_features is not None else nnx.data(None)
-        self.query_ln = norm() if o.normalize_qk else nnx.data(None)
-        self.key_ln = norm() if o.normalize_qk else nnx.data(None)
-        self.sinks = nnx.Param(jnp.zeros((o.num_heads,), param_dtype)) if o.sinks else nnx.data(None)
+        init = dict(kernel_init=kernel_init, bias_init=bias_init, rngs=rngs)
+        self.wq = self._linear(o.d_model, o.qkv_features, **init)
+        self.wk = self._linear(o.kv_features, o.num_kv_heads * o.head_depth, **init)
+        self.wv = self._linear(o.kv_features, o.num_kv_heads * o.head_depth, **init)
+        self.wo = self._linear(o.qkv_features, o.out_features, **init) if o.out_proj else nnx.data(None)
+        self.query_ln = self._norm(rngs) if o.normalize_qk else nnx.data(None)
+        self.key_ln = self._norm(rngs) if o.normalize_qk else nnx.data(None)
+        self.sinks = nnx.Param(jnp.zeros((o.num_heads,), o.param_dtype)) if o.sinks else nnx.data(None)
         self.dropout_rngs = rngs.dropout.fork() if o.dropout_rate > 0 else nnx.data(None)
         self.cache: dict[str, nnx.Cache] | None = nnx.data(None)
+
+    def _linear(
+        self, fin: int, fout: int, *, kernel_init: nnx.Initializer, bias_init: nnx.Initializer, rngs: nnx.Rngs
+    ) -> nnx.Linear:
+        """A projection ``(B, L, fin) -> (B, L, fout)`` with the module's bias, dtypes and precision."""
+        o = self.options
+        return nnx.Linear(
+            fin,
+            fout,
+            use_bias=o.use_bias,
+            dtype=o.dtype,
+            param_dtype=o.param_dtype,
+            precision=o.precision,
+            kernel_init=kernel_init,
+            bias_init=bias_init,
+            rngs=rngs,
+        )
+
+    def _norm(self, rngs: nnx.Rngs) -> nnx.LayerNorm:
+        """Flax's QK norm: LayerNorm over D without bias, epsilon 1e-6."""
+        o = self.options
+        return nnx.LayerNorm(o.head_depth, use_bias=False, dtype=o.dtype, param_dtype=o.param_dtype, rngs=rngs)
 
     def set_view(self, deterministic: bool | None = None) -> None:
         """Sets the switches ``nnx.view`` is given (Flax's hook, as on ``nnx.MultiHeadAttention``).
@@ -136,53 +97,27 @@ class _Attention(nnx.Module):
             self.deterministic = check_bool("deterministic", deterministic)
 
     def _call(
-        self,
-        x: Array,
-        context: Array | None,
-        mask: Array | Mask | None,
-        *,
-        context_mask: Array | None = None,
-        deterministic: bool | None,
-        rngs: nnx.Rngs | None,
-        return_weights: bool,
-        sow_weights: bool,
-        decode: bool | None = False,
-        lengths: Array | None = None,
-        implementation: str | None,
-        block_size: int | tuple[int, int] | None,
+        self, x: Array, context: Array | None, call: CallArguments, rngs: nnx.Rngs | None
     ) -> Array | tuple[Array, Array]:
-        _heads.check_call(deterministic, return_weights, decode, sow_weights)
-        decode = self.options.decode if decode is None else decode
+        deterministic = call.deterministic
         if deterministic is None:
             deterministic = check_bool("deterministic (the module attribute)", self.deterministic)
         rng = None
         if self.options.dropout_rate > 0 and not deterministic:
             rng = (rngs.dropout if rngs is not None else self.dropout_rngs)()
+        decode = call.decoding(self.options)
         if decode and self.cache is None:
             raise ValueError("decode=True needs init_cache(batch_size, max_length) first")
         cache = {name: var[...] for name, var in self.cache.items()} if decode else None
         sinks = None if self.sinks is None else self.sinks[...]
-        layers = _heads.Layers(self.wq, self.wk, self.wv, self.wo, self.query_ln, self.key_ln, sinks)
-        out, weights, cache = _heads.forward(
-            self.options,
-            layers,
-            x,
-            context,
-            mask,
-            context_mask=context_mask,
-            cache=cache,
-            lengths=lengths,
-            dropout_rng=rng,
-            return_weights=return_weights or sow_weights,
-            implementation=implementation,
-            block_size=block_size,
-        )
+        layers = Layers(self.wq, self.wk, self.wv, self.wo, self.query_ln, self.key_ln, sinks)
+        out, weights, cache = forward(self.options, layers, x, context, call, cache=cache, dropout_rng=rng)
         if cache is not None:
             for name, value in cache.items():
                 self.cache[name][...] = value
-        if sow_weights:
+        if call.sow_weights:
             self.sow(nnx.Intermediate, SOW_NAME, weights)
-        return (out, weights) if return_weights else out
+        return (out, weights) if call.return_weights else out
 
 
 class SelfAttention(_Attention):
@@ -193,54 +128,12 @@ class SelfAttention(_Attention):
     output ``(..., T, d_model)`` without an output projection. :class:`jattn.linen.SelfAttention`
     takes the same options under the same names.
 
+    The keyword options from ``num_heads`` to ``sinks`` are documented once, for NNX and Linen,
+    in the Attributes of :class:`jattn._module_options.ModuleOptions` (the same names, types and
+    defaults); ``deterministic`` becomes the module's attribute of that name (:meth:`set_view`).
+
     Args:
       d_model: input features.
-      num_heads: query heads N.
-      num_kv_heads: key/value heads K (default N); N/K query heads share one kv head
-        (grouped-query attention; K=1 is multi-query). Must divide N.
-      qkv_features: total query features N*D (default d_model); kv heads have the same D.
-      out_features: output features; setting it implies an output projection.
-      out_proj: add the output projection ``wo``; default True when ``num_heads > 1`` or
-        ``out_features`` is set. Without it the output has qkv_features features.
-      use_bias: biases on the projections.
-      kind: ``'softmax'`` (default) or ``'linear'`` (:func:`jattn.linear_attention`, whose
-        only masks are None and ``masks.causal()``).
-      feature_map: the feature map of linear attention (``'elu'``, ... or a callable).
-      dropout_rate: dropout on the attention weights (softmax kind), in ``[0, 1)``.
-      deterministic: the attribute ``deterministic``, the default of the call-time switch;
-        dropout is off when True. Flax's convention, as ``nnx.MultiHeadAttention``:
-        ``model.eval()`` sets it True and ``model.train()`` False in every nested module, and
-        ``nnx.view(model, deterministic=...)`` gives a view with it set (:meth:`set_view`).
-      dtype: computation dtype (default: inferred from input and params).
-      param_dtype: parameter dtype.
-      precision: matmul precision for projections and attention.
-      sequence_axis: a mesh axis the sequence is sharded over; when the current mesh
-        (``jax.set_mesh``) has it with more than one device, softmax attention runs as ring
-        attention over it (:func:`jattn.sequence_parallel_attention`; masks: None or a
-        position-only predicate, no dropout). Decoding uses the plain core.
-      implementation: the path of :func:`jattn.attention` (``'dense'``, ``'blockwise'``,
-        ``'xla'``, ``'cudnn'``; default None: chosen per call). Mask predicates reach the core
-        as they are, so the blockwise path skips their empty tiles; overridable per call.
-      block_size: the blockwise tiles ``(block_q, block_kv)`` or one int (default: chosen from
-        the mask); overridable per call.
-      normalize_qk: QK normalisation as Flax's ``MultiHeadAttention(normalize_qk=True)``: a
-        bias-free LayerNorm over the head depth D (``query_ln``, ``key_ln``; scale shared by
-        the heads, epsilon 1e-6) on queries and keys after their projections.
-      rope: rotary position embeddings (:func:`jattn.rope`) on queries and keys (after the
-        QK norm) at their absolute positions: ``0..T-1``, or the cache's positions when
-        decoding (so decoding equals the full pass). Needs an even head depth D.
-      rope_base: the wavelength base of ``rope`` (> 0).
-      decode: default for the call-time ``decode`` switch.
-      score_mod: a score modification ``(score, batch, head, q_pos, kv_pos) -> score``
-        (:mod:`jattn.score_mods`: ``softcap``, ``alibi``, ...) that :func:`jattn.attention`
-        applies on every call (softmax kind). ``head`` is the query head n (kv head
-        ``n // (N/K)``); ``q_pos``, ``kv_pos`` are absolute positions: ``0..T-1`` in a full
-        pass, the cache's positions when decoding (so decoding equals the full pass). Arrays
-        it closes over are constants of the module (not parameters): hold learned ones
-        yourself and build the module's mod from them.
-      sinks: a learned sink logit per query head, the parameter ``sinks (N,)`` (zeros at
-        init, head n = k·(N/K) + g as the heads are split), passed as :func:`jattn.attention`'s
-        ``sinks``: each row's softmax denominator gains ``e^sink`` (softmax kind).
       kernel_init, bias_init: initialisers of the projections.
       rngs: ``nnx.Rngs`` for the parameters (``params``) and dropout (``dropout``).
 
@@ -278,33 +171,7 @@ class SelfAttention(_Attention):
         rngs: nnx.Rngs,
     ) -> None:
         super().__init__(
-            d_model,
-            d_model,
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            qkv_features=qkv_features,
-            out_features=out_features,
-            out_proj=out_proj,
-            use_bias=use_bias,
-            kind=kind,
-            feature_map=feature_map,
-            dropout_rate=dropout_rate,
-            deterministic=deterministic,
-            dtype=dtype,
-            param_dtype=param_dtype,
-            precision=precision,
-            sequence_axis=sequence_axis,
-            implementation=implementation,
-            block_size=block_size,
-            normalize_qk=normalize_qk,
-            rope=rope,
-            rope_base=rope_base,
-            decode=decode,
-            score_mod=score_mod,
-            sinks=sinks,
-            kernel_init=kernel_init,
-            bias_init=bias_init,
-            rngs=rngs,
+            d_model, d_model, ModuleOptions.pick(locals()), kernel_init=kernel_init, bias_init=bias_init, rngs=rngs
         )
 
     def __call__(
@@ -348,20 +215,8 @@ class SelfAttention(_Attention):
           ``(..., T, F)`` with F the out features (or qkv features without ``wo``), and the
           weights when ``return_weights`` (with ``decode``, S = cache slots + T).
         """
-        _heads.check_input("x", x, self.d_model)
-        return self._call(
-            x,
-            None,
-            mask,
-            deterministic=deterministic,
-            rngs=rngs,
-            return_weights=return_weights,
-            sow_weights=sow_weights,
-            decode=decode,
-            lengths=lengths,
-            implementation=implementation,
-            block_size=block_size,
-        )
+        check_input("x", x, self.d_model)
+        return self._call(x, None, CallArguments.pick(locals()), rngs)
 
     def init_cache(
         self,
@@ -390,7 +245,7 @@ class SelfAttention(_Attention):
           pinned: distinct non-negative int positions kept beside the window (needs ``window``).
           dtype: floating dtype of the cached keys and values (or state).
         """
-        cache = _heads.init_cache(self.options, batch_size, max_length, window, pinned, dtype)
+        cache = init_cache(self.options, batch_size, max_length, window, pinned, dtype)
         self.cache = nnx.data({name: nnx.Cache(value) for name, value in cache.items()})
 
 
@@ -434,35 +289,8 @@ class CrossAttention(_Attention):
         bias_init: nnx.Initializer = _BIAS_INIT,
         rngs: nnx.Rngs,
     ) -> None:
-        super().__init__(
-            d_model,
-            context_features,
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            qkv_features=qkv_features,
-            out_features=out_features,
-            out_proj=out_proj,
-            use_bias=use_bias,
-            kind=kind,
-            feature_map=feature_map,
-            dropout_rate=dropout_rate,
-            deterministic=deterministic,
-            dtype=dtype,
-            param_dtype=param_dtype,
-            precision=precision,
-            sequence_axis=sequence_axis,
-            implementation=implementation,
-            block_size=block_size,
-            normalize_qk=normalize_qk,
-            rope=False,
-            rope_base=10000.0,
-            decode=False,
-            score_mod=score_mod,
-            sinks=sinks,
-            kernel_init=kernel_init,
-            bias_init=bias_init,
-            rngs=rngs,
-        )
+        options = ModuleOptions.pick(locals())  # rope, rope_base and decode keep their defaults
+        super().__init__(d_model, context_features, options, kernel_init=kernel_init, bias_init=bias_init, rngs=rngs)
 
     def __call__(
         self,
@@ -487,16 +315,5 @@ class CrossAttention(_Attention):
           deterministic, rngs, return_weights, sow_weights, implementation, block_size: as for
             :class:`SelfAttention`.
         """
-        _heads.check_context(x, self.d_model, context, self.kv_features, context_mask)
-        return self._call(
-            x,
-            context,
-            mask,
-            context_mask=context_mask,
-            deterministic=deterministic,
-            rngs=rngs,
-            return_weights=return_weights,
-            sow_weights=sow_weights,
-            implementation=implementation,
-            block_size=block_size,
-        )
+        check_context(x, self.d_model, context, self.kv_features, context_mask)
+        return self._call(x, context, CallArguments.pick(locals()), rngs)

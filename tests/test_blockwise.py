@@ -260,12 +260,34 @@ def test_paths_refuse_what_they_cannot_express(kwargs, match):
         jattn.attention(q, q, q, **kwargs)
 
 
-def test_automatic_tiles_shrink_for_narrow_windows_and_keep_the_result():
+#: The platform and CPU threads of each of ``jattn._platform.TILINGS``'s tilings.
+_TILING_WHERE = {"cpu": ("cpu", 2), "cpu, 1 thread": ("cpu", 1), "other": ("gpu", 2)}
+
+
+def _auto_tile(monkeypatch, mask, T: int, platform: str, threads: int) -> tuple[int, int]:
+    """The forward tile ``(bq, bk)`` blockwise attention takes with ``block_size=None`` at T = S on ``platform``, ``threads``.
+
+    Read from the traced forward on XLA's tiles (the fused CPU forward off): its largest score
+    matmul ``(1, bq, bk)``, where some tile is computed whole (the parts of a split tile, on the
+    causal diagonal, are smaller). The patches hold for the trace only.
+    """
+    import jattn._platform as platform_facts
+
+    with monkeypatch.context() as patch:
+        patch.setattr(platform_facts, "platform", lambda: platform)
+        patch.setattr(platform_facts, "cpu_threads", lambda: threads)
+        patch.setenv("JATTN_FUSED_CPU", "0")
+        q = jax.ShapeDtypeStruct((1, 1, T, 8), jnp.float32)
+        shapes = _dot_shapes(lambda q: jattn.attention(q, q, q, mask=mask, implementation="blockwise"), q)
+    dims = [tuple(int(n) for n in x[x.index("[") + 1 : -1].split(",")) for x in shapes]
+    return max((d[1:] for d in dims if d[-1] != 8), key=lambda t: t[0] * t[1])  # not the (1, bq, 8) products with v
+
+
+def test_automatic_tiles_shrink_for_narrow_windows_and_keep_the_result(monkeypatch):
     """block_size=None: the largest tile of each tiling for full attention; smaller ones where a window leaves most of a big tile masked."""
-    from jattn._tiles import auto_block as _auto_block
 
     def auto(mask, tiling, T=8192):
-        return _auto_block(mask, T, T, None, 0, tiling)
+        return _auto_tile(monkeypatch, mask, T, *_TILING_WHERE[tiling])
 
     assert auto(None, "other") == auto(masks.causal(), "other") == (512, 512)
     assert auto(None, "cpu") == auto(masks.causal(), "cpu", T=16384) == (2048, 2048)
@@ -295,11 +317,10 @@ def test_automatic_tiles_shrink_for_narrow_windows_and_keep_the_result():
 def test_cpu_tiles_follow_the_threads(monkeypatch, threads, want):
     """On CPU the automatic tile depends on the cores the process may use; each choice gives the reference's result."""
     import jattn._platform as platform_facts
-    from jattn._tiles import auto_block as _auto_block
 
     monkeypatch.setattr(platform_facts, "platform", lambda: "cpu")
     monkeypatch.setattr(platform_facts, "cpu_threads", lambda: threads)
-    assert _auto_block(None, 4096, 4096, None, 0) == want
+    assert _auto_tile(monkeypatch, None, 4096, "cpu", threads) == want
     q, k, v = _rand((1, 3, 1100, 8), 0), _rand((1, 3, 1100, 8), 1), _rand((1, 3, 1100, 8), 2)
     for mask in (None, masks.causal()):
         got = jattn.attention(q, k, v, mask=mask, implementation="blockwise")

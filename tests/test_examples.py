@@ -16,7 +16,7 @@ than this process: the examples configure JAX's devices, which only a fresh proc
 must not see the test session's own JAX settings.
 
 Bash blocks are not run; their ``--config`` paths and every ``configs/*.py`` the docs name must
-exist. The support tables (README, docs/guide/core.md) must be ``jattn.SUPPORT``, README's layout
+exist. The support tables (README, docs/guide/core.md) must be ``jattn.SUPPORT``, docs/architecture.md's module table
 must name every module of jattn/, and relative links must reach a file and heading that exist.
 """
 
@@ -124,7 +124,7 @@ def test_every_file_has_examples() -> None:
         assert blocks(ROOT / name, "python"), name
     for path in DOCS:
         for m in FENCE.finditer(path.read_text()):
-            assert m.group(1) in ("python", "bash", "text", "yaml", "toml", ""), (path, m.group(1))
+            assert m.group(1) in ("python", "bash", "text", "yaml", "toml", "mermaid", ""), (path, m.group(1))
 
 
 def test_named_configs_exist() -> None:
@@ -177,10 +177,10 @@ def test_links_resolve() -> None:
                 assert anchor in anchors(linked), f"{path.relative_to(ROOT)} links to {target}: no such heading"
 
 
-def test_readme_layout_names_every_module() -> None:
-    layout = (ROOT / "README.md").read_text().split("## Layout", 1)[1]
+def test_architecture_page_names_every_module() -> None:
+    layout = (ROOT / "docs" / "architecture.md").read_text().split("## The modules", 1)[1]
     for module in sorted((ROOT / "jattn").glob("*.py")) + sorted((ROOT / "jattn").glob("*.cc")):
         if module.name == "__init__.py":
             continue
         stem = f"jattn/{module.stem}."
-        assert f"jattn/{module.name}" in layout or stem + "*" in layout, f"README's layout misses {module.name}"
+        assert f"jattn/{module.name}" in layout or stem + "*" in layout, f"docs/architecture.md misses {module.name}"

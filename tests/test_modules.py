@@ -402,3 +402,45 @@ def test_cross_attention_score_mod_and_sinks_nnx_equals_linen():
     o, _, _ = ref.attention(q, k, v, mask=mask, score_mod=_np_flex_mod, sinks=np.asarray(params["sinks"], np.float64))
     want = o.transpose(0, 2, 1, 3).reshape(2, 5, -1) @ np.asarray(params["wo"]["kernel"], np.float64)
     np.testing.assert_allclose(out, want, **ref.tol(jnp.float32))
+
+
+def test_module_options_are_declared_once_and_the_modules_take_them_as_declared():
+    """NNX constructors and Linen fields carry the declaration's options: names, order, defaults, annotations.
+
+    The declaration (``jattn._module_options.ModuleOptions``, imported here as the one private
+    name this test checks against) documents them; a new option written in one place only fails here.
+    """
+    import dataclasses
+    import inspect
+
+    from jattn._module_options import SELF_ATTENTION_ONLY, ModuleOptions
+
+    declared = [(f.name, f.default, f.type) for f in dataclasses.fields(ModuleOptions)]
+    cross = [d for d in declared if d[0] not in SELF_ATTENTION_ONLY]
+    assert [d[0] for d in declared if d not in cross] == list(SELF_ATTENTION_ONLY)
+
+    def nnx_options(cls, shape):  # (name, default, annotation) of the keyword options, in order
+        params = list(inspect.signature(cls.__init__).parameters.values())
+        assert [p.name for p in params[: len(shape) + 1]] == ["self", *shape]
+        assert [p.name for p in params[-3:]] == ["kernel_init", "bias_init", "rngs"]
+        assert all(p.kind is p.KEYWORD_ONLY for p in params[len(shape) + 1 :])
+        return [(p.name, p.default, p.annotation) for p in params[len(shape) + 1 : -3]]
+
+    assert nnx_options(jattn.nnx.SelfAttention, ["d_model"]) == declared
+    assert nnx_options(jattn.nnx.CrossAttention, ["d_model", "context_features"]) == cross
+
+    def linen_fields(cls):  # the fields but Linen's own parent and name, in order
+        return [(f.name, f.default, f.type) for f in dataclasses.fields(cls) if f.name not in ("parent", "name")]
+
+    init = ["kernel_init", "bias_init"]
+    for cls, extra in [
+        (jattn.linen.SelfAttention, [d for d in declared if d[0] in SELF_ATTENTION_ONLY]),
+        (jattn.linen.CrossAttention, [("context_features", 0, "int")]),
+    ]:
+        fields = linen_fields(cls)
+        assert [f[0] for f in fields] == ["d_model", *(d[0] for d in cross), *init, *(d[0] for d in extra)]
+        assert [f for f in fields if f[0] not in ("d_model", *init)] == cross + extra
+    # init_cache is written out in both too: the same parameters, defaults and annotations
+    assert inspect.signature(jattn.nnx.SelfAttention.init_cache) == inspect.signature(
+        jattn.linen.SelfAttention.init_cache
+    )

@@ -12,7 +12,6 @@ from jax.sharding import AxisType, PartitionSpec
 
 import jattn
 from jattn import masks
-from jattn._ring import _owned, _Ring
 from tests import reference as ref
 
 POSITION_MASKS = {
@@ -200,9 +199,32 @@ def test_ring_gradient_reaches_only_the_past_across_devices():
 
 
 def _work(mask, p, layout, n=8):
-    c = 1 if layout == "contiguous" else 2
-    kinds = mask.block_kinds(p * n, p * n, n // c, n // c)
-    return _Ring("s", p, _owned(layout, p), kinds, mask, n // c, n // c, 0, 1.0, False, jnp.dtype(jnp.float32)).work()
+    """``(P steps, P devices)``: how many (query chunk, key chunk) pairs each device computes at each step.
+
+    Observed on a run: a score_mod reports the global positions of every tile it is applied to,
+    which is every pair the ring computes (an empty pair is skipped). The query chunk names the
+    device (its layout's owner) and the key chunk how far it has travelled: the step.
+    """
+    chunk = n if layout == "contiguous" else n // 2
+    pairs = []
+
+    def report(q_pos, kv_pos):
+        pairs.append((int(q_pos) // chunk, int(kv_pos) // chunk))
+
+    def mod(score, batch, head, q_pos, kv_pos):
+        jax.debug.callback(report, q_pos[0, 0, 0], kv_pos[0, 0, 0])
+        return score
+
+    x = jnp.zeros((1, p * n, 4), jnp.float32)
+    _ring_fn(p, layout, mask=mask, score_mod=mod)(x, x, x).block_until_ready()
+    jax.effects_barrier()
+    chunks = np.arange(p * n // chunk)
+    owner = chunks if layout == "contiguous" else np.minimum(chunks, 2 * p - 1 - chunks)  # zigzag: r and 2P-1-r
+    work = np.zeros((p, p), int)
+    for q_chunk, kv_chunk in pairs:
+        r, src = owner[q_chunk], owner[kv_chunk]
+        work[(r - src) % p, r] += 1
+    return work
 
 
 @pytest.mark.parametrize("p", [2, 4, 8])
@@ -213,6 +235,9 @@ def test_causal_ring_skips_future_slices_and_zigzag_balances_them(p):
     zig = _work(masks.causal(), p, "zigzag")  # quarter-size chunk pairs
     assert np.all(zig == zig[:, :1])  # balanced across devices at every step
     assert zig.sum() == p * (2 * p + 1)  # = number of non-empty chunk pairs of a causal 2P x 2P grid
+
+
+def test_window_ring_skips_slices_two_back():
     window = _work(masks.sliding_window(8), 8, "contiguous")
     assert window[2:].sum() == 0  # a window of one slice never needs keys from two slices back
 

@@ -18,9 +18,11 @@ from jax.typing import ArrayLike
 
 from jattn import masks
 from jattn._checks import check_bool, check_int, check_mask, int_array
-from jattn._core import IMPLEMENTATIONS, attention
+from jattn._core import attention
 from jattn._layouts import from_grouped, heads_grid, to_grouped
-from jattn._masks import array as array_mask
+from jattn._mask_base import Mask
+from jattn._mask_base import mask_of_array as array_mask
+from jattn._paths import IMPLEMENTATIONS
 
 __all__ = ["dot_product_attention"]
 
@@ -51,13 +53,92 @@ def _typed(name: str, x: ArrayLike, kind: type) -> Array:
     return x
 
 
-def _lengths(name: str, x: ArrayLike, B: int, L: int, axis: int) -> Array:
+def _valid_positions(name: str, x: ArrayLike, B: int, L: int, axis: int) -> Array:
     """Valid positions ``arange(L) < x[b]`` as a boolean ``(B, 1, 1, L, 1)`` (axis -2) or ``(B, 1, 1, 1, L)``."""
     x = int_array(name, x, ndim=1, shape=f"(B,) = ({B},)")
     if x.shape[0] != B:
         raise ValueError(f"{name} must have shape (B,) = ({B},), got {x.shape}")
     valid = jnp.arange(L, dtype=jnp.int32)[None, :] < x.astype(jnp.int32)[:, None]  # (B, L)
     return valid.reshape(B, 1, 1, L, 1) if axis == -2 else valid.reshape(B, 1, 1, 1, L)
+
+
+def _batched(q: Array, k: Array, v: Array) -> tuple[Array, Array, Array, bool]:
+    """The arrays q ``(B, T, N, H)``, k ``(B, S, K, H)``, v ``(B, S, K, E)`` (B = 1 added where unbatched), and whether batched.
+
+    Raises unless the ranks agree, B, S, K and H match, and N is a multiple of K; the errors
+    report the shapes given.
+    """
+    given = f"query {q.shape}, key {k.shape}, value {v.shape}"
+    if q.ndim not in (3, 4) or k.ndim != q.ndim or v.ndim != q.ndim:
+        raise ValueError(f"query, key and value must all be (B, T|S, N|K, H) or all (T|S, N|K, H), got {given}")
+    batched = q.ndim == 4
+    query_shape, key_shape = q.shape, k.shape
+    if not batched:
+        q, k, v = q[None], k[None], v[None]
+    B, _, N, H = q.shape
+    _, S, K, _ = k.shape
+    if k.shape[0] != B or v.shape[0] != B or k.shape[-1] != H or v.shape[1:3] != (S, K):
+        raise ValueError(
+            f"expected query (B, T, N, H), key (B, S, K, H), value (B, S, K, E) with one B, S, K and H, got {given}"
+            + _TORCH_LAYOUT
+        )
+    if K == 0 or N % K:
+        raise ValueError(
+            f"the query heads N must be a multiple of the key/value heads K, got N={N} (query {query_shape}) "
+            f"and K={K} (key {key_shape})" + _TORCH_LAYOUT
+        )
+    return q, k, v, batched
+
+
+def _combined_mask(
+    mask: ArrayLike | None,
+    query_seq_lengths: ArrayLike | None,
+    key_value_seq_lengths: ArrayLike | None,
+    is_causal: bool,
+    local_window_size: int | tuple[int, int] | None,
+    shape: tuple[int, int, int, int, int],
+) -> tuple[Mask | None, dict]:
+    """jax.nn's mask arguments as one jattn mask over ``(B, K, G, T, S)``, with the offsets that align it top-left.
+
+    ``shape`` is ``(B, N, K, T, S)``. The arrays (mask, lengths) are checked in that order, then
+    the window.
+    """
+    B, N, K, T, S = shape
+    arrays = []
+    if mask is not None:
+        arrays.append(heads_grid("mask", _typed("mask", mask, jnp.bool_), (B,), N, K, T, S))
+    if query_seq_lengths is not None:
+        arrays.append(_valid_positions("query_seq_lengths", query_seq_lengths, B, T, axis=-2))
+    if key_value_seq_lengths is not None:
+        arrays.append(_valid_positions("key_value_seq_lengths", key_value_seq_lengths, B, S, axis=-1))
+    predicates = []
+    if is_causal:
+        predicates.append(masks.causal())
+    if local_window_size is not None:
+        predicates.append(masks.sliding_window(*_window(local_window_size)))
+    combined = None
+    for term in [*predicates, *(array_mask(a) for a in arrays)]:
+        combined = term if combined is None else combined & term
+    return combined, (dict(q_offset=0, kv_offset=0) if predicates else {})
+
+
+def _jax_nn_outputs(
+    result: Array | tuple[Array, Array], N: int, batched: bool, return_residual: bool
+) -> Array | tuple[Array, Array]:
+    """:func:`jattn.attention`'s ``out (B, K, G, T, E)`` (and ``lse (B, K, G, T)``) in jax.nn's layout.
+
+    ``out (B, T, N, E)`` and the residual ``(B, T, N)`` in the dtype of out, without B when not
+    ``batched``.
+    """
+    out, lse = result if return_residual else (result, None)
+    out = from_grouped(out, N)  # (B, K, G, T, E) -> (B, T, N, E)
+    if not batched:
+        out = out[0]
+    if not return_residual:
+        return out
+    B, T = lse.shape[0], lse.shape[-1]
+    lse = lse.reshape(B, N, T).transpose(0, 2, 1).astype(out.dtype)  # (B, T, N)
+    return out, (lse if batched else lse[0])
 
 
 def dot_product_attention(
@@ -132,51 +213,18 @@ def dot_product_attention(
     """
     q, k, v = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
     check_mask(mask, arrays_only=True)
-    if q.ndim not in (3, 4) or k.ndim != q.ndim or v.ndim != q.ndim:
-        raise ValueError(
-            "query, key and value must all be (B, T|S, N|K, H) or all (T|S, N|K, H), got "
-            f"query {q.shape}, key {k.shape}, value {v.shape}"
-        )
-    batched = q.ndim == 4
-    if not batched:
-        q, k, v = q[None], k[None], v[None]
-    B, T, N, H = q.shape
+    q, k, v, batched = _batched(q, k, v)
+    B, T, N, _ = q.shape
     _, S, K, _ = k.shape
-    if k.shape[0] != B or v.shape[0] != B or k.shape[-1] != H or v.shape[1:3] != (S, K):
-        raise ValueError(
-            f"expected query (B, T, N, H), key (B, S, K, H), value (B, S, K, E) with one B, S, K and H, got "
-            f"query {jnp.shape(query)}, key {jnp.shape(key)}, value {jnp.shape(value)}" + _TORCH_LAYOUT
-        )
-    if K == 0 or N % K:
-        raise ValueError(
-            f"the query heads N must be a multiple of the key/value heads K, got N={N} (query {jnp.shape(query)}) "
-            f"and K={K} (key {jnp.shape(key)})" + _TORCH_LAYOUT
-        )
     if implementation is not None and implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be None or one of {IMPLEMENTATIONS}, got {implementation!r}")
     is_causal = check_bool("is_causal", is_causal)
     return_residual = check_bool("return_residual", return_residual)
     qj, kj, vj = to_grouped(q, k, v, K)  # (B, K, G, T, H), (B, K, 1, S, H), (B, K, 1, S, E)
-
-    arrays = []
-    if mask is not None:
-        arrays.append(heads_grid("mask", _typed("mask", mask, jnp.bool_), (B,), N, K, T, S))
-    if query_seq_lengths is not None:
-        arrays.append(_lengths("query_seq_lengths", query_seq_lengths, B, T, axis=-2))
-    if key_value_seq_lengths is not None:
-        arrays.append(_lengths("key_value_seq_lengths", key_value_seq_lengths, B, S, axis=-1))
-    predicates = []
-    if is_causal:
-        predicates.append(masks.causal())
-    if local_window_size is not None:
-        predicates.append(masks.sliding_window(*_window(local_window_size)))
-
-    combined = None
-    for term in [*predicates, *(array_mask(a) for a in arrays)]:
-        combined = term if combined is None else combined & term
-    offsets = dict(q_offset=0, kv_offset=0) if predicates else {}
+    combined, offsets = _combined_mask(
+        mask, query_seq_lengths, key_value_seq_lengths, is_causal, local_window_size, (B, N, K, T, S)
+    )
     jbias = None if bias is None else heads_grid("bias", _typed("bias", bias, jnp.floating), (B,), N, K, T, S)
-
     result = attention(
         qj,
         kj,
@@ -188,11 +236,4 @@ def dot_product_attention(
         implementation=implementation,
         **offsets,
     )
-    out, lse = result if return_residual else (result, None)
-    out = from_grouped(out, N)  # (B, K, G, T, E) -> (B, T, N, E)
-    if not batched:
-        out = out[0]
-    if not return_residual:
-        return out
-    lse = lse.reshape(B, N, T).transpose(0, 2, 1).astype(out.dtype)  # (B, T, N)
-    return out, (lse if batched else lse[0])
+    return _jax_nn_outputs(result, N, batched, return_residual)

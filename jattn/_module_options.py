@@ -1,0 +1,241 @@
+"""The options of the attention modules, declared once, and their checks.
+
+:class:`ModuleOptions` is the one declaration of the options :mod:`jattn.nnx` and
+:mod:`jattn.linen` share: each option's name, type, default and documentation. The NNX
+constructors and the Linen fields take them under these names, in this order, with these
+defaults and annotations (tests/test_modules.py fails where they drift apart); an NNX constructor
+builds its options from its arguments in one line (:meth:`ModuleOptions.pick`), a Linen module
+from its fields. :func:`configure` checks them (a ValueError or TypeError naming the option) and
+resolves their defaults against the module's feature sizes into a :class:`ModuleConfig`, which
+the module call (:mod:`jattn._module_call`) reads. Dimension key: :mod:`jattn._core`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import Array
+
+from jattn._checks import (
+    check_block_size,
+    check_bool,
+    check_dtype,
+    check_int,
+    check_real,
+    check_score_mod,
+)
+from jattn._core import IMPLEMENTATIONS
+from jattn._linear import feature_fn
+from jattn._score_mods import ScoreMod
+
+__all__ = [
+    "KINDS",
+    "SELF_ATTENTION_ONLY",
+    "ModuleConfig",
+    "ModuleOptions",
+    "check_heads",
+    "check_kind",
+    "check_path",
+    "configure",
+]
+
+KINDS = ("softmax", "linear")
+SELF_ATTENTION_ONLY = ("rope", "rope_base", "decode")  # the options cross-attention does not take
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModuleOptions:
+    """The options of :class:`jattn.nnx.SelfAttention` and :class:`jattn.linen.SelfAttention`.
+
+    Cross-attention (:class:`jattn.nnx.CrossAttention`, :class:`jattn.linen.CrossAttention`)
+    takes all of them but ``rope``, ``rope_base`` and ``decode`` (:data:`SELF_ATTENTION_ONLY`).
+    N: query heads, K: key/value heads, D: head depth (``qkv_features / N``).
+
+    Attributes:
+      num_heads: query heads N.
+      num_kv_heads: key/value heads K (default N); N/K query heads share one kv head
+        (grouped-query attention; K=1 is multi-query). Must divide N.
+      qkv_features: total query features N*D (default d_model); kv heads have the same D.
+      out_features: output features; setting it implies an output projection.
+      out_proj: add the output projection ``wo``; default True when ``num_heads > 1`` or
+        ``out_features`` is set. Without it the output has qkv_features features.
+      use_bias: biases on the projections.
+      kind: ``'softmax'`` (default) or ``'linear'`` (:func:`jattn.linear_attention`, whose
+        only masks are None and ``masks.causal()``).
+      feature_map: the feature map of linear attention (``'elu'``, ... or a callable).
+      dropout_rate: dropout on the attention weights (softmax kind), in ``[0, 1)``.
+      deterministic: the default of the call-time switch; dropout is off when True. NNX: the
+        module's attribute ``deterministic``, Flax's convention as ``nnx.MultiHeadAttention``:
+        ``model.eval()`` sets it True and ``model.train()`` False in every nested module, and
+        ``nnx.view(model, deterministic=...)`` gives a view with it set (``set_view``). Linen:
+        the field, which the call's ``deterministic`` overrides.
+      dtype: computation dtype (default: inferred from input and params).
+      param_dtype: parameter dtype.
+      precision: matmul precision for projections and attention.
+      sequence_axis: a mesh axis the sequence is sharded over; when the current mesh
+        (``jax.set_mesh``) has it with more than one device, softmax attention runs as ring
+        attention over it (:func:`jattn.sequence_parallel_attention`; masks: None or a
+        position-only predicate, no dropout). Decoding uses the plain core.
+      implementation: the path of :func:`jattn.attention` (``'dense'``, ``'blockwise'``,
+        ``'xla'``, ``'cudnn'``; default None: chosen per call). Mask predicates reach the core
+        as they are, so the blockwise path skips their empty tiles; overridable per call.
+      block_size: the blockwise tiles ``(block_q, block_kv)`` or one int (default: chosen from
+        the mask); overridable per call.
+      normalize_qk: QK normalisation as Flax's ``MultiHeadAttention(normalize_qk=True)``: a
+        bias-free LayerNorm over the head depth D (``query_ln``, ``key_ln``; scale shared by
+        the heads, epsilon 1e-6) on queries and keys after their projections.
+      rope: rotary position embeddings (:func:`jattn.rope`) on queries and keys (after the
+        QK norm) at their absolute positions: ``0..T-1``, or the cache's positions when
+        decoding (so decoding equals the full pass). Needs an even head depth D.
+        Self-attention only.
+      rope_base: the wavelength base of ``rope`` (> 0). Self-attention only.
+      decode: default for the call-time ``decode`` switch (Flax's field of that name).
+        Self-attention only.
+      score_mod: a score modification ``(score, batch, head, q_pos, kv_pos) -> score``
+        (:mod:`jattn.score_mods`: ``softcap``, ``alibi``, ...) that :func:`jattn.attention`
+        applies on every call (softmax kind). ``head`` is the query head n (kv head
+        ``n // (N/K)``); ``q_pos``, ``kv_pos`` are absolute positions: ``0..T-1`` in a full
+        pass, the cache's positions when decoding (so decoding equals the full pass). Arrays
+        it closes over are constants of the module (not parameters): hold learned ones
+        yourself and build the module's mod from them.
+      sinks: a learned sink logit per query head, the parameter ``sinks (N,)`` (zeros at
+        init, head n = k·(N/K) + g as the heads are split), passed as :func:`jattn.attention`'s
+        ``sinks``: each row's softmax denominator gains ``e^sink`` (softmax kind).
+    """
+
+    num_heads: int = 1
+    num_kv_heads: int | None = None
+    qkv_features: int | None = None
+    out_features: int | None = None
+    out_proj: bool | None = None
+    use_bias: bool = False
+    kind: str = "softmax"
+    feature_map: str | Callable[[Array], Array] = "elu"
+    dropout_rate: float = 0.0
+    deterministic: bool = False
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    precision: jax.lax.PrecisionLike = None
+    sequence_axis: str | None = None
+    implementation: str | None = None
+    block_size: int | tuple[int, int] | None = None
+    normalize_qk: bool = False
+    rope: bool = False
+    rope_base: float = 10000.0
+    decode: bool = False
+    score_mod: ScoreMod | None = None
+    sinks: bool = False
+
+    @classmethod
+    def pick(cls, values: Mapping[str, Any]) -> ModuleOptions:
+        """The options named in ``values`` (a constructor's ``locals()``, a Linen module's fields); the rest default."""
+        return cls(**{f.name: values[f.name] for f in dataclasses.fields(ModuleOptions) if f.name in values})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModuleConfig(ModuleOptions):
+    """A module's options, checked and resolved for its feature sizes (what the module call reads).
+
+    Every default is resolved: ``num_kv_heads`` is K, ``qkv_features`` is N*D, ``out_proj`` a
+    bool and ``out_features`` the features of ``wo`` (None: no output projection).
+    ``deterministic`` is the constructor's value; the switch a call reads is the module's own
+    (the NNX attribute that ``.eval()``/``.train()``/``nnx.view`` set, the Linen field).
+    """
+
+    d_model: int
+    kv_features: int  # the features keys and values are projected from: d_model, or context_features
+    head_depth: int  # D
+
+
+def check_heads(d_model: int, num_heads: int, num_kv_heads: int | None, qkv_features: int | None) -> tuple[int, int]:
+    """Validates the head configuration; returns ``(num_kv_heads, head_depth)``."""
+    d_model, num_heads = check_int("d_model", d_model, min=1), check_int("num_heads", num_heads, min=1)
+    kv = num_heads if num_kv_heads is None else check_int("num_kv_heads", num_kv_heads, min=1)
+    features = d_model if qkv_features is None else check_int("qkv_features", qkv_features, min=1)
+    if num_heads % kv:
+        raise ValueError(f"num_kv_heads={num_kv_heads!r} must be a positive divisor of num_heads={num_heads}")
+    if features % num_heads:
+        raise ValueError(f"qkv_features={features!r} must be a positive multiple of num_heads={num_heads}")
+    return kv, features // num_heads
+
+
+def check_kind(kind: str, feature_map: object) -> None:
+    """Validates the attention kind."""
+    if not isinstance(kind, str) or kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if kind == "linear":
+        feature_fn(feature_map)
+
+
+def check_path(implementation: str | None, block_size: int | tuple[int, int] | None) -> None:
+    """Validates a module's ``implementation`` and ``block_size`` (as :func:`jattn.attention` takes them)."""
+    if implementation is not None and implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
+    check_block_size(block_size)
+
+
+def _check_types(o: ModuleOptions) -> None:
+    """Validates the options that stand on their own (types, ranges and dtypes), in their order."""
+    if o.out_features is not None:
+        check_int("out_features", o.out_features, min=1)
+    if o.out_proj is not None:
+        check_bool("out_proj", o.out_proj)
+    check_bool("use_bias", o.use_bias)
+    check_bool("deterministic", o.deterministic)
+    check_real("dropout_rate", o.dropout_rate, low=0.0, high=1.0)
+    check_dtype("dtype", o.dtype, optional=True)
+    check_dtype("param_dtype", o.param_dtype)
+    if o.sequence_axis is not None and not isinstance(o.sequence_axis, str):
+        raise TypeError(f"sequence_axis must be a mesh axis name (str) or None, got {o.sequence_axis!r}")
+    check_path(o.implementation, o.block_size)
+    check_bool("normalize_qk", o.normalize_qk)
+    check_bool("rope", o.rope)
+    check_bool("decode", o.decode)
+    check_score_mod(o.score_mod)
+    check_bool("sinks", o.sinks)
+
+
+def configure(d_model: int, kv_features: int, options: ModuleOptions) -> ModuleConfig:
+    """Checks ``options`` (a ValueError or TypeError naming the option) and resolves their defaults.
+
+    ``d_model``: the query features; ``kv_features``: the features of the keys' and values'
+    input (``d_model`` for self-attention, ``context_features`` for cross-attention).
+    """
+    o = options
+    kv_heads, depth = check_heads(d_model, o.num_heads, o.num_kv_heads, o.qkv_features)
+    check_kind(o.kind, o.feature_map)
+    check_int("context_features (kv features)", kv_features, min=1)
+    _check_types(o)
+    if o.kind == "linear" and (o.score_mod is not None or o.sinks):
+        raise ValueError(
+            f"score_mod and sinks need kind='softmax' (linear attention forms no scores), got kind={o.kind!r} with "
+            f"score_mod={o.score_mod!r}, sinks={o.sinks!r}"
+        )
+    rope_base = check_real("rope_base", o.rope_base, low=0.0, open_low=True)
+    if o.rope and depth % 2:
+        raise ValueError(f"rope=True needs an even head depth D = qkv_features / num_heads, got D={depth}")
+    out_proj = (o.num_heads > 1 or o.out_features is not None) if o.out_proj is None else o.out_proj
+    if o.out_features is not None and not out_proj:
+        raise ValueError(f"out_features={o.out_features} needs out_proj=True")
+    resolved = dict(
+        d_model=int(d_model),
+        kv_features=int(kv_features),
+        head_depth=depth,
+        num_heads=int(o.num_heads),
+        num_kv_heads=kv_heads,
+        qkv_features=int(o.num_heads) * depth,
+        out_proj=bool(out_proj),
+        out_features=int(o.out_features or d_model) if out_proj else None,
+        dropout_rate=float(o.dropout_rate),
+        block_size=tuple(o.block_size) if isinstance(o.block_size, list) else o.block_size,
+        rope_base=rope_base,
+        **{
+            flag: bool(getattr(o, flag))
+            for flag in ("use_bias", "deterministic", "normalize_qk", "rope", "decode", "sinks")
+        },
+    )
+    return ModuleConfig(**{f.name: getattr(o, f.name) for f in dataclasses.fields(ModuleOptions)} | resolved)
