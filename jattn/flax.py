@@ -4,11 +4,17 @@
 
 ::
 
+    import jax
     from flax import nnx
-    import jattn.flax
 
-    layer = nnx.MultiHeadAttention(num_heads=8, in_features=512, attention_fn=jattn.flax.attention_fn, rngs=rngs)
-    y = layer(x, mask=jattn.masks.causal())  # a predicate: the blockwise path skips the empty tiles
+    import jattn.flax
+    from jattn import masks
+
+    x = jax.random.normal(jax.random.key(0), (2, 16, 64))
+    layer = nnx.MultiHeadAttention(
+        num_heads=8, in_features=64, attention_fn=jattn.flax.attention_fn, decode=False, rngs=nnx.Rngs(0)
+    )
+    y = layer(x, mask=masks.causal())  # a predicate: the blockwise path skips the empty tiles
 
 The function takes Flax's layout (q ``(batch..., T, N, H)``, k/v ``(batch..., S, K, H)``, mask and
 bias broadcastable to ``(batch..., N, T, S)``) and every argument the two modules pass, and runs

@@ -9,7 +9,8 @@ options, declared once in ``jattn._module_options.ModuleOptions``.
 Dropout draws from the ``'dropout'`` rng collection when not deterministic, or from a call-time
 ``dropout_rng``. The call's ``deterministic`` overrides the field of that name (default False);
 Flax's ``MultiHeadDotProductAttention`` takes one or the other (both set raise there), and where
-it takes a setting the two agree: the field alone, or the call's value with the field unset. Decoding keeps the cache in the ``'cache'`` collection (Flax's convention)::
+it takes a setting the two agree: the field alone, or the call's value with the field unset.
+Decoding keeps the cache in the ``'cache'`` collection (Flax's convention)::
 
     cache = layer.init(key, batch_size, max_length, method="init_cache")["cache"]
     y, vars = layer.apply({"params": params, "cache": cache}, x, decode=True, mutable=["cache"])
