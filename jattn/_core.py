@@ -36,19 +36,12 @@ from jattn._checks import (
 from jattn._dense import dense_attention, dense_weights
 from jattn._mask_base import Mask
 from jattn._pallas import pallas_attention
-from jattn._paths import AUTO_BLOCKWISE_MIN, IMPLEMENTATIONS, SUPPORT, choose_path, features_used
+from jattn._paths import choose_path, features_used
 from jattn._tiles import choose_tiles
 from jattn._xla_path import jax_nn_attention
 
 # The table and constants live in jattn._paths; named here too for the modules that import them from the core.
-__all__ = [
-    "AUTO_BLOCKWISE_MIN",
-    "IMPLEMENTATIONS",
-    "SUPPORT",
-    "attention",
-    "attention_weights",
-    "choose_implementation",
-]
+__all__ = ["attention", "attention_weights", "choose_implementation"]
 
 
 def _blockwise(
@@ -273,11 +266,11 @@ def choose_implementation(
 ) -> str:
     """The path :func:`attention` with ``implementation=None`` takes for these arguments.
 
-    One of :data:`IMPLEMENTATIONS`: on GPU and TPU, 'pallas' where it honours every argument (every cell
+    One of :data:`jattn.IMPLEMENTATIONS`: on GPU and TPU, 'pallas' where it honours every argument (every cell
     "yes": no mask, or only static offsets, block_size, E != D); then blockwise where it honours
     every argument and the scores
     would have at least ``AUTO_BLOCKWISE_MIN`` entries per head (or ``block_size`` is given),
-    dense otherwise (the dense path honours every argument; see :data:`SUPPORT`). Shapes as
+    dense otherwise (the dense path honours every argument; see :data:`jattn.SUPPORT`). Shapes as
     for :func:`attention`; nothing is computed.
     """
     ops = check_operands(

@@ -28,8 +28,8 @@ from jattn._checks import (
     check_real,
     check_score_mod,
 )
-from jattn._core import IMPLEMENTATIONS
 from jattn._linear import feature_fn
+from jattn._paths import IMPLEMENTATIONS
 from jattn._score_mods import ScoreMod
 
 __all__ = [
