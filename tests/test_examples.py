@@ -137,6 +137,24 @@ def test_named_configs_exist() -> None:
             assert (ROOT / name).is_file(), f"{path.relative_to(ROOT)} names {name}, which does not exist"
 
 
+def test_bench_commands_parse() -> None:
+    """Every ``python -m bench ...`` command the docs give (a figure's reproduction) is one bench takes."""
+    from bench.__main__ import parser
+
+    commands = 0
+    for path in DOCS:
+        for line in re.findall(r"python -m bench((?: --?[\w-]+(?: [\w.-]+)*)*)", path.read_text()):
+            args = line.split()
+            if "--help" in args:
+                continue
+            try:
+                parser().parse_args(args)
+            except SystemExit:
+                pytest.fail(f"{path.relative_to(ROOT)}: python -m bench{line} is not a command bench takes")
+            commands += 1
+    assert commands >= 10
+
+
 def test_support_tables_are_jattn_support() -> None:
     """The argument x path tables (README, docs/guide/core.md) are jattn.SUPPORT, cell by cell.
 
