@@ -15,7 +15,6 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
-from jattn._checks import check_mask
 from jattn._core import attention, attention_weights
 from jattn._linear import LinearState, linear_attention
 from jattn._mask_base import Mask
@@ -51,10 +50,9 @@ def _split_mask(mask: Array | None, shape: tuple[int, int, int, int], num_kv_hea
     """A boolean mask for ``shape = (B, N, T, S)`` -> broadcastable to ``(B, K, G, T, S)``.
 
     The rule: a 2-D mask is ``(T, S)``, a 3-D mask ``(B, T, S)`` per example (broadcast over
-    heads) and a 4-D mask ``(B, N, T, S)``; any axis may be 1 (broadcast). A function (e.g.
-    ``masks.causal`` uncalled) raises a TypeError (:func:`jattn._checks.check_mask`).
+    heads) and a 4-D mask ``(B, N, T, S)``; any axis may be 1 (broadcast). The module call
+    has already refused a function as ``mask`` (:func:`jattn._checks.check_mask`).
     """
-    check_mask(mask)
     if mask is None:
         return None
     mask = jnp.asarray(mask)

@@ -1,4 +1,4 @@
-"""Nothing silent: run-directory faults, config keys, progress bar, pictures, the README ring snippet.
+"""Nothing silent: run-directory faults, config keys, progress bar, pictures.
 
 Every fault is provoked in a temporary run directory; every library call that could hang runs in
 a thread with a time limit, every command in a subprocess with a timeout.
@@ -533,30 +533,3 @@ def test_curves_draw_the_run_and_its_control_on_the_same_axes(tmp_path, finished
 def test_tasks_say_what_their_attention_pattern_looks_like():
     assert Reverse(size=8).pattern == "an anti-diagonal: answer position t reads position 15-t"
     assert "previous occurrence" in Induction(size=12).pattern and "t-11" in Induction(size=12).pattern
-
-
-# -- README ----------------------------------------------------------------------------------------
-
-
-def readme_block(heading: str) -> str:
-    text = (ROOT / "README.md").read_text()
-    return text.split(heading, 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
-
-
-def run_readme_block(heading: str) -> str:
-    """The README's Python block under ``heading`` run as shown (fresh process, JAX strict); its stdout."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
-    env |= {"JAX_NUMPY_RANK_PROMOTION": "raise", "JAX_NUMPY_DTYPE_PROMOTION": "strict"}
-    proc = subprocess.run(
-        [sys.executable, "-c", readme_block(heading)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=LIMIT
-    )
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout
-
-
-def test_readme_ring_snippet_runs_as_shown():
-    assert float(run_readme_block("### Ring attention").split()[-1]) < 1e-5
-
-
-def test_readme_shard_map_snippet_runs_as_shown():
-    assert float(run_readme_block("### Inside your own shard_map").split()[-1]) < 1e-6
