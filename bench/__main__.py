@@ -52,6 +52,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu", action="store_true", help="the GPU preset (bench/gpu.sh): " + str(suite.GPU_PRESET))
     p.add_argument("--flex", action="store_true", help="blockwise forward with softcap, alibi, sinks vs plain (ratios)")
     p.add_argument("--packed", action="store_true", help="8 packed causal documents vs full causal, blockwise (T=8192)")
+    p.add_argument(
+        "--transforms",
+        action="store_true",
+        help="jvp vs forward (T=16384), forward-over-reverse HVP vs forward+backward (T=8192), jvp peak RSS (T=32768)",
+    )
     return p
 
 
@@ -85,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
         for T in args.T if p.get_default("T") != args.T else [8192]:
             r = suite.packed_case(T, args.B, args.N, args.D, repeats=args.repeats)
             console.print(f"packed documents, blockwise, B={args.B} N={args.N} T={T} D={args.D}: {r}")
+        return 0
+    if args.transforms:
+        _transforms(console, args)
         return 0
     if args.module:
         for T in args.T:
@@ -136,6 +144,28 @@ def main(argv: list[str] | None = None) -> int:
                 path, png = suite.save(results, peak, args.out)  # after every case: nothing lost on Ctrl-C
     console.print(f"wrote {path} and {png}")
     return 0
+
+
+def _transforms(console: Console, args: argparse.Namespace) -> None:
+    """The ``--transforms`` tables (:mod:`bench.transforms`); ``--T`` (if given) sets the jvp's length."""
+    from bench import transforms
+
+    T = 16384 if parser().get_default("T") == args.T else args.T[0]
+    cases = (
+        (f"jvp, causal, B=1 N=8 T={T} D=64", transforms.forward_mode_case, T),
+        ("forward-over-reverse HVP, causal, B=1 N=8 T=8192 D=64", transforms.hvp_case, 8192),
+    )
+    for title, case, length in cases:
+        r = case(length, repeats=args.repeats)
+        table = Table(title=title)
+        for col in ("program", "ms", "scratch MiB"):
+            table.add_column(col, justify="right")
+        for name, row in r.items():
+            if name != "ratio":
+                table.add_row(name, f"{row['ms']:.1f}", f"{row['temp_mib']:.0f}")
+        console.print(table)
+        console.print(f"time ratio: {r['ratio']['time']:.2f}")
+    console.print(f"jvp T=32768 peak RSS of a whole process: {transforms.peak_rss('jvp', 32768):.2f} GiB")
 
 
 def gpu_args(args: argparse.Namespace) -> argparse.Namespace:

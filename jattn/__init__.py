@@ -16,6 +16,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from jattn import masks, score_mods
+from jattn._blockwise_rules import CHECKPOINT_NAMES
 from jattn._core import attention, attention_weights, choose_implementation
 from jattn._dot_product_attention import dot_product_attention
 from jattn._linear import LinearState, linear_attention
@@ -23,11 +24,14 @@ from jattn._paths import AUTO_BLOCKWISE_MIN, IMPLEMENTATIONS, SUPPORT
 from jattn._ring import ring_attention, sequence_parallel_attention, unzigzag, zigzag
 from jattn._rope import rope
 from jattn._softmax import SoftmaxParts, softmax, softmax_parts
+from jattn._transforms import TRANSFORMS
 
 __all__ = [
     "AUTO_BLOCKWISE_MIN",
+    "CHECKPOINT_NAMES",
     "IMPLEMENTATIONS",
     "SUPPORT",
+    "TRANSFORMS",
     "LinearState",
     "SoftmaxParts",
     "attention",

@@ -60,35 +60,26 @@ Here: the entry point, the custom VJP and the kernels of one plan (its groups of
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 from jax import Array
 
 from jattn import _fused_cpu, _platform
-from jattn._blockwise_backward import backward as group_backward
-from jattn._blockwise_forward import forward as group_forward
+from jattn._blockwise_rules import flash
 from jattn._checks import broadcast_all, check_sinks
 from jattn._dropout import row_seeds
 from jattn._mask_base import Mask, query_offset
-from jattn._mask_kinds import EMPTY, reduce_kinds
 from jattn._mask_rows import call_rows
 from jattn._mask_skeleton import split_arrays
 from jattn._online import (
-    LOWER,
-    backward_rows,
     compute_dtype,
     convert_mod,
     flat_lead,
     head_rows,
-    sink_grads,
-    sum_to,
-    vary,
 )
-from jattn._plan import OWN, SHARED, Plan, Run
+from jattn._plan import OWN, SHARED, Plan
 from jattn._position_masks import key_interval
-from jattn._tile_loops import Rows, by_group
 
 __all__ = [
     "blockwise_attention",
@@ -104,143 +95,6 @@ def _pad(x: Array, axis: int, multiple: int) -> Array:
     widths = [(0, 0)] * x.ndim
     widths[axis] = (0, extra)
     return jnp.pad(x, widths)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11))
-def _flash(
-    q, k, v, rows, seeds, sinks, consts, bias, run: Run, plan: Plan, back: Plan, precision
-) -> tuple[Array, Array, Array]:
-    """``out (B, T, E)``, ``lse (B, T)`` and the row max logit ``(B, T)`` of padded q, k, v.
-
-    ``q (B, T, D)``, ``k (B, S, D)``, ``v (B, S, E)``; ``rows (B, 2)`` int32 (batch, head) of each
-    row for the score modification, ``seeds (B,)`` uint32 the dropout seed of each row (read only
-    with ``plan.dropout``), ``sinks (B,)`` (read only with ``plan.sinks``), ``consts`` the
-    modification's arrays; ``bias`` ``()`` or ``(bias (B|1, T|1, S|1),)`` padded like q and k.
-    ``back`` is the backward's plan: ``plan`` itself, or the same call on tiles that divide
-    ``plan``'s (the backward reads only per-row residuals, out and lse, so any tile recomputes them).
-    """
-    forward, _ = _kernels(plan, precision)
-    return forward(q, k, v, rows, seeds, sinks, run.kind, run.arrays + bias, consts)[0]
-
-
-@functools.lru_cache(maxsize=256)
-def _kernels(plan: Plan, precision):
-    """The forward and backward of one plan, group by group, each folding ``vmap`` into B (:func:`_folding`)."""
-    forward = functools.partial(_forward_kernel, plan=plan, precision=precision)
-    backward = functools.partial(_backward_kernel, plan=plan, precision=precision)
-    foldable = plan.mod is None and not plan.bias
-    return _folding(forward, foldable, plan.shared), _folding(backward, foldable, plan.shared)
-
-
-def _forward_kernel(q, k, v, rows, seeds, sinks, kind, arrays, consts, *, plan: Plan, precision) -> tuple:
-    """``((out (B, T, E), lse (B, T), max logit (B, T)), ())``: the fused CPU kernel's, or group by group."""
-    if plan.fused is not None:  # one custom call over all of B (jattn._fused_cpu)
-        offsets = dict(q_offset=plan.q_offset, kv_offset=plan.kv_offset)
-        window = dict(window=plan.fused, scale=plan.scale, threads=plan.threads)
-        outs = _fused_cpu.forward(q, k, v, length=plan.S, **offsets, **window)
-        return vary(outs, q, k, v), ()  # under shard_map, varying as q, k, v (a custom call's results are not)
-    body = functools.partial(_forward_group, consts=consts, plan=plan, precision=precision)
-    return by_group(plan, body, (q, k, v, rows, seeds, sinks), (kind, *arrays))
-
-
-def _forward_group(xs: tuple, a: tuple, group: Rows, *, consts, plan: Plan, precision) -> tuple:
-    """The forward of ``group``'s rows (:func:`jattn._blockwise_forward.forward`): ``xs`` whole, ``a`` the group's kinds and arrays."""
-    *big, rows, seeds, sinks = xs
-    rows, seeds, sinks = map(group.of, (rows, seeds, sinks))
-    return group_forward(*big, rows, seeds, sinks, _group_kinds(a[0]), a[1:], consts, plan, precision, group), ()
-
-
-def _backward_kernel(q, k, v, out, lse, d_out, d_lse, rows, seeds, kind, arrays, consts, *, plan: Plan, precision):
-    """``(((dq, dk, dv), own db), (dconsts, shared db))`` group by group (:func:`jattn._blockwise_backward.backward`)."""
-    # delta for all of B before the groups: computed inside a group, XLA fuses its reduction
-    # into the tile's dO vᵀ product, 1.5x slower (T = 2048 on 2 threads, one tile a head)
-    lse, delta = backward_rows(out, d_out, lse, plan.compute, d_lse)
-    body = functools.partial(_backward_group, consts=consts, plan=plan, precision=precision)
-    return by_group(plan, body, (q, k, v, d_out, lse, delta, rows, seeds), (kind, *arrays))
-
-
-def _backward_group(xs: tuple, a: tuple, group: Rows, *, consts, plan: Plan, precision) -> tuple:
-    """The backward of ``group``'s rows: ``xs`` whole, ``a`` the group's kinds and arrays."""
-    *big, lse, delta, rows, seeds = xs
-    lse, delta, rows, seeds = map(group.of, (lse, delta, rows, seeds))
-    return group_backward(*big, lse, delta, rows, seeds, _group_kinds(a[0]), a[1:], consts, plan, precision, group)
-
-
-def _group_kinds(kinds: Array) -> Array:
-    """A group's rows' kinds ``(b|1, ...)`` as one (:func:`jattn._mask_kinds.reduce_kinds`), a split kind kept where a row has it.
-
-    A tile's rows share its static split kind, or are EMPTY on device (:meth:`jattn._plan.Plan.run`).
-    """
-    split = jnp.max(jnp.where(kinds >= LOWER, kinds, jnp.int8(EMPTY)), axis=0)
-    return jnp.where(split != EMPTY, split, reduce_kinds(kinds))
-
-
-def _folding(kernel, foldable: bool = True, shared: tuple[int, ...] = ()):
-    """``kernel(*xs, kind, arrays, consts)`` whose ``vmap`` folds the mapped axis into B.
-
-    Each of ``xs`` is ``(B, ...)``, and the tile kinds and each mask array ``(B|1, ...)``; under
-    ``vmap`` of size n they become ``(n·B, ...)`` (broadcast where unmapped), so the tiles are
-    those of an explicit batch of n·B rather than n-fold larger ones, and a mapped mask keeps its
-    per-row tile kinds. With a score modification (``foldable=False``) it batches element by
-    element: the converted function is specialised to the tile shapes, and the gradients of the
-    arrays it closes over belong to each mapped element; so too where a mask array every row shares
-    (``shared``: the arrays a ``masks.predicate`` closes over) is mapped.
-    """
-    folding = jax.custom_batching.custom_vmap(kernel)
-
-    @folding.def_vmap
-    def rule(n, in_batched, *args):
-        *xs, kind, arrays, consts = args
-        *xs_batched, kind_batched, arrays_batched, _ = in_batched
-        if not foldable or any(arrays_batched[i] for i in shared):
-            axes = jax.tree.map(lambda batched: 0 if batched else None, tuple(in_batched))
-            outs = jax.vmap(kernel, in_axes=axes)(*args)
-            return outs, jax.tree.map(lambda _: True, outs)
-
-        def fold(x, batched, b):  # (n, b, ...) or (b, ...) -> (n·b, ...)
-            x = x if batched else jnp.broadcast_to(x, (n, *x.shape))
-            return jnp.broadcast_to(x, (n, b, *x.shape[2:])).reshape(n * b, *x.shape[2:])
-
-        def fold_rows(m, batched, b):  # a (b|1, ...) array: kept when shared by every row
-            return fold(m, batched, b) if batched or m.shape[0] != 1 else m
-
-        b = xs[0].shape[1] if xs_batched[0] else xs[0].shape[0]
-        flat = tuple(fold(x, batched, b) for x, batched in zip(xs, xs_batched, strict=True))
-        masks = tuple(fold_rows(m, batched, b) for m, batched in zip(arrays, arrays_batched, strict=True))
-        outs = folding(*flat, fold_rows(kind, kind_batched, b), masks, consts)
-        outs = jax.tree.map(lambda y: y.reshape(n, b, *y.shape[1:]), outs)
-        return outs, jax.tree.map(lambda _: True, outs)
-
-    return folding
-
-
-def _flash_fwd(q, k, v, rows, seeds, sinks, consts, bias, run, plan, back, precision):
-    forward, _ = _kernels(plan, precision)
-    (out, lse, mx), _ = forward(q, k, v, rows, seeds, sinks, run.kind, run.arrays + bias, consts)
-    return (out, lse, mx), (q, k, v, rows, seeds, sinks, consts, bias, run, out, lse)
-
-
-def _flash_bwd(plan: Plan, back: Plan, precision, res, cotangents):
-    """The flash-attention backward: one sweep over ``back``'s non-empty tiles per group (:func:`jattn._blockwise_backward.backward`)."""
-    q, k, v, rows, seeds, sinks, consts, bias, run, out, lse = res
-    d_out, d_lse, _ = cotangents  # the max logit is a monitor without a gradient (jattn.attention)
-
-    _, backward = _kernels(back, precision)
-    kind = run.kind if back is plan else back.run(run.arrays).kind
-    arrays = run.arrays + bias
-    ((dq, dk, dv), own), (dconsts, shared) = backward(
-        q, k, v, out, lse, d_out, d_lse, rows, seeds, kind, arrays, consts
-    )
-    dsinks = jnp.zeros_like(sinks)
-    if plan.sinks:
-        _, delta = backward_rows(out, d_out, lse, plan.compute, d_lse)
-        dsinks = sink_grads(sinks[:, None].astype(plan.compute), lse, delta).sum(-1).astype(sinks.dtype)
-    grads = sum_to((dq, dk, dv, dsinks, dconsts, own + shared), (q, k, v, sinks, consts, bias))  # for shard_map
-    dq, dk, dv, dsinks, dconsts, dbias = grads
-    return dq, dk, dv, None, None, dsinks, dconsts, dbias, None
-
-
-_flash.defvjp(_flash_fwd, _flash_bwd)
 
 
 def blockwise_attention(
@@ -319,7 +173,7 @@ def blockwise_attention(
     padded = _pad(qf, 1, bq), _pad(kf, 1, bk), _pad(vf, 1, bk)
     flat = jnp.arange(b, dtype=jnp.int32)  # each row's flat leading index
     seeds = row_seeds(dropout_rng, flat) if dropout_rate else jnp.zeros((b,), jnp.uint32)
-    out, lse, mx = _flash(*padded, head_rows(lead), seeds, sinks_f, consts, bias_t, run, plan, back, precision)
+    out, lse, mx = flash(*padded, head_rows(lead), seeds, sinks_f, consts, bias_t, run, plan, back, precision)
     out = out[:, :T].reshape(*lead, T, v.shape[-1]).astype(v.dtype)
     return out, lse[:, :T].reshape(*lead, T), mx[:, :T].reshape(*lead, T)
 

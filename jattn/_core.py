@@ -22,9 +22,11 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 from jax import Array
+from jax.ad_checkpoint import checkpoint_name
 from jax.typing import ArrayLike
 
 from jattn._blockwise import blockwise_attention
+from jattn._blockwise_rules import CHECKPOINT_NAMES
 from jattn._checks import (
     Operands,
     check_bias,
@@ -38,6 +40,7 @@ from jattn._mask_base import Mask
 from jattn._pallas import pallas_attention
 from jattn._paths import choose_path, features_used
 from jattn._tiles import choose_tiles
+from jattn._transforms import refusals
 from jattn._xla_path import jax_nn_attention
 
 # The table and constants live in jattn._paths; named here too for the modules that import them from the core.
@@ -165,8 +168,10 @@ def attention(
       * bfloat16/float16 inputs: logits and softmax are computed and accumulated in float32
         (no overflow for logits up to the float32 range); the output is in the input dtype.
         float64 inputs (with ``jax_enable_x64``) compute in float64.
-      * Pure: no side effects and no host syncs; works under ``jit``, ``vmap``, ``grad`` and
-        ``remat``.
+      * Pure: no side effects and no host syncs; works under ``jit``, ``vmap``, ``grad``,
+        ``remat``, forward mode (``jvp``, ``jacfwd``, ``linearize``) and second order, on every
+        path that can (:data:`jattn.TRANSFORMS`); the output and lse carry the checkpoint names
+        :data:`jattn.CHECKPOINT_NAMES`.
 
     Args:
       q, k, v: queries, keys, values; one floating dtype.
@@ -229,9 +234,16 @@ def attention(
     path = choose_path(implementation, ops.q, ops.k, used)
     if path == "pallas":
         q, k, v, mask, _, scale, q_offset, kv_offset = ops
-        return pallas_attention(q, k, v, mask=mask, scale=scale, q_offset=q_offset, kv_offset=kv_offset, blocks=blocks)
+        with refusals(path):
+            out = pallas_attention(
+                q, k, v, mask=mask, scale=scale, q_offset=q_offset, kv_offset=kv_offset, blocks=blocks
+            )
+        return checkpoint_name(out, CHECKPOINT_NAMES[0])
     if path in ("xla", "cudnn"):
-        return jax_nn_attention(ops, path, return_lse)
+        with refusals(path):
+            out = jax_nn_attention(ops, path, return_lse)
+        names = CHECKPOINT_NAMES[: 1 + return_lse]
+        return tuple(map(checkpoint_name, out, names)) if return_lse else checkpoint_name(out, names[0])
     if path == "blockwise":
         out, lse, top = _blockwise(ops, blocks, precision, score_mod, sinks, dropout_rate, dropout_rng)
     else:
@@ -243,6 +255,7 @@ def attention(
             score_mod=score_mod,
             sinks=sinks,
         )
+    out, lse = (checkpoint_name(x, name) for x, name in zip((out, lse), CHECKPOINT_NAMES, strict=True))
     extra = ((lse,) if return_lse else ()) + ((top,) if return_max_logit else ())
     return (out, *extra) if extra else out
 

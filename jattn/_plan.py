@@ -71,6 +71,7 @@ class Plan:
     bias: int = 0  # 0, or the last of the kernels' arrays is a bias with SHARED or OWN rows
     dropout: float = 0.0  # the dropout rate (0.0: none)
     fused: tuple[int, int] | None = None  # (left, right): the forward is the fused CPU kernel's for this key interval
+    remat: bool = False  # loops of static length with checkpointed bodies: reverse-differentiable (second order)
 
     @property
     def nq(self) -> int:
@@ -93,7 +94,7 @@ class Plan:
         """The tile schedule; tiles computed in parts only without a modification, bias or dropout."""
         halve = self.mod is None and not self.bias and not self.dropout
         kinds = static_kinds(self.mask, self.T, self.S, self.bq, self.bk, self.q_offset, self.kv_offset, halve=halve)
-        return Schedule.of(kinds, self.platform)
+        return Schedule.of(kinds, self.platform, unbranched=not self.remat)
 
     @functools.cached_property
     def shared(self) -> tuple[int, ...]:

@@ -21,14 +21,15 @@ chunk) pair is classified statically from the layout; an empty pair is skipped, 
 drops the mask. Packed sequences use ``segment_ids``, whose key part travels around the ring
 with the keys.
 
-The backward pass (``jax.custom_vjp``) is a second ring: dq accumulates on its device while the
-dk and dv of a key slice travel with that slice (transposed, as the tile gradients come) and
-arrive home after P steps.
+The sweeps are in :mod:`jattn._ring_sweeps`. The backward pass is a second ring: dq accumulates on
+its device while the dk and dv of a key slice travel with that slice (transposed, as the tile
+gradients come) and arrive home after P steps; forward mode is a third, whose tangents dk and dv
+travel with k and v. Their derivative rules (every order, :mod:`jattn._ring_rules`) are those of
+the blockwise path.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -40,26 +41,11 @@ from jax.typing import ArrayLike
 
 from jattn._checks import broadcast_all, check_mask, check_qkv, check_score_mod, check_sinks
 from jattn._mask_base import Mask
-from jattn._mask_kinds import EMPTY, FULL, PARTIAL
-from jattn._online import (
-    accumulate,
-    backward_rows,
-    bind_mod,
-    compute_dtype,
-    convert_mod,
-    empty_state,
-    finish,
-    flat_lead,
-    head_rows,
-    per_block,
-    scaled_scores,
-    score_grads,
-    sink_grads,
-    tile_grads,
-    transposed,
-    vary,
-)
+from jattn._mask_kinds import FULL, PARTIAL
+from jattn._online import compute_dtype, convert_mod, flat_lead, head_rows, vary
 from jattn._position_masks import KeyBelow
+from jattn._ring_rules import ring as ring_rule
+from jattn._ring_sweeps import Ring
 
 __all__ = ["ring_attention", "sequence_parallel_attention", "unzigzag", "zigzag"]
 
@@ -93,206 +79,6 @@ def unzigzag(x: ArrayLike, num_devices: int, axis: int = -2) -> Array:
     chunks = jnp.split(x, 2 * num_devices, axis)
     order = np.argsort(_owned("zigzag", num_devices).reshape(-1))
     return jnp.concatenate([chunks[g] for g in order], axis)
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class _Ring:
-    """Static facts of one ring call (hashable by identity; built once per trace)."""
-
-    axis_name: str
-    p: int  # devices on the ring
-    owned: np.ndarray  # (P, C) global chunk of each local chunk
-    kinds: np.ndarray  # (P·C, P·C) EMPTY / PARTIAL / FULL of (query chunk, key chunk)
-    predicate: Mask | None
-    tc: int  # local query chunk length
-    sc: int  # local key chunk length
-    q_offset: int
-    scale: float
-    segments: bool
-    compute: jnp.dtype
-    mod: object = None  # the closure-converted score_mod (jattn._online.convert_mod), or None
-    sinks: bool = False
-
-    def kind(self, r: Array, src: Array, a: int, b: int) -> Array:
-        owned, kinds = jnp.asarray(self.owned, jnp.int32), jnp.asarray(self.kinds)
-        return kinds[owned[r, a], owned[src, b]].astype(jnp.int32)
-
-    def positions(self, r, src, a: int, b: int) -> tuple[Array, Array]:
-        """Global positions ``(tc,)`` of local query chunk a and ``(sc,)`` of key chunk b of device src."""
-        owned = jnp.asarray(self.owned, jnp.int32)
-        i = self.q_offset + owned[r, a] * self.tc + jnp.arange(self.tc, dtype=jnp.int32)
-        return i, owned[src, b] * self.sc + jnp.arange(self.sc, dtype=jnp.int32)
-
-    def modifier(self, rows, r, src, a: int, b: int):
-        """``mod(s, consts)`` of this chunk pair (:func:`jattn._online.bind_mod`), or None."""
-        return None if self.mod is None else bind_mod(self.mod, rows, *self.positions(r, src, a, b), self.compute)
-
-    def scores(self, qc, kc, qsc, ksc, r, src, a, b, masked, precision):
-        """Scaled scores ``(B, tc, sc)`` of local query chunk a against key chunk b of device src, and the mask."""
-        s = scaled_scores(qc, kc, self.scale, self.compute, precision)
-        if not masked:
-            return s, None
-        i, j = self.positions(r, src, a, b)
-        keep = jnp.ones((1, self.tc, self.sc), bool)
-        if self.predicate is not None:
-            keep = self.predicate.allowed(i[:, None], j[None, :])[None]
-        if self.segments:
-            keep = keep & (qsc[:, :, None] == ksc[:, None, :])
-        return s, keep
-
-    def shift(self, *xs: Array) -> tuple[Array, ...]:
-        """Sends each array to the next device on the ring."""
-        perm = [(d, (d + 1) % self.p) for d in range(self.p)]
-        return tuple(jax.lax.ppermute(x, self.axis_name, perm) for x in xs)
-
-
-def _unpack(travelling: tuple[Array, ...], c: int, segments: bool) -> list[list[Array | None]]:
-    """Chunks of each travelling array; the key segment ids (last) travel only when there are any."""
-    parts = [_chunks(x, c) for x in travelling]
-    return parts if segments else [*parts, [None] * c]
-
-
-def _chunks(x: Array, c: int) -> list[Array]:
-    """``(B, C·n, ...) -> C`` arrays ``(B, n, ...)``."""
-    return jnp.split(x, c, axis=1)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9))
-def _ring(q, k, v, q_seg, kv_seg, rows, sinks, consts, ring: _Ring, precision):
-    return _ring_forward(q, k, v, q_seg, kv_seg, rows, sinks, consts, ring, precision)
-
-
-def _around(ring: _Ring, step, carry, travelling):
-    """Runs ``step(n, carry, travelling) -> (carry, travelling)`` for n = 0..P-1.
-
-    ``travelling`` goes to the next device between steps (P-1 hops, a loop of one compiled step).
-    """
-
-    def body(n, c):
-        carry, travelling = step(n, *c)
-        return carry, ring.shift(*travelling)
-
-    carry, travelling = jax.lax.fori_loop(0, ring.p - 1, body, (carry, travelling))
-    return step(ring.p - 1, carry, travelling)
-
-
-def _ring_forward(q, k, v, q_seg, kv_seg, rows, sinks, consts, ring: _Ring, precision):
-    c = ring.owned.shape[1]
-    r = jax.lax.axis_index(ring.axis_name)
-    qc, qsc = _chunks(q, c), _chunks(q_seg, c)
-
-    def step(n, states, travelling):
-        src = (r - jnp.asarray(n, r.dtype)) % ring.p
-        kc, vc, ksc = _unpack(travelling, c, ring.segments)
-        states = list(states)
-        for a in range(c):
-            for b in range(c):
-
-                def update(state, masked, a=a, b=b):
-                    s, keep = ring.scores(qc[a], kc[b], qsc[a], ksc[b], r, src, a, b, masked, precision)
-                    mod = ring.modifier(rows, r, src, a, b)
-                    s = s if mod is None else mod(s, consts)
-                    return accumulate(state, s, keep, vc[b], precision, ring.compute)
-
-                states[a] = per_block(ring.kind(r, src, a, b), update, states[a])
-        return tuple(states), travelling
-
-    init = tuple(vary(empty_state(q.shape[0], ring.tc, v.shape[-1], ring.compute), q) for _ in range(c))
-    states, _ = _around(ring, step, init, (k, v, kv_seg) if ring.segments else (k, v))
-    sink = sinks[:, None].astype(ring.compute) if ring.sinks else None
-    outs = zip(*(finish(st, v.dtype, sink) for st in states), strict=True)
-    return tuple(jnp.concatenate(x, 1) for x in outs)
-
-
-def _ring_fwd(q, k, v, q_seg, kv_seg, rows, sinks, consts, ring, precision):
-    out, lse, top = _ring_forward(q, k, v, q_seg, kv_seg, rows, sinks, consts, ring, precision)
-    return (out, lse, top), (q, k, v, q_seg, kv_seg, rows, sinks, consts, out, lse)
-
-
-def _shared_sum(g: Array, like: Array, axis_name: str) -> Array:
-    """The gradient ``g`` of ``like`` from this device, summed over the ring where ``like`` is shared by all devices."""
-    return g if axis_name in jax.typeof(like).manual_axis_type.varying else jax.lax.psum(g, axis_name)
-
-
-def _ring_sink_grads(ring: _Ring, sinks: Array, lse: Array, delta: Array) -> Array:
-    """The gradient of the sink logits ``(B,)`` (zeros without sinks), from the saved ``lse (B, T)`` (-inf on rows with no key).
-
-    ``delta (B, T)`` is :func:`jattn._online.backward_rows`'s; summed over the ring where the sinks are shared.
-    """
-    if not ring.sinks:
-        return jnp.zeros_like(sinks)
-    dsinks = sink_grads(sinks[:, None].astype(ring.compute), lse, delta).sum(-1).astype(sinks.dtype)
-    return _shared_sum(dsinks, sinks, ring.axis_name)
-
-
-def _zero_const_grads(consts: tuple[Array, ...], axis_name: str) -> tuple[Array, ...]:
-    """Zero gradients of the arrays a score_mod closes over, each varying over the ring where the array does."""
-    # A modification's pullback psums the gradient of an array shared by the devices itself (the
-    # transpose of making it varying), so dc starts with each array's own type.
-    return tuple(
-        vary(jnp.zeros(x.shape, x.dtype), x) if axis_name in jax.typeof(x).manual_axis_type.varying else
-        jnp.zeros(x.shape, x.dtype) for x in consts
-    )  # fmt: skip
-
-
-def _ring_bwd(ring: _Ring, precision, res, cotangents):
-    q, k, v, q_seg, kv_seg, rows, sinks, consts, out, lse = res
-    d_out, d_lse, _ = cotangents  # the max logit is a monitor without a gradient (jattn.attention)
-    c, compute = ring.owned.shape[1], ring.compute
-    finite, delta = backward_rows(out, d_out, lse, compute, d_lse)  # (B, T) each
-    dsinks = _ring_sink_grads(ring, sinks, lse, delta)
-    lse = finite
-    r = jax.lax.axis_index(ring.axis_name)
-    scale = jnp.asarray(ring.scale, compute)
-    qc, qsc, doc = _chunks(q, c), _chunks(q_seg, c), _chunks(d_out, c)
-    qtc, dotc = [transposed(x) for x in qc], [transposed(x) for x in doc]  # for tile_grads
-    shared = consts
-    lsec, deltac = _chunks(lse, c), _chunks(delta, c)
-
-    def step(n, carry, travelling):
-        dq, dc = carry
-        src = (r - jnp.asarray(n, r.dtype)) % ring.p
-        kc, vc, ksc = _unpack(travelling[2:], c, ring.segments)
-        dkc, dvc = (jnp.split(x, c, axis=-1) for x in travelling[:2])  # dk, dv travel with k, v, transposed
-        dq = list(dq)
-        for a in range(c):
-            for b in range(c):
-
-                def update(carry, masked, a=a, b=b, live=None):
-                    dq_a, dk_b, dv_b, dc = carry
-                    s, keep = ring.scores(qc[a], kc[b], qsc[a], ksc[b], r, src, a, b, masked, precision)
-                    keep = keep if live is None else keep & live
-                    mod = ring.modifier(rows, r, src, a, b)
-                    p, ds, gc, _ = score_grads(
-                        s, keep, lsec[a], doc[a], vc[b], deltac[a], scale, precision, compute, mod, consts
-                    )
-                    gq, gk, gv = tile_grads(p, ds, qtc[a], kc[b], dotc[a], precision, compute)
-                    return dq_a + gq, dk_b + gk, dv_b + gv, jax.tree.map(jnp.add, dc, gc)
-
-                kind, carry = ring.kind(r, src, a, b), (dq[a], dkc[b], dvc[b], dc)
-                if ring.mod is None:
-                    dq[a], dkc[b], dvc[b], dc = per_block(kind, update, carry)
-                else:
-                    # The gradient of an array shared by the devices ends in a psum (the transpose of
-                    # making it varying) inside the modification's pullback: every device must run
-                    # it, so no branch; an empty pair contributes 0 through its all-False mask.
-                    dq[a], dkc[b], dvc[b], dc = update(carry, True, live=kind != EMPTY)
-        return (tuple(dq), dc), (jnp.concatenate(dkc, -1), jnp.concatenate(dvc, -1), *travelling[2:])
-
-    dq = tuple(vary(jnp.zeros(x.shape, compute), q) for x in qc)
-    dc = _zero_const_grads(consts, ring.axis_name)
-    # dk and dv travel transposed, (B, D|E, S), as tile_grads gives them: each tile's share is added
-    # without a transpose, which XLA would fold back into a slow dsᵀ q form
-    dk, dv = vary(tuple(jnp.zeros((x.shape[0], x.shape[2], x.shape[1]), compute) for x in (k, v)), k)
-    travelling = (dk, dv, k, v, kv_seg) if ring.segments else (dk, dv, k, v)
-    (dq, dc), (dk, dv, *_) = _around(ring, step, (dq, dc), travelling)
-    dk, dv = (transposed(x) for x in ring.shift(dk, dv))  # the last hop takes each slice's gradients home
-    dq = jnp.concatenate(dq, 1)
-    dc = tuple(g.astype(x.dtype) for g, x in zip(dc, shared, strict=True))
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, dsinks, dc
-
-
-_ring.defvjp(_ring_fwd, _ring_bwd)
 
 
 def _check_mask(mask: object) -> None:
@@ -412,7 +198,7 @@ def ring_attention(
         kinds = predicate.block_kinds(p * T, p * S, T // c, S // c, q_offset=q_offset)
     if segment_ids is not None:
         kinds = np.where(kinds == FULL, PARTIAL, kinds).astype(np.int8)
-    ring = _Ring(
+    ring = Ring(
         axis_name=axis_name,
         p=p,
         owned=_owned(layout, p),
@@ -429,7 +215,7 @@ def ring_attention(
     )
     qkv = (flat_lead(x, lead) for x in (q, k, v))
     rows = vary(head_rows(lead), k)
-    out, lse, top = _ring(*qkv, q_seg, kv_seg, rows, sinks_f, consts, ring, precision)
+    out, lse, top = ring_rule(*qkv, q_seg, kv_seg, rows, sinks_f, consts, ring, precision)
     out, lse, top = out.reshape(*lead, T, v.shape[-1]), lse.reshape(*lead, T), top.reshape(*lead, T)
     extra = ((lse,) if return_lse else ()) + ((top,) if return_max_logit else ())
     return (out, *extra) if extra else out

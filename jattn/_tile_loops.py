@@ -93,9 +93,13 @@ def sweep(
     condition back to the host every step: the padded scan is kept. With ``static`` kinds
     (no mask arrays) a CPU loop takes a block's leading FULL tiles first with ``kind`` the
     int FULL, no branch: a branch's result is copied into the loop's state every step (the
-    forward's accumulator, 6.5 us of a 270 us 1024 x 128 tile on one thread).
+    forward's accumulator, 6.5 us of a 270 us 1024 x 128 tile on one thread). A plan's
+    reverse-differentiable loops (``plan.remat``) are a padded scan whose body is checkpointed, so
+    differentiating them keeps each step's carry, not its tiles.
     """
     tiles = plan.tiles
+    if plan.remat:  # reverse-differentiable: a scan of static length, its body recomputed in the backward
+        return jax.lax.scan(jax.checkpoint(key_block), carry, (index[i], kind[i]))[0]
     lead = tiles.lead and static  # FULL tiles first, unbranched
     if not lead and not (plan.platform == "cpu" and np.any(tiles.count != tiles.count[0])):
         return jax.lax.scan(key_block, carry, (index[i], kind[i]))[0]

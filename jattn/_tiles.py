@@ -105,8 +105,11 @@ class Schedule(NamedTuple):
     lead: bool
 
     @classmethod
-    def of(cls, kinds: np.ndarray, platform: str) -> Schedule:
-        """The schedule of the tile kinds ``(nq, nk)`` (:func:`static_kinds`) on ``platform``."""
+    def of(cls, kinds: np.ndarray, platform: str, unbranched: bool = True) -> Schedule:
+        """The schedule of the tile kinds ``(nq, nk)`` (:func:`static_kinds`) on ``platform``.
+
+        ``unbranched=False``: no loop of FULL tiles first (``lead``), as in a plan's reverse-differentiable loops.
+        """
         splits = tuple(k for k in SPLIT_AREA if np.any(kinds == k))  # the kinds computed in parts
         index, kind = schedule(kinds)  # per query block: its key blocks
         count = (kind != EMPTY).sum(1).astype(np.int32)  # per query block: its scheduled key blocks
@@ -115,7 +118,7 @@ class Schedule(NamedTuple):
         uniform = None if same == EMPTY else int(same)  # every scheduled tile of one kind
         occur = tuple(int(x) for x in np.unique(kind))  # the kinds that occur (EMPTY: padding)
         # On CPU, with static kinds, a loop without a branch takes each query block's FULL tiles (sweep).
-        lead = platform == "cpu" and uniform is None and bool(full.any())
+        lead = unbranched and platform == "cpu" and uniform is None and bool(full.any())
         return cls(index, kind, count, full, uniform, occur, splits, lead)
 
     def branches(self, static: bool) -> tuple[int | None, tuple[int, ...] | None]:

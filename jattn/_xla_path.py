@@ -111,7 +111,7 @@ def _flat_lse(q: Array, k: Array, bias: Array | None = None, *, ops: Operands) -
 def _lse_grad(value: Array, ops: Operands) -> Array:
     """jax.nn's log-sum-exp ``value`` (any shape of B·T entries), differentiated as the dense path's.
 
-    jax.nn stops its residual's gradient. Here it gets the gradient of the dense logits'
+    jax.nn stops its residual's gradient. Here it gets the derivative of the dense logits'
     log-sum-exp with respect to q, k and bias (:func:`_grad_from`). Everything traced that the
     dense one reads (mask arrays, v, offsets, scale) becomes an argument (the constants of its
     jaxpr), so it also holds where the backward runs outside the forward's ``jit``
@@ -136,35 +136,22 @@ class _Jaxpr:
         return jax.extend.core.jaxpr_as_fun(jax.extend.core.ClosedJaxpr(self.jaxpr, consts))(*args)[0]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
 def _grad_from(fn: _Jaxpr, value: Array, diff: tuple, rest: tuple) -> Array:
-    """``value`` (no gradient of its own), differentiated as ``fn(*diff, *rest)`` (whose value it equals) in ``diff``.
+    """``value`` (no derivative of its own), differentiated as ``fn(*diff, *rest)`` (whose value it equals) in ``diff``.
 
-    The backward computes ``fn``'s VJP only where the cotangent is not all zeros (``lax.cond``):
-    an lse returned but not used in the loss costs no dense pass.
+    A custom JVP: its tangent is ``fn``'s, so reverse mode (JAX's transpose of it) and every higher
+    order hold too; ``rest`` (mask arrays, v, offsets) has no derivative here.
     """
     return value
 
 
-def _grad_from_fwd(fn: _Jaxpr, value: Array, diff: tuple, rest: tuple) -> tuple[Array, tuple]:
-    """The forward of :func:`_grad_from`: ``value``, keeping ``diff`` and ``rest`` for the backward."""
-    return value, (diff, rest)
-
-
-def _grad_from_bwd(fn: _Jaxpr, res: tuple, g: Array) -> tuple:
-    """The backward of :func:`_grad_from`: ``fn``'s VJP in ``diff`` (zeros for an all-zero ``g``)."""
-    diff, rest = res
-
-    def pull(g):
-        out, vjp = jax.vjp(lambda *d: fn(*d, *rest), *diff)
-        return vjp(g.reshape(out.shape).astype(out.dtype))
-
-    zeros = jax.tree.map(jnp.zeros_like, diff)
-    grads = jax.lax.cond(jnp.any(g != 0), pull, lambda g: zeros, g)
-    return jnp.zeros_like(g), grads, jax.tree.map(lambda _: None, rest)
-
-
-_grad_from.defvjp(_grad_from_fwd, _grad_from_bwd)
+@_grad_from.defjvp
+def _grad_from_jvp(fn: _Jaxpr, primals: tuple, tangents: tuple) -> tuple[Array, Array]:
+    value, diff, rest = primals
+    _, d_diff, _ = tangents
+    _, tangent = jax.jvp(lambda *d: fn(*d, *rest), diff, d_diff)
+    return _grad_from(fn, value, diff, rest), tangent.reshape(value.shape).astype(value.dtype)
 
 
 def _flat(x: Array, lead: tuple[int, ...]) -> Array:

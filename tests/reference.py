@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from hypothesis import strategies as st
@@ -256,3 +257,102 @@ def linen_params(m: jattn.nnx.SelfAttention) -> dict:
         if layer is not None:
             params[name] = {"kernel": layer.kernel[...]} | ({} if layer.bias is None else {"bias": layer.bias[...]})
     return params
+
+
+def dense_jax(q, k, v, keep=None, bias=None, sinks=None, softcap=None):
+    """Dense attention in float64 JAX, differentiable by JAX at every order: ``(out (..., T, E), lse (..., T))``.
+
+    ``keep`` a boolean mask broadcastable to ``(..., T, S)``; ``sinks`` broadcastable to the leading
+    shape; ``softcap`` caps the scaled scores as ``cap · tanh(s / cap)``. A row with no key (and no
+    sink) gives 0 and lse ``-inf``, and its derivatives are 0. Written from the definition, sharing no
+    code with jattn, so that JAX's own differentiation of it is the reference for every order.
+    """
+    q, k, v = (jnp.asarray(x, wide()) for x in (q, k, v))
+    s = jnp.einsum("...td,...sd->...ts", q, k) / np.sqrt(q.shape[-1])
+    if bias is not None:
+        s = s + jnp.asarray(bias, wide())
+    if softcap is not None:
+        s = softcap * jnp.tanh(s / softcap)
+    keep = jnp.ones(s.shape, bool) if keep is None else jnp.broadcast_to(jnp.asarray(keep), s.shape)
+    s = jnp.where(keep, s, -jnp.inf)
+    m = jnp.max(s, -1)
+    sink = None if sinks is None else jnp.broadcast_to(jnp.asarray(sinks, wide()), m.shape[:-1])[..., None]
+    if sink is not None:
+        m = jnp.maximum(m, sink)
+    m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
+    e = jnp.where(keep, jnp.exp(s - m[..., None]), 0.0)
+    den = e.sum(-1) + (0.0 if sink is None else jnp.exp(sink - m))
+    safe = jnp.where(den > 0, den, 1.0)
+    out = jnp.einsum("...ts,...se->...te", e / safe[..., None], v)
+    return out, jnp.where(den > 0, m + jnp.log(safe), -jnp.inf)
+
+
+def kernel_jaxpr(eqn):
+    """The jaxpr of ``eqn``'s program where its primitive carries it as an implementation, not a sub-jaxpr; else None.
+
+    jattn's blockwise derivatives are two such primitives (``jattn_blockwise_tangent`` and ``..._cotangent``):
+    a test that inspects the tiles or loops of a backward reads their implementation's jaxpr, traced here
+    at the equation's input types.
+    """
+    if not eqn.primitive.name.startswith("jattn_"):
+        return None
+    avals = [v.aval for v in eqn.invars]
+    return jax.make_jaxpr(lambda *a: eqn.primitive.impl(*a, **eqn.params))(*avals).jaxpr
+
+
+def program_text(fn, *args) -> str:
+    """``fn``'s jaxpr as text, followed by the jaxprs of its jattn derivative primitives (:func:`kernel_jaxpr`)."""
+    closed = jax.make_jaxpr(fn)(*args)
+    return "\n".join([str(closed), *(str(j) for j in _kernels(closed.jaxpr))])
+
+
+def _kernels(jaxpr):
+    """:func:`kernel_jaxpr` of every equation of ``jaxpr`` and of the jaxprs nested in it."""
+    for e in jaxpr.eqns:
+        inner = kernel_jaxpr(e)
+        if inner is not None:
+            yield inner
+        for p in e.params.values():
+            for x in p if isinstance(p, (tuple, list)) else (p,):
+                if hasattr(x, "eqns") or hasattr(x, "jaxpr"):
+                    yield from _kernels(getattr(x, "jaxpr", x))
+
+
+def wide():
+    """float64 where x64 is on (the references), else float32 (where a test turns it off)."""
+    return jnp.float64 if jax.config.jax_enable_x64 else jnp.float32
+
+
+def transform_loss(f):
+    """A scalar of ``f``'s output: ``sum(sin(out))`` in the widest float enabled."""
+    return lambda *a: jnp.sum(jnp.sin(f(*a).astype(wide())))
+
+
+def _hvp_rev(f, a, t):
+    return jax.grad(
+        lambda *a: sum(jnp.vdot(g, u) for g, u in zip(jax.grad(transform_loss(f), (0, 1, 2))(*a), t, strict=True)),
+        (0, 1, 2),
+    )(*a)
+
+
+#: What each row of jattn.TRANSFORMS runs on ``f(q, k, v)`` (most rows; tests/test_transforms.py):
+TRANSFORM_RUNS = {  # transformation -> (f, args, tangents) -> a pytree to compare with the reference's
+    "jit": lambda f, a, t: jax.jit(f)(*a),
+    "vmap": lambda f, a, t: jax.vmap(f, in_axes=(0, None, 0))(jnp.stack(a), a[1], jnp.stack(t[:3])),
+    "grad": lambda f, a, t: jax.grad(transform_loss(f), (0, 1, 2))(*a),
+    "grad of grad, reverse-over-reverse HVP": lambda f, a, t: (
+        jax.grad(lambda q: sum(jnp.sum(g**2) for g in jax.grad(transform_loss(f), (0, 1, 2))(q, *a[1:])))(a[0]),
+        _hvp_rev(f, a, t),
+    ),
+    "jvp, forward-over-reverse HVP": lambda f, a, t: (
+        jax.jvp(f, a, t),
+        jax.jvp(jax.grad(transform_loss(f), (0, 1, 2)), a, t)[1],
+    ),
+    "jacfwd": lambda f, a, t: jax.jacfwd(f)(*a),
+    "hessian": lambda f, a, t: jax.hessian(lambda q: transform_loss(f)(q, *a[1:]))(a[0]),
+    "linearize": lambda f, a, t: jax.linearize(f, *a)[1](*t),
+    "lax.scan over layers": lambda f, a, t: jax.grad(
+        lambda q: jnp.sum(jax.lax.scan(lambda x, _: (x + f(x, x, x).astype(x.dtype), None), q, length=2)[0] ** 2)
+    )(a[0]),
+    "eval_shape": lambda f, a, t: jax.eval_shape(f, *a),
+}

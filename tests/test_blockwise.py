@@ -477,7 +477,7 @@ def _dot_shapes(fn, *args) -> set[str]:
     """The result types of the matmuls in ``fn``'s jaxpr (the tile shapes)."""
     import re
 
-    return set(re.findall(r"(\w+\[[\d,]*\]) = dot_general", str(jax.make_jaxpr(fn)(*args))))
+    return set(re.findall(r"(\w+\[[\d,]*\]) = dot_general", ref.program_text(fn, *args)))
 
 
 @pytest.mark.parametrize("mapped", ["qkv", "q", "kv", "array-mask"])
@@ -614,6 +614,8 @@ def _loops_with_bare_dots(jaxpr) -> list[bool]:
     found = []
 
     def subs(eqn):
+        if (inner := ref.kernel_jaxpr(eqn)) is not None:  # a derivative primitive's program
+            yield inner
         for p in eqn.params.values():
             for x in p if isinstance(p, (tuple, list)) else (p,):
                 if hasattr(x, "eqns") or hasattr(x, "jaxpr"):

@@ -176,6 +176,19 @@ def test_support_tables_are_jattn_support() -> None:
     assert found >= 2, "README.md and docs/guide/core.md each show the support table"
 
 
+def test_transformation_table_is_jattn_transforms() -> None:
+    """docs/guide/transformations.md's table is jattn.TRANSFORMS, cell by cell (tests/test_transforms.py checks the cells)."""
+    columns = list(next(iter(jattn.TRANSFORMS.values())))
+    header = "| transformation | " + " | ".join(f"`{p}`" for p in columns) + " |"
+    text = (ROOT / "docs/guide/transformations.md").read_text()
+    rows = text[text.index(header) :].split("\n\n", 1)[0].splitlines()[2:]
+    table = {}
+    for row in rows:
+        name, *cells = (c.strip() for c in row.strip().strip("|").split(" | "))
+        table[name] = dict(zip(columns, cells, strict=True))
+    assert table == jattn.TRANSFORMS
+
+
 def anchors(path: Path) -> set[str]:
     """The ids of a Markdown file's headings, as mkdocs (Python-Markdown's toc) and GitHub make them."""
     text = FENCE.sub("", path.read_text())

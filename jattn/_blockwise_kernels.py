@@ -1,0 +1,174 @@
+"""The kernels of one blockwise plan: forward, backward and tangent, group by group, and their ``vmap`` folding.
+
+Shapes follow :mod:`jattn._core` with leading dimensions flattened to ``B`` (:mod:`jattn._blockwise`).
+Each kernel runs over groups of rows of B (:func:`jattn._tile_loops.by_group`): the forward
+(:mod:`jattn._blockwise_forward`, or the fused CPU kernel, :mod:`jattn._fused_cpu`), the backward
+(:mod:`jattn._blockwise_backward`) and the tangent (:mod:`jattn._tangent_sweep`). The forward is
+wrapped so that ``vmap`` folds the mapped axis into B (:func:`folding`); the backward and the
+tangent are the two primitives of :mod:`jattn._blockwise_rules`, which fold by their own rule.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import replace
+
+import jax
+import jax.extend as jex
+import jax.numpy as jnp
+from jax import Array
+from jax.interpreters import mlir
+
+from jattn import _fused_cpu
+from jattn._blockwise_backward import backward as group_backward
+from jattn._blockwise_forward import forward as group_forward
+from jattn._mask_kinds import EMPTY, reduce_kinds
+from jattn._online import LOWER, backward_rows, vary
+from jattn._plan import Plan
+from jattn._tangent_sweep import tangent as group_tangent
+from jattn._tile_loops import Rows, by_group
+
+__all__ = ["backward_kernel", "folding", "forward_kernel", "tangent_kernel"]
+
+
+@functools.lru_cache(maxsize=256)
+def forward_kernel(plan: Plan, precision):
+    """The forward of one plan, ``(q, k, v, rows, seeds, sinks, kind, arrays, consts) -> ((out, lse, max), ())``, folding ``vmap``."""
+    forward = functools.partial(_forward, plan=plan, precision=precision)
+    return folding(forward, plan.mod is None and not plan.bias, plan.shared)
+
+
+def _forward(q, k, v, rows, seeds, sinks, kind, arrays, consts, *, plan: Plan, precision) -> tuple:
+    """``((out (B, T, E), lse (B, T), max logit (B, T)), ())``: the fused CPU kernel's, or group by group."""
+    if plan.fused is not None:  # one custom call over all of B (jattn._fused_cpu), XLA's tiles under jax.export
+        outs = _FUSED.bind(q, k, v, rows, seeds, sinks, kind, plan=plan, precision=precision)
+        return vary(tuple(outs), q, k, v), ()  # under shard_map, varying as q, k, v (a custom call's results are not)
+    body = functools.partial(_forward_group, consts=consts, plan=plan, precision=precision)
+    return by_group(plan, body, (q, k, v, rows, seeds, sinks), (kind, *arrays))
+
+
+def _fused(q, k, v, rows, seeds, sinks, kind, *, plan: Plan, precision) -> list:
+    """The fused CPU kernel's ``[out, lse, max logit]`` for ``plan`` (:func:`jattn._fused_cpu.forward`)."""
+    offsets = dict(q_offset=plan.q_offset, kv_offset=plan.kv_offset)
+    window = dict(window=plan.fused, scale=plan.scale, threads=plan.threads)
+    return list(_fused_cpu.forward(q, k, v, length=plan.S, **offsets, **window))
+
+
+def _tiles(q, k, v, rows, seeds, sinks, kind, *, plan: Plan, precision) -> list:
+    """The same on XLA's tiles (what :func:`jax.export` serializes: no custom call it cannot carry)."""
+    return list(
+        _forward(q, k, v, rows, seeds, sinks, kind, (), (), plan=replace(plan, fused=None), precision=precision)[0]
+    )
+
+
+def _fused_lowering(ctx, *args, plan: Plan, precision):
+    """The custom call, or XLA's tiles where the program is lowered for :func:`jax.export` (a portable artifact)."""
+    impl = _tiles if ctx.module_context.lowering_parameters.for_export else _fused
+    return mlir.lower_fun(impl, multiple_results=True)(ctx, *args, plan=plan, precision=precision)
+
+
+def _fused_types(q, k, v, *_, plan: Plan, precision) -> list:
+    """float32 ``out (B, T, E)``, ``lse`` and max logit ``(B, T)``."""
+    (b, t, _), e = q.shape, v.shape[-1]
+    return [jax.core.ShapedArray((b, t, e), jnp.float32), *(jax.core.ShapedArray((b, t), jnp.float32),) * 2]
+
+
+#: The fused forward as one primitive, lowered by :func:`_fused_lowering`; only evaluated (the
+#: derivatives are :mod:`jattn._blockwise_rules`'), and batched by the forward's folding (:func:`folding`).
+_FUSED = jex.core.Primitive("jattn_fused_forward")
+_FUSED.multiple_results = True
+_FUSED.def_impl(_fused)
+_FUSED.def_abstract_eval(_fused_types)
+mlir.register_lowering(_FUSED, _fused_lowering)
+
+
+def _forward_group(xs: tuple, a: tuple, group: Rows, *, consts, plan: Plan, precision) -> tuple:
+    """The forward of ``group``'s rows (:func:`jattn._blockwise_forward.forward`): ``xs`` whole, ``a`` the group's kinds and arrays."""
+    *big, rows, seeds, sinks = xs
+    rows, seeds, sinks = map(group.of, (rows, seeds, sinks))
+    return group_forward(*big, rows, seeds, sinks, _group_kinds(a[0]), a[1:], consts, plan, precision, group), ()
+
+
+def backward_kernel(q, k, v, out, lse, d_out, d_lse, rows, seeds, kind, arrays, consts, *, plan: Plan, precision):
+    """``(((dq, dk, dv), own db), (dconsts, shared db))`` group by group (:func:`jattn._blockwise_backward.backward`)."""
+    # delta for all of B before the groups: computed inside a group, XLA fuses its reduction
+    # into the tile's dO vᵀ product, 1.5x slower (T = 2048 on 2 threads, one tile a head)
+    lse, delta = backward_rows(out, d_out, lse, plan.compute, d_lse)
+    body = functools.partial(_backward_group, consts=consts, plan=plan, precision=precision)
+    return by_group(plan, body, (q, k, v, d_out, lse, delta, rows, seeds), (kind, *arrays))
+
+
+def _backward_group(xs: tuple, a: tuple, group: Rows, *, consts, plan: Plan, precision) -> tuple:
+    """The backward of ``group``'s rows: ``xs`` whole, ``a`` the group's kinds and arrays."""
+    *big, lse, delta, rows, seeds = xs
+    lse, delta, rows, seeds = map(group.of, (lse, delta, rows, seeds))
+    return group_backward(*big, lse, delta, rows, seeds, _group_kinds(a[0]), a[1:], consts, plan, precision, group)
+
+
+def tangent_kernel(xs: tuple, rows, seeds, kind, arrays, d_bias, consts, d_consts, *, plan: Plan, precision):
+    """``(d out (B, T, E), d lse (B, T))`` group by group (:func:`jattn._tangent_sweep.tangent`).
+
+    ``xs = (q, k, v, dq, dk, dv, out, lse, sinks, d_sinks)``, each ``(B, ...)``; ``arrays`` the
+    mask's and the bias (:meth:`jattn._plan.Plan.split`), ``d_bias`` ``()`` or the bias's tangent.
+    """
+    whole, own = xs[:6], xs[6:]
+
+    def body(ys: tuple, a: tuple, group: Rows):
+        kind, *rest = a
+        arrays, d_bias = (tuple(rest[:-1]), rest[-1]) if plan.bias else (tuple(rest), None)
+        mine = tuple(group.of(x) for x in ys[6:])
+        return group_tangent((*ys[:6], *mine), group.of(rows), group.of(seeds), _group_kinds(kind), arrays, d_bias,
+                             consts, d_consts, plan, precision, group), ()  # fmt: skip
+
+    return by_group(plan, body, (*whole, *own), (kind, *arrays, *d_bias))[0]
+
+
+def _group_kinds(kinds: Array) -> Array:
+    """A group's rows' kinds ``(b|1, ...)`` as one (:func:`jattn._mask_kinds.reduce_kinds`), a split kind kept where a row has it.
+
+    A tile's rows share its static split kind, or are EMPTY on device (:meth:`jattn._plan.Plan.run`).
+    """
+    split = jnp.max(jnp.where(kinds >= LOWER, kinds, jnp.int8(EMPTY)), axis=0)
+    return jnp.where(split != EMPTY, split, reduce_kinds(kinds))
+
+
+def folding(kernel, foldable: bool = True, shared: tuple[int, ...] = ()):
+    """``kernel(*xs, kind, arrays, consts)`` whose ``vmap`` folds the mapped axis into B.
+
+    Each of ``xs`` is ``(B, ...)``, and the tile kinds and each mask array ``(B|1, ...)``; under
+    ``vmap`` of size n they become ``(n·B, ...)`` (broadcast where unmapped), so the tiles are
+    those of an explicit batch of n·B rather than n-fold larger ones, and a mapped mask keeps its
+    per-row tile kinds. With a score modification (``foldable=False``) it batches element by
+    element: the converted function is specialised to the tile shapes, and the gradients of the
+    arrays it closes over belong to each mapped element; so too where a mask array every row shares
+    (``shared``: the arrays a ``masks.predicate`` closes over) is mapped.
+    """
+    folded = jax.custom_batching.custom_vmap(kernel)
+
+    @folded.def_vmap
+    def rule(n, in_batched, *args):
+        *xs, kind, arrays, consts = args
+        *xs_batched, kind_batched, arrays_batched, _ = in_batched
+        if not foldable or any(arrays_batched[i] for i in shared):
+            axes = jax.tree.map(lambda batched: 0 if batched else None, tuple(in_batched))
+            outs = jax.vmap(kernel, in_axes=axes)(*args)
+            return outs, jax.tree.map(lambda _: True, outs)
+        b = xs[0].shape[1] if xs_batched[0] else xs[0].shape[0]
+        flat = tuple(fold(x, batched, n, b) for x, batched in zip(xs, xs_batched, strict=True))
+        masks = tuple(fold_rows(m, batched, n, b) for m, batched in zip(arrays, arrays_batched, strict=True))
+        outs = folded(*flat, fold_rows(kind, kind_batched, n, b), masks, consts)
+        outs = jax.tree.map(lambda y: y.reshape(n, b, *y.shape[1:]), outs)
+        return outs, jax.tree.map(lambda _: True, outs)
+
+    return folded
+
+
+def fold(x: Array, batched: bool, n: int, b: int) -> Array:
+    """``x`` ``(n, b, ...)`` (``batched``) or ``(b, ...)`` as ``(n·b, ...)``."""
+    x = x if batched else jnp.broadcast_to(x, (n, *x.shape))
+    return jnp.broadcast_to(x, (n, b, *x.shape[2:])).reshape(n * b, *x.shape[2:])
+
+
+def fold_rows(m: Array, batched: bool, n: int, b: int) -> Array:
+    """A ``(b|1, ...)`` array folded as :func:`fold`, or kept where every row shares it (unbatched, 1 row)."""
+    return fold(m, batched, n, b) if batched or m.shape[0] != 1 else m

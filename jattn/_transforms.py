@@ -1,0 +1,78 @@
+"""What each path does under each JAX transformation: :data:`TRANSFORMS`, the docs' table, tested cell by cell.
+
+A cell is "yes" (the transformation works on that path and equals the float64 reference's), "partly:
+..." (where it works), or "no: ..." (a ``ValueError`` that names the transformation, the path and a
+path that takes it, where jattn sees the call; see :func:`refusals`). The columns are the paths of
+:data:`jattn.IMPLEMENTATIONS`, with blockwise twice (on XLA's tiles, and with the fused CPU forward that
+the automatic choice takes on AVX-512 CPUs), ring attention and the Flax modules.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+__all__ = ["PATHS", "TRANSFORMS", "refusals"]
+
+#: The columns of :data:`TRANSFORMS`.
+PATHS = ("dense", "blockwise", "fused", "ring", "modules", "xla", "cudnn", "pallas")
+
+_YES = "yes"
+_FORWARD = "no: the kernel has a reverse-mode rule only (a jax.custom_vjp); use 'blockwise' or 'dense'"
+_SECOND = "no: the kernel's backward has no derivative; use 'blockwise' or 'dense'"
+_LATE = " (JAX's own error: JAX meets the kernel after jattn's call has returned)"
+
+
+def _row(**cells: str) -> dict[str, str]:
+    """A row of :data:`TRANSFORMS`: "yes" in every column not named."""
+    return {p: cells.get(p, _YES) for p in PATHS}
+
+
+#: Transformation -> path -> "yes" / "partly: ..." / "no: ...". "fused": blockwise with the fused CPU
+#: forward; "modules": ``jattn.nnx`` / ``jattn.linen`` attention (on the path they choose or are given).
+TRANSFORMS: dict[str, dict[str, str]] = {
+    "jit": _row(),
+    "vmap": _row(),
+    "grad": _row(),
+    "grad of grad, reverse-over-reverse HVP": _row(cudnn=_SECOND + _LATE, pallas=_SECOND + _LATE),
+    "jvp, forward-over-reverse HVP": _row(cudnn=_FORWARD, pallas=_FORWARD),
+    "jacfwd": _row(cudnn=_FORWARD, pallas=_FORWARD),
+    "hessian": _row(cudnn=_FORWARD, pallas=_FORWARD),
+    "linearize": _row(cudnn=_FORWARD + _LATE, pallas=_FORWARD + _LATE),
+    "jax.checkpoint, save_only_these_names(*jattn.CHECKPOINT_NAMES)": _row(
+        xla="partly: the names are on the results; jax.nn's own residuals are unnamed",
+        cudnn="partly: the names are on the results; the kernel's own residuals are unnamed",
+        pallas="partly: the names are on the results; the kernel's own residuals are unnamed",
+    ),
+    "lax.scan over layers": _row(),
+    "nnx.scan / nnx.vmap / nnx.remat of a module": _row(),
+    "shard_map": _row(),
+    "eval_shape": _row(),
+    "jax.export (serialize, deserialize, call)": _row(
+        fused="yes: exported on XLA's tiles, a portable artifact (jit keeps the kernel)",
+        cudnn="no: jax.export refuses cuDNN's custom call; use 'xla' or 'blockwise'",
+        pallas="partly: interpreted on CPU, Mosaic on TPU; JAX's export refuses the GPU kernel's Triton call",
+    ),
+}
+
+_JAX_SAYS = {
+    "can't apply forward-mode autodiff": ("forward mode (jax.jvp, jacfwd, hessian, linearize)", _FORWARD),
+    "Linearization failed to produce known values": ("second-order reverse mode (grad of grad)", _SECOND),
+}
+
+
+@contextlib.contextmanager
+def refusals(path: str) -> Iterator[None]:
+    """Turns JAX's refusal to differentiate a custom-VJP kernel of ``path`` into the table's ``ValueError``.
+
+    Where the transformation reaches jattn's call: not where JAX meets the kernel after the call has
+    returned (grad of grad, ``linearize``, or a function traced under ``jit`` before it is transformed);
+    the table's cells say which.
+    """
+    try:
+        yield
+    except (TypeError, ValueError) as e:
+        for says, (what, cell) in _JAX_SAYS.items():
+            if says in str(e):
+                raise ValueError(f"{what} of implementation={path!r}: {cell.removeprefix('no: ')}") from e
+        raise
