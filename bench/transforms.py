@@ -22,10 +22,11 @@ import jax.numpy as jnp
 import jattn
 from jattn import masks
 
-__all__ = ["forward_mode_case", "hvp_case", "peak_rss"]
+__all__ = ["PROGRAMS", "forward_mode_case", "hvp_case", "inputs", "peak_rss"]
 
 
-def _inputs(B: int, N: int, T: int, D: int) -> tuple[jax.Array, ...]:
+def inputs(B: int, N: int, T: int, D: int) -> tuple[jax.Array, ...]:
+    """Six normal float32 arrays (B, N, T, D): q, k, v and their tangents."""
     keys = jax.random.split(jax.random.key(0), 6)
     return tuple(jax.random.normal(key, (B, N, T, D), jnp.float32) for key in keys)
 
@@ -65,7 +66,7 @@ def _time(names: tuple[str, ...], x: tuple, t: tuple, repeats: int) -> dict[str,
 
 def forward_mode_case(T: int = 16384, B: int = 1, N: int = 8, D: int = 64, repeats: int = 5) -> dict:
     """jvp of causal blockwise attention against its forward: ms, scratch MiB and the ratios (targets 3x, 1.5x)."""
-    q, k, v, dq, dk, dv = _inputs(B, N, T, D)
+    q, k, v, dq, dk, dv = inputs(B, N, T, D)
     r = _time(("forward", "jvp"), (q, k, v), (dq, dk, dv), repeats)
     r["ratio"] = {"time": r["jvp"]["ms"] / r["forward"]["ms"]}
     return r
@@ -73,7 +74,7 @@ def forward_mode_case(T: int = 16384, B: int = 1, N: int = 8, D: int = 64, repea
 
 def hvp_case(T: int = 8192, B: int = 1, N: int = 8, D: int = 64, repeats: int = 5) -> dict:
     """A forward-over-reverse Hessian-vector product against one forward + backward (target: within 5x)."""
-    q, k, v, dq, dk, dv = _inputs(B, N, T, D)
+    q, k, v, dq, dk, dv = inputs(B, N, T, D)
     r = _time(("forward+backward", "hvp (forward over reverse)"), (q, k, v), (dq, dk, dv), repeats)
     r["ratio"] = {"time": r["hvp (forward over reverse)"]["ms"] / r["forward+backward"]["ms"]}
     return r
@@ -83,7 +84,7 @@ _CHILD = """
 import resource, sys, jax
 from bench import transforms as t
 n, T = sys.argv[1], int(sys.argv[2])
-x = t._inputs(1, 8, T, 64)
+x = t.inputs(1, 8, T, 64)
 jax.block_until_ready(jax.jit(t.PROGRAMS[n])(x[:3], x[3:]))
 print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
 """

@@ -6,8 +6,12 @@ import json
 import subprocess
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
+import jattn
 from bench import __main__ as bench_main
 from bench import suite
 
@@ -96,7 +100,30 @@ def test_help_gives_every_option_a_meaning_and_its_default(capsys, monkeypatch):
     assert exit_info.value.code == 0
     shown = "".join(capsys.readouterr().out.split())  # help text is wrapped over lines, hyphens too
     options = [a for a in bench_main.parser()._actions if a.option_strings != ["-h", "--help"]]
-    assert len(options) == 16
+    assert len(options) == 17
     for action in options:
         assert action.help, action.option_strings
         assert "".join(f"{action.help} (default: {action.default})".split()) in shown, action.option_strings
+
+
+def test_transforms_programs_compute_what_their_rows_say():
+    """bench/transforms.py's jvp and HVP (blockwise) equal the same transformations of the dense path, at a small T."""
+    from bench import transforms
+
+    x = transforms.inputs(1, 2, 64, 8)
+    (q, k, v), t = x[:3], x[3:]
+
+    def dense(q, k, v):
+        return jattn.attention(q, k, v, mask=jattn.masks.causal(), implementation="dense")
+
+    def loss(q, k, v):
+        return jnp.sum(jnp.sin(dense(q, k, v)))
+
+    (_, tangent), (_, want) = transforms.PROGRAMS["jvp"]((q, k, v), t), jax.jvp(dense, (q, k, v), t)
+    np.testing.assert_allclose(tangent, want, rtol=1e-4, atol=1e-5)
+    hvp, want = (
+        transforms.PROGRAMS["hvp (forward over reverse)"]((q, k, v), t),
+        jax.jvp(jax.grad(loss, (0, 1, 2)), (q, k, v), t)[1],
+    )
+    for g, w in zip(hvp, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)

@@ -116,3 +116,31 @@ def test_shard_map_cell(path):
     q, k, v, *t = _args()
     for row in ("grad", "jvp, forward-over-reverse HVP"):
         _close(TRANSFORM_RUNS[row](f, (q, k, v), tuple(t)), TRANSFORM_RUNS[row](_reference, (q, k, v), tuple(t)))
+
+
+def test_ring_jvp_and_hvp_with_sinks_softcap_and_segment_ids():
+    """Forward mode and a forward-over-reverse HVP of the ring with sinks, a soft-cap and packed documents."""
+    mesh = jax.make_mesh((4,), ("s",), axis_types=(AxisType.Auto,), devices=jax.devices()[:4])
+    ids = np.repeat([[0, 1, 2], [0, 0, 1]], [5, 6, 5], axis=1)  # (B, T): documents across device boundaries
+    keep = (ids[:, :, None] == ids[:, None, :])[:, None] & CAUSAL
+    q, k, v, dq, dk, dv = _args()
+    sinks, d_sinks = jnp.asarray([0.3, -0.5], jnp.float32), jnp.asarray([1.0, 2.0], jnp.float32)
+
+    def ours(q, k, v, sinks):
+        def local(q, k, v, ids, sinks):
+            return jattn.ring_attention(
+                q, k, v, axis_name="s", mask=masks.causal(), segment_ids=ids, sinks=sinks,
+                score_mod=jattn.score_mods.softcap(2.0),
+            )  # fmt: skip
+
+        specs = (SEQ, SEQ, SEQ, PartitionSpec(None, "s"), PartitionSpec())
+        return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=SEQ)(q, k, v, jnp.asarray(ids), sinks)
+
+    def ref(q, k, v, sinks):
+        return dense_jax(q, k, v, keep=keep, sinks=sinks, softcap=2.0)[0]  # sinks per head, as jattn broadcasts them
+
+    up = lambda xs: tuple(x.astype(jnp.float64) for x in xs)  # noqa: E731
+    args, tangents = (q, k, v, sinks), (dq, dk, dv, d_sinks)
+    _close(jax.jvp(ours, args, tangents), jax.jvp(ref, up(args), up(tangents)))
+    hvp = lambda f, a, t: jax.jvp(jax.grad(transform_loss(f), (0, 1, 2, 3)), a, t)[1]  # noqa: E731
+    _close(hvp(ours, args, tangents), hvp(ref, up(args), up(tangents)))
