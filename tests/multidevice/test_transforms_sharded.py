@@ -3,7 +3,7 @@
 The ring column runs ``ring_attention`` (causal, a 4-device ring) under each transformation of the
 table and compares it with the same transformation of the float64 dense reference on the gathered
 arrays; the shard_map row runs each path inside a batch- and head-sharded ``shard_map`` (2 x 2
-devices) under grad and jvp.
+devices) under jvp.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def test_ring_cell_modules():
 
 @pytest.mark.parametrize("path", ["dense", "blockwise", "fused", "xla", "modules"])
 def test_shard_map_cell(path):
-    """Batch and heads over a 2 x 2 mesh: grad and jvp inside shard_map equal the reference's."""
+    """Batch and heads over a 2 x 2 mesh: jvp inside shard_map equals the reference's (grad: test_shard_map.py)."""
     assert jattn.TRANSFORMS["shard_map"][path] == "yes"
     mesh = jax.make_mesh((2, 2), ("b", "h"), axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[:4])
     spec = PartitionSpec("b", "h", None, None)
@@ -114,12 +114,11 @@ def test_shard_map_cell(path):
 
     f = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
     q, k, v, *t = _args()
-    for row in ("grad", "jvp, forward-over-reverse HVP"):
-        _close(TRANSFORM_RUNS[row](f, (q, k, v), tuple(t)), TRANSFORM_RUNS[row](_reference, (q, k, v), tuple(t)))
+    _close(jax.jvp(f, (q, k, v), tuple(t[:3])), jax.jvp(_reference, (q, k, v), tuple(t[:3])))
 
 
 def test_ring_jvp_and_hvp_with_sinks_softcap_and_segment_ids():
-    """Forward mode and a forward-over-reverse HVP of the ring with sinks, a soft-cap and packed documents."""
+    """Forward mode of the ring with sinks (their tangent too), a soft-cap and packed documents."""
     mesh = jax.make_mesh((4,), ("s",), axis_types=(AxisType.Auto,), devices=jax.devices()[:4])
     ids = np.repeat([[0, 1, 2], [0, 0, 1]], [5, 6, 5], axis=1)  # (B, T): documents across device boundaries
     keep = (ids[:, :, None] == ids[:, None, :])[:, None] & CAUSAL
@@ -142,5 +141,3 @@ def test_ring_jvp_and_hvp_with_sinks_softcap_and_segment_ids():
     up = lambda xs: tuple(x.astype(jnp.float64) for x in xs)  # noqa: E731
     args, tangents = (q, k, v, sinks), (dq, dk, dv, d_sinks)
     _close(jax.jvp(ours, args, tangents), jax.jvp(ref, up(args), up(tangents)))
-    hvp = lambda f, a, t: jax.jvp(jax.grad(transform_loss(f), (0, 1, 2, 3)), a, t)[1]  # noqa: E731
-    _close(hvp(ours, args, tangents), hvp(ref, up(args), up(tangents)))
