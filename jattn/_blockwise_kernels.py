@@ -28,7 +28,7 @@ from jattn._plan import Plan
 from jattn._tangent_sweep import tangent as group_tangent
 from jattn._tile_loops import Rows, by_group
 
-__all__ = ["backward_kernel", "folding", "forward_kernel", "tangent_kernel"]
+__all__ = ["backward_kernel", "folding", "forward_kernel", "fused_tangent_kernel", "tangent_kernel"]
 
 
 @functools.lru_cache(maxsize=256)
@@ -80,6 +80,48 @@ _FUSED.multiple_results = True
 _FUSED.def_impl(_fused)
 _FUSED.def_abstract_eval(_fused_types)
 mlir.register_lowering(_FUSED, _fused_lowering)
+
+
+def _fused_tangent(q, k, v, dq, dk, dv, out, lse, rows, seeds, kind, *, plan: Plan, precision) -> list:
+    """The fused CPU tangent's ``[d out, d lse]`` for ``plan`` (:func:`jattn._fused_cpu.tangent`)."""
+    offsets = dict(q_offset=plan.q_offset, kv_offset=plan.kv_offset)
+    window = dict(window=plan.fused, scale=plan.scale, threads=plan.threads)
+    return list(_fused_cpu.tangent(q, k, v, dq, dk, dv, out, lse, length=plan.S, **offsets, **window))
+
+
+def _tiles_tangent(q, k, v, dq, dk, dv, out, lse, rows, seeds, kind, *, plan: Plan, precision) -> list:
+    """The same on XLA's tiles (under :func:`jax.export`)."""
+    xs = (q, k, v, dq, dk, dv, out, lse, jnp.zeros_like(lse[:, 0]), jnp.zeros_like(lse[:, 0]))
+    plan = replace(plan, fused=None)
+    return list(tangent_kernel(xs, rows, seeds, kind, (), (), (), (), plan=plan, precision=precision))
+
+
+def _fused_tangent_lowering(ctx, *args, plan: Plan, precision):
+    """The tangent's custom call, or XLA's tiles where the program is lowered for :func:`jax.export`."""
+    impl = _tiles_tangent if ctx.module_context.lowering_parameters.for_export else _fused_tangent
+    return mlir.lower_fun(impl, multiple_results=True)(ctx, *args, plan=plan, precision=precision)
+
+
+#: The fused tangent as one primitive (forward mode where the forward is the fused kernel's):
+#: evaluated only, inside the tangent of :mod:`jattn._blockwise_rules`' pair, which batches it.
+_FUSED_TANGENT = jex.core.Primitive("jattn_fused_tangent")
+_FUSED_TANGENT.multiple_results = True
+_FUSED_TANGENT.def_impl(_fused_tangent)
+_FUSED_TANGENT.def_abstract_eval(
+    lambda *a, plan, precision: [
+        jax.core.ShapedArray(a[6].shape, jnp.float32),
+        jax.core.ShapedArray(a[7].shape, jnp.float32),
+    ]
+)
+mlir.register_lowering(_FUSED_TANGENT, _fused_tangent_lowering)
+
+
+def fused_tangent_kernel(
+    q, k, v, dq, dk, dv, out, lse, rows, seeds, kind, *, plan: Plan, precision
+) -> tuple[Array, Array]:
+    """``(d out (B, T, E), d lse (B, T))`` where ``plan``'s forward is the fused kernel's: its tangent, one custom call."""
+    outs = _FUSED_TANGENT.bind(q, k, v, dq, dk, dv, out, lse, rows, seeds, kind, plan=plan, precision=precision)
+    return tuple(outs)
 
 
 def _forward_group(xs: tuple, a: tuple, group: Rows, *, consts, plan: Plan, precision) -> tuple:

@@ -26,7 +26,14 @@ import jax.numpy as jnp
 from jax import Array
 from jax.ad_checkpoint import checkpoint_name
 
-from jattn._blockwise_kernels import backward_kernel, fold, fold_rows, forward_kernel, tangent_kernel
+from jattn._blockwise_kernels import (
+    backward_kernel,
+    fold,
+    fold_rows,
+    forward_kernel,
+    fused_tangent_kernel,
+    tangent_kernel,
+)
 from jattn._linear_pair import LinearPair
 from jattn._online import backward_rows, sink_grads, sum_to, vary
 from jattn._plan import Plan, Run
@@ -94,8 +101,12 @@ def _flash_jvp(plan: Plan, back: Plan, precision, primals, tangents):
 def _impl(direction: int, call: Call, res: list, lin: list) -> list:
     """The tangent (direction 0) or the backward (1) of ``call`` at ``res`` on ``lin`` (:class:`jattn._linear_pair.LinearPair`)."""
     q, k, v, rows, seeds, sinks, consts, bias, kind, arrays, out, lse = call.split(res)
+    if direction == 0 and call.plan.fused is not None:  # the fused kernel's tangent (no sinks, bias or modification)
+        dq, dk, dv, *_ = lin
+        outs = fused_tangent_kernel(q, k, v, dq, dk, dv, out, lse, rows, seeds, kind, plan=call.plan, precision=None)
+        return list(vary(outs, out, lse))
     if direction == 0:
-        plan = dataclasses.replace(call.plan, fused=None)  # the tangent runs on the forward's XLA tiles
+        plan = call.plan
         dq, dk, dv, d_sinks, *rest = lin
         xs = (q, k, v, dq, dk, dv, out, lse, sinks, d_sinks)
         d_consts, d_bias = tuple(rest[: call.consts]), tuple(rest[call.consts :])

@@ -1,4 +1,4 @@
-// jattn's fused CPU attention forward: an XLA FFI custom call (jattn/_fused_cpu.py builds and loads it).
+// jattn's fused CPU attention forward and its tangent: XLA FFI custom calls (jattn/_fused_cpu.py builds and loads them).
 //
 // Dimension key as in jattn/_core.py. q (B, T, D), k (B, S, D), v (B, S, E) float32, contiguous,
 // any leading dimensions flattened to B; results out (B, T, E), lse (B, T) and the row max logit
@@ -277,6 +277,102 @@ ffi::Error Forward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
   return ffi::Error::Success();
 }
 
+// The tangent (forward mode) with the lse known, for tangents dq, dk, dv of q, k, v: per tile
+//   p = e^(s - lse),  dx = (dq kᵀ + q dkᵀ)·scale,  A += p dv + (p∘dx) v,  c += rowsum(p∘dx),
+// and per row  d lse = c,  d out = A - c·out;  a row with lse -inf (no key) gives 0. Same tasks,
+// intervals and products as Forward; kᵀ and dkᵀ packed once per B row.
+ffi::Error Tangent(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> dq,
+                   ffi::Buffer<ffi::F32> dk, ffi::Buffer<ffi::F32> dv, ffi::Buffer<ffi::F32> out,
+                   ffi::Buffer<ffi::F32> lse, ffi::ResultBuffer<ffi::F32> d_out, ffi::ResultBuffer<ffi::F32> d_lse,
+                   int64_t length, int64_t q_offset, int64_t kv_offset, int64_t left, int64_t right, float scale,
+                   int64_t block_q, int64_t block_kv, int64_t threads) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  const size_t rank = qd.size();
+  if (rank < 2 || kd.size() != rank || vd.size() != rank) return ffi::Error::InvalidArgument("q, k, v: ranks differ");
+  const int64_t T = qd[rank - 2], D = qd[rank - 1], S = kd[rank - 2], E = vd[rank - 1];
+  int64_t B = 1;
+  for (size_t a = 0; a + 2 < rank; ++a) B *= qd[a];
+  if (kd[rank - 1] != D || vd[rank - 2] != S || block_kv % 64 || block_q < 1 || threads < 1)
+    return ffi::Error::InvalidArgument("fused attention tangent: inconsistent shapes or blocks");
+  const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data(), *dqp = dq.typed_data();
+  const float *dkp = dk.typed_data(), *dvp = dv.typed_data(), *op = out.typed_data(), *lp = lse.typed_data();
+  float *dop = d_out->typed_data(), *dlp = d_lse->typed_data();
+  length = std::min(length, S);
+  const int64_t Sp = (length + 63) / 64 * 64, blocks = (T + block_q - 1) / block_q;
+  const int64_t Bq = block_q, Bc = block_kv;
+  const int n = static_cast<int>(std::min<int64_t>(threads, std::max<int64_t>(B * blocks, 1)));
+
+  Scratch kt(B * Sp * D), dkt(B * Sp * D);  // kᵀ and dkᵀ as panels of 64 keys
+  std::atomic<int64_t> next{0};
+  run(n, [&] {
+    for (int64_t b; (b = next.fetch_add(1)) < B;) {
+      for (int64_t c0 = 0; c0 < Sp; c0 += 64) {
+        pack_panel(kp + (b * S + c0) * D, D, length - c0, kt.data + (b * Sp + c0) * D);
+        pack_panel(dkp + (b * S + c0) * D, D, length - c0, dkt.data + (b * Sp + c0) * D);
+      }
+    }
+  });
+
+  next = 0;
+  run(n, [&] {
+    Scratch s(Bq * Bc), ds(Bq * Bc), acc(Bq * E), qs(Bq * D), dqs(Bq * D);
+    std::vector<float> c(Bq);
+    std::vector<int64_t> lo(Bq), hi(Bq);
+    for (int64_t task; (task = next.fetch_add(1)) < B * blocks;) {
+      const int64_t b = task / blocks, r0 = (blocks - 1 - task % blocks) * Bq, rows = std::min(Bq, T - r0);
+      for (int64_t i = 0; i < rows * D; ++i) {
+        qs[i] = qp[(b * T + r0) * D + i] * scale;
+        dqs[i] = dqp[(b * T + r0) * D + i] * scale;
+      }
+      int64_t first = length, last = 0;
+      for (int64_t i = 0; i < rows; ++i) {
+        const int64_t at = q_offset + r0 + i - kv_offset;
+        lo[i] = std::max<int64_t>(0, left >= (int64_t{1} << 62) ? 0 : at - left);
+        hi[i] = std::min<int64_t>(length, right >= (int64_t{1} << 62) ? length : at + right + 1);
+        if (lo[i] < hi[i]) first = std::min(first, lo[i]), last = std::max(last, hi[i]);
+      }
+      std::fill(c.begin(), c.begin() + rows, 0.f);
+      std::fill(acc.data, acc.data + rows * E, 0.f);
+      for (int64_t c0 = first / 64 * 64; c0 < last; c0 += Bc) {
+        const int64_t cols = std::min(Bc, last - c0);
+        const float *ktb = kt.data + (b * Sp + c0) * D, *dktb = dkt.data + (b * Sp + c0) * D;
+        gemm_panels(rows, cols, D, qs.data, D, ktb, 64 * D, 64, s.data, Bc, false);
+        gemm_panels(rows, cols, D, dqs.data, D, ktb, 64 * D, 64, ds.data, Bc, false);
+        gemm_panels(rows, cols, D, qs.data, D, dktb, 64 * D, 64, ds.data, Bc, true);
+        for (int64_t i = 0; i < rows; ++i) {
+          float *row = s.data + i * Bc, *drow = ds.data + i * Bc;
+          const float l = lp[b * T + r0 + i];
+          int64_t a = std::clamp<int64_t>(lo[i] - c0, 0, cols), z = std::clamp<int64_t>(hi[i] - c0, a, cols);
+          if (l == -kInf) a = z = 0;  // a row with no key
+          std::fill(row, row + a, 0.f), std::fill(row + z, row + cols, 0.f);
+          std::fill(drow, drow + a, 0.f), std::fill(drow + z, drow + cols, 0.f);
+          const __m512 vl = _mm512_set1_ps(l);
+          __m512 vc = _mm512_setzero_ps();
+          for (int64_t j = a; j < z; j += 16) {
+            const __mmask16 m = static_cast<__mmask16>(z - j >= 16 ? 0xffff : (1u << (z - j)) - 1);
+            const __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + j), vl);
+            const __m512 p = exp16(_mm512_min_ps(_mm512_setzero_ps(), x));  // clamped at 1; NaN stays NaN
+            const __m512 pds = _mm512_mul_ps(p, _mm512_maskz_loadu_ps(m, drow + j));
+            _mm512_mask_storeu_ps(row + j, m, p);
+            _mm512_mask_storeu_ps(drow + j, m, pds);
+            vc = _mm512_add_ps(vc, _mm512_maskz_mov_ps(m, pds));
+          }
+          c[i] += _mm512_reduce_add_ps(vc);
+        }
+        gemm(rows, E, cols, s.data, Bc, dvp + (b * S + c0) * E, 64, E, acc.data, E, true);
+        gemm(rows, E, cols, ds.data, Bc, vp + (b * S + c0) * E, 64, E, acc.data, E, true);
+      }
+      for (int64_t i = 0; i < rows; ++i) {
+        const int64_t t = b * T + r0 + i;
+        const bool none = lp[t] == -kInf;
+        dlp[t] = none ? 0.f : c[i];
+        for (int64_t e = 0; e < E; ++e) dop[t * E + e] = none ? 0.f : acc[i * E + e] - c[i] * op[t * E + e];
+      }
+    }
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JattnFusedForward, Forward,
@@ -285,6 +381,28 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JattnFusedForward, Forward,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("length")
+                                  .Attr<int64_t>("q_offset")
+                                  .Attr<int64_t>("kv_offset")
+                                  .Attr<int64_t>("left")
+                                  .Attr<int64_t>("right")
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("block_q")
+                                  .Attr<int64_t>("block_kv")
+                                  .Attr<int64_t>("threads"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JattnFusedTangent, Tangent,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("length")

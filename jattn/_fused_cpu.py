@@ -6,7 +6,8 @@ threads; the kernel gives each thread whole (row of B, query block) tasks and ke
 tile in its core's cache between the two products, with the online softmax in between (docs:
 design notes). It serves the masks that give each query row one interval of keys
 (:func:`jattn._position_masks.key_interval`: none, causal, sliding windows and their ``&``) in float32
-(16-bit inputs are upcast), and returns the lse, so the backward stays jattn's XLA one.
+(16-bit inputs are upcast), and returns the lse, so the backward stays jattn's XLA one. Its
+tangent (forward mode, :func:`tangent`) is a second custom call over the same tasks.
 
 The C++ source is compiled on first use with the system's ``g++`` for this machine's CPU
 (``-march=native``) and cached under ``$JATTN_CACHE_DIR`` (default ``~/.cache/jattn``), keyed by
@@ -31,10 +32,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
-__all__ = ["BLOCK_KV", "BLOCK_Q", "available", "forward"]
+__all__ = ["BLOCK_KV", "BLOCK_Q", "available", "forward", "tangent"]
 
 _log = logging.getLogger(__name__)
 TARGET = "jattn_fused_forward"
+TANGENT = "jattn_fused_tangent"
 SOURCE = pathlib.Path(__file__).with_suffix(".cc")
 #: Query rows of one task and keys of one tile (a multiple of 64): full forward, B=4 N=8 D=64, 2 threads (docs: design notes).
 BLOCK_Q, BLOCK_KV = 256, 512
@@ -91,6 +93,7 @@ def _library() -> ctypes.CDLL | None:
         return None
     library = ctypes.CDLL(str(path))
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.JattnFusedForward), platform="cpu")
+    jax.ffi.register_ffi_target(TANGENT, jax.ffi.pycapsule(library.JattnFusedTangent), platform="cpu")
     return library
 
 
@@ -133,10 +136,36 @@ def forward(
         jax.ShapeDtypeStruct((B, T), f32),
     )
     call = jax.ffi.ffi_call(TARGET, shapes, vmap_method="broadcast_all")
-    out, lse, mx = call(
-        q.astype(f32),
-        k.astype(f32),
-        v.astype(f32),
+    attributes = _attributes(length=length, q_offset=q_offset, kv_offset=kv_offset, window=window, scale=scale,
+                             threads=threads, block_q=block_q, block_kv=block_kv)  # fmt: skip
+    out, lse, mx = call(q.astype(f32), k.astype(f32), v.astype(f32), **attributes)
+    return out, lse, mx
+
+
+def tangent(
+    q: Array, k: Array, v: Array, dq: Array, dk: Array, dv: Array, out: Array, lse: Array, **call
+) -> tuple[Array, Array]:
+    """The tangent of :func:`forward` with its lse known: ``d out (B, T, E)`` and ``d lse (B, T)``, float32.
+
+    ``dq``, ``dk``, ``dv`` are the tangents of q, k, v (shaped like them), ``out`` and ``lse`` the
+    forward's; ``call`` the keyword arguments of :func:`forward` (``length``, offsets, ``window``,
+    ``scale``, ``threads``). Rows with lse ``-inf`` (no key) get 0. Requires :func:`available`.
+    """
+    if _library() is None:
+        raise RuntimeError("jattn's fused CPU kernels are not available here (jattn._fused_cpu.available())")
+    f32 = jnp.float32
+    B, T, E = q.shape[0], q.shape[1], v.shape[2]
+    shapes = (jax.ShapeDtypeStruct((B, T, E), f32), jax.ShapeDtypeStruct((B, T), f32))
+    fn = jax.ffi.ffi_call(TANGENT, shapes, vmap_method="broadcast_all")
+    return fn(*(x.astype(f32) for x in (q, k, v, dq, dk, dv, out, lse)), **_attributes(**call))
+
+
+def _attributes(
+    *, length: int, q_offset: int, kv_offset: int, window: tuple[int, int], scale: float, threads: int,
+    block_q: int = BLOCK_Q, block_kv: int = BLOCK_KV,
+) -> dict:  # fmt: skip
+    """The custom calls' attributes, typed as the C++ handlers bind them."""
+    return dict(
         length=np.int64(length),
         q_offset=np.int64(q_offset),
         kv_offset=np.int64(kv_offset),
@@ -147,4 +176,3 @@ def forward(
         block_kv=np.int64(-(-block_kv // 64) * 64),
         threads=np.int64(threads),
     )
-    return out, lse, mx

@@ -1,4 +1,4 @@
-"""The fused CPU forward (jattn/_fused_cpu.cc) that blockwise attention runs on CPU for key-interval masks.
+"""The fused CPU forward (jattn/_fused_cpu.cc) that blockwise attention runs on CPU for key-interval masks, and its tangent.
 
 Through the public API: which calls take it (the custom call in the jaxpr), their values, lse,
 max logit and gradients against the float64 reference on odd sizes that cross the kernel's
@@ -88,6 +88,30 @@ def test_the_fused_forward_matches_float64(case):
     _close(out, want, dtype)
     _close(lse, want_lse, jnp.float32)
     _close(top, want_top * np.ones_like(want_lse), jnp.float32)
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_the_fused_tangent_matches_float64(case):
+    """jvp where the forward is the kernel's: the tangent kernel (its custom call in the program) against
+    JAX's jvp of the float64 dense reference, rows without keys (tangent 0) and 16-bit inputs included."""
+    mask, (T, S), q_offset, kv_offset, dtype, (lq, lk), (D, E) = case
+    q, k, v = _rand((*lq, T, D), 0, dtype), _rand((*lk, S, D), 1, dtype), _rand((*lk, S, E), 2, dtype)
+    t = (_rand((*lq, T, D), 3, dtype), _rand((*lk, S, D), 4, dtype), _rand((*lk, S, E), 5, dtype))
+    kw = dict(mask=mask, q_offset=q_offset, kv_offset=kv_offset, implementation="blockwise", return_lse=True)
+
+    def jvp(q, k, v, *t):
+        return jax.jvp(lambda q, k, v: jattn.attention(q, k, v, **kw), (q, k, v), t)
+
+    assert "custom_call @jattn_fused_tangent" in jax.jit(jvp).lower(q, k, v, *t).as_text()
+    (_, lse), (d_out, d_lse) = jax.jit(jvp)(q, k, v, *t)
+    keep = None if mask is None else np.asarray(mask.dense(T, S, q_offset=q_offset, kv_offset=kv_offset))
+    with jax.enable_x64(True):
+        up = tuple(jnp.asarray(ref.f64(x)) for x in (q, k, v, *t))
+        _, (want_out, want_lse) = jax.jvp(lambda q, k, v: ref.dense_jax(q, k, v, keep=keep), up[:3], up[3:])
+    assert d_out.dtype == dtype and d_lse.dtype == jnp.float32
+    ref.assert_grad_close(d_out, want_out, dtype)
+    ref.assert_grad_close(d_lse, np.where(np.isneginf(np.asarray(lse)), 0, want_lse), dtype)
+    assert np.all(np.asarray(d_lse)[np.isneginf(np.asarray(lse))] == 0)
 
 
 @pytest.mark.parametrize("mask", [None, masks.causal(), masks.sliding_window(7, 2)], ids=["none", "causal", "window"])

@@ -124,8 +124,11 @@ def _checkpoint(f, ref, args, capsys, names: tuple[str, ...]) -> None:
 def _export(f, args, path: str) -> None:
     """Serialize, deserialize and call: the same values as the jitted call (fused: no custom call in the artifact)."""
     exported = jax.export.export(jax.jit(f))(*args)
-    if path == "fused":
-        assert "custom_call @jattn_fused_forward" not in exported.mlir_module()
+    if path == "fused":  # the forward and, under jvp, the tangent: XLA's tiles in the artifact, the kernels under jit
+        jvp = jax.jit(lambda *a: jax.jvp(f, a, a))
+        for text in (exported.mlir_module(), jax.export.export(jvp)(*args).mlir_module()):
+            assert "custom_call @jattn_fused" not in text
+        assert "custom_call @jattn_fused_tangent" in jvp.lower(*args).as_text()
     again = jax.export.deserialize(exported.serialize())
     np.testing.assert_allclose(np.asarray(again.call(*args)), np.asarray(jax.jit(f)(*args)), rtol=1e-6, atol=1e-6)
 
