@@ -27,6 +27,7 @@
 #include <cstdlib>
 #include <limits>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -191,21 +192,48 @@ void run(int threads, const Work& work) {
   for (auto& t : pool) t.join();
 }
 
+// q (B, T, D), k (B, S, D), v (B, S, E) with any leading dimensions flattened to B, read from the buffers.
+struct Dims {
+  int64_t B = 1, T = 0, S = 0, D = 0, E = 0;
+};
+
+// The dimensions of q, k, v and the blocks checked; an error names what disagrees.
+ffi::Error dims_of(ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& k, ffi::Buffer<ffi::F32>& v, int64_t block_q,
+                   int64_t block_kv, int64_t threads, Dims& d) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  const size_t rank = qd.size();
+  if (rank < 2 || kd.size() != rank || vd.size() != rank) return ffi::Error::InvalidArgument("q, k, v: ranks differ");
+  d.T = qd[rank - 2], d.D = qd[rank - 1], d.S = kd[rank - 2], d.E = vd[rank - 1];
+  for (size_t a = 0; a + 2 < rank; ++a) {
+    if (kd[a] != qd[a] || vd[a] != qd[a]) return ffi::Error::InvalidArgument("q, k, v: leading dimensions differ");
+    d.B *= qd[a];
+  }
+  if (kd[rank - 1] != d.D || vd[rank - 2] != d.S || block_kv % 64 || block_q < 1 || threads < 1)
+    return ffi::Error::InvalidArgument("fused attention: inconsistent shapes or blocks");
+  return ffi::Error::Success();
+}
+
+// Each of `rows` query rows from r0: its keys [lo, hi) as key indices (below `length`); returns the keys any
+// row sees, [first, last) (first >= last: none).
+std::pair<int64_t, int64_t> intervals(int64_t r0, int64_t rows, int64_t q_offset, int64_t kv_offset, int64_t left,
+                                      int64_t right, int64_t length, int64_t* lo, int64_t* hi) {
+  int64_t first = length, last = 0;
+  for (int64_t i = 0; i < rows; ++i) {
+    const int64_t at = q_offset + r0 + i - kv_offset;  // the row's position among the keys' indices
+    lo[i] = std::max<int64_t>(0, left >= (int64_t{1} << 62) ? 0 : at - left);
+    hi[i] = std::min<int64_t>(length, right >= (int64_t{1} << 62) ? length : at + right + 1);
+    if (lo[i] < hi[i]) first = std::min(first, lo[i]), last = std::max(last, hi[i]);
+  }
+  return {first, last};
+}
+
 ffi::Error Forward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
                    ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse, ffi::ResultBuffer<ffi::F32> mx,
                    int64_t length, int64_t q_offset, int64_t kv_offset, int64_t left, int64_t right, float scale,
                    int64_t block_q, int64_t block_kv, int64_t threads) {
-  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
-  const size_t rank = qd.size();
-  if (rank < 2 || kd.size() != rank || vd.size() != rank) return ffi::Error::InvalidArgument("q, k, v: ranks differ");
-  const int64_t T = qd[rank - 2], D = qd[rank - 1], S = kd[rank - 2], E = vd[rank - 1];
-  int64_t B = 1;  // the leading dimensions, flattened
-  for (size_t a = 0; a + 2 < rank; ++a) {
-    if (kd[a] != qd[a] || vd[a] != qd[a]) return ffi::Error::InvalidArgument("q, k, v: leading dimensions differ");
-    B *= qd[a];
-  }
-  if (kd[rank - 1] != D || vd[rank - 2] != S || block_kv % 64 || block_q < 1 || threads < 1)
-    return ffi::Error::InvalidArgument("fused attention: inconsistent shapes or blocks");
+  Dims dims;
+  if (ffi::Error e = dims_of(q, k, v, block_q, block_kv, threads, dims); e.failure()) return e;
+  const int64_t B = dims.B, T = dims.T, S = dims.S, D = dims.D, E = dims.E;
   const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data();
   float *op = out->typed_data(), *lp = lse->typed_data(), *mp = mx->typed_data();
   length = std::min(length, S);
@@ -232,13 +260,7 @@ ffi::Error Forward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
       const int64_t b = task / blocks, r0 = (blocks - 1 - task % blocks) * Bq, rows = std::min(Bq, T - r0);
       const float* qb = qp + (b * T + r0) * D;
       for (int64_t i = 0; i < rows * D; ++i) qs[i] = qb[i] * scale;  // the scale folded into q, as jattn does
-      int64_t first = length, last = 0;  // the keys any row sees: [first, last)
-      for (int64_t i = 0; i < rows; ++i) {
-        const int64_t at = q_offset + r0 + i - kv_offset;  // the row's position among the keys' indices
-        lo[i] = std::max<int64_t>(0, left >= (int64_t{1} << 62) ? 0 : at - left);
-        hi[i] = std::min<int64_t>(length, right >= (int64_t{1} << 62) ? length : at + right + 1);
-        if (lo[i] < hi[i]) first = std::min(first, lo[i]), last = std::max(last, hi[i]);
-      }
+      const auto [first, last] = intervals(r0, rows, q_offset, kv_offset, left, right, length, lo.data(), hi.data());
       std::fill(m.begin(), m.begin() + rows, -kInf);
       std::fill(l.begin(), l.begin() + rows, 0.f);
       std::fill(acc.data, acc.data + rows * E, 0.f);
@@ -286,14 +308,9 @@ ffi::Error Tangent(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
                    ffi::Buffer<ffi::F32> lse, ffi::ResultBuffer<ffi::F32> d_out, ffi::ResultBuffer<ffi::F32> d_lse,
                    int64_t length, int64_t q_offset, int64_t kv_offset, int64_t left, int64_t right, float scale,
                    int64_t block_q, int64_t block_kv, int64_t threads) {
-  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
-  const size_t rank = qd.size();
-  if (rank < 2 || kd.size() != rank || vd.size() != rank) return ffi::Error::InvalidArgument("q, k, v: ranks differ");
-  const int64_t T = qd[rank - 2], D = qd[rank - 1], S = kd[rank - 2], E = vd[rank - 1];
-  int64_t B = 1;
-  for (size_t a = 0; a + 2 < rank; ++a) B *= qd[a];
-  if (kd[rank - 1] != D || vd[rank - 2] != S || block_kv % 64 || block_q < 1 || threads < 1)
-    return ffi::Error::InvalidArgument("fused attention tangent: inconsistent shapes or blocks");
+  Dims dims;
+  if (ffi::Error e = dims_of(q, k, v, block_q, block_kv, threads, dims); e.failure()) return e;
+  const int64_t B = dims.B, T = dims.T, S = dims.S, D = dims.D, E = dims.E;
   const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data(), *dqp = dq.typed_data();
   const float *dkp = dk.typed_data(), *dvp = dv.typed_data(), *op = out.typed_data(), *lp = lse.typed_data();
   float *dop = d_out->typed_data(), *dlp = d_lse->typed_data();
@@ -324,13 +341,7 @@ ffi::Error Tangent(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
         qs[i] = qp[(b * T + r0) * D + i] * scale;
         dqs[i] = dqp[(b * T + r0) * D + i] * scale;
       }
-      int64_t first = length, last = 0;
-      for (int64_t i = 0; i < rows; ++i) {
-        const int64_t at = q_offset + r0 + i - kv_offset;
-        lo[i] = std::max<int64_t>(0, left >= (int64_t{1} << 62) ? 0 : at - left);
-        hi[i] = std::min<int64_t>(length, right >= (int64_t{1} << 62) ? length : at + right + 1);
-        if (lo[i] < hi[i]) first = std::min(first, lo[i]), last = std::max(last, hi[i]);
-      }
+      const auto [first, last] = intervals(r0, rows, q_offset, kv_offset, left, right, length, lo.data(), hi.data());
       std::fill(c.begin(), c.begin() + rows, 0.f);
       std::fill(acc.data, acc.data + rows * E, 0.f);
       for (int64_t c0 = first / 64 * 64; c0 < last; c0 += Bc) {
