@@ -28,7 +28,14 @@ from jattn._plan import Plan
 from jattn._tangent_sweep import tangent as group_tangent
 from jattn._tile_loops import Rows, by_group
 
-__all__ = ["backward_kernel", "folding", "forward_kernel", "fused_tangent_kernel", "tangent_kernel"]
+__all__ = [
+    "backward_kernel",
+    "folding",
+    "forward_kernel",
+    "fused_forward_tangent",
+    "fused_tangent_kernel",
+    "tangent_kernel",
+]
 
 
 @functools.lru_cache(maxsize=256)
@@ -122,6 +129,17 @@ def fused_tangent_kernel(
     """``(d out (B, T, E), d lse (B, T))`` where ``plan``'s forward is the fused kernel's: its tangent, one custom call."""
     outs = _FUSED_TANGENT.bind(q, k, v, dq, dk, dv, out, lse, rows, seeds, kind, plan=plan, precision=precision)
     return tuple(outs)
+
+
+def fused_forward_tangent(q, k, v, dq, dk, dv, *, plan: Plan) -> list:
+    """``[out, lse, max logit, d out, d lse]`` of the fused kernel in one pass (:func:`jattn._fused_cpu.forward_tangent`).
+
+    Bound inside :mod:`jattn._blockwise_rules`' one-pass jvp, which lowers it (and folds its ``vmap``).
+    """
+    offsets = dict(q_offset=plan.q_offset, kv_offset=plan.kv_offset)
+    window = dict(window=plan.fused, scale=plan.scale, threads=plan.threads)
+    outs = _fused_cpu.forward_tangent(q, k, v, dq, dk, dv, length=plan.S, **offsets, **window)
+    return list(vary(tuple(outs), q, k, v, dq, dk, dv))
 
 
 def _forward_group(xs: tuple, a: tuple, group: Rows, *, consts, plan: Plan, precision) -> tuple:

@@ -384,44 +384,149 @@ ffi::Error Tangent(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
   return ffi::Error::Success();
 }
 
+
+// p[0:n] = e^(row - m) (row overwritten with p), drow[0:n] *= p; returns (rowsum p, rowsum p∘drow). m = -inf
+// (no key yet) gives zeros.
+inline std::pair<float, float> exp_times(float* row, float* drow, int64_t n, float m) {
+  if (m == -kInf) {
+    std::fill(row, row + n, 0.f), std::fill(drow, drow + n, 0.f);
+    return {0.f, 0.f};
+  }
+  const __m512 vm = _mm512_set1_ps(m);
+  __m512 vsum = _mm512_setzero_ps(), vc = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 k = static_cast<__mmask16>(n - j >= 16 ? 0xffff : (1u << (n - j)) - 1);
+    const __m512 p = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, row + j), vm));
+    const __m512 pds = _mm512_mul_ps(p, _mm512_maskz_loadu_ps(k, drow + j));
+    _mm512_mask_storeu_ps(row + j, k, p);
+    _mm512_mask_storeu_ps(drow + j, k, pds);
+    vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(k, p));
+    vc = _mm512_add_ps(vc, _mm512_maskz_mov_ps(k, pds));
+  }
+  return {_mm512_reduce_add_ps(vsum), _mm512_reduce_add_ps(vc)};
+}
+
+// One row's online softmax over a tile of the one-pass jvp: keys [a, z) of the tile's `cols` kept, the running
+// max m moved by the row's max (`vmax`, the product's, where the row sees the whole tile), p and p∘dx formed,
+// l and c (rowsum p∘dx) rescaled and summed; returns the rescale of the row's accumulators (1: unmoved).
+inline float online_row(float* row, float* drow, int64_t a, int64_t z, int64_t cols, __m512 vmax, float& m, float& l,
+                        float& c) {
+  std::fill(row, row + a, 0.f), std::fill(row + z, row + cols, 0.f);
+  std::fill(drow, drow + a, 0.f), std::fill(drow + z, drow + cols, 0.f);
+  const float m_old = m;
+  if (a == 0 && z == cols) {
+    m = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_set1_ps(m_old), vmax));
+  } else if (a < z) {
+    m = row_max(row + a, z - a, m_old);
+  }
+  const auto [sum, dsum] = a < z ? exp_times(row + a, drow + a, z - a, m) : std::pair<float, float>{0.f, 0.f};
+  const float rescale = m == -kInf ? 1.f : std::exp(m_old - m);
+  l = l * rescale + sum;
+  c = c * rescale + dsum;
+  return rescale;
+}
+
+// The forward and its tangent in one pass (forward mode without a second sweep): per tile
+//   s = (scale q) kᵀ,  dx = (scale dq) kᵀ + (scale q) dkᵀ,  m' = max(m, rowmax s),  p = e^(s - m'),
+//   l = l r + rowsum p,  c = c r + rowsum(p∘dx),  acc = acc r + p v,  A = A r + p dv + (p∘dx) v  (r = e^(m - m')),
+// and per row  out = acc / l,  lse = m + log l,  d lse = c / l,  d out = A / l - d lse·out; a row with no
+// key gives out, d out, d lse 0 and lse, max -inf. Same tasks, intervals and products as Forward.
+ffi::Error ForwardTangent(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                          ffi::Buffer<ffi::F32> dq, ffi::Buffer<ffi::F32> dk, ffi::Buffer<ffi::F32> dv,
+                          ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse,
+                          ffi::ResultBuffer<ffi::F32> mx, ffi::ResultBuffer<ffi::F32> d_out,
+                          ffi::ResultBuffer<ffi::F32> d_lse, int64_t length, int64_t q_offset, int64_t kv_offset,
+                          int64_t left, int64_t right, float scale, int64_t block_q, int64_t block_kv,
+                          int64_t threads) {
+  Dims dims;
+  if (ffi::Error e = dims_of(q, k, v, block_q, block_kv, threads, dims); e.failure()) return e;
+  const int64_t B = dims.B, T = dims.T, S = dims.S, D = dims.D, E = dims.E;
+  const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data(), *dqp = dq.typed_data();
+  const float *dkp = dk.typed_data(), *dvp = dv.typed_data();
+  float *op = out->typed_data(), *lp = lse->typed_data(), *mp = mx->typed_data();
+  float *dop = d_out->typed_data(), *dlp = d_lse->typed_data();
+  length = std::min(length, S);
+  const int64_t Sp = (length + 63) / 64 * 64, blocks = (T + block_q - 1) / block_q;
+  const int64_t Bq = block_q, Bc = block_kv;
+  const int n = static_cast<int>(std::min<int64_t>(threads, std::max<int64_t>(B * blocks, 1)));
+
+  Scratch kt(B * Sp * D), dkt(B * Sp * D);  // kᵀ and dkᵀ as panels of 64 keys
+  std::atomic<int64_t> next{0};
+  run(n, [&] {
+    for (int64_t b; (b = next.fetch_add(1)) < B;) {
+      for (int64_t c0 = 0; c0 < Sp; c0 += 64) {
+        pack_panel(kp + (b * S + c0) * D, D, length - c0, kt.data + (b * Sp + c0) * D);
+        pack_panel(dkp + (b * S + c0) * D, D, length - c0, dkt.data + (b * Sp + c0) * D);
+      }
+    }
+  });
+
+  next = 0;
+  run(n, [&] {
+    Scratch s(Bq * Bc), ds(Bq * Bc), acc(Bq * E), A(Bq * E), qs(Bq * D), dqs(Bq * D);
+    std::vector<float> m(Bq), l(Bq), c(Bq);
+    std::vector<__m512> vmax(Bq);
+    std::vector<int64_t> lo(Bq), hi(Bq);
+    for (int64_t task; (task = next.fetch_add(1)) < B * blocks;) {
+      const int64_t b = task / blocks, r0 = (blocks - 1 - task % blocks) * Bq, rows = std::min(Bq, T - r0);
+      for (int64_t i = 0; i < rows * D; ++i) {
+        qs[i] = qp[(b * T + r0) * D + i] * scale;
+        dqs[i] = dqp[(b * T + r0) * D + i] * scale;
+      }
+      const auto [first, last] = intervals(r0, rows, q_offset, kv_offset, left, right, length, lo.data(), hi.data());
+      std::fill(m.begin(), m.begin() + rows, -kInf);
+      std::fill(l.begin(), l.begin() + rows, 0.f), std::fill(c.begin(), c.begin() + rows, 0.f);
+      std::fill(acc.data, acc.data + rows * E, 0.f), std::fill(A.data, A.data + rows * E, 0.f);
+      for (int64_t c0 = first / 64 * 64; c0 < last; c0 += Bc) {
+        const int64_t cols = std::min(Bc, last - c0);
+        const float *ktb = kt.data + (b * Sp + c0) * D, *dktb = dkt.data + (b * Sp + c0) * D;
+        std::fill(vmax.begin(), vmax.begin() + rows, _mm512_set1_ps(-kInf));
+        gemm_panels(rows, cols, D, qs.data, D, ktb, 64 * D, 64, s.data, Bc, false, vmax.data());
+        gemm_panels(rows, cols, D, dqs.data, D, ktb, 64 * D, 64, ds.data, Bc, false);
+        gemm_panels(rows, cols, D, qs.data, D, dktb, 64 * D, 64, ds.data, Bc, true);
+        for (int64_t i = 0; i < rows; ++i) {
+          const int64_t a = std::clamp<int64_t>(lo[i] - c0, 0, cols), z = std::clamp<int64_t>(hi[i] - c0, a, cols);
+          const float r = online_row(s.data + i * Bc, ds.data + i * Bc, a, z, cols, vmax[i], m[i], l[i], c[i]);
+          if (r == 1.f) continue;  // the row's max did not move
+          for (int64_t e = 0; e < E; ++e) acc[i * E + e] *= r, A[i * E + e] *= r;
+        }
+        gemm(rows, E, cols, s.data, Bc, vp + (b * S + c0) * E, 64, E, acc.data, E, true);
+        gemm(rows, E, cols, s.data, Bc, dvp + (b * S + c0) * E, 64, E, A.data, E, true);
+        gemm(rows, E, cols, ds.data, Bc, vp + (b * S + c0) * E, 64, E, A.data, E, true);
+      }
+      for (int64_t i = 0; i < rows; ++i) {
+        const int64_t t = b * T + r0 + i;
+        const float inv = l[i] == 0.f ? 0.f : 1.f / l[i], dl = c[i] * inv;
+        for (int64_t e = 0; e < E; ++e) {
+          op[t * E + e] = acc[i * E + e] * inv;
+          dop[t * E + e] = A[i * E + e] * inv - dl * op[t * E + e];
+        }
+        lp[t] = l[i] == 0.f ? -kInf : m[i] + std::log(l[i]);
+        mp[t] = std::isnan(l[i]) ? l[i] : m[i];
+        dlp[t] = dl;
+      }
+    }
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JattnFusedForward, Forward,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("length")
-                                  .Attr<int64_t>("q_offset")
-                                  .Attr<int64_t>("kv_offset")
-                                  .Attr<int64_t>("left")
-                                  .Attr<int64_t>("right")
-                                  .Attr<float>("scale")
-                                  .Attr<int64_t>("block_q")
-                                  .Attr<int64_t>("block_kv")
-                                  .Attr<int64_t>("threads"));
+// The handlers' bindings: float32 buffers in, then out, then the attributes every kernel takes.
+using F32 = ffi::Buffer<ffi::F32>;
+#define JATTN_ATTRIBUTES                                                                                      \
+  .Attr<int64_t>("length").Attr<int64_t>("q_offset").Attr<int64_t>("kv_offset").Attr<int64_t>("left")        \
+      .Attr<int64_t>("right").Attr<float>("scale").Attr<int64_t>("block_q").Attr<int64_t>("block_kv")        \
+      .Attr<int64_t>("threads")
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JattnFusedForward, Forward,
+                              ffi::Ffi::Bind().Arg<F32>().Arg<F32>().Arg<F32>().Ret<F32>().Ret<F32>().Ret<F32>()
+                                  JATTN_ATTRIBUTES);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JattnFusedTangent, Tangent,
                               ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("length")
-                                  .Attr<int64_t>("q_offset")
-                                  .Attr<int64_t>("kv_offset")
-                                  .Attr<int64_t>("left")
-                                  .Attr<int64_t>("right")
-                                  .Attr<float>("scale")
-                                  .Attr<int64_t>("block_q")
-                                  .Attr<int64_t>("block_kv")
-                                  .Attr<int64_t>("threads"));
+                                  .Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>()
+                                  .Ret<F32>().Ret<F32>() JATTN_ATTRIBUTES);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JattnFusedForwardTangent, ForwardTangent,
+                              ffi::Ffi::Bind()
+                                  .Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>()
+                                  .Ret<F32>().Ret<F32>().Ret<F32>().Ret<F32>().Ret<F32>() JATTN_ATTRIBUTES);

@@ -7,7 +7,8 @@ tile in its core's cache between the two products, with the online softmax in be
 design notes). It serves the masks that give each query row one interval of keys
 (:func:`jattn._position_masks.key_interval`: none, causal, sliding windows and their ``&``) in float32
 (16-bit inputs are upcast), and returns the lse, so the backward stays jattn's XLA one. Its
-tangent (forward mode, :func:`tangent`) is a second custom call over the same tasks.
+tangent (forward mode) is a second custom call over the same tasks, with the lse known
+(:func:`tangent`), or the forward and the tangent in one pass (:func:`forward_tangent`).
 
 The C++ source is compiled on first use with the system's ``g++`` for this machine's CPU
 (``-march=native``) and cached under ``$JATTN_CACHE_DIR`` (default ``~/.cache/jattn``), keyed by
@@ -32,11 +33,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
-__all__ = ["BLOCK_KV", "BLOCK_Q", "available", "forward", "tangent"]
+__all__ = ["BLOCK_KV", "BLOCK_Q", "available", "forward", "forward_tangent", "tangent"]
 
 _log = logging.getLogger(__name__)
 TARGET = "jattn_fused_forward"
 TANGENT = "jattn_fused_tangent"
+FORWARD_TANGENT = "jattn_fused_forward_tangent"
 SOURCE = pathlib.Path(__file__).with_suffix(".cc")
 #: Query rows of one task and keys of one tile (a multiple of 64): full forward, B=4 N=8 D=64, 2 threads (docs: design notes).
 BLOCK_Q, BLOCK_KV = 256, 512
@@ -94,6 +96,7 @@ def _library() -> ctypes.CDLL | None:
     library = ctypes.CDLL(str(path))
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.JattnFusedForward), platform="cpu")
     jax.ffi.register_ffi_target(TANGENT, jax.ffi.pycapsule(library.JattnFusedTangent), platform="cpu")
+    jax.ffi.register_ffi_target(FORWARD_TANGENT, jax.ffi.pycapsule(library.JattnFusedForwardTangent), platform="cpu")
     return library
 
 
@@ -158,6 +161,22 @@ def tangent(
     shapes = (jax.ShapeDtypeStruct((B, T, E), f32), jax.ShapeDtypeStruct((B, T), f32))
     fn = jax.ffi.ffi_call(TANGENT, shapes, vmap_method="broadcast_all")
     return fn(*(x.astype(f32) for x in (q, k, v, dq, dk, dv, out, lse)), **_attributes(**call))
+
+
+def forward_tangent(q: Array, k: Array, v: Array, dq: Array, dk: Array, dv: Array, **call) -> tuple[Array, ...]:
+    """:func:`forward` and its tangent in one pass: ``out``, ``lse``, max logit, ``d out (B, T, E)``, ``d lse (B, T)``.
+
+    The forward's online softmax carries the tangent's sums beside its own (forward mode without a
+    second sweep); ``dq``, ``dk``, ``dv`` the tangents of q, k, v, ``call`` the keyword arguments of
+    :func:`forward`. Rows with no key get 0 tangents. Requires :func:`available`.
+    """
+    if _library() is None:
+        raise RuntimeError("jattn's fused CPU kernels are not available here (jattn._fused_cpu.available())")
+    f32 = jnp.float32
+    B, T, E = q.shape[0], q.shape[1], v.shape[2]
+    rows, tile = jax.ShapeDtypeStruct((B, T), f32), jax.ShapeDtypeStruct((B, T, E), f32)
+    fn = jax.ffi.ffi_call(FORWARD_TANGENT, (tile, rows, rows, tile, rows), vmap_method="broadcast_all")
+    return fn(*(x.astype(f32) for x in (q, k, v, dq, dk, dv)), **_attributes(**call))
 
 
 def _attributes(

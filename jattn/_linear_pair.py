@@ -29,6 +29,8 @@ import jax.extend as jex
 import jax.numpy as jnp
 from jax.interpreters import ad, batching, mlir
 
+from jattn._batching import fold_or_map
+
 __all__ = ["LinearPair"]
 
 #: ``impl(direction, params, res, lin) -> outputs``: direction 0 applies the map, 1 its transpose.
@@ -119,21 +121,8 @@ class LinearPair:
     def _batched(self, direction: int, args, dims, params, nres: int) -> tuple[list, list]:
         """The batching rule: folded into the operands and bound again, or mapped element by element."""
         args, dims = list(args), list(dims)
-        folded = self.fold(params, args, dims)
-        if folded is not None:
-            flat, unfold = folded
-            outs = unfold(self._bind(direction, params, flat[:nres], flat[nres:]))
-            return outs, [0] * len(outs)
-        mapped = [i for i, d in enumerate(dims) if d is not None]
-
-        def one(xs):
-            full = list(args)
-            for i, x in zip(mapped, xs, strict=True):
-                full[i] = x
-            return self._bind(direction, params, full[:nres], full[nres:])
-
-        outs = jax.lax.map(one, [jnp.moveaxis(args[i], dims[i], 0) for i in mapped])
-        return outs, [0] * len(outs)
+        bind = lambda a: self._bind(direction, params, a[:nres], a[nres:])  # noqa: E731
+        return fold_or_map(bind, self.fold(params, args, dims), args, dims)
 
 
 def _aval(x):

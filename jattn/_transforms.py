@@ -36,6 +36,7 @@ TRANSFORMS: dict[str, dict[str, str]] = {
     "grad": _row(),
     "grad of grad, reverse-over-reverse HVP": _row(cudnn=_SECOND + _LATE, pallas=_SECOND + _LATE),
     "jvp, forward-over-reverse HVP": _row(cudnn=_FORWARD, pallas=_FORWARD),
+    "grad of jvp (a loss through jvp), with and without jax.checkpoint": _row(cudnn=_FORWARD, pallas=_FORWARD),
     "jacfwd": _row(cudnn=_FORWARD, pallas=_FORWARD),
     "hessian": _row(cudnn=_FORWARD, pallas=_FORWARD),
     "linearize": _row(cudnn=_FORWARD + _LATE, pallas=_FORWARD + _LATE),
@@ -58,6 +59,7 @@ TRANSFORMS: dict[str, dict[str, str]] = {
 _JAX_SAYS = {
     "can't apply forward-mode autodiff": ("forward mode (jax.jvp, jacfwd, hessian, linearize)", _FORWARD),
     "Linearization failed to produce known values": ("second-order reverse mode (grad of grad)", _SECOND),
+    "Differentiation rule for 'custom_lin'": ("forward mode under reverse mode (grad of jvp)", _FORWARD),
 }
 
 
@@ -71,7 +73,7 @@ def refusals(path: str) -> Iterator[None]:
     """
     try:
         yield
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, NotImplementedError) as e:
         for says, (what, cell) in _JAX_SAYS.items():
             if says in str(e):
                 raise ValueError(f"{what} of implementation={path!r}: {cell.removeprefix('no: ')}") from e

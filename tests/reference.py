@@ -336,6 +336,15 @@ def _hvp_rev(f, a, t):
 
 
 #: What each row of jattn.TRANSFORMS runs on ``f(q, k, v)`` (most rows; tests/test_transforms.py):
+def _grad_of_jvp(f, a, t) -> tuple:
+    """The gradient in q of a loss through ``jax.jvp`` (consistency-model training), plain and under ``jax.checkpoint``."""
+
+    def loss(q):
+        return sum(jnp.sum(x**2) for x in jax.tree.leaves(jax.jvp(f, (q, *a[1:]), t)[1]))
+
+    return jax.grad(loss)(a[0]), jax.grad(jax.checkpoint(loss))(a[0])
+
+
 TRANSFORM_RUNS = {  # transformation -> (f, args, tangents) -> a pytree to compare with the reference's
     "jit": lambda f, a, t: jax.jit(f)(*a),
     "vmap": lambda f, a, t: jax.vmap(f, in_axes=(0, None, 0))(jnp.stack(a), a[1], jnp.stack(t[:3])),
@@ -348,6 +357,7 @@ TRANSFORM_RUNS = {  # transformation -> (f, args, tangents) -> a pytree to compa
         jax.jvp(f, a, t),
         jax.jvp(jax.grad(transform_loss(f), (0, 1, 2)), a, t)[1],
     ),
+    "grad of jvp (a loss through jvp), with and without jax.checkpoint": lambda f, a, t: _grad_of_jvp(f, a, t),
     "jacfwd": lambda f, a, t: jax.jacfwd(f)(*a),
     "hessian": lambda f, a, t: jax.hessian(lambda q: transform_loss(f)(q, *a[1:]))(a[0]),
     "linearize": lambda f, a, t: jax.linearize(f, *a)[1](*t),

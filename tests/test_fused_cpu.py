@@ -90,28 +90,40 @@ def test_the_fused_forward_matches_float64(case):
     _close(top, want_top * np.ones_like(want_lse), jnp.float32)
 
 
+@pytest.mark.parametrize("form", ["jvp", "linearize"])
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
-def test_the_fused_tangent_matches_float64(case):
-    """jvp where the forward is the kernel's: the tangent kernel (its custom call in the program) against
-    JAX's jvp of the float64 dense reference, rows without keys (tangent 0) and 16-bit inputs included."""
+def test_the_fused_tangent_matches_float64(case, form):
+    """Forward mode where the forward is the kernel's, against JAX's jvp of the float64 dense reference (rows
+    without keys: tangent 0; 16-bit inputs): jvp runs the forward and the tangent in one pass (its primal is the
+    forward's, bit for bit); linearize's linear map the tangent with the lse known (each kernel's custom call
+    in its program)."""
     mask, (T, S), q_offset, kv_offset, dtype, (lq, lk), (D, E) = case
     q, k, v = _rand((*lq, T, D), 0, dtype), _rand((*lk, S, D), 1, dtype), _rand((*lk, S, E), 2, dtype)
     t = (_rand((*lq, T, D), 3, dtype), _rand((*lk, S, D), 4, dtype), _rand((*lk, S, E), 5, dtype))
     kw = dict(mask=mask, q_offset=q_offset, kv_offset=kv_offset, implementation="blockwise", return_lse=True)
 
-    def jvp(q, k, v, *t):
-        return jax.jvp(lambda q, k, v: jattn.attention(q, k, v, **kw), (q, k, v), t)
+    def f(q, k, v):
+        return jattn.attention(q, k, v, **kw)
 
-    assert "custom_call @jattn_fused_tangent" in jax.jit(jvp).lower(q, k, v, *t).as_text()
-    (_, lse), (d_out, d_lse) = jax.jit(jvp)(q, k, v, *t)
+    if form == "jvp":
+        jvp = jax.jit(lambda q, k, v, *t: jax.jvp(f, (q, k, v), t))
+        assert "custom_call @jattn_fused_forward_tangent" in jvp.lower(q, k, v, *t).as_text()
+        primal, (d_out, d_lse) = jvp(q, k, v, *t)
+        for got, want in zip(primal, jax.jit(f)(q, k, v), strict=True):
+            np.testing.assert_array_equal(got, want)
+    else:
+        primal, linear = jax.linearize(f, q, k, v)
+        assert "custom_call @jattn_fused_tangent(" in jax.jit(linear).lower(*t).as_text()
+        d_out, d_lse = linear(*t)
+    lse = np.asarray(primal[1])
     keep = None if mask is None else np.asarray(mask.dense(T, S, q_offset=q_offset, kv_offset=kv_offset))
     with jax.enable_x64(True):
         up = tuple(jnp.asarray(ref.f64(x)) for x in (q, k, v, *t))
         _, (want_out, want_lse) = jax.jvp(lambda q, k, v: ref.dense_jax(q, k, v, keep=keep), up[:3], up[3:])
     assert d_out.dtype == dtype and d_lse.dtype == jnp.float32
     ref.assert_grad_close(d_out, want_out, dtype)
-    ref.assert_grad_close(d_lse, np.where(np.isneginf(np.asarray(lse)), 0, want_lse), dtype)
-    assert np.all(np.asarray(d_lse)[np.isneginf(np.asarray(lse))] == 0)
+    ref.assert_grad_close(d_lse, np.where(np.isneginf(lse), 0, want_lse), dtype)
+    assert np.all(np.asarray(d_lse)[np.isneginf(lse)] == 0) and np.all(np.asarray(d_out)[np.isneginf(lse)] == 0)
 
 
 @pytest.mark.parametrize("mask", [None, masks.causal(), masks.sliding_window(7, 2)], ids=["none", "causal", "window"])
@@ -149,6 +161,10 @@ def test_nan_propagates_and_rows_without_keys_are_zero():
     assert _fused(call, q, k, v)
     out, lse, top = map(np.asarray, call(q, k, v))
     first = T - S  # bottom-right alignment: row t sees keys <= t - (T - S)
+    primal, tangent = jax.jvp(call, (q, k, v), (q, k, v))  # jvp's one pass: the forward's values, NaN where it has NaN
+    for got, want in zip(primal, (out, lse, top), strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert np.all(tangent[0][:, :first] == 0) and np.all(tangent[1][:, :first] == 0)
     sees_nan_key = np.arange(T) - first >= 40
     np.testing.assert_array_equal(np.isnan(out[0]).any(-1), np.arange(T) == 250)
     np.testing.assert_array_equal(np.isnan(out[1]).any(-1), sees_nan_key)
@@ -212,7 +228,7 @@ def test_jattn_fused_cpu_0_switches_it_off(monkeypatch):
 
 
 def test_the_result_does_not_depend_on_the_thread_count(monkeypatch):
-    """Each (row, query block) task is computed whole by one thread: 1, 2 or 5 threads give the same bits."""
+    """Each (row, query block) task is computed whole by one thread: 1, 2 or 5 threads give the same bits (forward, jvp)."""
     import jattn._platform as platform_facts
 
     q, k, v = _rand((3, 2, 600, 8), 0), _rand((3, 2, 700, 8), 1), _rand((3, 2, 700, 8), 2)
@@ -221,6 +237,6 @@ def test_the_result_does_not_depend_on_the_thread_count(monkeypatch):
         monkeypatch.setattr(platform_facts, "cpu_threads", lambda threads=threads: threads)
         call = lambda q, k, v: jattn.attention(q, k, v, mask=masks.causal(), implementation="blockwise")  # noqa: E731
         assert _fused(call, q, k, v)
-        outs.append(np.asarray(call(q, k, v)))
+        outs.append(np.stack([call(q, k, v), *jax.jvp(call, (q, k, v), (v[..., :600, :], k, v))]))  # and jvp's one pass
     np.testing.assert_array_equal(outs[0], outs[1])
     np.testing.assert_array_equal(outs[0], outs[2])

@@ -55,7 +55,8 @@ def _close(got, want) -> None:
 def test_ring_cell(row):
     assert jattn.TRANSFORMS[row]["ring"] == "yes"
     q, k, v, *t = _args()
-    got, want = TRANSFORM_RUNS[row](_ring, (q, k, v), tuple(t)), TRANSFORM_RUNS[row](_reference, (q, k, v), tuple(t))
+    run = TRANSFORM_RUNS[row] if row == "eval_shape" else jax.jit(TRANSFORM_RUNS[row], static_argnums=0)  # 12x faster
+    got, want = run(_ring, (q, k, v), tuple(t)), run(_reference, (q, k, v), tuple(t))
     if row == "eval_shape":
         assert got == jax.eval_shape(jax.jit(_ring), q, k, v) and got.shape == want.shape
     else:
