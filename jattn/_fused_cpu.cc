@@ -174,6 +174,18 @@ void pack_panel(const float* k, int64_t D, int64_t keys, float* panel) {
   }
 }
 
+// kᵀ of every B row as panels of 64 keys, kt[b][p][d][0:64] (k (B, S, D); zero past `length`; Sp = length
+// rounded up to 64), packed by `threads` threads.
+template <typename Run>
+void pack_all(const Run& run_on, int64_t B, int64_t S, int64_t D, int64_t length, int64_t Sp, const float* k, float* kt) {
+  std::atomic<int64_t> next{0};
+  run_on([&] {
+    for (int64_t b; (b = next.fetch_add(1)) < B;) {
+      for (int64_t c0 = 0; c0 < Sp; c0 += 64) pack_panel(k + (b * S + c0) * D, D, length - c0, kt + (b * Sp + c0) * D);
+    }
+  });
+}
+
 // Scratch of n floats on a 64-byte boundary (whole cache lines: no vector load or store splits one).
 struct Scratch {
   explicit Scratch(int64_t n) : data(static_cast<float*>(std::aligned_alloc(64, (n * sizeof(float) + 63) / 64 * 64))) {}
@@ -241,16 +253,11 @@ ffi::Error Forward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
   const int64_t Bq = block_q, Bc = block_kv;
   const int n = static_cast<int>(std::min<int64_t>(threads, std::max<int64_t>(B * blocks, 1)));
 
-  // kᵀ as panels of 64 keys, kt[b][p][d][0:64], zero past `length`.
-  Scratch kt(B * Sp * D);
-  std::atomic<int64_t> next{0};
-  run(n, [&] {
-    for (int64_t b; (b = next.fetch_add(1)) < B;) {
-      for (int64_t c0 = 0; c0 < Sp; c0 += 64) pack_panel(kp + (b * S + c0) * D, D, length - c0, kt.data + (b * Sp + c0) * D);
-    }
-  });
+  const auto on_threads = [n](const auto& work) { run(n, work); };
+  Scratch kt(B * Sp * D);  // kᵀ as panels of 64 keys
+  pack_all(on_threads, B, S, D, length, Sp, kp, kt.data);
 
-  next = 0;
+  std::atomic<int64_t> next{0};
   run(n, [&] {
     Scratch s(Bq * Bc), acc(Bq * E), qs(Bq * D);
     std::vector<float> m(Bq), l(Bq);
@@ -319,18 +326,12 @@ ffi::Error Tangent(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
   const int64_t Bq = block_q, Bc = block_kv;
   const int n = static_cast<int>(std::min<int64_t>(threads, std::max<int64_t>(B * blocks, 1)));
 
+  const auto on_threads = [n](const auto& work) { run(n, work); };
   Scratch kt(B * Sp * D), dkt(B * Sp * D);  // kᵀ and dkᵀ as panels of 64 keys
-  std::atomic<int64_t> next{0};
-  run(n, [&] {
-    for (int64_t b; (b = next.fetch_add(1)) < B;) {
-      for (int64_t c0 = 0; c0 < Sp; c0 += 64) {
-        pack_panel(kp + (b * S + c0) * D, D, length - c0, kt.data + (b * Sp + c0) * D);
-        pack_panel(dkp + (b * S + c0) * D, D, length - c0, dkt.data + (b * Sp + c0) * D);
-      }
-    }
-  });
+  pack_all(on_threads, B, S, D, length, Sp, kp, kt.data);
+  pack_all(on_threads, B, S, D, length, Sp, dkp, dkt.data);
 
-  next = 0;
+  std::atomic<int64_t> next{0};
   run(n, [&] {
     Scratch s(Bq * Bc), ds(Bq * Bc), acc(Bq * E), qs(Bq * D), dqs(Bq * D);
     std::vector<float> c(Bq);
@@ -450,18 +451,12 @@ ffi::Error ForwardTangent(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi:
   const int64_t Bq = block_q, Bc = block_kv;
   const int n = static_cast<int>(std::min<int64_t>(threads, std::max<int64_t>(B * blocks, 1)));
 
+  const auto on_threads = [n](const auto& work) { run(n, work); };
   Scratch kt(B * Sp * D), dkt(B * Sp * D);  // kᵀ and dkᵀ as panels of 64 keys
-  std::atomic<int64_t> next{0};
-  run(n, [&] {
-    for (int64_t b; (b = next.fetch_add(1)) < B;) {
-      for (int64_t c0 = 0; c0 < Sp; c0 += 64) {
-        pack_panel(kp + (b * S + c0) * D, D, length - c0, kt.data + (b * Sp + c0) * D);
-        pack_panel(dkp + (b * S + c0) * D, D, length - c0, dkt.data + (b * Sp + c0) * D);
-      }
-    }
-  });
+  pack_all(on_threads, B, S, D, length, Sp, kp, kt.data);
+  pack_all(on_threads, B, S, D, length, Sp, dkp, dkt.data);
 
-  next = 0;
+  std::atomic<int64_t> next{0};
   run(n, [&] {
     Scratch s(Bq * Bc), ds(Bq * Bc), acc(Bq * E), A(Bq * E), qs(Bq * D), dqs(Bq * D);
     std::vector<float> m(Bq), l(Bq), c(Bq);

@@ -132,9 +132,13 @@ def _export(f, args, path: str) -> None:
     exported = jax.export.export(jax.jit(f))(*args)
     if path == "fused":  # the forward and, under jvp, the tangent: XLA's tiles in the artifact, the kernels under jit
         jvp = jax.jit(lambda *a: jax.jvp(f, a, a))
-        for text in (exported.mlir_module(), jax.export.export(jvp)(*args).mlir_module()):
-            assert "custom_call @jattn_fused" not in text
+        grad = jax.jit(jax.grad(transform_loss(f), (0, 1, 2)))
+        for g in (jax.jit(f), jvp, grad):
+            assert "custom_call @jattn_fused" not in jax.export.export(g)(*args).mlir_module()
         assert "custom_call @jattn_fused_forward_tangent" in jvp.lower(*args).as_text()  # jvp in one pass
+        again = jax.export.deserialize(jax.export.export(grad)(*args).serialize())
+        for a, b in zip(again.call(*args), grad(*args), strict=True):  # XLA's tiles there, the kernel here
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
     again = jax.export.deserialize(exported.serialize())
     np.testing.assert_allclose(np.asarray(again.call(*args)), np.asarray(jax.jit(f)(*args)), rtol=1e-6, atol=1e-6)
 
