@@ -199,7 +199,11 @@ def _one_pass(call: Call, xs: list, dxs: list) -> list:
 def _one_pass_avals(call: Call, xs: list, dxs: list) -> list:
     """float32 ``out (B, T, E)``, ``lse``, max logit ``(B, T)`` and their tangents (the max logit's: 0)."""
     (b, t, _), e = xs[0].shape, xs[2].shape[-1]
-    out, row = jax.core.ShapedArray((b, t, e), jnp.float32), jax.core.ShapedArray((b, t), jnp.float32)
+    varying = frozenset().union(*(x.manual_axis_type.varying for x in (*xs, *dxs)))  # under shard_map
+    like = xs[0].update(
+        dtype=jnp.float32, weak_type=False, manual_axis_type=xs[0].manual_axis_type.update(varying=varying)
+    )
+    out, row = like.update(shape=(b, t, e)), like.update(shape=(b, t))
     return [out, row, row, out, row, row]
 
 

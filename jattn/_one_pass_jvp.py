@@ -29,6 +29,7 @@ from collections.abc import Callable, Hashable, Sequence
 
 import jax
 import jax.extend as jex
+from jax.extend import linear_util as lu
 from jax.interpreters import ad, batching, mlir
 from jax.interpreters import partial_eval as pe
 
@@ -97,8 +98,11 @@ class OnePassJvp:
     def _partial_eval_jaxpr(self, saveable, unks_in, inst_in, eqn):
         """A jaxpr's partial evaluation (``jax.checkpoint``, ``scan``): ``split`` as a ``closed_call`` in the equation's place."""
         params, n = eqn.params["params"], eqn.params["n"]
-        avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
-        jaxpr = jax.make_jaxpr(self._split(params, n))(*avals)
+        fn = self._split(params, n)
+        split = lu.wrap_init(fn, debug_info=jax.api_util.debug_info("jattn one-pass jvp, split", fn, eqn.invars, {}))
+        # traced on the operands' own types (their varying mesh axes under shard_map included)
+        body, _, consts = pe.trace_to_jaxpr_dynamic(split, [v.aval for v in eqn.invars])
+        jaxpr = jex.core.ClosedJaxpr(body, consts)
         closed_call = jex.core.primitives.closed_call_p
         call = jex.core.new_jaxpr_eqn(
             eqn.invars, eqn.outvars, closed_call, dict(call_jaxpr=jaxpr), jaxpr.effects, eqn.source_info, eqn.ctx

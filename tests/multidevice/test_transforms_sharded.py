@@ -103,7 +103,8 @@ def test_ring_cell_modules():
 
 @pytest.mark.parametrize("path", ["dense", "blockwise", "fused", "xla", "modules"])
 def test_shard_map_cell(path):
-    """Batch and heads over a 2 x 2 mesh: jvp inside shard_map equals the reference's (grad: test_shard_map.py)."""
+    """Batch and heads over a 2 x 2 mesh: jvp and a grad through jvp inside shard_map equal the reference's
+    (grad: test_shard_map.py)."""
     assert jattn.TRANSFORMS["shard_map"][path] == "yes"
     mesh = jax.make_mesh((2, 2), ("b", "h"), axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[:4])
     spec = PartitionSpec("b", "h", None, None)
@@ -116,6 +117,9 @@ def test_shard_map_cell(path):
     f = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
     q, k, v, *t = _args()
     _close(jax.jvp(f, (q, k, v), tuple(t[:3])), jax.jvp(_reference, (q, k, v), tuple(t[:3])))
+    through = "grad of jvp (a loss through jvp), with and without jax.checkpoint"  # the fused path's one-pass split
+    run = jax.jit(TRANSFORM_RUNS[through], static_argnums=0)
+    _close(run(f, (q, k, v), tuple(t[:3])), run(_reference, (q, k, v), tuple(t[:3])))
 
 
 def test_ring_jvp_and_hvp_with_sinks_softcap_and_segment_ids():
