@@ -54,11 +54,15 @@ def _forward(q, k, v, rows, seeds, sinks, kind, arrays, consts, *, plan: Plan, p
     return by_group(plan, body, (q, k, v, rows, seeds, sinks), (kind, *arrays))
 
 
+def _kernel_call(plan: Plan) -> dict:
+    """The keyword arguments of :mod:`jattn._fused_cpu`'s calls for a fused ``plan``: keys, offsets, interval, scale, threads."""
+    return dict(length=plan.S, q_offset=plan.q_offset, kv_offset=plan.kv_offset, window=plan.fused, scale=plan.scale,
+                threads=plan.threads)  # fmt: skip
+
+
 def _fused(q, k, v, rows, seeds, sinks, kind, *, plan: Plan, precision) -> list:
     """The fused CPU kernel's ``[out, lse, max logit]`` for ``plan`` (:func:`jattn._fused_cpu.forward`)."""
-    offsets = dict(q_offset=plan.q_offset, kv_offset=plan.kv_offset)
-    window = dict(window=plan.fused, scale=plan.scale, threads=plan.threads)
-    return list(_fused_cpu.forward(q, k, v, length=plan.S, **offsets, **window))
+    return list(_fused_cpu.forward(q, k, v, **_kernel_call(plan)))
 
 
 def _tiles(q, k, v, rows, seeds, sinks, kind, *, plan: Plan, precision) -> list:
@@ -91,9 +95,7 @@ mlir.register_lowering(_FUSED, _fused_lowering)
 
 def _fused_tangent(q, k, v, dq, dk, dv, out, lse, rows, seeds, kind, *, plan: Plan, precision) -> list:
     """The fused CPU tangent's ``[d out, d lse]`` for ``plan`` (:func:`jattn._fused_cpu.tangent`)."""
-    offsets = dict(q_offset=plan.q_offset, kv_offset=plan.kv_offset)
-    window = dict(window=plan.fused, scale=plan.scale, threads=plan.threads)
-    return list(_fused_cpu.tangent(q, k, v, dq, dk, dv, out, lse, length=plan.S, **offsets, **window))
+    return list(_fused_cpu.tangent(q, k, v, dq, dk, dv, out, lse, **_kernel_call(plan)))
 
 
 def _tiles_tangent(q, k, v, dq, dk, dv, out, lse, rows, seeds, kind, *, plan: Plan, precision) -> list:
@@ -136,9 +138,7 @@ def fused_forward_tangent(q, k, v, dq, dk, dv, *, plan: Plan) -> list:
 
     Bound inside :mod:`jattn._blockwise_rules`' one-pass jvp, which lowers it (and folds its ``vmap``).
     """
-    offsets = dict(q_offset=plan.q_offset, kv_offset=plan.kv_offset)
-    window = dict(window=plan.fused, scale=plan.scale, threads=plan.threads)
-    outs = _fused_cpu.forward_tangent(q, k, v, dq, dk, dv, length=plan.S, **offsets, **window)
+    outs = _fused_cpu.forward_tangent(q, k, v, dq, dk, dv, **_kernel_call(plan))
     return list(vary(tuple(outs), q, k, v, dq, dk, dv))
 
 

@@ -186,6 +186,20 @@ void pack_all(const Run& run_on, int64_t B, int64_t S, int64_t D, int64_t length
   });
 }
 
+// One tile's scores and their tangent, from q and dq rows (already scaled) and the panels of kᵀ and dkᵀ at its
+// first key: s = q kᵀ (each row's max into vmax, where given) and dx = dq kᵀ + q dkᵀ.
+void tangent_products(int64_t rows, int64_t cols, int64_t D, const float* qs, const float* dqs, const float* ktb,
+                      const float* dktb, float* s, float* ds, int64_t Bc, __m512* vmax) {
+  gemm_panels(rows, cols, D, qs, D, ktb, 64 * D, 64, s, Bc, false, vmax);
+  gemm_panels(rows, cols, D, dqs, D, ktb, 64 * D, 64, ds, Bc, false);
+  gemm_panels(rows, cols, D, qs, D, dktb, 64 * D, 64, ds, Bc, true);
+}
+
+// n values of q and of dq from (q, dq) + offset, times scale, into qs and dqs.
+inline void scaled_pair(const float* q, const float* dq, int64_t offset, int64_t n, float scale, float* qs, float* dqs) {
+  for (int64_t i = 0; i < n; ++i) qs[i] = q[offset + i] * scale, dqs[i] = dq[offset + i] * scale;
+}
+
 // Scratch of n floats on a 64-byte boundary (whole cache lines: no vector load or store splits one).
 struct Scratch {
   explicit Scratch(int64_t n) : data(static_cast<float*>(std::aligned_alloc(64, (n * sizeof(float) + 63) / 64 * 64))) {}
@@ -204,14 +218,17 @@ void run(int threads, const Work& work) {
   for (auto& t : pool) t.join();
 }
 
-// q (B, T, D), k (B, S, D), v (B, S, E) with any leading dimensions flattened to B, read from the buffers.
+// q (B, T, D), k (B, S, D), v (B, S, E) with any leading dimensions flattened to B, read from the buffers, and
+// what every kernel derives from them: the keys below `length` (at most S), padded to panels of 64 (Sp), the
+// query blocks of a B row, and the threads that get a task.
 struct Dims {
-  int64_t B = 1, T = 0, S = 0, D = 0, E = 0;
+  int64_t B = 1, T = 0, S = 0, D = 0, E = 0, length = 0, Sp = 0, blocks = 0;
+  int n = 1;
 };
 
 // The dimensions of q, k, v and the blocks checked; an error names what disagrees.
-ffi::Error dims_of(ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& k, ffi::Buffer<ffi::F32>& v, int64_t block_q,
-                   int64_t block_kv, int64_t threads, Dims& d) {
+ffi::Error dims_of(ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& k, ffi::Buffer<ffi::F32>& v, int64_t length,
+                   int64_t block_q, int64_t block_kv, int64_t threads, Dims& d) {
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
   const size_t rank = qd.size();
   if (rank < 2 || kd.size() != rank || vd.size() != rank) return ffi::Error::InvalidArgument("q, k, v: ranks differ");
@@ -222,6 +239,8 @@ ffi::Error dims_of(ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& k, ffi::Buff
   }
   if (kd[rank - 1] != d.D || vd[rank - 2] != d.S || block_kv % 64 || block_q < 1 || threads < 1)
     return ffi::Error::InvalidArgument("fused attention: inconsistent shapes or blocks");
+  d.length = std::min(length, d.S), d.Sp = (d.length + 63) / 64 * 64, d.blocks = (d.T + block_q - 1) / block_q;
+  d.n = static_cast<int>(std::min<int64_t>(threads, std::max<int64_t>(d.B * d.blocks, 1)));
   return ffi::Error::Success();
 }
 
@@ -244,14 +263,13 @@ ffi::Error Forward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
                    int64_t length, int64_t q_offset, int64_t kv_offset, int64_t left, int64_t right, float scale,
                    int64_t block_q, int64_t block_kv, int64_t threads) {
   Dims dims;
-  if (ffi::Error e = dims_of(q, k, v, block_q, block_kv, threads, dims); e.failure()) return e;
-  const int64_t B = dims.B, T = dims.T, S = dims.S, D = dims.D, E = dims.E;
+  if (ffi::Error e = dims_of(q, k, v, length, block_q, block_kv, threads, dims); e.failure()) return e;
+  const int64_t B = dims.B, T = dims.T, S = dims.S, D = dims.D, E = dims.E, Sp = dims.Sp, blocks = dims.blocks;
+  const int64_t Bq = block_q, Bc = block_kv;
+  const int n = dims.n;
+  length = dims.length;
   const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data();
   float *op = out->typed_data(), *lp = lse->typed_data(), *mp = mx->typed_data();
-  length = std::min(length, S);
-  const int64_t Sp = (length + 63) / 64 * 64, blocks = (T + block_q - 1) / block_q;
-  const int64_t Bq = block_q, Bc = block_kv;
-  const int n = static_cast<int>(std::min<int64_t>(threads, std::max<int64_t>(B * blocks, 1)));
 
   const auto on_threads = [n](const auto& work) { run(n, work); };
   Scratch kt(B * Sp * D);  // kᵀ as panels of 64 keys
@@ -316,15 +334,14 @@ ffi::Error Tangent(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
                    int64_t length, int64_t q_offset, int64_t kv_offset, int64_t left, int64_t right, float scale,
                    int64_t block_q, int64_t block_kv, int64_t threads) {
   Dims dims;
-  if (ffi::Error e = dims_of(q, k, v, block_q, block_kv, threads, dims); e.failure()) return e;
-  const int64_t B = dims.B, T = dims.T, S = dims.S, D = dims.D, E = dims.E;
+  if (ffi::Error e = dims_of(q, k, v, length, block_q, block_kv, threads, dims); e.failure()) return e;
+  const int64_t B = dims.B, T = dims.T, S = dims.S, D = dims.D, E = dims.E, Sp = dims.Sp, blocks = dims.blocks;
+  const int64_t Bq = block_q, Bc = block_kv;
+  const int n = dims.n;
+  length = dims.length;
   const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data(), *dqp = dq.typed_data();
   const float *dkp = dk.typed_data(), *dvp = dv.typed_data(), *op = out.typed_data(), *lp = lse.typed_data();
   float *dop = d_out->typed_data(), *dlp = d_lse->typed_data();
-  length = std::min(length, S);
-  const int64_t Sp = (length + 63) / 64 * 64, blocks = (T + block_q - 1) / block_q;
-  const int64_t Bq = block_q, Bc = block_kv;
-  const int n = static_cast<int>(std::min<int64_t>(threads, std::max<int64_t>(B * blocks, 1)));
 
   const auto on_threads = [n](const auto& work) { run(n, work); };
   Scratch kt(B * Sp * D), dkt(B * Sp * D);  // kᵀ and dkᵀ as panels of 64 keys
@@ -338,19 +355,14 @@ ffi::Error Tangent(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
     std::vector<int64_t> lo(Bq), hi(Bq);
     for (int64_t task; (task = next.fetch_add(1)) < B * blocks;) {
       const int64_t b = task / blocks, r0 = (blocks - 1 - task % blocks) * Bq, rows = std::min(Bq, T - r0);
-      for (int64_t i = 0; i < rows * D; ++i) {
-        qs[i] = qp[(b * T + r0) * D + i] * scale;
-        dqs[i] = dqp[(b * T + r0) * D + i] * scale;
-      }
+      scaled_pair(qp, dqp, (b * T + r0) * D, rows * D, scale, qs.data, dqs.data);
       const auto [first, last] = intervals(r0, rows, q_offset, kv_offset, left, right, length, lo.data(), hi.data());
       std::fill(c.begin(), c.begin() + rows, 0.f);
       std::fill(acc.data, acc.data + rows * E, 0.f);
       for (int64_t c0 = first / 64 * 64; c0 < last; c0 += Bc) {
         const int64_t cols = std::min(Bc, last - c0);
         const float *ktb = kt.data + (b * Sp + c0) * D, *dktb = dkt.data + (b * Sp + c0) * D;
-        gemm_panels(rows, cols, D, qs.data, D, ktb, 64 * D, 64, s.data, Bc, false);
-        gemm_panels(rows, cols, D, dqs.data, D, ktb, 64 * D, 64, ds.data, Bc, false);
-        gemm_panels(rows, cols, D, qs.data, D, dktb, 64 * D, 64, ds.data, Bc, true);
+        tangent_products(rows, cols, D, qs.data, dqs.data, ktb, dktb, s.data, ds.data, Bc, nullptr);
         for (int64_t i = 0; i < rows; ++i) {
           float *row = s.data + i * Bc, *drow = ds.data + i * Bc;
           const float l = lp[b * T + r0 + i];
@@ -440,16 +452,15 @@ ffi::Error ForwardTangent(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi:
                           int64_t left, int64_t right, float scale, int64_t block_q, int64_t block_kv,
                           int64_t threads) {
   Dims dims;
-  if (ffi::Error e = dims_of(q, k, v, block_q, block_kv, threads, dims); e.failure()) return e;
-  const int64_t B = dims.B, T = dims.T, S = dims.S, D = dims.D, E = dims.E;
+  if (ffi::Error e = dims_of(q, k, v, length, block_q, block_kv, threads, dims); e.failure()) return e;
+  const int64_t B = dims.B, T = dims.T, S = dims.S, D = dims.D, E = dims.E, Sp = dims.Sp, blocks = dims.blocks;
+  const int64_t Bq = block_q, Bc = block_kv;
+  const int n = dims.n;
+  length = dims.length;
   const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data(), *dqp = dq.typed_data();
   const float *dkp = dk.typed_data(), *dvp = dv.typed_data();
   float *op = out->typed_data(), *lp = lse->typed_data(), *mp = mx->typed_data();
   float *dop = d_out->typed_data(), *dlp = d_lse->typed_data();
-  length = std::min(length, S);
-  const int64_t Sp = (length + 63) / 64 * 64, blocks = (T + block_q - 1) / block_q;
-  const int64_t Bq = block_q, Bc = block_kv;
-  const int n = static_cast<int>(std::min<int64_t>(threads, std::max<int64_t>(B * blocks, 1)));
 
   const auto on_threads = [n](const auto& work) { run(n, work); };
   Scratch kt(B * Sp * D), dkt(B * Sp * D);  // kᵀ and dkᵀ as panels of 64 keys
@@ -464,10 +475,7 @@ ffi::Error ForwardTangent(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi:
     std::vector<int64_t> lo(Bq), hi(Bq);
     for (int64_t task; (task = next.fetch_add(1)) < B * blocks;) {
       const int64_t b = task / blocks, r0 = (blocks - 1 - task % blocks) * Bq, rows = std::min(Bq, T - r0);
-      for (int64_t i = 0; i < rows * D; ++i) {
-        qs[i] = qp[(b * T + r0) * D + i] * scale;
-        dqs[i] = dqp[(b * T + r0) * D + i] * scale;
-      }
+      scaled_pair(qp, dqp, (b * T + r0) * D, rows * D, scale, qs.data, dqs.data);
       const auto [first, last] = intervals(r0, rows, q_offset, kv_offset, left, right, length, lo.data(), hi.data());
       std::fill(m.begin(), m.begin() + rows, -kInf);
       std::fill(l.begin(), l.begin() + rows, 0.f), std::fill(c.begin(), c.begin() + rows, 0.f);
@@ -476,9 +484,7 @@ ffi::Error ForwardTangent(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi:
         const int64_t cols = std::min(Bc, last - c0);
         const float *ktb = kt.data + (b * Sp + c0) * D, *dktb = dkt.data + (b * Sp + c0) * D;
         std::fill(vmax.begin(), vmax.begin() + rows, _mm512_set1_ps(-kInf));
-        gemm_panels(rows, cols, D, qs.data, D, ktb, 64 * D, 64, s.data, Bc, false, vmax.data());
-        gemm_panels(rows, cols, D, dqs.data, D, ktb, 64 * D, 64, ds.data, Bc, false);
-        gemm_panels(rows, cols, D, qs.data, D, dktb, 64 * D, 64, ds.data, Bc, true);
+        tangent_products(rows, cols, D, qs.data, dqs.data, ktb, dktb, s.data, ds.data, Bc, vmax.data());
         for (int64_t i = 0; i < rows; ++i) {
           const int64_t a = std::clamp<int64_t>(lo[i] - c0, 0, cols), z = std::clamp<int64_t>(hi[i] - c0, a, cols);
           const float r = online_row(s.data + i * Bc, ds.data + i * Bc, a, z, cols, vmax[i], m[i], l[i], c[i]);

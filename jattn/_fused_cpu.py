@@ -129,20 +129,9 @@ def forward(
     s where ``q_offset + t - left <= kv_offset + s <= q_offset + t + right``
     (``window = (left, right)``, :func:`jattn._position_masks.key_interval`). Requires :func:`available`.
     """
-    if _library() is None:
-        raise RuntimeError("jattn's fused CPU forward is not available here (jattn._fused_cpu.available())")
-    f32 = jnp.float32
-    B, T, E = q.shape[0], q.shape[1], v.shape[2]
-    shapes = (
-        jax.ShapeDtypeStruct((B, T, E), f32),
-        jax.ShapeDtypeStruct((B, T), f32),
-        jax.ShapeDtypeStruct((B, T), f32),
-    )
-    call = jax.ffi.ffi_call(TARGET, shapes, vmap_method="broadcast_all")
-    attributes = _attributes(length=length, q_offset=q_offset, kv_offset=kv_offset, window=window, scale=scale,
-                             threads=threads, block_q=block_q, block_kv=block_kv)  # fmt: skip
-    out, lse, mx = call(q.astype(f32), k.astype(f32), v.astype(f32), **attributes)
-    return out, lse, mx
+    call = dict(length=length, q_offset=q_offset, kv_offset=kv_offset, window=window, scale=scale, threads=threads,
+                block_q=block_q, block_kv=block_kv)  # fmt: skip
+    return _call(TARGET, ("tile", "row", "row"), (q, k, v), call)
 
 
 def tangent(
@@ -154,13 +143,7 @@ def tangent(
     forward's; ``call`` the keyword arguments of :func:`forward` (``length``, offsets, ``window``,
     ``scale``, ``threads``). Rows with lse ``-inf`` (no key) get 0. Requires :func:`available`.
     """
-    if _library() is None:
-        raise RuntimeError("jattn's fused CPU kernels are not available here (jattn._fused_cpu.available())")
-    f32 = jnp.float32
-    B, T, E = q.shape[0], q.shape[1], v.shape[2]
-    shapes = (jax.ShapeDtypeStruct((B, T, E), f32), jax.ShapeDtypeStruct((B, T), f32))
-    fn = jax.ffi.ffi_call(TANGENT, shapes, vmap_method="broadcast_all")
-    return fn(*(x.astype(f32) for x in (q, k, v, dq, dk, dv, out, lse)), **_attributes(**call))
+    return _call(TANGENT, ("tile", "row"), (q, k, v, dq, dk, dv, out, lse), call)
 
 
 def forward_tangent(q: Array, k: Array, v: Array, dq: Array, dk: Array, dv: Array, **call) -> tuple[Array, ...]:
@@ -170,13 +153,22 @@ def forward_tangent(q: Array, k: Array, v: Array, dq: Array, dk: Array, dv: Arra
     second sweep); ``dq``, ``dk``, ``dv`` the tangents of q, k, v, ``call`` the keyword arguments of
     :func:`forward`. Rows with no key get 0 tangents. Requires :func:`available`.
     """
+    return _call(FORWARD_TANGENT, ("tile", "row", "row", "tile", "row"), (q, k, v, dq, dk, dv), call)
+
+
+def _call(target: str, results: tuple[str, ...], operands: tuple[Array, ...], call: dict) -> tuple[Array, ...]:
+    """Custom call ``target`` on float32 ``operands`` (q, k, v first) with ``call``'s attributes.
+
+    ``results`` are ``"tile"`` (B, T, E) or ``"row"`` (B, T), float32. Requires :func:`available`.
+    """
     if _library() is None:
         raise RuntimeError("jattn's fused CPU kernels are not available here (jattn._fused_cpu.available())")
-    f32 = jnp.float32
+    q, _, v = operands[:3]
     B, T, E = q.shape[0], q.shape[1], v.shape[2]
-    rows, tile = jax.ShapeDtypeStruct((B, T), f32), jax.ShapeDtypeStruct((B, T, E), f32)
-    fn = jax.ffi.ffi_call(FORWARD_TANGENT, (tile, rows, rows, tile, rows), vmap_method="broadcast_all")
-    return fn(*(x.astype(f32) for x in (q, k, v, dq, dk, dv)), **_attributes(**call))
+    shape = {"tile": (B, T, E), "row": (B, T)}
+    shapes = tuple(jax.ShapeDtypeStruct(shape[r], jnp.float32) for r in results)
+    fn = jax.ffi.ffi_call(target, shapes, vmap_method="broadcast_all")
+    return fn(*(x.astype(jnp.float32) for x in operands), **_attributes(**call))
 
 
 def _attributes(
