@@ -49,6 +49,12 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", type=Path, default=Path("bench/results"), help="directory for the JSON and PNG")
     p.add_argument("--module", action="store_true", help="jattn.nnx.SelfAttention(512, 8 heads), causal: paths")
+    p.add_argument(
+        "--model",
+        action="store_true",
+        help="one adam step of a 2-layer d_model 256 decoder (train.model) against the same in PyTorch eager, "
+        "with the step split into attention forward, backward and the rest (--B, default 4; --T, default 2048)",
+    )
     p.add_argument("--gpu", action="store_true", help="the GPU preset (bench/gpu.sh): " + str(suite.GPU_PRESET))
     p.add_argument("--flex", action="store_true", help="blockwise forward with softcap, alibi, sinks vs plain (ratios)")
     p.add_argument("--packed", action="store_true", help="8 packed causal documents vs full causal, blockwise (T=8192)")
@@ -93,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.transforms:
         _transforms(console, args)
+        return 0
+    if args.model:
+        _model(console, args)
         return 0
     if args.module:
         for T in args.T:
@@ -166,6 +175,28 @@ def _transforms(console: Console, args: argparse.Namespace) -> None:
         console.print(table)
         console.print(f"time ratio: {r['ratio']['time']:.2f}")
     console.print(f"jvp T=32768 peak RSS of a whole process: {transforms.peak_rss('jvp', 32768):.2f} GiB")
+
+
+def _model(console: Console, args: argparse.Namespace) -> None:
+    """The ``--model`` table (:mod:`bench.model`): step and its parts, jattn and torch, and their ratio."""
+    from bench import model
+
+    for T in [2048] if parser().get_default("T") == args.T else args.T:
+        rows = model.model_case(args.B, T, args.repeats)
+        table = Table(title=f"decoder training step (2 layers, d_model 256, 4 heads, causal, adam), B={args.B} T={T}")
+        parts = ("step", "attention fwd", "attention bwd", "rest")
+        for col in ("framework", *(f"{p} ms" for p in parts)):
+            table.add_column(col, justify="right")
+        for fw, r in rows.items():
+            table.add_row(fw, *(f"{r[p]:.1f}" for p in parts))
+        table.add_row("torch / jattn", *(f"{rows['torch'][p] / rows['jattn'][p]:.2f}" for p in parts))
+        console.print(table)
+        table = Table(title=f"the rest, operation by operation (all layers, forward + backward), B={args.B} T={T}")
+        for col in ("operation", "jattn (JAX) ms", "torch ms", "torch / jattn"):
+            table.add_column(col, justify="right")
+        for op, r in model.rest_case(args.B, T, args.repeats).items():
+            table.add_row(op, f"{r['jattn']:.1f}", f"{r['torch']:.1f}", f"{r['torch'] / r['jattn']:.2f}")
+        console.print(table)
 
 
 def gpu_args(args: argparse.Namespace) -> argparse.Namespace:

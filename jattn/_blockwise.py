@@ -48,7 +48,8 @@ On CPU the forward of a call whose mask gives each query one interval of keys
 (:func:`jattn._position_masks.key_interval`), without a modification, sinks, bias, dropout or precision,
 is one custom call to the fused kernel of :mod:`jattn._fused_cpu` (:func:`fused_forward`) when the
 core passes ``fused=True`` (no explicit ``block_size``); it returns the same out, lse and max
-logit, so the backward above runs on XLA's tiles as before.
+logit, and its first-order backward and its tangents are fused kernels too
+(:mod:`jattn._blockwise_rules`); second order and ``jax.export`` run the XLA tiles above.
 
 Here: the entry point, the custom VJP and the kernels of one plan (its groups of rows and its
 ``vmap`` folding). The plan, its frozen key, is :class:`jattn._plan.Plan`, its tile schedule
@@ -181,8 +182,9 @@ def blockwise_attention(
 def _plans(xla: Plan, fused: tuple[int, int] | None, backward_block: tuple[int, int] | None) -> tuple[Plan, Plan]:
     """The forward's plan and the backward's, from the plan ``xla`` of a call on XLA's tiles.
 
-    ``fused`` (a key interval, or None): the forward is the fused CPU kernel's, the backward keeps
-    XLA's tiles (the forward's or ``backward_block``'s). ``backward_block`` (None with a score
+    ``fused`` (a key interval, or None): the forward is the fused CPU kernel's, and so is the
+    first-order backward (:mod:`jattn._blockwise_rules`); ``back`` (XLA's tiles: the forward's or
+    ``backward_block``'s) serves export and second order. ``backward_block`` (None with a score
     modification, converted for the forward's tiles) tiles the backward where the forward's tiles
     are of several kinds and its sides divide the forward's; else the backward is the forward's plan.
     """
@@ -199,7 +201,7 @@ def _plans(xla: Plan, fused: tuple[int, int] | None, backward_block: tuple[int, 
 def fused_forward(compute, platform: str) -> bool:
     """Whether a forward computing in ``compute`` on ``platform`` can be the fused CPU kernel (:mod:`jattn._fused_cpu`).
 
-    On CPU, float32 (16-bit inputs upcast), where the kernel is built for an AVX-512 CPU and not
+    On CPU, float32 (16-bit inputs upcast), where the kernels are built for this CPU's vector layer and not
     switched off (``JATTN_FUSED_CPU=0``); the call must also have a key interval mask (none,
     causal, sliding windows) and no score_mod, sinks, bias, dropout or precision.
     """

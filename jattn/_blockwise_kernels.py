@@ -2,8 +2,9 @@
 
 Shapes follow :mod:`jattn._core` with leading dimensions flattened to ``B`` (:mod:`jattn._blockwise`).
 Each kernel runs over groups of rows of B (:func:`jattn._tile_loops.by_group`): the forward
-(:mod:`jattn._blockwise_forward`, or the fused CPU kernel, :mod:`jattn._fused_cpu`), the backward
-(:mod:`jattn._blockwise_backward`) and the tangent (:mod:`jattn._tangent_sweep`). The forward is
+(:mod:`jattn._blockwise_forward`), the backward (:mod:`jattn._blockwise_backward`) and the tangent
+(:mod:`jattn._tangent_sweep`), or, where the plan is fused, one custom call of :mod:`jattn._fused_cpu`
+for all of B (forward, backward, tangent, forward and tangent in one pass). The forward is
 wrapped so that ``vmap`` folds the mapped axis into B (:func:`folding`); the backward and the
 tangent are the two primitives of :mod:`jattn._blockwise_rules`, which fold by their own rule.
 """
@@ -32,6 +33,7 @@ __all__ = [
     "backward_kernel",
     "folding",
     "forward_kernel",
+    "fused_backward_kernel",
     "fused_forward_tangent",
     "fused_tangent_kernel",
     "tangent_kernel",
@@ -72,10 +74,24 @@ def _tiles(q, k, v, rows, seeds, sinks, kind, *, plan: Plan, precision) -> list:
     )
 
 
-def _fused_lowering(ctx, *args, plan: Plan, precision):
-    """The custom call, or XLA's tiles where the program is lowered for :func:`jax.export` (a portable artifact)."""
-    impl = _tiles if ctx.module_context.lowering_parameters.for_export else _fused
-    return mlir.lower_fun(impl, multiple_results=True)(ctx, *args, plan=plan, precision=precision)
+def _kernel_primitive(name: str, fused, tiles, avals) -> jex.core.Primitive:
+    """One fused CPU kernel as a primitive: evaluated and lowered as ``fused`` (its custom call).
+
+    Where the program is lowered for :func:`jax.export` it is ``tiles`` (XLA's): a portable artifact
+    cannot carry the custom call. ``fused``, ``tiles`` and ``avals`` take the operands and ``plan=``, ``precision=``; only evaluated (the
+    derivatives are :mod:`jattn._blockwise_rules`', which also batches them).
+    """
+    primitive = jex.core.Primitive(name)
+    primitive.multiple_results = True
+    primitive.def_impl(fused)
+    primitive.def_abstract_eval(avals)
+
+    def lowering(ctx, *args, plan: Plan, precision):
+        impl = tiles if ctx.module_context.lowering_parameters.for_export else fused
+        return mlir.lower_fun(impl, multiple_results=True)(ctx, *args, plan=plan, precision=precision)
+
+    mlir.register_lowering(primitive, lowering)
+    return primitive
 
 
 def _fused_types(q, k, v, *_, plan: Plan, precision) -> list:
@@ -84,13 +100,8 @@ def _fused_types(q, k, v, *_, plan: Plan, precision) -> list:
     return [jax.core.ShapedArray((b, t, e), jnp.float32), *(jax.core.ShapedArray((b, t), jnp.float32),) * 2]
 
 
-#: The fused forward as one primitive, lowered by :func:`_fused_lowering`; only evaluated (the
-#: derivatives are :mod:`jattn._blockwise_rules`'), and batched by the forward's folding (:func:`folding`).
-_FUSED = jex.core.Primitive("jattn_fused_forward")
-_FUSED.multiple_results = True
-_FUSED.def_impl(_fused)
-_FUSED.def_abstract_eval(_fused_types)
-mlir.register_lowering(_FUSED, _fused_lowering)
+#: The fused forward, batched by the forward's folding (:func:`folding`).
+_FUSED = _kernel_primitive("jattn_fused_forward", _fused, _tiles, _fused_types)
 
 
 def _fused_tangent(q, k, v, dq, dk, dv, out, lse, rows, seeds, kind, *, plan: Plan, precision) -> list:
@@ -105,24 +116,13 @@ def _tiles_tangent(q, k, v, dq, dk, dv, out, lse, rows, seeds, kind, *, plan: Pl
     return list(tangent_kernel(xs, rows, seeds, kind, (), (), (), (), plan=plan, precision=precision))
 
 
-def _fused_tangent_lowering(ctx, *args, plan: Plan, precision):
-    """The tangent's custom call, or XLA's tiles where the program is lowered for :func:`jax.export`."""
-    impl = _tiles_tangent if ctx.module_context.lowering_parameters.for_export else _fused_tangent
-    return mlir.lower_fun(impl, multiple_results=True)(ctx, *args, plan=plan, precision=precision)
-
-
-#: The fused tangent as one primitive (forward mode where the forward is the fused kernel's):
-#: evaluated only, inside the tangent of :mod:`jattn._blockwise_rules`' pair, which batches it.
-_FUSED_TANGENT = jex.core.Primitive("jattn_fused_tangent")
-_FUSED_TANGENT.multiple_results = True
-_FUSED_TANGENT.def_impl(_fused_tangent)
-_FUSED_TANGENT.def_abstract_eval(
-    lambda *a, plan, precision: [
-        jax.core.ShapedArray(a[6].shape, jnp.float32),
-        jax.core.ShapedArray(a[7].shape, jnp.float32),
-    ]
+#: The fused tangent (forward mode where the forward is the fused kernel's), inside the tangent of the pair.
+_FUSED_TANGENT = _kernel_primitive(
+    "jattn_fused_tangent",
+    _fused_tangent,
+    _tiles_tangent,
+    lambda *a, plan, precision: [jax.core.ShapedArray(x.shape, jnp.float32) for x in a[6:8]],
 )
-mlir.register_lowering(_FUSED_TANGENT, _fused_tangent_lowering)
 
 
 def fused_tangent_kernel(
@@ -131,6 +131,36 @@ def fused_tangent_kernel(
     """``(d out (B, T, E), d lse (B, T))`` where ``plan``'s forward is the fused kernel's: its tangent, one custom call."""
     outs = _FUSED_TANGENT.bind(q, k, v, dq, dk, dv, out, lse, rows, seeds, kind, plan=plan, precision=precision)
     return tuple(outs)
+
+
+def _fused_backward(q, k, v, out, lse, d_out, d_lse, rows, seeds, kind, *, plan: Plan, precision) -> list:
+    """The fused CPU backward's ``[dq, dk, dv]`` in q, k, v's dtypes (:func:`jattn._fused_cpu.backward`)."""
+    _, delta = backward_rows(out, d_out, lse, jnp.float32, d_lse)
+    grads = _fused_cpu.backward(q, k, v, d_out, lse, delta, **_kernel_call(plan))
+    return [g.astype(x.dtype) for g, x in zip(grads, (q, k, v), strict=True)]
+
+
+def _tiles_backward(q, k, v, out, lse, d_out, d_lse, rows, seeds, kind, *, plan: Plan, precision) -> list:
+    """The same on XLA's tiles (under :func:`jax.export`)."""
+    ((dq, dk, dv), _), _ = backward_kernel(
+        q, k, v, out, lse, d_out, d_lse, rows, seeds, kind, (), (), plan=replace(plan, fused=None), precision=precision
+    )
+    return [dq, dk, dv]
+
+
+#: The fused backward (first-order reverse mode where the forward is the fused kernel's), inside the pair's backward.
+_FUSED_BACKWARD = _kernel_primitive(
+    "jattn_fused_backward",
+    _fused_backward,
+    _tiles_backward,
+    lambda q, k, v, *_, plan, precision: [jax.core.ShapedArray(x.shape, x.dtype) for x in (q, k, v)],
+)
+
+
+def fused_backward_kernel(q, k, v, out, lse, d_out, d_lse, rows, seeds, kind, *, plan: Plan, precision) -> tuple:
+    """``(dq, dk, dv)`` where ``plan``'s forward is the fused kernel's: its backward, one custom call."""
+    args = (q, k, v, out, lse, d_out, d_lse, rows, seeds, kind)
+    return tuple(_FUSED_BACKWARD.bind(*args, plan=plan, precision=precision))
 
 
 def fused_forward_tangent(q, k, v, dq, dk, dv, *, plan: Plan) -> list:

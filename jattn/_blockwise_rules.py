@@ -31,6 +31,7 @@ from jattn._blockwise_kernels import (
     fold,
     fold_rows,
     forward_kernel,
+    fused_backward_kernel,
     fused_forward_tangent,
     fused_tangent_kernel,
     tangent_kernel,
@@ -135,6 +136,12 @@ def _impl(direction: int, call: Call, res: list, lin: list) -> list:
 def _backward(call: Call, q, k, v, rows, seeds, sinks, consts, bias, kind, arrays, out, lse, d_out, d_lse) -> tuple:
     """``(dq, dk, dv, d sinks, *d consts, *d bias)``: one sweep over ``call.back``'s tiles per group."""
     plan, back = call.plan, call.back
+    if plan.fused is not None:  # the fused kernel's backward (no sinks, bias or modification)
+        dq, dk, dv = fused_backward_kernel(
+            q, k, v, out, lse, d_out, d_lse, rows, seeds, kind, plan=plan, precision=None
+        )
+        dq, dk, dv = sum_to(vary((dq, dk, dv), q, k, v, d_out), (q, k, v))  # as q, k, v vary under shard_map
+        return dq, dk, dv, jnp.zeros_like(sinks)
     kind = kind if back == dataclasses.replace(plan, fused=None) else back.run(arrays).kind
     backward = functools.partial(backward_kernel, plan=back, precision=call.precision)
     ((dq, dk, dv), own), (d_consts, shared) = backward(

@@ -1,4 +1,5 @@
-// jattn's fused CPU attention forward and its tangent: XLA FFI custom calls (jattn/_fused_cpu.py builds and loads them).
+// jattn's fused CPU attention: forward, tangent, forward+tangent and backward as XLA FFI custom calls
+// (jattn/_fused_cpu.py builds and loads them).
 //
 // Dimension key as in jattn/_core.py. q (B, T, D), k (B, S, D), v (B, S, E) float32, contiguous,
 // any leading dimensions flattened to B; results out (B, T, E), lse (B, T) and the row max logit
@@ -7,57 +8,190 @@
 // an interval of keys a row: full attention, causal (right = 0), a sliding window; an unbounded
 // side is any value >= 2^62.
 //
-// One task per (B row, block of `block_q` query rows), taken from a shared counter by `threads`
-// std::threads, last query blocks first (the costliest under a causal mask). A task walks the key
-// blocks of `block_kv` keys (a multiple of 64) that its rows' intervals touch, with the online
-// softmax in the core's cache between the two products:
+// Forward: one task per (B row, block of `block_q` query rows), taken from a shared counter by
+// `threads` std::threads, last query blocks first (the costliest under a causal mask). A task walks
+// the key blocks of `block_kv` keys (a multiple of 64) that its rows' intervals touch, with the
+// online softmax in the core's cache between the two products:
 //   s = (scale q) kᵀ,  m' = max(m, rowmax s),  p = e^(s - m'),  l = l e^(m - m') + rowsum p,
 //   acc = acc e^(m - m') + p v,  and at the end  out = acc / l,  lse = m + log l.
 // Keys outside a row's interval get p = 0 (never scored); a row with none gives out 0 and lse and
 // max -inf. A NaN score makes its row's l, out and lse NaN (and its max logit NaN); a NaN value
 // reaches the rows that weigh it (p = 0 included, as in a dense product).
 //
-// The products are the file's own: a 6 x 64 AVX-512 micro-kernel, kᵀ packed (by gathers) once per
-// B row into panels of 64 keys, p v taken in chunks of 128 keys; scratch on 64-byte boundaries.
-// AVX-512F only: elsewhere jattn keeps XLA's tiles.
+// The vector layer (`V`, chosen at build time): AVX-512F (16 lanes), AVX2 + FMA (8 lanes), ARM NEON
+// (4 lanes), or scalar (-DJATTN_SCALAR, or any other CPU). Everything below is written once over it. The products are the file's own: a R x (NV lanes-wide
+// vectors) micro-kernel over B operands packed once into zero-padded panels of W = NV x lanes columns (kᵀ
+// as panels of W keys, v as panels of W values), so the micro-kernel never masks; scratch is padded to
+// whole panels and sits on 64-byte boundaries.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <thread>
 #include <utility>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
-#ifndef __AVX512F__
-#error "jattn's fused CPU forward needs AVX-512 (jattn/_fused_cpu.py builds it only where the CPU has it)"
-#endif
+
+#if defined(JATTN_SCALAR)
+#define JATTN_LAYER_SCALAR 1
+#elif defined(__AVX512F__)
+#define JATTN_LAYER_AVX512 1
 #include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__)
+#define JATTN_LAYER_AVX2 1
+#include <immintrin.h>
+#elif defined(__ARM_NEON)
+#define JATTN_LAYER_NEON 1
+#include <arm_neon.h>
+#else
+#define JATTN_LAYER_SCALAR 1
+#endif
 
 namespace ffi = xla::ffi;
 
 namespace {
 
+// ---- The vector layer: L float lanes, the micro-kernel's R rows x NV vectors, and the operations used below.
+// max(a, b) and min(a, b) may return either operand where one is NaN, except max(c, x) and min(c, x) for a
+// constant c, which keep a NaN x (x86: the second operand; NEON and scalar: NaN wins or the second).
+#if defined(JATTN_LAYER_AVX512)
+struct V {
+  using T = __m512;
+  static constexpr int L = 16, NV = 4, R = 6;
+  static constexpr const char* name = "avx512";
+  static T zero() { return _mm512_setzero_ps(); }
+  static T set1(float x) { return _mm512_set1_ps(x); }
+  static T load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, T x) { _mm512_storeu_ps(p, x); }
+  static T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
+  static T add(T a, T b) { return _mm512_add_ps(a, b); }
+  static T sub(T a, T b) { return _mm512_sub_ps(a, b); }
+  static T mul(T a, T b) { return _mm512_mul_ps(a, b); }
+  static T max(T a, T b) { return _mm512_max_ps(a, b); }
+  static T min(T a, T b) { return _mm512_min_ps(a, b); }
+  static T round(T x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static T pow2(T n) { return _mm512_scalef_ps(_mm512_set1_ps(1.f), n); }  // 2^n, n integral
+  static float sum(T x) { return _mm512_reduce_add_ps(x); }
+  static float top(T x) { return _mm512_reduce_max_ps(x); }
+};
+#elif defined(JATTN_LAYER_AVX2)
+struct V {
+  using T = __m256;
+  static constexpr int L = 8, NV = 2, R = 6;  // 16 registers: 12 accumulators, 2 of B, 1 of A
+  static constexpr const char* name = "avx2";
+  static T zero() { return _mm256_setzero_ps(); }
+  static T set1(float x) { return _mm256_set1_ps(x); }
+  static T load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, T x) { _mm256_storeu_ps(p, x); }
+  static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
+  static T add(T a, T b) { return _mm256_add_ps(a, b); }
+  static T sub(T a, T b) { return _mm256_sub_ps(a, b); }
+  static T mul(T a, T b) { return _mm256_mul_ps(a, b); }
+  static T max(T a, T b) { return _mm256_max_ps(a, b); }
+  static T min(T a, T b) { return _mm256_min_ps(a, b); }
+  static T round(T x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static T pow2(T n) {
+    const __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(e, 23));
+  }
+  static float sum(T x) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+  }
+  static float top(T x) {
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+  }
+};
+#elif defined(JATTN_LAYER_NEON)
+struct V {
+  using T = float32x4_t;
+  static constexpr int L = 4, NV = 4, R = 6;
+  static constexpr const char* name = "neon";
+  static T zero() { return vdupq_n_f32(0.f); }
+  static T set1(float x) { return vdupq_n_f32(x); }
+  static T load(const float* p) { return vld1q_f32(p); }
+  static void store(float* p, T x) { vst1q_f32(p, x); }
+  static T fma(T a, T b, T c) { return vfmaq_f32(c, a, b); }
+  static T add(T a, T b) { return vaddq_f32(a, b); }
+  static T sub(T a, T b) { return vsubq_f32(a, b); }
+  static T mul(T a, T b) { return vmulq_f32(a, b); }
+  static T max(T a, T b) { return vmaxq_f32(a, b); }
+  static T min(T a, T b) { return vminq_f32(a, b); }
+  static T round(T x) { return vrndnq_f32(x); }
+  static T pow2(T n) { return vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(n), vdupq_n_s32(127)), 23)); }
+  static float sum(T x) { return vaddvq_f32(x); }
+  static float top(T x) { return vmaxvq_f32(x); }
+};
+#else
+struct V {
+  using T = float;
+  static constexpr int L = 1, NV = 4, R = 4;
+  static constexpr const char* name = "scalar";
+  static T zero() { return 0.f; }
+  static T set1(float x) { return x; }
+  static T load(const float* p) { return *p; }
+  static void store(float* p, T x) { *p = x; }
+  static T fma(T a, T b, T c) { return a * b + c; }
+  static T add(T a, T b) { return a + b; }
+  static T sub(T a, T b) { return a - b; }
+  static T mul(T a, T b) { return a * b; }
+  static T max(T a, T b) { return a > b ? a : b; }
+  static T min(T a, T b) { return a < b ? a : b; }
+  static T round(T x) { return std::nearbyint(x); }
+  static T pow2(T n) { return std::isnan(n) ? n : std::ldexp(1.f, static_cast<int>(n)); }
+  static float sum(T x) { return x; }
+  static float top(T x) { return x; }
+};
+#endif
+
+using vf = V::T;
+constexpr int L = V::L, NV = V::NV, R = V::R;
+constexpr int64_t W = int64_t{NV} * L;  // the columns of a panel
+static_assert(64 % W == 0, "a panel's width divides 64 (key blocks and padded lengths are multiples of 64)");
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
-// e^x for x <= 0 (Cephes' polynomial on [-ln2/2, ln2/2], 2^n by scalef; -inf gives 0, NaN stays NaN:
-// max_ps returns its second operand when one is NaN).
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(_mm512_set1_ps(-104.f), x);
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
+// A vector kept in a container (alignment attributes stay with the struct).
+struct alignas(64) Lanes {
+  vf x;
+};
+
+// n <= L floats from p as a vector, `fill` in the other lanes; and the first n lanes of x stored at p.
+inline vf load_n(const float* p, int64_t n, float fill) {
+  if (n == L) return V::load(p);
+  alignas(64) float buf[L];
+  std::fill(buf, buf + L, fill);
+  std::memcpy(buf, p, n * sizeof(float));
+  return V::load(buf);
+}
+inline void store_n(float* p, int64_t n, vf x) {
+  if (n == L) return V::store(p, x);
+  alignas(64) float buf[L];
+  V::store(buf, x);
+  std::memcpy(p, buf, n * sizeof(float));
+}
+
+// e^x for x <= 0 (Cephes' polynomial on [-ln2/2, ln2/2] times 2^n, n = round(x log2 e), as 2^(n + 126) 2^-126
+// so that a result below 2^-126 rounds once, as a subnormal); -inf gives 0, NaN stays NaN.
+inline vf exp_le0(vf x) {
+  x = V::max(V::set1(-104.f), x);
+  const vf n = V::round(V::mul(x, V::set1(1.44269504088896341f)));
+  vf r = V::fma(n, V::set1(-0.693359375f), x);
+  r = V::fma(n, V::set1(2.12194440e-4f), r);
+  vf p = V::set1(1.9875691500e-4f);
+  p = V::fma(p, r, V::set1(1.3981999507e-3f));
+  p = V::fma(p, r, V::set1(8.3334519073e-3f));
+  p = V::fma(p, r, V::set1(4.1665795894e-2f));
+  p = V::fma(p, r, V::set1(1.6666665459e-1f));
+  p = V::fma(p, r, V::set1(5.0000001201e-1f));
+  p = V::fma(p, V::mul(r, r), V::add(r, V::set1(1.f)));
+  return V::mul(V::mul(p, V::pow2(V::add(n, V::set1(126.f)))), V::set1(0x1p-126f));
 }
 
 // row[0:n] = e^(row - m), returning the row's sum; m = -inf (no key yet, none here) sets it to 0.
@@ -66,139 +200,133 @@ inline float exp_sum(float* row, int64_t n, float m) {
     std::fill(row, row + n, 0.f);
     return 0.f;
   }
-  const __m512 vm = _mm512_set1_ps(m);
-  const __mmask16 tail = static_cast<__mmask16>((1u << (n % 16)) - 1);
-  __m512 vsum = _mm512_setzero_ps();
-  int64_t j = 0;
-  for (; j + 16 <= n; j += 16) {
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(row + j), vm));
-    _mm512_storeu_ps(row + j, e);
-    vsum = _mm512_add_ps(vsum, e);
+  const vf vm = V::set1(m);
+  vf vsum = V::zero();
+  for (int64_t j = 0; j < n; j += L) {
+    const int64_t w = std::min<int64_t>(L, n - j);
+    const vf e = exp_le0(V::sub(load_n(row + j, w, -kInf), vm));  // e^-inf = 0 past the row
+    store_n(row + j, w, e);
+    vsum = V::add(vsum, e);
   }
-  const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, row + j), vm));
-  _mm512_mask_storeu_ps(row + j, tail, e);
-  vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(tail, e));
-  return _mm512_reduce_add_ps(vsum);
+  return V::sum(vsum);
 }
 
 // The max of row[0:n] and m.
 inline float row_max(const float* row, int64_t n, float m) {
-  __m512 vmax = _mm512_set1_ps(m);
-  int64_t j = 0;
-  for (; j + 16 <= n; j += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(row + j));
-  const __mmask16 tail = static_cast<__mmask16>((1u << (n - j)) - 1);
-  vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(vmax, tail, row + j));
-  return _mm512_reduce_max_ps(vmax);
+  vf vmax = V::set1(m);
+  for (int64_t j = 0; j < n; j += L) vmax = V::max(vmax, load_n(row + j, std::min<int64_t>(L, n - j), -kInf));
+  return V::top(vmax);
 }
 
-// C[M x N] (+)= A[M x K] B[K x N], B as panels of 64 columns (panel p at B + p * pstride, rows ldb
-// apart). The micro-kernel keeps a R x 64 block of C in 4R registers, streaming A (broadcast) and B.
-template <int R>
-void ukernel(int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc,
-             bool accumulate, const __mmask16* mask, __m512* vmax) {
-  __m512 c[R][4];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j)
-      c[r][j] = accumulate ? _mm512_maskz_loadu_ps(mask[j], C + r * ldc + 16 * j) : _mm512_setzero_ps();
+// p[0:n] = e^(row - m) (row overwritten with p), drow[0:n] *= p; returns (rowsum p, rowsum p∘drow). m = -inf
+// (no key yet) gives zeros.
+inline std::pair<float, float> exp_times(float* row, float* drow, int64_t n, float m) {
+  if (m == -kInf) {
+    std::fill(row, row + n, 0.f), std::fill(drow, drow + n, 0.f);
+    return {0.f, 0.f};
+  }
+  const vf vm = V::set1(m);
+  vf vsum = V::zero(), vc = V::zero();
+  for (int64_t j = 0; j < n; j += L) {
+    const int64_t w = std::min<int64_t>(L, n - j);
+    const vf p = exp_le0(V::sub(load_n(row + j, w, -kInf), vm));
+    const vf pds = V::mul(p, load_n(drow + j, w, 0.f));
+    store_n(row + j, w, p), store_n(drow + j, w, pds);
+    vsum = V::add(vsum, p), vc = V::add(vc, pds);
+  }
+  return {V::sum(vsum), V::sum(vc)};
+}
+
+// C[R' x W] (+)= A[R' x K] B[K x W]: A's element (r, k) at A[r lda + k ak] (ak = 1: rows lda apart; lda = 1:
+// Aᵀ stored), B a panel (rows W apart), C rows ldc apart. The block of C stays in R' NV registers while A
+// streams (broadcast) and B streams; with vmax, each row's running max (per lane) over its first `live`
+// vectors of C.
+template <int Rr>
+void ukernel(int64_t K, const float* A, int64_t lda, int64_t ak, const float* B, float* C, int64_t ldc,
+             bool accumulate, Lanes* vmax, int live) {
+  vf c[Rr][NV];
+  for (int r = 0; r < Rr; ++r)
+    for (int j = 0; j < NV; ++j) c[r][j] = accumulate ? V::load(C + r * ldc + j * L) : V::zero();
   for (int64_t k = 0; k < K; ++k) {
-    const float* b = B + k * ldb;
-    const __m512 b0 = _mm512_maskz_loadu_ps(mask[0], b), b1 = _mm512_maskz_loadu_ps(mask[1], b + 16);
-    const __m512 b2 = _mm512_maskz_loadu_ps(mask[2], b + 32), b3 = _mm512_maskz_loadu_ps(mask[3], b + 48);
-    for (int r = 0; r < R; ++r) {
-      const __m512 a = _mm512_set1_ps(A[r * lda + k]);
-      c[r][0] = _mm512_fmadd_ps(a, b0, c[r][0]);
-      c[r][1] = _mm512_fmadd_ps(a, b1, c[r][1]);
-      c[r][2] = _mm512_fmadd_ps(a, b2, c[r][2]);
-      c[r][3] = _mm512_fmadd_ps(a, b3, c[r][3]);
+    vf b[NV];
+    for (int j = 0; j < NV; ++j) b[j] = V::load(B + k * W + j * L);
+    for (int r = 0; r < Rr; ++r) {
+      const vf a = V::set1(A[r * lda + k * ak]);
+      for (int j = 0; j < NV; ++j) c[r][j] = V::fma(a, b[j], c[r][j]);
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) _mm512_mask_storeu_ps(C + r * ldc + 16 * j, mask[j], c[r][j]);
-  if (vmax) {  // each row's running max, 16 lanes wide, over the columns stored
-    const __m512 none = _mm512_set1_ps(-kInf);
-    for (int r = 0; r < R; ++r) {
-      const __m512 m01 = _mm512_max_ps(_mm512_mask_mov_ps(none, mask[0], c[r][0]), _mm512_mask_mov_ps(none, mask[1], c[r][1]));
-      const __m512 m23 = _mm512_max_ps(_mm512_mask_mov_ps(none, mask[2], c[r][2]), _mm512_mask_mov_ps(none, mask[3], c[r][3]));
-      vmax[r] = _mm512_max_ps(vmax[r], _mm512_max_ps(m01, m23));
-    }
+  for (int r = 0; r < Rr; ++r)
+    for (int j = 0; j < NV; ++j) V::store(C + r * ldc + j * L, c[r][j]);
+  if (vmax)
+    for (int r = 0; r < Rr; ++r)
+      for (int j = 0; j < live; ++j) vmax[r].x = V::max(vmax[r].x, c[r][j]);
+}
+
+// The micro-kernel for the last `rows` (< R) rows of A.
+template <int Rr>
+void ukernel_tail(int64_t rows, int64_t K, const float* A, int64_t lda, int64_t ak, const float* B, float* C,
+                  int64_t ldc, bool accumulate, Lanes* vmax, int live) {
+  if constexpr (Rr > 0) {
+    if (rows == Rr) return ukernel<Rr>(K, A, lda, ak, B, C, ldc, accumulate, vmax, live);
+    ukernel_tail<Rr - 1>(rows, K, A, lda, ak, B, C, ldc, accumulate, vmax, live);
   }
 }
 
-// C (+)= A B a panel of B at a time, 6 rows of A a micro-kernel call (the panel stays in L1 meanwhile).
-void gemm_panels(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B, int64_t pstride,
-                 int64_t ldb, float* C, int64_t ldc, bool accumulate, __m512* vmax = nullptr) {
-  for (int64_t j = 0; j < N; j += 64) {
-    __mmask16 mask[4];
-    for (int v = 0; v < 4; ++v) {
-      const int64_t n = std::clamp<int64_t>(N - j - 16 * v, 0, 16);
-      mask[v] = static_cast<__mmask16>((1u << n) - 1);
-    }
-    const float* b = B + (j / 64) * pstride;
+// C[M x N] (+)= A[M x K] B[K x N] a panel of B at a time (panel p at B + p pstride, rows W apart), R rows of
+// A a micro-kernel call (the panel stays in L1 meanwhile); C is written up to N rounded to W. With vmax,
+// each row's max over the vectors of C wholly below column N.
+void gemm_panels(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, int64_t ak, const float* B,
+                 int64_t pstride, float* C, int64_t ldc, bool accumulate, Lanes* vmax = nullptr) {
+  for (int64_t j = 0; j < N; j += W) {
+    const int live = static_cast<int>(std::min<int64_t>(NV, (N - j) / L));
+    const float* b = B + (j / W) * pstride;
     int64_t i = 0;
-    for (; i + 6 <= M; i += 6)
-      ukernel<6>(K, A + i * lda, lda, b, ldb, C + i * ldc + j, ldc, accumulate, mask, vmax ? vmax + i : nullptr);
-    __m512* vm = vmax ? vmax + i : nullptr;
-    const float* a = A + i * lda;
-    float* c = C + i * ldc + j;
-    switch (M - i) {
-      case 5: ukernel<5>(K, a, lda, b, ldb, c, ldc, accumulate, mask, vm); break;
-      case 4: ukernel<4>(K, a, lda, b, ldb, c, ldc, accumulate, mask, vm); break;
-      case 3: ukernel<3>(K, a, lda, b, ldb, c, ldc, accumulate, mask, vm); break;
-      case 2: ukernel<2>(K, a, lda, b, ldb, c, ldc, accumulate, mask, vm); break;
-      case 1: ukernel<1>(K, a, lda, b, ldb, c, ldc, accumulate, mask, vm); break;
-    }
+    for (; i + R <= M; i += R)
+      ukernel<R>(K, A + i * lda, lda, ak, b, C + i * ldc + j, ldc, accumulate, vmax ? vmax + i : nullptr, live);
+    if (i < M)
+      ukernel_tail<R - 1>(M - i, K, A + i * lda, lda, ak, b, C + i * ldc + j, ldc, accumulate,
+                          vmax ? vmax + i : nullptr, live);
   }
 }
 
-// C (+)= A B in chunks of kDepth along K, each over all of C's rows: a chunk of B (kDepth rows of 64,
-// 32 KiB) stays in L1 while the rows of A stream past it (p v: 4-5% faster than one pass over K).
+// C (+)= A B in chunks of kDepth along K, each over all of C's rows: a chunk of a panel of B stays in L1 while
+// the rows of A stream past it.
 constexpr int64_t kDepth = 128;
-void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B, int64_t pstride, int64_t ldb,
+void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, int64_t ak, const float* B, int64_t pstride,
           float* C, int64_t ldc, bool accumulate) {
   for (int64_t k0 = 0; k0 < K; k0 += kDepth) {
-    gemm_panels(M, N, std::min(kDepth, K - k0), A + k0, lda, B + k0 * ldb, pstride, ldb, C, ldc, accumulate || k0 > 0);
+    gemm_panels(M, N, std::min(kDepth, K - k0), A + k0 * ak, lda, ak, B + k0 * W, pstride, C, ldc,
+                accumulate || k0 > 0);
   }
 }
 
-// One panel of kᵀ: keys[0:64] (rows D apart, the first `keys` of them real) as panel[d][0:64], zero past them.
-void pack_panel(const float* k, int64_t D, int64_t keys, float* panel) {
-  const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                          _mm512_set1_epi32(static_cast<int>(D)));
-  for (int v = 0; v < 4; ++v) {  // 16 keys a gather
-    const int64_t n = std::clamp<int64_t>(keys - 16 * v, 0, 16);
-    const __mmask16 real = static_cast<__mmask16>((1u << n) - 1);
-    for (int64_t d = 0; d < D; ++d) {
-      const float* base = k + 16 * v * D + d;
-      _mm512_storeu_ps(panel + d * 64 + 16 * v, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), real, rows, base, 4));
+// The rows x cols matrix x (rows ld apart) transposed, as panels of W of its rows: out[p][c][0:W] =
+// x[p W : p W + W][c], zero past `rows`, for the `padded` rows (a multiple of W) of the panels (kᵀ, vᵀ).
+void pack_transposed(const float* x, int64_t rows, int64_t cols, int64_t ld, int64_t padded, float* out) {
+  for (int64_t p = 0; p < padded; p += W) {
+    float* panel = out + p * cols;
+    for (int64_t w = 0; w < W; ++w) {
+      const bool real = p + w < rows;
+      for (int64_t c = 0; c < cols; ++c) panel[c * W + w] = real ? x[(p + w) * ld + c] : 0.f;
     }
   }
 }
 
-// kᵀ of every B row as panels of 64 keys, kt[b][p][d][0:64] (k (B, S, D); zero past `length`; Sp = length
-// rounded up to 64), packed by `threads` threads.
-template <typename Run>
-void pack_all(const Run& run_on, int64_t B, int64_t S, int64_t D, int64_t length, int64_t Sp, const float* k, float* kt) {
-  std::atomic<int64_t> next{0};
-  run_on([&] {
-    for (int64_t b; (b = next.fetch_add(1)) < B;) {
-      for (int64_t c0 = 0; c0 < Sp; c0 += 64) pack_panel(k + (b * S + c0) * D, D, length - c0, kt + (b * Sp + c0) * D);
+// The rows x cols matrix x (rows ld apart) as panels of W of its columns: out[p][r][0:W] = x[r][p W : p W + W],
+// zero past `cols` and past `rows` up to `padded` rows (v, d out, the scaled q, k as B of a product).
+void pack_columns(const float* x, int64_t rows, int64_t cols, int64_t ld, int64_t padded, float* out) {
+  for (int64_t p = 0; p < cols; p += W) {
+    float* panel = out + p * padded;
+    const int64_t n = std::min(W, cols - p);
+    for (int64_t r = 0; r < padded; ++r) {
+      float* dst = panel + r * W;
+      if (r < rows) std::copy(x + r * ld + p, x + r * ld + p + n, dst);
+      std::fill(dst + (r < rows ? n : 0), dst + W, 0.f);
     }
-  });
+  }
 }
 
-// One tile's scores and their tangent, from q and dq rows (already scaled) and the panels of kᵀ and dkᵀ at its
-// first key: s = q kᵀ (each row's max into vmax, where given) and dx = dq kᵀ + q dkᵀ.
-void tangent_products(int64_t rows, int64_t cols, int64_t D, const float* qs, const float* dqs, const float* ktb,
-                      const float* dktb, float* s, float* ds, int64_t Bc, __m512* vmax) {
-  gemm_panels(rows, cols, D, qs, D, ktb, 64 * D, 64, s, Bc, false, vmax);
-  gemm_panels(rows, cols, D, dqs, D, ktb, 64 * D, 64, ds, Bc, false);
-  gemm_panels(rows, cols, D, qs, D, dktb, 64 * D, 64, ds, Bc, true);
-}
-
-// n values of q and of dq from (q, dq) + offset, times scale, into qs and dqs.
-inline void scaled_pair(const float* q, const float* dq, int64_t offset, int64_t n, float scale, float* qs, float* dqs) {
-  for (int64_t i = 0; i < n; ++i) qs[i] = q[offset + i] * scale, dqs[i] = dq[offset + i] * scale;
-}
+inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
 // Scratch of n floats on a 64-byte boundary (whole cache lines: no vector load or store splits one).
 struct Scratch {
@@ -219,10 +347,10 @@ void run(int threads, const Work& work) {
 }
 
 // q (B, T, D), k (B, S, D), v (B, S, E) with any leading dimensions flattened to B, read from the buffers, and
-// what every kernel derives from them: the keys below `length` (at most S), padded to panels of 64 (Sp), the
-// query blocks of a B row, and the threads that get a task.
+// what every kernel derives from them: the keys below `length` (at most S), padded to 64 (Sp), D and E padded to
+// whole panels (Dp, Ep), the query blocks of a B row, and the threads that get a task.
 struct Dims {
-  int64_t B = 1, T = 0, S = 0, D = 0, E = 0, length = 0, Sp = 0, blocks = 0;
+  int64_t B = 1, T = 0, S = 0, D = 0, E = 0, length = 0, Sp = 0, Dp = 0, Ep = 0, blocks = 0;
   int n = 1;
 };
 
@@ -239,9 +367,22 @@ ffi::Error dims_of(ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& k, ffi::Buff
   }
   if (kd[rank - 1] != d.D || vd[rank - 2] != d.S || block_kv % 64 || block_q < 1 || threads < 1)
     return ffi::Error::InvalidArgument("fused attention: inconsistent shapes or blocks");
-  d.length = std::min(length, d.S), d.Sp = (d.length + 63) / 64 * 64, d.blocks = (d.T + block_q - 1) / block_q;
+  d.length = std::min(length, d.S), d.Sp = round_up(d.length, 64), d.blocks = (d.T + block_q - 1) / block_q;
+  d.Dp = round_up(d.D, W), d.Ep = round_up(d.E, W);
   d.n = static_cast<int>(std::min<int64_t>(threads, std::max<int64_t>(d.B * d.blocks, 1)));
   return ffi::Error::Success();
+}
+
+// Each B row's kᵀ (as panels of W keys, kt[b]: Sp x D) and v (as panels of W values, vc[b]: Ep/W panels of
+// Sp x W), packed by the kernel's threads.
+void pack_keys(const Dims& d, const float* k, const float* v, float* kt, float* vc) {
+  std::atomic<int64_t> next{0};
+  run(d.n, [&] {
+    for (int64_t b; (b = next.fetch_add(1)) < d.B;) {
+      pack_transposed(k + b * d.S * d.D, d.length, d.D, d.D, d.Sp, kt + b * d.Sp * d.D);
+      pack_columns(v + b * d.S * d.E, d.length, d.E, d.E, d.Sp, vc + b * d.Sp * d.Ep);
+    }
+  });
 }
 
 // Each of `rows` query rows from r0: its keys [lo, hi) as key indices (below `length`); returns the keys any
@@ -258,64 +399,78 @@ std::pair<int64_t, int64_t> intervals(int64_t r0, int64_t rows, int64_t q_offset
   return {first, last};
 }
 
+// n values of q from q + offset, times scale, into qs (and of dq into dqs, where given).
+inline void scaled(const float* q, const float* dq, int64_t offset, int64_t n, float scale, float* qs, float* dqs) {
+  for (int64_t i = 0; i < n; ++i) qs[i] = q[offset + i] * scale;
+  if (dq)
+    for (int64_t i = 0; i < n; ++i) dqs[i] = dq[offset + i] * scale;
+}
+
+// Keys [a, z) of a tile row of `cols` (clamped to the tile) for a row with keys [lo, hi) from key c0.
+inline std::pair<int64_t, int64_t> kept(int64_t lo, int64_t hi, int64_t c0, int64_t cols) {
+  const int64_t a = std::clamp<int64_t>(lo - c0, 0, cols);
+  return {a, std::clamp<int64_t>(hi - c0, a, cols)};
+}
+
+// One row's new running max over a tile: keys [a, z) of its `cols`, from the product's per-lane max (vmax, over
+// the tile's whole vectors) where the row sees the whole tile and the tile is whole vectors, else from the row.
+inline float moved_max(const float* row, int64_t a, int64_t z, int64_t cols, vf vmax, float m) {
+  if (a == 0 && z == cols && cols % L == 0) return V::top(V::max(V::set1(m), vmax));
+  return a < z ? row_max(row + a, z - a, m) : m;
+}
+
+// rows x E of acc (rows ld apart) times each row's factor r[i], where it is not 1.
+inline void rescale(float* acc, int64_t rows, int64_t E, int64_t ld, const float* r) {
+  for (int64_t i = 0; i < rows; ++i) {
+    if (r[i] == 1.f) continue;  // the row's max did not move
+    for (int64_t e = 0; e < E; ++e) acc[i * ld + e] *= r[i];
+  }
+}
+
 ffi::Error Forward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
                    ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse, ffi::ResultBuffer<ffi::F32> mx,
                    int64_t length, int64_t q_offset, int64_t kv_offset, int64_t left, int64_t right, float scale,
                    int64_t block_q, int64_t block_kv, int64_t threads) {
-  Dims dims;
-  if (ffi::Error e = dims_of(q, k, v, length, block_q, block_kv, threads, dims); e.failure()) return e;
-  const int64_t B = dims.B, T = dims.T, S = dims.S, D = dims.D, E = dims.E, Sp = dims.Sp, blocks = dims.blocks;
-  const int64_t Bq = block_q, Bc = block_kv;
-  const int n = dims.n;
-  length = dims.length;
-  const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data();
+  Dims d;
+  if (ffi::Error e = dims_of(q, k, v, length, block_q, block_kv, threads, d); e.failure()) return e;
+  const int64_t T = d.T, D = d.D, E = d.E, Sp = d.Sp, Ep = d.Ep, blocks = d.blocks, Bq = block_q, Bc = block_kv;
+  const float* qp = q.typed_data();
   float *op = out->typed_data(), *lp = lse->typed_data(), *mp = mx->typed_data();
-
-  const auto on_threads = [n](const auto& work) { run(n, work); };
-  Scratch kt(B * Sp * D);  // kᵀ as panels of 64 keys
-  pack_all(on_threads, B, S, D, length, Sp, kp, kt.data);
+  Scratch kt(d.B * Sp * D), vc(d.B * Sp * Ep);
+  pack_keys(d, k.typed_data(), v.typed_data(), kt.data, vc.data);
 
   std::atomic<int64_t> next{0};
-  run(n, [&] {
-    Scratch s(Bq * Bc), acc(Bq * E), qs(Bq * D);
-    std::vector<float> m(Bq), l(Bq);
-    std::vector<__m512> vmax(Bq);  // each row's max over the tile, from the first product
+  run(d.n, [&] {
+    Scratch s(Bq * Bc), acc(Bq * Ep), qs(Bq * D);
+    std::vector<float> m(Bq), l(Bq), r(Bq);
+    std::vector<Lanes> vmax(Bq);  // each row's max over the tile, from the first product
     std::vector<int64_t> lo(Bq), hi(Bq);  // each row's keys, [lo, hi), as key indices
-    for (int64_t task; (task = next.fetch_add(1)) < B * blocks;) {
+    for (int64_t task; (task = next.fetch_add(1)) < d.B * blocks;) {
       const int64_t b = task / blocks, r0 = (blocks - 1 - task % blocks) * Bq, rows = std::min(Bq, T - r0);
-      const float* qb = qp + (b * T + r0) * D;
-      for (int64_t i = 0; i < rows * D; ++i) qs[i] = qb[i] * scale;  // the scale folded into q, as jattn does
-      const auto [first, last] = intervals(r0, rows, q_offset, kv_offset, left, right, length, lo.data(), hi.data());
-      std::fill(m.begin(), m.begin() + rows, -kInf);
-      std::fill(l.begin(), l.begin() + rows, 0.f);
-      std::fill(acc.data, acc.data + rows * E, 0.f);
+      scaled(qp, nullptr, (b * T + r0) * D, rows * D, scale, qs.data, nullptr);  // the scale folded into q
+      const auto [first, last] = intervals(r0, rows, q_offset, kv_offset, left, right, d.length, lo.data(), hi.data());
+      std::fill(m.begin(), m.begin() + rows, -kInf), std::fill(l.begin(), l.begin() + rows, 0.f);
+      std::fill(acc.data, acc.data + rows * Ep, 0.f);
       for (int64_t c0 = first / 64 * 64; c0 < last; c0 += Bc) {
         const int64_t cols = std::min(Bc, last - c0);
-        std::fill(vmax.begin(), vmax.begin() + rows, _mm512_set1_ps(-kInf));
-        gemm_panels(rows, cols, D, qs.data, D, kt.data + (b * Sp + c0) * D, 64 * D, 64, s.data, Bc, false, vmax.data());
+        for (int64_t i = 0; i < rows; ++i) vmax[i].x = V::set1(-kInf);
+        gemm_panels(rows, cols, D, qs.data, D, 1, kt.data + (b * Sp + c0) * D, D * W, s.data, Bc, false, vmax.data());
         for (int64_t i = 0; i < rows; ++i) {
           float* row = s.data + i * Bc;
-          const int64_t a = std::clamp<int64_t>(lo[i] - c0, 0, cols), z = std::clamp<int64_t>(hi[i] - c0, a, cols);
-          std::fill(row, row + a, 0.f);  // keys outside the row's interval weigh 0
-          std::fill(row + z, row + cols, 0.f);
+          const auto [a, z] = kept(lo[i], hi[i], c0, cols);
           const float m_old = m[i];
-          if (a == 0 && z == cols) {  // every key of the tile: the product's own max
-            m[i] = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_set1_ps(m_old), vmax[i]));
-          } else if (a < z) {
-            m[i] = row_max(row + a, z - a, m_old);
-          }
-          const float sum = a < z ? exp_sum(row + a, z - a, m[i]) : 0.f;
-          const float rescale = m[i] == -kInf ? 1.f : std::exp(m_old - m[i]);
-          l[i] = l[i] * rescale + sum;
-          if (rescale == 1.f) continue;  // the row's max did not move
-          for (int64_t e = 0; e < E; ++e) acc[i * E + e] *= rescale;
+          m[i] = moved_max(row, a, z, cols, vmax[i].x, m_old);
+          std::fill(row, row + a, 0.f), std::fill(row + z, row + cols, 0.f);  // keys outside the row's weigh 0
+          r[i] = m[i] == -kInf ? 1.f : std::exp(m_old - m[i]);
+          l[i] = l[i] * r[i] + (a < z ? exp_sum(row + a, z - a, m[i]) : 0.f);
         }
-        gemm(rows, E, cols, s.data, Bc, vp + (b * S + c0) * E, 64, E, acc.data, E, true);
+        rescale(acc.data, rows, E, Ep, r.data());
+        gemm(rows, E, cols, s.data, Bc, 1, vc.data + b * Sp * Ep + c0 * W, Sp * W, acc.data, Ep, true);
       }
       for (int64_t i = 0; i < rows; ++i) {
         const int64_t t = b * T + r0 + i;
         const float inv = l[i] == 0.f ? 0.f : 1.f / l[i];
-        for (int64_t e = 0; e < E; ++e) op[t * E + e] = acc[i * E + e] * inv;
+        for (int64_t e = 0; e < E; ++e) op[t * E + e] = acc[i * Ep + e] * inv;
         lp[t] = l[i] == 0.f ? -kInf : m[i] + std::log(l[i]);
         mp[t] = std::isnan(l[i]) ? l[i] : m[i];
       }
@@ -324,114 +479,95 @@ ffi::Error Forward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
   return ffi::Error::Success();
 }
 
+// One tile's scores and their tangent, from q and dq rows (already scaled) and the panels of kᵀ and dkᵀ at its
+// first key: s = q kᵀ (each row's max into vmax, where given) and dx = dq kᵀ + q dkᵀ.
+void tangent_products(int64_t rows, int64_t cols, int64_t D, const float* qs, const float* dqs, const float* ktb,
+                      const float* dktb, float* s, float* ds, int64_t Bc, Lanes* vmax) {
+  gemm_panels(rows, cols, D, qs, D, 1, ktb, D * W, s, Bc, false, vmax);
+  gemm_panels(rows, cols, D, dqs, D, 1, ktb, D * W, ds, Bc, false);
+  gemm_panels(rows, cols, D, qs, D, 1, dktb, D * W, ds, Bc, true);
+}
+
+// One tile row with its lse known: p = e^(s - lse) (clamped at 1; NaN stays NaN) over s, and p∘drow over drow,
+// on keys [a, z), 0 elsewhere; with delta (the backward), p∘(drow - delta) instead. Returns rowsum of what
+// drow holds.
+inline float known_row(float* row, float* drow, int64_t a, int64_t z, int64_t cols, float lse, float delta = 0.f) {
+  std::fill(row, row + a, 0.f), std::fill(row + z, row + cols, 0.f);
+  std::fill(drow, drow + a, 0.f), std::fill(drow + z, drow + cols, 0.f);
+  const vf vl = V::set1(lse), vd = V::set1(delta);
+  vf vc = V::zero();
+  for (int64_t j = a; j < z; j += L) {
+    const int64_t w = std::min<int64_t>(L, z - j);
+    const vf p = exp_le0(V::min(V::zero(), V::sub(load_n(row + j, w, -kInf), vl)));  // 0 past the row
+    const vf pd = V::mul(p, V::sub(load_n(drow + j, w, 0.f), vd));
+    store_n(row + j, w, p), store_n(drow + j, w, pd);
+    vc = V::add(vc, pd);
+  }
+  return V::sum(vc);
+}
+
 // The tangent (forward mode) with the lse known, for tangents dq, dk, dv of q, k, v: per tile
 //   p = e^(s - lse),  dx = (dq kᵀ + q dkᵀ)·scale,  A += p dv + (p∘dx) v,  c += rowsum(p∘dx),
 // and per row  d lse = c,  d out = A - c·out;  a row with lse -inf (no key) gives 0. Same tasks,
-// intervals and products as Forward; kᵀ and dkᵀ packed once per B row.
+// intervals and products as Forward; kᵀ, dkᵀ, v and dv packed once per B row.
 ffi::Error Tangent(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> dq,
                    ffi::Buffer<ffi::F32> dk, ffi::Buffer<ffi::F32> dv, ffi::Buffer<ffi::F32> out,
                    ffi::Buffer<ffi::F32> lse, ffi::ResultBuffer<ffi::F32> d_out, ffi::ResultBuffer<ffi::F32> d_lse,
                    int64_t length, int64_t q_offset, int64_t kv_offset, int64_t left, int64_t right, float scale,
                    int64_t block_q, int64_t block_kv, int64_t threads) {
-  Dims dims;
-  if (ffi::Error e = dims_of(q, k, v, length, block_q, block_kv, threads, dims); e.failure()) return e;
-  const int64_t B = dims.B, T = dims.T, S = dims.S, D = dims.D, E = dims.E, Sp = dims.Sp, blocks = dims.blocks;
-  const int64_t Bq = block_q, Bc = block_kv;
-  const int n = dims.n;
-  length = dims.length;
-  const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data(), *dqp = dq.typed_data();
-  const float *dkp = dk.typed_data(), *dvp = dv.typed_data(), *op = out.typed_data(), *lp = lse.typed_data();
+  Dims d;
+  if (ffi::Error e = dims_of(q, k, v, length, block_q, block_kv, threads, d); e.failure()) return e;
+  const int64_t T = d.T, D = d.D, E = d.E, Sp = d.Sp, Ep = d.Ep, blocks = d.blocks, Bq = block_q, Bc = block_kv;
+  const float *qp = q.typed_data(), *dqp = dq.typed_data(), *op = out.typed_data(), *lp = lse.typed_data();
   float *dop = d_out->typed_data(), *dlp = d_lse->typed_data();
-
-  const auto on_threads = [n](const auto& work) { run(n, work); };
-  Scratch kt(B * Sp * D), dkt(B * Sp * D);  // kᵀ and dkᵀ as panels of 64 keys
-  pack_all(on_threads, B, S, D, length, Sp, kp, kt.data);
-  pack_all(on_threads, B, S, D, length, Sp, dkp, dkt.data);
+  Scratch kt(d.B * Sp * D), vc(d.B * Sp * Ep), dkt(d.B * Sp * D), dvc(d.B * Sp * Ep);
+  pack_keys(d, k.typed_data(), v.typed_data(), kt.data, vc.data);
+  pack_keys(d, dk.typed_data(), dv.typed_data(), dkt.data, dvc.data);
 
   std::atomic<int64_t> next{0};
-  run(n, [&] {
-    Scratch s(Bq * Bc), ds(Bq * Bc), acc(Bq * E), qs(Bq * D), dqs(Bq * D);
+  run(d.n, [&] {
+    Scratch s(Bq * Bc), ds(Bq * Bc), acc(Bq * Ep), qs(Bq * D), dqs(Bq * D);
     std::vector<float> c(Bq);
     std::vector<int64_t> lo(Bq), hi(Bq);
-    for (int64_t task; (task = next.fetch_add(1)) < B * blocks;) {
+    for (int64_t task; (task = next.fetch_add(1)) < d.B * blocks;) {
       const int64_t b = task / blocks, r0 = (blocks - 1 - task % blocks) * Bq, rows = std::min(Bq, T - r0);
-      scaled_pair(qp, dqp, (b * T + r0) * D, rows * D, scale, qs.data, dqs.data);
-      const auto [first, last] = intervals(r0, rows, q_offset, kv_offset, left, right, length, lo.data(), hi.data());
+      scaled(qp, dqp, (b * T + r0) * D, rows * D, scale, qs.data, dqs.data);
+      const auto [first, last] = intervals(r0, rows, q_offset, kv_offset, left, right, d.length, lo.data(), hi.data());
       std::fill(c.begin(), c.begin() + rows, 0.f);
-      std::fill(acc.data, acc.data + rows * E, 0.f);
+      std::fill(acc.data, acc.data + rows * Ep, 0.f);
       for (int64_t c0 = first / 64 * 64; c0 < last; c0 += Bc) {
         const int64_t cols = std::min(Bc, last - c0);
-        const float *ktb = kt.data + (b * Sp + c0) * D, *dktb = dkt.data + (b * Sp + c0) * D;
-        tangent_products(rows, cols, D, qs.data, dqs.data, ktb, dktb, s.data, ds.data, Bc, nullptr);
+        const int64_t at = (b * Sp + c0) * D, vat = b * Sp * Ep + c0 * W;
+        tangent_products(rows, cols, D, qs.data, dqs.data, kt.data + at, dkt.data + at, s.data, ds.data, Bc, nullptr);
         for (int64_t i = 0; i < rows; ++i) {
-          float *row = s.data + i * Bc, *drow = ds.data + i * Bc;
           const float l = lp[b * T + r0 + i];
-          int64_t a = std::clamp<int64_t>(lo[i] - c0, 0, cols), z = std::clamp<int64_t>(hi[i] - c0, a, cols);
+          auto [a, z] = kept(lo[i], hi[i], c0, cols);
           if (l == -kInf) a = z = 0;  // a row with no key
-          std::fill(row, row + a, 0.f), std::fill(row + z, row + cols, 0.f);
-          std::fill(drow, drow + a, 0.f), std::fill(drow + z, drow + cols, 0.f);
-          const __m512 vl = _mm512_set1_ps(l);
-          __m512 vc = _mm512_setzero_ps();
-          for (int64_t j = a; j < z; j += 16) {
-            const __mmask16 m = static_cast<__mmask16>(z - j >= 16 ? 0xffff : (1u << (z - j)) - 1);
-            const __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + j), vl);
-            const __m512 p = exp16(_mm512_min_ps(_mm512_setzero_ps(), x));  // clamped at 1; NaN stays NaN
-            const __m512 pds = _mm512_mul_ps(p, _mm512_maskz_loadu_ps(m, drow + j));
-            _mm512_mask_storeu_ps(row + j, m, p);
-            _mm512_mask_storeu_ps(drow + j, m, pds);
-            vc = _mm512_add_ps(vc, _mm512_maskz_mov_ps(m, pds));
-          }
-          c[i] += _mm512_reduce_add_ps(vc);
+          c[i] += known_row(s.data + i * Bc, ds.data + i * Bc, a, z, cols, l);
         }
-        gemm(rows, E, cols, s.data, Bc, dvp + (b * S + c0) * E, 64, E, acc.data, E, true);
-        gemm(rows, E, cols, ds.data, Bc, vp + (b * S + c0) * E, 64, E, acc.data, E, true);
+        gemm(rows, E, cols, s.data, Bc, 1, dvc.data + vat, Sp * W, acc.data, Ep, true);
+        gemm(rows, E, cols, ds.data, Bc, 1, vc.data + vat, Sp * W, acc.data, Ep, true);
       }
       for (int64_t i = 0; i < rows; ++i) {
         const int64_t t = b * T + r0 + i;
         const bool none = lp[t] == -kInf;
         dlp[t] = none ? 0.f : c[i];
-        for (int64_t e = 0; e < E; ++e) dop[t * E + e] = none ? 0.f : acc[i * E + e] - c[i] * op[t * E + e];
+        for (int64_t e = 0; e < E; ++e) dop[t * E + e] = none ? 0.f : acc[i * Ep + e] - c[i] * op[t * E + e];
       }
     }
   });
   return ffi::Error::Success();
 }
 
-
-// p[0:n] = e^(row - m) (row overwritten with p), drow[0:n] *= p; returns (rowsum p, rowsum p∘drow). m = -inf
-// (no key yet) gives zeros.
-inline std::pair<float, float> exp_times(float* row, float* drow, int64_t n, float m) {
-  if (m == -kInf) {
-    std::fill(row, row + n, 0.f), std::fill(drow, drow + n, 0.f);
-    return {0.f, 0.f};
-  }
-  const __m512 vm = _mm512_set1_ps(m);
-  __m512 vsum = _mm512_setzero_ps(), vc = _mm512_setzero_ps();
-  for (int64_t j = 0; j < n; j += 16) {
-    const __mmask16 k = static_cast<__mmask16>(n - j >= 16 ? 0xffff : (1u << (n - j)) - 1);
-    const __m512 p = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, row + j), vm));
-    const __m512 pds = _mm512_mul_ps(p, _mm512_maskz_loadu_ps(k, drow + j));
-    _mm512_mask_storeu_ps(row + j, k, p);
-    _mm512_mask_storeu_ps(drow + j, k, pds);
-    vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(k, p));
-    vc = _mm512_add_ps(vc, _mm512_maskz_mov_ps(k, pds));
-  }
-  return {_mm512_reduce_add_ps(vsum), _mm512_reduce_add_ps(vc)};
-}
-
 // One row's online softmax over a tile of the one-pass jvp: keys [a, z) of the tile's `cols` kept, the running
-// max m moved by the row's max (`vmax`, the product's, where the row sees the whole tile), p and p∘dx formed,
-// l and c (rowsum p∘dx) rescaled and summed; returns the rescale of the row's accumulators (1: unmoved).
-inline float online_row(float* row, float* drow, int64_t a, int64_t z, int64_t cols, __m512 vmax, float& m, float& l,
+// max m moved (moved_max), p and p∘dx formed, l and c (rowsum p∘dx) rescaled and summed; returns the rescale of
+// the row's accumulators (1: unmoved).
+inline float online_row(float* row, float* drow, int64_t a, int64_t z, int64_t cols, vf vmax, float& m, float& l,
                         float& c) {
+  const float m_old = m;
+  m = moved_max(row, a, z, cols, vmax, m_old);
   std::fill(row, row + a, 0.f), std::fill(row + z, row + cols, 0.f);
   std::fill(drow, drow + a, 0.f), std::fill(drow + z, drow + cols, 0.f);
-  const float m_old = m;
-  if (a == 0 && z == cols) {
-    m = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_set1_ps(m_old), vmax));
-  } else if (a < z) {
-    m = row_max(row + a, z - a, m_old);
-  }
   const auto [sum, dsum] = a < z ? exp_times(row + a, drow + a, z - a, m) : std::pair<float, float>{0.f, 0.f};
   const float rescale = m == -kInf ? 1.f : std::exp(m_old - m);
   l = l * rescale + sum;
@@ -451,56 +587,50 @@ ffi::Error ForwardTangent(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi:
                           ffi::ResultBuffer<ffi::F32> d_lse, int64_t length, int64_t q_offset, int64_t kv_offset,
                           int64_t left, int64_t right, float scale, int64_t block_q, int64_t block_kv,
                           int64_t threads) {
-  Dims dims;
-  if (ffi::Error e = dims_of(q, k, v, length, block_q, block_kv, threads, dims); e.failure()) return e;
-  const int64_t B = dims.B, T = dims.T, S = dims.S, D = dims.D, E = dims.E, Sp = dims.Sp, blocks = dims.blocks;
-  const int64_t Bq = block_q, Bc = block_kv;
-  const int n = dims.n;
-  length = dims.length;
-  const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data(), *dqp = dq.typed_data();
-  const float *dkp = dk.typed_data(), *dvp = dv.typed_data();
+  Dims d;
+  if (ffi::Error e = dims_of(q, k, v, length, block_q, block_kv, threads, d); e.failure()) return e;
+  const int64_t T = d.T, D = d.D, E = d.E, Sp = d.Sp, Ep = d.Ep, blocks = d.blocks, Bq = block_q, Bc = block_kv;
+  const float *qp = q.typed_data(), *dqp = dq.typed_data();
   float *op = out->typed_data(), *lp = lse->typed_data(), *mp = mx->typed_data();
   float *dop = d_out->typed_data(), *dlp = d_lse->typed_data();
-
-  const auto on_threads = [n](const auto& work) { run(n, work); };
-  Scratch kt(B * Sp * D), dkt(B * Sp * D);  // kᵀ and dkᵀ as panels of 64 keys
-  pack_all(on_threads, B, S, D, length, Sp, kp, kt.data);
-  pack_all(on_threads, B, S, D, length, Sp, dkp, dkt.data);
+  Scratch kt(d.B * Sp * D), vc(d.B * Sp * Ep), dkt(d.B * Sp * D), dvc(d.B * Sp * Ep);
+  pack_keys(d, k.typed_data(), v.typed_data(), kt.data, vc.data);
+  pack_keys(d, dk.typed_data(), dv.typed_data(), dkt.data, dvc.data);
 
   std::atomic<int64_t> next{0};
-  run(n, [&] {
-    Scratch s(Bq * Bc), ds(Bq * Bc), acc(Bq * E), A(Bq * E), qs(Bq * D), dqs(Bq * D);
-    std::vector<float> m(Bq), l(Bq), c(Bq);
-    std::vector<__m512> vmax(Bq);
+  run(d.n, [&] {
+    Scratch s(Bq * Bc), ds(Bq * Bc), acc(Bq * Ep), A(Bq * Ep), qs(Bq * D), dqs(Bq * D);
+    std::vector<float> m(Bq), l(Bq), c(Bq), r(Bq);
+    std::vector<Lanes> vmax(Bq);
     std::vector<int64_t> lo(Bq), hi(Bq);
-    for (int64_t task; (task = next.fetch_add(1)) < B * blocks;) {
+    for (int64_t task; (task = next.fetch_add(1)) < d.B * blocks;) {
       const int64_t b = task / blocks, r0 = (blocks - 1 - task % blocks) * Bq, rows = std::min(Bq, T - r0);
-      scaled_pair(qp, dqp, (b * T + r0) * D, rows * D, scale, qs.data, dqs.data);
-      const auto [first, last] = intervals(r0, rows, q_offset, kv_offset, left, right, length, lo.data(), hi.data());
+      scaled(qp, dqp, (b * T + r0) * D, rows * D, scale, qs.data, dqs.data);
+      const auto [first, last] = intervals(r0, rows, q_offset, kv_offset, left, right, d.length, lo.data(), hi.data());
       std::fill(m.begin(), m.begin() + rows, -kInf);
       std::fill(l.begin(), l.begin() + rows, 0.f), std::fill(c.begin(), c.begin() + rows, 0.f);
-      std::fill(acc.data, acc.data + rows * E, 0.f), std::fill(A.data, A.data + rows * E, 0.f);
+      std::fill(acc.data, acc.data + rows * Ep, 0.f), std::fill(A.data, A.data + rows * Ep, 0.f);
       for (int64_t c0 = first / 64 * 64; c0 < last; c0 += Bc) {
         const int64_t cols = std::min(Bc, last - c0);
-        const float *ktb = kt.data + (b * Sp + c0) * D, *dktb = dkt.data + (b * Sp + c0) * D;
-        std::fill(vmax.begin(), vmax.begin() + rows, _mm512_set1_ps(-kInf));
-        tangent_products(rows, cols, D, qs.data, dqs.data, ktb, dktb, s.data, ds.data, Bc, vmax.data());
+        const int64_t at = (b * Sp + c0) * D, vat = b * Sp * Ep + c0 * W;
+        for (int64_t i = 0; i < rows; ++i) vmax[i].x = V::set1(-kInf);
+        tangent_products(rows, cols, D, qs.data, dqs.data, kt.data + at, dkt.data + at, s.data, ds.data, Bc,
+                         vmax.data());
         for (int64_t i = 0; i < rows; ++i) {
-          const int64_t a = std::clamp<int64_t>(lo[i] - c0, 0, cols), z = std::clamp<int64_t>(hi[i] - c0, a, cols);
-          const float r = online_row(s.data + i * Bc, ds.data + i * Bc, a, z, cols, vmax[i], m[i], l[i], c[i]);
-          if (r == 1.f) continue;  // the row's max did not move
-          for (int64_t e = 0; e < E; ++e) acc[i * E + e] *= r, A[i * E + e] *= r;
+          const auto [a, z] = kept(lo[i], hi[i], c0, cols);
+          r[i] = online_row(s.data + i * Bc, ds.data + i * Bc, a, z, cols, vmax[i].x, m[i], l[i], c[i]);
         }
-        gemm(rows, E, cols, s.data, Bc, vp + (b * S + c0) * E, 64, E, acc.data, E, true);
-        gemm(rows, E, cols, s.data, Bc, dvp + (b * S + c0) * E, 64, E, A.data, E, true);
-        gemm(rows, E, cols, ds.data, Bc, vp + (b * S + c0) * E, 64, E, A.data, E, true);
+        rescale(acc.data, rows, E, Ep, r.data()), rescale(A.data, rows, E, Ep, r.data());
+        gemm(rows, E, cols, s.data, Bc, 1, vc.data + vat, Sp * W, acc.data, Ep, true);
+        gemm(rows, E, cols, s.data, Bc, 1, dvc.data + vat, Sp * W, A.data, Ep, true);
+        gemm(rows, E, cols, ds.data, Bc, 1, vc.data + vat, Sp * W, A.data, Ep, true);
       }
       for (int64_t i = 0; i < rows; ++i) {
         const int64_t t = b * T + r0 + i;
         const float inv = l[i] == 0.f ? 0.f : 1.f / l[i], dl = c[i] * inv;
         for (int64_t e = 0; e < E; ++e) {
-          op[t * E + e] = acc[i * E + e] * inv;
-          dop[t * E + e] = A[i * E + e] * inv - dl * op[t * E + e];
+          op[t * E + e] = acc[i * Ep + e] * inv;
+          dop[t * E + e] = A[i * Ep + e] * inv - dl * op[t * E + e];
         }
         lp[t] = l[i] == 0.f ? -kInf : m[i] + std::log(l[i]);
         mp[t] = std::isnan(l[i]) ? l[i] : m[i];
@@ -511,7 +641,71 @@ ffi::Error ForwardTangent(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi:
   return ffi::Error::Success();
 }
 
+// The backward (reverse mode) with the forward's lse and delta = rowsum(d out ∘ out) - d lse known: per tile
+//   s = (scale q) kᵀ,  p = e^(s - lse),  dp = d out vᵀ,  ds = p∘(dp - delta),
+//   dv += pᵀ d out,  dk += dsᵀ (scale q),  dq += scale ds k;
+// keys outside a row's interval and rows with no key give p = ds = 0. One task per B row (its dk, dv gather
+// over every query block, so one thread owns them), query blocks in order; pᵀ and dsᵀ read in place (the
+// micro-kernel's strided A), kᵀ, vᵀ and k packed once a task, the scaled q and d out once a query block.
+ffi::Error Backward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                    ffi::Buffer<ffi::F32> d_out, ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> delta,
+                    ffi::ResultBuffer<ffi::F32> dq, ffi::ResultBuffer<ffi::F32> dk, ffi::ResultBuffer<ffi::F32> dv,
+                    int64_t length, int64_t q_offset, int64_t kv_offset, int64_t left, int64_t right, float scale,
+                    int64_t block_q, int64_t block_kv, int64_t threads) {
+  Dims d;
+  if (ffi::Error e = dims_of(q, k, v, length, block_q, block_kv, threads, d); e.failure()) return e;
+  const int64_t T = d.T, S = d.S, D = d.D, E = d.E, Sp = d.Sp, Dp = d.Dp, Ep = d.Ep, Bq = block_q, Bc = block_kv;
+  const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data(), *gp = d_out.typed_data();
+  const float *lp = lse.typed_data(), *dp = delta.typed_data();
+  float *dqp = dq->typed_data(), *dkp = dk->typed_data(), *dvp = dv->typed_data();
+  std::atomic<int64_t> next{0};
+  run(static_cast<int>(std::min<int64_t>(d.n, d.B)), [&] {
+    Scratch kt(Sp * D), vt(Sp * E), kc(Sp * Dp), dks(Sp * Dp), dvs(Sp * Ep);
+    Scratch s(Bq * Bc), ds(Bq * Bc), qs(Bq * D), qc(Bq * Dp), gc(Bq * Ep), dqs(Bq * Dp);
+    std::vector<int64_t> lo(Bq), hi(Bq);
+    for (int64_t b; (b = next.fetch_add(1)) < d.B;) {
+      pack_transposed(kp + b * S * D, d.length, D, D, Sp, kt.data);
+      pack_transposed(vp + b * S * E, d.length, E, E, Sp, vt.data);
+      pack_columns(kp + b * S * D, d.length, D, D, Sp, kc.data);
+      std::fill(dks.data, dks.data + Sp * Dp, 0.f), std::fill(dvs.data, dvs.data + Sp * Ep, 0.f);
+      for (int64_t r0 = 0; r0 < T; r0 += Bq) {
+        const int64_t rows = std::min(Bq, T - r0);
+        const float* gb = gp + (b * T + r0) * E;
+        scaled(qp, nullptr, (b * T + r0) * D, rows * D, scale, qs.data, nullptr);
+        pack_columns(qs.data, rows, D, D, Bq, qc.data), pack_columns(gb, rows, E, E, Bq, gc.data);
+        std::fill(dqs.data, dqs.data + rows * Dp, 0.f);
+        const auto [first, last] = intervals(r0, rows, q_offset, kv_offset, left, right, d.length, lo.data(), hi.data());
+        for (int64_t c0 = first / 64 * 64; c0 < last; c0 += Bc) {
+          const int64_t cols = std::min(Bc, last - c0);
+          gemm_panels(rows, cols, D, qs.data, D, 1, kt.data + c0 * D, D * W, s.data, Bc, false);
+          gemm_panels(rows, cols, E, gb, E, 1, vt.data + c0 * E, E * W, ds.data, Bc, false);
+          for (int64_t i = 0; i < rows; ++i) {
+            const int64_t t = b * T + r0 + i;
+            auto [a, z] = kept(lo[i], hi[i], c0, cols);
+            if (lp[t] == -kInf) a = z = 0;  // a row with no key
+            known_row(s.data + i * Bc, ds.data + i * Bc, a, z, cols, lp[t], dp[t]);
+          }
+          gemm(cols, E, rows, s.data, 1, Bc, gc.data, Bq * W, dvs.data + c0 * Ep, Ep, true);  // pᵀ d out
+          gemm(cols, D, rows, ds.data, 1, Bc, qc.data, Bq * W, dks.data + c0 * Dp, Dp, true);  // dsᵀ (scale q)
+          gemm(rows, D, cols, ds.data, Bc, 1, kc.data + c0 * W, Sp * W, dqs.data, Dp, true);  // ds k
+        }
+        for (int64_t i = 0; i < rows; ++i)
+          for (int64_t e = 0; e < D; ++e) dqp[(b * T + r0 + i) * D + e] = dqs[i * Dp + e] * scale;
+      }
+      for (int64_t j = 0; j < S; ++j) {
+        const bool real = j < d.length;
+        for (int64_t e = 0; e < D; ++e) dkp[(b * S + j) * D + e] = real ? dks[j * Dp + e] : 0.f;
+        for (int64_t e = 0; e < E; ++e) dvp[(b * S + j) * E + e] = real ? dvs[j * Ep + e] : 0.f;
+      }
+    }
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+// The vector layer this library was built with ("avx512", "avx2", "neon" or "scalar").
+extern "C" const char* JattnFusedLayer() { return V::name; }
 
 // The handlers' bindings: float32 buffers in, then out, then the attributes every kernel takes.
 using F32 = ffi::Buffer<ffi::F32>;
@@ -531,3 +725,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JattnFusedForwardTangent, ForwardTangent,
                               ffi::Ffi::Bind()
                                   .Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>()
                                   .Ret<F32>().Ret<F32>().Ret<F32>().Ret<F32>().Ret<F32>() JATTN_ATTRIBUTES);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JattnFusedBackward, Backward,
+                              ffi::Ffi::Bind()
+                                  .Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>()
+                                  .Ret<F32>().Ret<F32>().Ret<F32>() JATTN_ATTRIBUTES);

@@ -1,19 +1,23 @@
-"""The fused CPU forward of blockwise attention: ``_fused_cpu.cc`` as an XLA FFI custom call.
+"""The fused CPU kernels of blockwise attention: ``_fused_cpu.cc`` as XLA FFI custom calls.
 
 Shapes follow :mod:`jattn._core` with leading dimensions flattened to ``B``: q ``(B, T, D)``,
 k ``(B, S, D)``, v ``(B, S, E)``. XLA runs a tile's ops one after another, each split over the
-threads; the kernel gives each thread whole (row of B, query block) tasks and keeps the score
+threads; the kernels give each thread whole (row of B, query block) tasks and keep the score
 tile in its core's cache between the two products, with the online softmax in between (docs:
-design notes). It serves the masks that give each query row one interval of keys
+design notes). They serve the masks that give each query row one interval of keys
 (:func:`jattn._position_masks.key_interval`: none, causal, sliding windows and their ``&``) in float32
-(16-bit inputs are upcast), and returns the lse, so the backward stays jattn's XLA one. Its
-tangent (forward mode) is a second custom call over the same tasks, with the lse known
-(:func:`tangent`), or the forward and the tangent in one pass (:func:`forward_tangent`).
+(16-bit inputs are upcast): the forward (:func:`forward`, with the lse), its backward
+(:func:`backward`: dq, dk, dv from the lse and ``delta``, one task per row of B), its tangent
+with the lse known (:func:`tangent`) and the forward and tangent in one pass (:func:`forward_tangent`).
 
-The C++ source is compiled on first use with the system's ``g++`` for this machine's CPU
-(``-march=native``) and cached under ``$JATTN_CACHE_DIR`` (default ``~/.cache/jattn``), keyed by
-the source, jax's version, the compiler and the CPU's flags. Without a compiler, or on a CPU without AVX-512, or
-with ``JATTN_FUSED_CPU=0``, :func:`available` is False and blockwise attention keeps XLA's tiles.
+The C++ source is written once over a small vector layer and compiled on first use with the
+system's ``g++`` (``$CXX``) for this machine's CPU (``-march=native``): AVX-512, AVX2 + FMA, ARM NEON,
+or scalar where asked (:func:`layer` names the one built). ``JATTN_FUSED_ISA`` picks another than
+the CPU's default (``avx2`` on an AVX-512 CPU: what an AVX2-only CPU runs; ``scalar``: plain C++, the
+reference build). The library is cached under ``$JATTN_CACHE_DIR`` (default ``~/.cache/jattn``), keyed by the
+source, jax's version, the compiler, its flags and the CPU's flags. Without a compiler, on a CPU
+with none of these vector units, or with ``JATTN_FUSED_CPU=0``, :func:`available` is False and
+blockwise attention keeps XLA's tiles.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import hashlib
 import logging
 import os
 import pathlib
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -33,12 +38,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
-__all__ = ["BLOCK_KV", "BLOCK_Q", "available", "forward", "forward_tangent", "tangent"]
+__all__ = ["BLOCK_KV", "BLOCK_Q", "available", "backward", "forward", "forward_tangent", "layer", "tangent"]
 
 _log = logging.getLogger(__name__)
 TARGET = "jattn_fused_forward"
 TANGENT = "jattn_fused_tangent"
 FORWARD_TANGENT = "jattn_fused_forward_tangent"
+BACKWARD = "jattn_fused_backward"
 SOURCE = pathlib.Path(__file__).with_suffix(".cc")
 #: Query rows of one task and keys of one tile (a multiple of 64): full forward, B=4 N=8 D=64, 2 threads (docs: design notes).
 BLOCK_Q, BLOCK_KV = 256, 512
@@ -49,25 +55,61 @@ def _cpu_flags() -> str:
         text = pathlib.Path("/proc/cpuinfo").read_text()
     except OSError:
         return ""
-    return next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return next((line for line in text.splitlines() if line.lower().startswith(("flags", "features"))), "")
+
+
+#: The vector layers the source has, each with the CPU flags it needs (x86: /proc/cpuinfo's "flags";
+#: aarch64: NEON is part of the architecture) and its compile definitions.
+_LAYERS = {
+    "avx512": ({"avx512f"}, []),
+    "avx2": ({"avx2", "fma"}, ["-mno-avx512f"]),  # on an AVX-512 CPU too: what an AVX2-only CPU runs
+    "neon": (set(), []),
+    # plain C++ as written (GCC 12's vectorizer reads past a strided operand's last row in the micro-kernel)
+    "scalar": (set(), ["-DJATTN_SCALAR", "-fno-tree-vectorize"]),
+}
+
+
+def _wanted_layer() -> str | None:
+    """The vector layer to build: ``$JATTN_FUSED_ISA`` where set (``auto``: the CPU's best), None where the CPU has none."""
+    wanted = os.environ.get("JATTN_FUSED_ISA", "auto")
+    if wanted not in (*_LAYERS, "auto"):
+        raise ValueError(f"JATTN_FUSED_ISA must be one of auto, {', '.join(_LAYERS)}; got {wanted!r}")
+    flags = set(_cpu_flags().split())
+    arm = platform.machine().lower() in ("aarch64", "arm64")
+    x86 = [name for name, (needs, _) in _LAYERS.items() if name != "neon" and needs <= flags]
+    usable = ["neon", "scalar"] if arm else x86
+    if wanted == "auto":
+        return next((name for name in usable if name != "scalar"), None)
+    return wanted if wanted in usable else None
 
 
 def _build() -> pathlib.Path | None:
-    """The compiled library, built here if the cache lacks it; None (logged) without ``g++`` or when it fails."""
-    if "avx512f" not in _cpu_flags().split():
-        _log.info("jattn: this CPU has no AVX-512; blockwise attention keeps XLA's tiles on CPU")
+    """The compiled library, built here if the cache lacks it; None (logged) without a layer, ``g++``, or when it fails."""
+    layer = _wanted_layer()
+    if layer is None:
+        _log.info("jattn: no vector layer for this CPU (or JATTN_FUSED_ISA); blockwise attention keeps XLA's tiles")
         return None
     compiler = shutil.which(os.environ.get("CXX", "g++"))
     if compiler is None:
         _log.info("jattn: no C++ compiler found; blockwise attention keeps XLA's tiles on CPU")
         return None
     include = jax.ffi.include_dir()
-    flags = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread", f"-I{include}"]
+    flags = [
+        "-O3",
+        "-march=native",
+        "-ffp-contract=off",
+        "-std=c++17",
+        "-shared",
+        "-fPIC",
+        "-pthread",
+        f"-I{include}",
+        *_LAYERS[layer][1],
+    ]
     key = hashlib.sha256()
     for part in (SOURCE.read_bytes(), jax.__version__, compiler, " ".join(flags), _cpu_flags()):
         key.update(part if isinstance(part, bytes) else part.encode())
     cache = pathlib.Path(os.environ.get("JATTN_CACHE_DIR", pathlib.Path.home() / ".cache" / "jattn"))
-    target = cache / f"fused_cpu-{key.hexdigest()[:16]}.so"
+    target = cache / f"fused_cpu-{layer}-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
     try:
@@ -83,7 +125,7 @@ def _build() -> pathlib.Path | None:
         finally:
             partial.unlink(missing_ok=True)
     except OSError as e:
-        _log.warning("jattn: cannot build the fused CPU forward in %s (%s); XLA's tiles stay", cache, e)
+        _log.warning("jattn: cannot build the fused CPU kernels in %s (%s); XLA's tiles stay", cache, e)
         return None
     return target
 
@@ -97,15 +139,24 @@ def _library() -> ctypes.CDLL | None:
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.JattnFusedForward), platform="cpu")
     jax.ffi.register_ffi_target(TANGENT, jax.ffi.pycapsule(library.JattnFusedTangent), platform="cpu")
     jax.ffi.register_ffi_target(FORWARD_TANGENT, jax.ffi.pycapsule(library.JattnFusedForwardTangent), platform="cpu")
+    jax.ffi.register_ffi_target(BACKWARD, jax.ffi.pycapsule(library.JattnFusedBackward), platform="cpu")
+    library.JattnFusedLayer.restype = ctypes.c_char_p
+    _log.info("jattn: fused CPU kernels, %s layer (%s)", library.JattnFusedLayer().decode(), path)
     return library
 
 
 def available() -> bool:
-    """Whether the fused forward runs here: built (or cached) for an AVX-512 CPU and not switched off.
+    """Whether the fused kernels run here: built (or cached) for this CPU's vector layer and not switched off.
 
-    ``JATTN_FUSED_CPU=0`` switches it off (read at trace time).
+    ``JATTN_FUSED_CPU=0`` switches them off (read at trace time).
     """
     return os.environ.get("JATTN_FUSED_CPU", "1") != "0" and _library() is not None
+
+
+def layer() -> str | None:
+    """The vector layer the kernels were built with (``"avx512"``, ``"avx2"``, ``"neon"``, ``"scalar"``), or None."""
+    library = _library()
+    return None if library is None else library.JattnFusedLayer().decode()
 
 
 def forward(
@@ -156,16 +207,29 @@ def forward_tangent(q: Array, k: Array, v: Array, dq: Array, dk: Array, dv: Arra
     return _call(FORWARD_TANGENT, ("tile", "row", "row", "tile", "row"), (q, k, v, dq, dk, dv), call)
 
 
+def backward(
+    q: Array, k: Array, v: Array, d_out: Array, lse: Array, delta: Array, **call
+) -> tuple[Array, Array, Array]:
+    """The gradients ``dq (B, T, D)``, ``dk (B, S, D)``, ``dv (B, S, E)`` of :func:`forward`, float32.
+
+    ``d_out (B, T, E)`` is the cotangent of ``out``, ``lse (B, T)`` the forward's and ``delta (B, T)``
+    ``rowsum(d_out ∘ out) - d_lse`` (:func:`jattn._online.backward_rows`); ``call`` the keyword
+    arguments of :func:`forward`. One task per row of B. Requires :func:`available`.
+    """
+    return _call(BACKWARD, ("q", "k", "v"), (q, k, v, d_out, lse, delta), call)
+
+
 def _call(target: str, results: tuple[str, ...], operands: tuple[Array, ...], call: dict) -> tuple[Array, ...]:
     """Custom call ``target`` on float32 ``operands`` (q, k, v first) with ``call``'s attributes.
 
-    ``results`` are ``"tile"`` (B, T, E) or ``"row"`` (B, T), float32. Requires :func:`available`.
+    ``results`` are ``"tile"`` (B, T, E), ``"row"`` (B, T), or ``"q"``, ``"k"``, ``"v"`` (shaped as those), float32.
+    Requires :func:`available`.
     """
     if _library() is None:
         raise RuntimeError("jattn's fused CPU kernels are not available here (jattn._fused_cpu.available())")
-    q, _, v = operands[:3]
+    q, k, v = operands[:3]
     B, T, E = q.shape[0], q.shape[1], v.shape[2]
-    shape = {"tile": (B, T, E), "row": (B, T)}
+    shape = {"tile": (B, T, E), "row": (B, T), "q": q.shape, "k": k.shape, "v": v.shape}
     shapes = tuple(jax.ShapeDtypeStruct(shape[r], jnp.float32) for r in results)
     fn = jax.ffi.ffi_call(target, shapes, vmap_method="broadcast_all")
     return fn(*(x.astype(jnp.float32) for x in operands), **_attributes(**call))

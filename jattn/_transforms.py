@@ -4,7 +4,7 @@ A cell is "yes" (the transformation works on that path and equals the float64 re
 ..." (where it works), or "no: ..." (a ``ValueError`` that names the transformation, the path and a
 path that takes it, where jattn sees the call; see :func:`refusals`). The columns are the paths of
 :data:`jattn.IMPLEMENTATIONS`, with blockwise twice (on XLA's tiles, and with the fused CPU forward that
-the automatic choice takes on AVX-512 CPUs), ring attention and the Flax modules.
+the automatic choice takes on CPUs with AVX-512, AVX2 + FMA or NEON), ring attention and the Flax modules.
 """
 
 from __future__ import annotations

@@ -127,3 +127,19 @@ def test_transforms_programs_compute_what_their_rows_say():
     )
     for g, w in zip(hvp, want, strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
+
+
+def test_the_model_bench_compares_the_same_model():
+    """bench/model.py's PyTorch decoder has the jattn decoder's parameters, tensor by tensor (sizes, as a multiset)."""
+    pytest.importorskip("torch")
+    from flax import nnx
+
+    from bench import model
+    from train.model import Decoder
+
+    ours = Decoder(
+        model.VOCAB, 64, d_model=model.D_MODEL, num_heads=model.HEADS, num_layers=model.LAYERS, rngs=nnx.Rngs(0)
+    )
+    theirs = model._torch_decoder(64)
+    sizes = sorted(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(ours, nnx.Param)))
+    assert sizes == sorted(p.numel() for p in theirs.parameters())

@@ -1,15 +1,20 @@
-"""The fused CPU forward (jattn/_fused_cpu.cc) that blockwise attention runs on CPU for key-interval masks, and its tangent.
+"""The fused CPU kernels (jattn/_fused_cpu.cc) that blockwise attention runs on CPU for key-interval masks.
 
-Through the public API: which calls take it (the custom call in the jaxpr), their values, lse,
-max logit and gradients against the float64 reference on odd sizes that cross the kernel's
-256-row and 512-key blocks, NaN propagation and rows without keys, vmap, and the calls that keep
-XLA's tiles. Skipped where the kernel cannot run (no g++, or a CPU without AVX-512).
+Through the public API: which calls take them (the custom calls in the jaxpr), the forward's values, lse
+and max logit, its backward and tangents against the float64 reference on odd sizes that cross the
+kernels' 256-row and 512-key blocks, NaN propagation and rows without keys, vmap, the calls that keep
+XLA's tiles, the same bits on 1, 2 and 5 threads, the other vector layers of the same source (scalar,
+AVX2) against this machine's build, and the aarch64 (NEON) build compiled with a cross compiler.
+Skipped where the kernels cannot run (no g++, or a CPU with none of their vector layers).
 """
 
 from __future__ import annotations
 
+import os
 import pathlib
 import shutil
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -21,27 +26,35 @@ from jattn import masks, score_mods
 from tests import reference as ref
 
 TARGET = "jattn_fused_forward"
+ROOT = pathlib.Path(__file__).parent.parent
 
 
-def _cpu_has_avx512() -> bool:
+def _fused(fn, *args) -> bool:
+    return TARGET in str(jax.make_jaxpr(fn)(*args))
+
+
+def _cpu_flags() -> set[str]:
     try:
-        return " avx512f" in pathlib.Path("/proc/cpuinfo").read_text()
+        text = pathlib.Path("/proc/cpuinfo").read_text()
     except OSError:
+        return set()
+    return set(next((line for line in text.splitlines() if line.startswith("flags")), "").split())
+
+
+def _kernels_run_here() -> bool:
+    if jax.default_backend() != "cpu" or shutil.which("g++") is None:
         return False
+    q = jnp.zeros((1, 8, 4))
+    return _fused(lambda q: jattn.attention(q, q, q, implementation="blockwise"), q)
 
 
 pytestmark = pytest.mark.skipif(
-    jax.default_backend() != "cpu" or shutil.which("g++") is None or not _cpu_has_avx512(),
-    reason="the fused CPU forward needs a CPU backend, g++ and AVX-512",
+    not _kernels_run_here(), reason="the fused CPU kernels need a CPU backend, g++ and AVX-512, AVX2 + FMA or NEON"
 )
 
 
 def _rand(shape, seed, dtype=jnp.float32):
     return jax.random.normal(jax.random.key(seed), shape, jnp.float32).astype(dtype)
-
-
-def _fused(fn, *args) -> bool:
-    return TARGET in str(jax.make_jaxpr(fn)(*args))
 
 
 def _close(got, want, dtype):
@@ -126,24 +139,33 @@ def test_the_fused_tangent_matches_float64(case, form):
     assert np.all(np.asarray(d_lse)[np.isneginf(lse)] == 0) and np.all(np.asarray(d_out)[np.isneginf(lse)] == 0)
 
 
-@pytest.mark.parametrize("mask", [None, masks.causal(), masks.sliding_window(7, 2)], ids=["none", "causal", "window"])
-def test_the_fused_forward_keeps_the_gradients(mask):
-    """Gradients (the XLA backward from the kernel's out and lse) against float64, lse's cotangent included."""
-    T, S = 270, 530
-    q, k, v = _rand((2, 3, T, 8), 0), _rand((2, 1, S, 8), 1), _rand((2, 1, S, 5), 2)
-    dout, dlse = _rand((2, 3, T, 5), 3), _rand((2, 3, T), 4)
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_the_fused_backward_matches_float64(case):
+    """Reverse mode where the forward is the kernel's: the fused backward (its custom call in grad's program)
+    against JAX's gradient of the float64 dense reference, the lse's cotangent included (rows without keys: 0)."""
+    mask, (T, S), q_offset, kv_offset, dtype, (lq, lk), (D, E) = case
+    q, k, v = _rand((*lq, T, D), 0, dtype), _rand((*lk, S, D), 1, dtype), _rand((*lk, S, E), 2, dtype)
+    d_out, d_lse = _rand((*lq, T, E), 3), _rand((*lq, T), 4)
+    kw = dict(mask=mask, q_offset=q_offset, kv_offset=kv_offset, implementation="blockwise", return_lse=True)
 
-    def loss(q, k, v):
-        out, lse = jattn.attention(q, k, v, mask=mask, return_lse=True, implementation="blockwise")
-        return jnp.sum(out * dout) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0) * dlse)
+    def loss(f):
+        def scalar(q, k, v):
+            out, lse = f(q, k, v)
+            lse = jnp.where(jnp.isfinite(lse), lse, jnp.zeros_like(lse))
+            wide = jnp.float64 if out.dtype == jnp.float64 else jnp.float32  # float64: the reference
+            return jnp.sum(out.astype(wide) * d_out.astype(wide)) + jnp.sum(lse.astype(wide) * d_lse.astype(wide))
 
-    assert _fused(loss, q, k, v)
-    got = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
-    dense = None if mask is None else np.asarray(mask.dense(T, S))
-    dq, dk, dv = ref.attention_grads(q, k, v, dout, dense)[:3]
-    dq_lse, dk_lse, _ = ref.lse_grads(q, k, dlse, dense)
-    for g, w in zip(got, (dq + dq_lse, dk + dk_lse, dv), strict=True):
-        ref.assert_grad_close(g, w, jnp.float32)
+        return jax.grad(scalar, argnums=(0, 1, 2))
+
+    ours = loss(lambda q, k, v: jattn.attention(q, k, v, **kw))
+    assert "custom_call @jattn_fused_backward" in jax.jit(ours).lower(q, k, v).as_text()
+    keep = None if mask is None else np.asarray(mask.dense(T, S, q_offset=q_offset, kv_offset=kv_offset))
+    got = jax.jit(ours)(q, k, v)
+    with jax.enable_x64(True):
+        want = loss(lambda q, k, v: ref.dense_jax(q, k, v, keep=keep))(*(jnp.asarray(ref.f64(x)) for x in (q, k, v)))
+    for g, w, x in zip(got, want, (q, k, v), strict=True):
+        assert g.dtype == x.dtype and g.shape == x.shape
+        ref.assert_grad_close(g, w, dtype)
 
 
 def test_nan_propagates_and_rows_without_keys_are_zero():
@@ -228,15 +250,75 @@ def test_jattn_fused_cpu_0_switches_it_off(monkeypatch):
 
 
 def test_the_result_does_not_depend_on_the_thread_count(monkeypatch):
-    """Each (row, query block) task is computed whole by one thread: 1, 2 or 5 threads give the same bits (forward, jvp)."""
+    """Each task is computed whole by one thread: 1, 2 or 5 threads give the same bits (forward, jvp, grad)."""
     import jattn._platform as platform_facts
 
     q, k, v = _rand((3, 2, 600, 8), 0), _rand((3, 2, 700, 8), 1), _rand((3, 2, 700, 8), 2)
     outs = []
+
+    def call(q, k, v):  # traced anew each time round: the thread count is read at trace time
+        return jattn.attention(q, k, v, mask=masks.causal(), implementation="blockwise")
+
     for threads in (1, 2, 5):
         monkeypatch.setattr(platform_facts, "cpu_threads", lambda threads=threads: threads)
-        call = lambda q, k, v: jattn.attention(q, k, v, mask=masks.causal(), implementation="blockwise")  # noqa: E731
         assert _fused(call, q, k, v)
-        outs.append(np.stack([call(q, k, v), *jax.jvp(call, (q, k, v), (v[..., :600, :], k, v))]))  # and jvp's one pass
-    np.testing.assert_array_equal(outs[0], outs[1])
-    np.testing.assert_array_equal(outs[0], outs[2])
+        grads = jax.grad(lambda q, k, v: jnp.sum(call(q, k, v) * q), argnums=(0, 1, 2))(q, k, v)
+        jvp = jax.jvp(call, (q, k, v), (v[..., :600, :], k, v))  # jvp's one pass
+        outs.append([call(q, k, v), *jvp, *grads])
+    for other in outs[1:]:
+        for a, b in zip(outs[0], other, strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
+def _layer_case() -> list[np.ndarray]:
+    """Forward (out, lse), jvp's tangents and grad of a causal sliding-window call crossing every block, as numpy."""
+    T, S = 300, 530
+    q, k, v = _rand((2, 3, T, 13), 0), _rand((2, 3, S, 13), 1), _rand((2, 3, S, 7), 2)
+    t = (_rand((2, 3, T, 13), 3), _rand((2, 3, S, 13), 4), _rand((2, 3, S, 7), 5))
+    kw = dict(mask=masks.causal() & masks.sliding_window(200), implementation="blockwise", return_lse=True)
+
+    def f(q, k, v):
+        return jattn.attention(q, k, v, **kw)
+
+    def loss(q, k, v):
+        out, lse = f(q, k, v)
+        return jnp.sum(out * t[0][..., :7]) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, jnp.zeros_like(lse)))
+
+    primal, tangent = jax.jit(lambda *a: jax.jvp(f, a[:3], a[3:]))(q, k, v, *t)
+    return [np.asarray(x) for x in (*primal, *tangent, *jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v))]
+
+
+@pytest.mark.parametrize("layer", ["scalar", "avx2"])
+def test_every_vector_layer_gives_this_builds_values(layer, tmp_path):
+    """The same source built for another vector layer (JATTN_FUSED_ISA: plain C++, the reference build; AVX2 + FMA,
+    what an AVX2-only CPU runs, also on an AVX-512 one) in a subprocess: forward, jvp and grad agree with this
+    process's build within float32's tolerance."""
+    if layer == "avx2" and not {"avx2", "fma"} <= _cpu_flags():
+        pytest.skip("this CPU has no AVX2 + FMA")
+    code = f"""import logging, numpy as np
+logging.basicConfig(level=logging.INFO)
+from tests.test_fused_cpu import _layer_case
+np.savez({str(tmp_path / "theirs.npz")!r}, *_layer_case())"""
+    env = {**os.environ, "JATTN_FUSED_ISA": layer}
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"fused CPU kernels, {layer} layer" in done.stderr  # built and run for that layer
+    with np.load(tmp_path / "theirs.npz") as theirs:
+        for i, ours in enumerate(_layer_case()):
+            got, want = theirs[f"arr_{i}"], ours
+            np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
+            ref.assert_grad_close(np.where(np.isneginf(got), 0, got), np.where(np.isneginf(want), 0, want), jnp.float32)
+
+
+def test_the_neon_layer_compiles_for_aarch64(tmp_path):
+    """The source cross-compiled for aarch64 Linux (zig's clang, from the ziglang wheel): it builds, and the vector
+    layer it picks is NEON (the layer's name and NEON fused multiply-adds on vector registers in the assembly)."""
+    pytest.importorskip("ziglang", reason="the cross compiler comes with the dev extra's ziglang")
+    source = ROOT / "jattn" / "_fused_cpu.cc"
+    asm = tmp_path / "fused_cpu_aarch64.s"
+    flags = ["-target", "aarch64-linux-gnu", "-O3", "-ffp-contract=off", "-std=c++17", "-fPIC"]
+    command = [sys.executable, "-m", "ziglang", "c++", *flags, f"-I{jax.ffi.include_dir()}", "-S", str(source)]
+    done = subprocess.run([*command, "-o", str(asm)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    text = asm.read_text(errors="replace")
+    assert '"neon"' in text and "fmla\tv" in text

@@ -186,7 +186,9 @@ def test_the_fused_cpu_forward_under_jvp_and_hvp(monkeypatch, fused):
         monkeypatch.setenv("JATTN_FUSED_CPU", "0")
     took = "jattn_fused_forward" in str(jax.make_jaxpr(ours)(q, k, v))
     if fused and not took:
-        pytest.skip("the fused CPU forward is not built here (it needs a CPU backend, g++ and AVX-512)")
+        pytest.skip(
+            "the fused CPU forward is not built here (it needs a CPU backend, g++ and AVX-512, AVX2 + FMA or NEON)"
+        )
     assert took == fused
     ref = functools.partial(dense_jax, keep=np.tril(np.ones((300, 300), bool)))
     up = lambda xs: tuple(x.astype(jnp.float64) for x in xs)  # noqa: E731

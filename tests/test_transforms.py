@@ -51,7 +51,9 @@ def _up(f):
 def _path(path: str):
     """``f(q, k, v) -> out`` on ``path`` (causal), and the float64 reference."""
     if path == "fused" and "jattn_fused_forward" not in str(jax.make_jaxpr(_call("fused"))(*_args(3))):
-        pytest.skip("the fused CPU forward is not built here (it needs a CPU backend, g++ and AVX-512)")
+        pytest.skip(
+            "the fused CPU forward is not built here (it needs a CPU backend, g++ and AVX-512, AVX2 + FMA or NEON)"
+        )
     if path == "modules":  # SelfAttention of x = q as (B, T, N·D), its output as q's shape; k and v unused
         ours, ref = _modules(KWARGS["blockwise"])
         return _as_qkv(ours), _up(_as_qkv(ref))
@@ -136,8 +138,9 @@ def _export(f, args, path: str) -> None:
         for g in (jax.jit(f), jvp, grad):
             assert "custom_call @jattn_fused" not in jax.export.export(g)(*args).mlir_module()
         assert "custom_call @jattn_fused_forward_tangent" in jvp.lower(*args).as_text()  # jvp in one pass
+        assert "custom_call @jattn_fused_backward" in grad.lower(*args).as_text()
         again = jax.export.deserialize(jax.export.export(grad)(*args).serialize())
-        for a, b in zip(again.call(*args), grad(*args), strict=True):  # XLA's tiles there, the kernel here
+        for a, b in zip(again.call(*args), grad(*args), strict=True):  # XLA's tiles there, the kernels here
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
     again = jax.export.deserialize(exported.serialize())
     np.testing.assert_allclose(np.asarray(again.call(*args)), np.asarray(jax.jit(f)(*args)), rtol=1e-6, atol=1e-6)

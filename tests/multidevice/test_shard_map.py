@@ -82,7 +82,7 @@ def test_attention_inside_shard_map_equals_the_whole_call_and_the_reference(impl
 
 @pytest.mark.parametrize("name, kv_heads", [("none", N), ("causal", 1)])
 def test_the_fused_cpu_forward_inside_shard_map_keeps_values_and_gradients(name, kv_heads):
-    """Blockwise on automatic tiles without sinks: on an AVX-512 CPU its forward is the fused kernel
+    """Blockwise on automatic tiles without sinks: on a CPU the fused kernels serve, its forward is the fused kernel
     (a custom call, in the jaxpr), whose results must vary over the mesh axes as q does, or the
     backward sums the gradients of the wrong shards."""
     T = 300
