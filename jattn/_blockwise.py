@@ -44,8 +44,8 @@ and the groups run one after another (:func:`jattn._platform.group_size`); GPU a
 B at once. Under ``jax.vmap`` the mapped axis is folded into B (:func:`_folding`), so a
 vmapped call has the tiles of an explicit batch.
 
-On CPU the forward of a call whose mask gives each query one interval of keys
-(:func:`jattn._position_masks.key_interval`), without a modification, sinks, bias, dropout or precision,
+On CPU the forward of a call whose mask gives each query one interval of keys, possibly cut per
+example by padding lengths and segment ids (:func:`jattn._fused_rows.fused_window`), without a modification, sinks, bias, dropout or precision,
 is one custom call to the fused kernel of :mod:`jattn._fused_cpu` (:func:`fused_forward`) when the
 core passes ``fused=True`` (no explicit ``block_size``); it returns the same out, lse and max
 logit, and its first-order backward and its tangents are fused kernels too
@@ -70,6 +70,7 @@ from jattn import _fused_cpu, _platform
 from jattn._blockwise_rules import flash
 from jattn._checks import broadcast_all, check_sinks
 from jattn._dropout import row_seeds
+from jattn._fused_rows import fused_window
 from jattn._mask_base import Mask, query_offset
 from jattn._mask_rows import call_rows
 from jattn._mask_skeleton import split_arrays
@@ -80,7 +81,6 @@ from jattn._online import (
     head_rows,
 )
 from jattn._plan import OWN, SHARED, Plan
-from jattn._position_masks import key_interval
 
 __all__ = [
     "blockwise_attention",
@@ -166,7 +166,7 @@ def blockwise_attention(
         compute=compute, platform=where[0], threads=where[1], mod=mod, sinks=sinks is not None, bias=bias_kind,
         dropout=float(dropout_rate),
     )  # fmt: skip
-    window = key_interval(skeleton) if fused and not arrays else None
+    window = fused_window(skeleton) if fused else None  # key intervals, padding, segment ids
     plain = score_mod is None and sinks is None and bias is None and not dropout_rate and precision is None
     use = window is not None and plain and fused_forward(compute, where[0])
     plan, back = _plans(xla, window if use else None, None if score_mod is not None else backward_block)

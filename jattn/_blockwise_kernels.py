@@ -23,6 +23,7 @@ from jax.interpreters import mlir
 from jattn import _fused_cpu
 from jattn._blockwise_backward import backward as group_backward
 from jattn._blockwise_forward import forward as group_forward
+from jattn._fused_rows import row_bounds
 from jattn._mask_kinds import EMPTY, reduce_kinds
 from jattn._online import LOWER, backward_rows, vary
 from jattn._plan import Plan
@@ -50,27 +51,31 @@ def forward_kernel(plan: Plan, precision):
 def _forward(q, k, v, rows, seeds, sinks, kind, arrays, consts, *, plan: Plan, precision) -> tuple:
     """``((out (B, T, E), lse (B, T), max logit (B, T)), ())``: the fused CPU kernel's, or group by group."""
     if plan.fused is not None:  # one custom call over all of B (jattn._fused_cpu), XLA's tiles under jax.export
-        outs = _FUSED.bind(q, k, v, rows, seeds, sinks, kind, plan=plan, precision=precision)
+        outs = _FUSED.bind(q, k, v, rows, seeds, sinks, kind, *arrays, plan=plan, precision=precision)
         return vary(tuple(outs), q, k, v), ()  # under shard_map, varying as q, k, v (a custom call's results are not)
     body = functools.partial(_forward_group, consts=consts, plan=plan, precision=precision)
     return by_group(plan, body, (q, k, v, rows, seeds, sinks), (kind, *arrays))
 
 
-def _kernel_call(plan: Plan) -> dict:
-    """The keyword arguments of :mod:`jattn._fused_cpu`'s calls for a fused ``plan``: keys, offsets, interval, scale, threads."""
+def _kernel_call(plan: Plan, arrays: tuple[Array, ...], T: int) -> dict:
+    """The keyword arguments of :mod:`jattn._fused_cpu`'s calls for a fused ``plan``.
+
+    Keys, offsets, interval, scale, threads, and the per-example mask's row operands from the mask's
+    ``arrays`` (:func:`jattn._fused_rows.row_bounds`; ``T`` the kernels' padded query length).
+    """
     return dict(length=plan.S, q_offset=plan.q_offset, kv_offset=plan.kv_offset, window=plan.fused, scale=plan.scale,
-                threads=plan.threads)  # fmt: skip
+                threads=plan.threads, rows=row_bounds(plan.mask, arrays, T, plan.S))  # fmt: skip
 
 
-def _fused(q, k, v, rows, seeds, sinks, kind, *, plan: Plan, precision) -> list:
+def _fused(q, k, v, rows, seeds, sinks, kind, *arrays, plan: Plan, precision) -> list:
     """The fused CPU kernel's ``[out, lse, max logit]`` for ``plan`` (:func:`jattn._fused_cpu.forward`)."""
-    return list(_fused_cpu.forward(q, k, v, **_kernel_call(plan)))
+    return list(_fused_cpu.forward(q, k, v, **_kernel_call(plan, arrays, q.shape[1])))
 
 
-def _tiles(q, k, v, rows, seeds, sinks, kind, *, plan: Plan, precision) -> list:
+def _tiles(q, k, v, rows, seeds, sinks, kind, *arrays, plan: Plan, precision) -> list:
     """The same on XLA's tiles (what :func:`jax.export` serializes: no custom call it cannot carry)."""
     return list(
-        _forward(q, k, v, rows, seeds, sinks, kind, (), (), plan=replace(plan, fused=None), precision=precision)[0]
+        _forward(q, k, v, rows, seeds, sinks, kind, arrays, (), plan=replace(plan, fused=None), precision=precision)[0]
     )
 
 
@@ -104,16 +109,16 @@ def _fused_types(q, k, v, *_, plan: Plan, precision) -> list:
 _FUSED = _kernel_primitive("jattn_fused_forward", _fused, _tiles, _fused_types)
 
 
-def _fused_tangent(q, k, v, dq, dk, dv, out, lse, rows, seeds, kind, *, plan: Plan, precision) -> list:
+def _fused_tangent(q, k, v, dq, dk, dv, out, lse, rows, seeds, kind, *arrays, plan: Plan, precision) -> list:
     """The fused CPU tangent's ``[d out, d lse]`` for ``plan`` (:func:`jattn._fused_cpu.tangent`)."""
-    return list(_fused_cpu.tangent(q, k, v, dq, dk, dv, out, lse, **_kernel_call(plan)))
+    return list(_fused_cpu.tangent(q, k, v, dq, dk, dv, out, lse, **_kernel_call(plan, arrays, q.shape[1])))
 
 
-def _tiles_tangent(q, k, v, dq, dk, dv, out, lse, rows, seeds, kind, *, plan: Plan, precision) -> list:
+def _tiles_tangent(q, k, v, dq, dk, dv, out, lse, rows, seeds, kind, *arrays, plan: Plan, precision) -> list:
     """The same on XLA's tiles (under :func:`jax.export`)."""
     xs = (q, k, v, dq, dk, dv, out, lse, jnp.zeros_like(lse[:, 0]), jnp.zeros_like(lse[:, 0]))
     plan = replace(plan, fused=None)
-    return list(tangent_kernel(xs, rows, seeds, kind, (), (), (), (), plan=plan, precision=precision))
+    return list(tangent_kernel(xs, rows, seeds, kind, arrays, (), (), (), plan=plan, precision=precision))
 
 
 #: The fused tangent (forward mode where the forward is the fused kernel's), inside the tangent of the pair.
@@ -126,24 +131,37 @@ _FUSED_TANGENT = _kernel_primitive(
 
 
 def fused_tangent_kernel(
-    q, k, v, dq, dk, dv, out, lse, rows, seeds, kind, *, plan: Plan, precision
+    q, k, v, dq, dk, dv, out, lse, rows, seeds, kind, arrays, *, plan: Plan, precision
 ) -> tuple[Array, Array]:
     """``(d out (B, T, E), d lse (B, T))`` where ``plan``'s forward is the fused kernel's: its tangent, one custom call."""
-    outs = _FUSED_TANGENT.bind(q, k, v, dq, dk, dv, out, lse, rows, seeds, kind, plan=plan, precision=precision)
-    return tuple(outs)
+    args = (q, k, v, dq, dk, dv, out, lse, rows, seeds, kind, *arrays)
+    return tuple(_FUSED_TANGENT.bind(*args, plan=plan, precision=precision))
 
 
-def _fused_backward(q, k, v, out, lse, d_out, d_lse, rows, seeds, kind, *, plan: Plan, precision) -> list:
+def _fused_backward(q, k, v, out, lse, d_out, d_lse, rows, seeds, kind, *arrays, plan: Plan, precision) -> list:
     """The fused CPU backward's ``[dq, dk, dv]`` in q, k, v's dtypes (:func:`jattn._fused_cpu.backward`)."""
     _, delta = backward_rows(out, d_out, lse, jnp.float32, d_lse)
-    grads = _fused_cpu.backward(q, k, v, d_out, lse, delta, **_kernel_call(plan))
+    grads = _fused_cpu.backward(q, k, v, d_out, lse, delta, **_kernel_call(plan, arrays, q.shape[1]))
     return [g.astype(x.dtype) for g, x in zip(grads, (q, k, v), strict=True)]
 
 
-def _tiles_backward(q, k, v, out, lse, d_out, d_lse, rows, seeds, kind, *, plan: Plan, precision) -> list:
+def _tiles_backward(q, k, v, out, lse, d_out, d_lse, rows, seeds, kind, *arrays, plan: Plan, precision) -> list:
     """The same on XLA's tiles (under :func:`jax.export`)."""
     ((dq, dk, dv), _), _ = backward_kernel(
-        q, k, v, out, lse, d_out, d_lse, rows, seeds, kind, (), (), plan=replace(plan, fused=None), precision=precision
+        q,
+        k,
+        v,
+        out,
+        lse,
+        d_out,
+        d_lse,
+        rows,
+        seeds,
+        kind,
+        arrays,
+        (),
+        plan=replace(plan, fused=None),
+        precision=precision,
     )
     return [dq, dk, dv]
 
@@ -157,18 +175,20 @@ _FUSED_BACKWARD = _kernel_primitive(
 )
 
 
-def fused_backward_kernel(q, k, v, out, lse, d_out, d_lse, rows, seeds, kind, *, plan: Plan, precision) -> tuple:
+def fused_backward_kernel(
+    q, k, v, out, lse, d_out, d_lse, rows, seeds, kind, arrays, *, plan: Plan, precision
+) -> tuple:
     """``(dq, dk, dv)`` where ``plan``'s forward is the fused kernel's: its backward, one custom call."""
-    args = (q, k, v, out, lse, d_out, d_lse, rows, seeds, kind)
+    args = (q, k, v, out, lse, d_out, d_lse, rows, seeds, kind, *arrays)
     return tuple(_FUSED_BACKWARD.bind(*args, plan=plan, precision=precision))
 
 
-def fused_forward_tangent(q, k, v, dq, dk, dv, *, plan: Plan) -> list:
+def fused_forward_tangent(q, k, v, dq, dk, dv, arrays, *, plan: Plan) -> list:
     """``[out, lse, max logit, d out, d lse]`` of the fused kernel in one pass (:func:`jattn._fused_cpu.forward_tangent`).
 
     Bound inside :mod:`jattn._blockwise_rules`' one-pass jvp, which lowers it (and folds its ``vmap``).
     """
-    outs = _fused_cpu.forward_tangent(q, k, v, dq, dk, dv, **_kernel_call(plan))
+    outs = _fused_cpu.forward_tangent(q, k, v, dq, dk, dv, **_kernel_call(plan, arrays, q.shape[1]))
     return list(vary(tuple(outs), q, k, v, dq, dk, dv))
 
 

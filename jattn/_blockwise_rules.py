@@ -119,7 +119,8 @@ def _impl(direction: int, call: Call, res: list, lin: list) -> list:
     q, k, v, rows, seeds, sinks, consts, bias, kind, arrays, out, lse = call.split(res)
     if direction == 0 and call.plan.fused is not None:  # the fused kernel's tangent (no sinks, bias or modification)
         dq, dk, dv, *_ = lin
-        outs = fused_tangent_kernel(q, k, v, dq, dk, dv, out, lse, rows, seeds, kind, plan=call.plan, precision=None)
+        args = (q, k, v, dq, dk, dv, out, lse, rows, seeds, kind, arrays)
+        outs = fused_tangent_kernel(*args, plan=call.plan, precision=None)
         return list(vary(outs, out, lse))
     if direction == 0:
         plan = call.plan
@@ -137,9 +138,8 @@ def _backward(call: Call, q, k, v, rows, seeds, sinks, consts, bias, kind, array
     """``(dq, dk, dv, d sinks, *d consts, *d bias)``: one sweep over ``call.back``'s tiles per group."""
     plan, back = call.plan, call.back
     if plan.fused is not None:  # the fused kernel's backward (no sinks, bias or modification)
-        dq, dk, dv = fused_backward_kernel(
-            q, k, v, out, lse, d_out, d_lse, rows, seeds, kind, plan=plan, precision=None
-        )
+        args = (q, k, v, out, lse, d_out, d_lse, rows, seeds, kind, arrays)
+        dq, dk, dv = fused_backward_kernel(*args, plan=plan, precision=None)
         dq, dk, dv = sum_to(vary((dq, dk, dv), q, k, v, d_out), (q, k, v))  # as q, k, v vary under shard_map
         return dq, dk, dv, jnp.zeros_like(sinks)
     kind = kind if back == dataclasses.replace(plan, fused=None) else back.run(arrays).kind
@@ -198,8 +198,9 @@ PAIR = LinearPair("jattn_blockwise", fast=_impl, diff=_diff, avals=_avals, fold=
 
 def _one_pass(call: Call, xs: list, dxs: list) -> list:
     """The fused kernel's forward and tangent in one pass (only where the plan is fused: no sinks, bias, modification)."""
-    (q, k, v, *_), (dq, dk, dv, *_) = xs, dxs
-    out, lse, top, d_out, d_lse = fused_forward_tangent(q, k, v, dq, dk, dv, plan=call.plan)
+    q, k, v, *_, arrays, _, _ = call.split([*xs, None, None])
+    dq, dk, dv, *_ = dxs
+    out, lse, top, d_out, d_lse = fused_forward_tangent(q, k, v, dq, dk, dv, arrays, plan=call.plan)
     return [out, lse, top, d_out, d_lse, jnp.zeros_like(top)]
 
 

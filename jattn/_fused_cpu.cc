@@ -6,7 +6,9 @@
 // (B, T), float32. Query row t (position q_offset + t) sees key s (position kv_offset + s) where
 //   s < length  and  q_offset + t - left <= kv_offset + s <= q_offset + t + right,
 // an interval of keys a row: full attention, causal (right = 0), a sliding window; an unbounded
-// side is any value >= 2^62.
+// side is any value >= 2^62. Per-example masks (jattn/_fused_rows.py) cut each row's interval to its
+// bounds lo <= s < hi ((R, T) int32, R = B or 1), and with document ids a key within them counts only
+// where its id (kv_ids (R, S)) is the row's (q_ids (R, T)): padding lengths and packed documents.
 //
 // Forward: one task per (B row, block of `block_q` query rows), taken from a shared counter by
 // `threads` std::threads, last query blocks first (the costliest under a causal mask). A task walks
@@ -373,6 +375,48 @@ ffi::Error dims_of(ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& k, ffi::Buff
   return ffi::Error::Success();
 }
 
+// Per-example masks: each query row's key bounds lo, hi (R, T) and, with segment ids, the rows' and the keys'
+// document ids q_ids (R, T), kv_ids (R, S); R = B, or 1 where every row of B shares them.
+struct RowMask {
+  const int32_t *lo = nullptr, *hi = nullptr, *qid = nullptr, *kid = nullptr;
+  int64_t T = 0, S = 0, lo_rows = 1, qid_rows = 1, kid_rows = 1;
+  bool bounds = false, ids = false;
+
+  // Keys [l, h) of query row t of B row b, cut to its bounds.
+  void cut(int64_t b, int64_t t, int64_t& l, int64_t& h) const {
+    if (!bounds) return;
+    const int64_t at = (lo_rows == 1 ? 0 : b) * T + t;
+    l = std::max<int64_t>(l, lo[at]), h = std::min<int64_t>(h, hi[at]);
+  }
+
+  // Keys [a, z) of a tile row from key c0 (query row t of B row b): -inf where the key's document is not the row's.
+  void other_documents(int64_t b, int64_t t, float* row, int64_t a, int64_t z, int64_t c0) const {
+    if (!ids) return;
+    const int32_t id = qid[(qid_rows == 1 ? 0 : b) * T + t];
+    const int32_t* keys = kid + (kid_rows == 1 ? 0 : b) * S + c0;
+    for (int64_t j = a; j < z; ++j)
+      if (keys[j] != id) row[j] = -kInf;
+  }
+};
+
+// The row mask of a call: `mode` 0 (none: the operands are unread), 1 (bounds), 2 (bounds and document ids);
+// an error names a shape that does not fit q (B, T) and k (B, S).
+ffi::Error row_mask_of(ffi::Buffer<ffi::S32>& lo, ffi::Buffer<ffi::S32>& hi, ffi::Buffer<ffi::S32>& qid,
+                       ffi::Buffer<ffi::S32>& kid, int64_t mode, const Dims& d, RowMask& rm) {
+  rm.bounds = mode >= 1, rm.ids = mode >= 2, rm.T = d.T;
+  if (!rm.bounds) return ffi::Error::Success();
+  const auto ld = lo.dimensions(), hd = hi.dimensions(), qd = qid.dimensions(), kd = kid.dimensions();
+  const auto rows_ok = [&](int64_t r) { return r == 1 || r == d.B; };
+  if (ld.size() != 2 || hd.size() != 2 || ld[0] != hd[0] || ld[1] != d.T || hd[1] != d.T || !rows_ok(ld[0]))
+    return ffi::Error::InvalidArgument("fused attention: row bounds lo, hi must be (B|1, T) int32");
+  rm.lo = lo.typed_data(), rm.hi = hi.typed_data(), rm.lo_rows = ld[0];
+  if (!rm.ids) return ffi::Error::Success();
+  if (qd.size() != 2 || kd.size() != 2 || qd[1] != d.T || kd[1] < d.length || !rows_ok(qd[0]) || !rows_ok(kd[0]))
+    return ffi::Error::InvalidArgument("fused attention: document ids must be q_ids (B|1, T), kv_ids (B|1, S) int32");
+  rm.qid = qid.typed_data(), rm.kid = kid.typed_data(), rm.qid_rows = qd[0], rm.kid_rows = kd[0], rm.S = kd[1];
+  return ffi::Error::Success();
+}
+
 // Each B row's kᵀ (as panels of W keys, kt[b]: Sp x D) and v (as panels of W values, vc[b]: Ep/W panels of
 // Sp x W), packed by the kernel's threads.
 void pack_keys(const Dims& d, const float* k, const float* v, float* kt, float* vc) {
@@ -385,15 +429,17 @@ void pack_keys(const Dims& d, const float* k, const float* v, float* kt, float* 
   });
 }
 
-// Each of `rows` query rows from r0: its keys [lo, hi) as key indices (below `length`); returns the keys any
-// row sees, [first, last) (first >= last: none).
-std::pair<int64_t, int64_t> intervals(int64_t r0, int64_t rows, int64_t q_offset, int64_t kv_offset, int64_t left,
-                                      int64_t right, int64_t length, int64_t* lo, int64_t* hi) {
+// Each of `rows` query rows from r0 of B row b: its keys [lo, hi) as key indices (below `length`, cut by the row
+// mask); returns the keys any row sees, [first, last) (first >= last: none).
+std::pair<int64_t, int64_t> intervals(int64_t b, int64_t r0, int64_t rows, int64_t q_offset, int64_t kv_offset,
+                                      int64_t left, int64_t right, int64_t length, const RowMask& rm, int64_t* lo,
+                                      int64_t* hi) {
   int64_t first = length, last = 0;
   for (int64_t i = 0; i < rows; ++i) {
     const int64_t at = q_offset + r0 + i - kv_offset;  // the row's position among the keys' indices
     lo[i] = std::max<int64_t>(0, left >= (int64_t{1} << 62) ? 0 : at - left);
     hi[i] = std::min<int64_t>(length, right >= (int64_t{1} << 62) ? length : at + right + 1);
+    rm.cut(b, r0 + i, lo[i], hi[i]);
     if (lo[i] < hi[i]) first = std::min(first, lo[i]), last = std::max(last, hi[i]);
   }
   return {first, last};
@@ -413,9 +459,10 @@ inline std::pair<int64_t, int64_t> kept(int64_t lo, int64_t hi, int64_t c0, int6
 }
 
 // One row's new running max over a tile: keys [a, z) of its `cols`, from the product's per-lane max (vmax, over
-// the tile's whole vectors) where the row sees the whole tile and the tile is whole vectors, else from the row.
-inline float moved_max(const float* row, int64_t a, int64_t z, int64_t cols, vf vmax, float m) {
-  if (a == 0 && z == cols && cols % L == 0) return V::top(V::max(V::set1(m), vmax));
+// the tile's whole vectors) where the row sees the whole tile, the tile is whole vectors and no key of it was
+// masked after the product (`exact`: no document ids), else from the row.
+inline float moved_max(const float* row, int64_t a, int64_t z, int64_t cols, vf vmax, float m, bool exact) {
+  if (exact && a == 0 && z == cols && cols % L == 0) return V::top(V::max(V::set1(m), vmax));
   return a < z ? row_max(row + a, z - a, m) : m;
 }
 
@@ -427,12 +474,14 @@ inline void rescale(float* acc, int64_t rows, int64_t E, int64_t ld, const float
   }
 }
 
-ffi::Error Forward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+ffi::Error Forward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> lo_b, ffi::Buffer<ffi::S32> hi_b, ffi::Buffer<ffi::S32> q_ids, ffi::Buffer<ffi::S32> kv_ids,
                    ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse, ffi::ResultBuffer<ffi::F32> mx,
                    int64_t length, int64_t q_offset, int64_t kv_offset, int64_t left, int64_t right, float scale,
-                   int64_t block_q, int64_t block_kv, int64_t threads) {
+                   int64_t block_q, int64_t block_kv, int64_t threads, int64_t row_mask) {
   Dims d;
   if (ffi::Error e = dims_of(q, k, v, length, block_q, block_kv, threads, d); e.failure()) return e;
+  RowMask rm;
+  if (ffi::Error e = row_mask_of(lo_b, hi_b, q_ids, kv_ids, row_mask, d, rm); e.failure()) return e;
   const int64_t T = d.T, D = d.D, E = d.E, Sp = d.Sp, Ep = d.Ep, blocks = d.blocks, Bq = block_q, Bc = block_kv;
   const float* qp = q.typed_data();
   float *op = out->typed_data(), *lp = lse->typed_data(), *mp = mx->typed_data();
@@ -448,7 +497,7 @@ ffi::Error Forward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
     for (int64_t task; (task = next.fetch_add(1)) < d.B * blocks;) {
       const int64_t b = task / blocks, r0 = (blocks - 1 - task % blocks) * Bq, rows = std::min(Bq, T - r0);
       scaled(qp, nullptr, (b * T + r0) * D, rows * D, scale, qs.data, nullptr);  // the scale folded into q
-      const auto [first, last] = intervals(r0, rows, q_offset, kv_offset, left, right, d.length, lo.data(), hi.data());
+      const auto [first, last] = intervals(b, r0, rows, q_offset, kv_offset, left, right, d.length, rm, lo.data(), hi.data());
       std::fill(m.begin(), m.begin() + rows, -kInf), std::fill(l.begin(), l.begin() + rows, 0.f);
       std::fill(acc.data, acc.data + rows * Ep, 0.f);
       for (int64_t c0 = first / 64 * 64; c0 < last; c0 += Bc) {
@@ -458,8 +507,9 @@ ffi::Error Forward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
         for (int64_t i = 0; i < rows; ++i) {
           float* row = s.data + i * Bc;
           const auto [a, z] = kept(lo[i], hi[i], c0, cols);
+          rm.other_documents(b, r0 + i, row, a, z, c0);
           const float m_old = m[i];
-          m[i] = moved_max(row, a, z, cols, vmax[i].x, m_old);
+          m[i] = moved_max(row, a, z, cols, vmax[i].x, m_old, !rm.ids);
           std::fill(row, row + a, 0.f), std::fill(row + z, row + cols, 0.f);  // keys outside the row's weigh 0
           r[i] = m[i] == -kInf ? 1.f : std::exp(m_old - m[i]);
           l[i] = l[i] * r[i] + (a < z ? exp_sum(row + a, z - a, m[i]) : 0.f);
@@ -512,11 +562,14 @@ inline float known_row(float* row, float* drow, int64_t a, int64_t z, int64_t co
 // intervals and products as Forward; kᵀ, dkᵀ, v and dv packed once per B row.
 ffi::Error Tangent(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> dq,
                    ffi::Buffer<ffi::F32> dk, ffi::Buffer<ffi::F32> dv, ffi::Buffer<ffi::F32> out,
-                   ffi::Buffer<ffi::F32> lse, ffi::ResultBuffer<ffi::F32> d_out, ffi::ResultBuffer<ffi::F32> d_lse,
+                   ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::S32> lo_b, ffi::Buffer<ffi::S32> hi_b, ffi::Buffer<ffi::S32> q_ids, ffi::Buffer<ffi::S32> kv_ids, ffi::ResultBuffer<ffi::F32> d_out,
+                   ffi::ResultBuffer<ffi::F32> d_lse,
                    int64_t length, int64_t q_offset, int64_t kv_offset, int64_t left, int64_t right, float scale,
-                   int64_t block_q, int64_t block_kv, int64_t threads) {
+                   int64_t block_q, int64_t block_kv, int64_t threads, int64_t row_mask) {
   Dims d;
   if (ffi::Error e = dims_of(q, k, v, length, block_q, block_kv, threads, d); e.failure()) return e;
+  RowMask rm;
+  if (ffi::Error e = row_mask_of(lo_b, hi_b, q_ids, kv_ids, row_mask, d, rm); e.failure()) return e;
   const int64_t T = d.T, D = d.D, E = d.E, Sp = d.Sp, Ep = d.Ep, blocks = d.blocks, Bq = block_q, Bc = block_kv;
   const float *qp = q.typed_data(), *dqp = dq.typed_data(), *op = out.typed_data(), *lp = lse.typed_data();
   float *dop = d_out->typed_data(), *dlp = d_lse->typed_data();
@@ -532,7 +585,7 @@ ffi::Error Tangent(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
     for (int64_t task; (task = next.fetch_add(1)) < d.B * blocks;) {
       const int64_t b = task / blocks, r0 = (blocks - 1 - task % blocks) * Bq, rows = std::min(Bq, T - r0);
       scaled(qp, dqp, (b * T + r0) * D, rows * D, scale, qs.data, dqs.data);
-      const auto [first, last] = intervals(r0, rows, q_offset, kv_offset, left, right, d.length, lo.data(), hi.data());
+      const auto [first, last] = intervals(b, r0, rows, q_offset, kv_offset, left, right, d.length, rm, lo.data(), hi.data());
       std::fill(c.begin(), c.begin() + rows, 0.f);
       std::fill(acc.data, acc.data + rows * Ep, 0.f);
       for (int64_t c0 = first / 64 * 64; c0 < last; c0 += Bc) {
@@ -543,6 +596,7 @@ ffi::Error Tangent(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
           const float l = lp[b * T + r0 + i];
           auto [a, z] = kept(lo[i], hi[i], c0, cols);
           if (l == -kInf) a = z = 0;  // a row with no key
+          rm.other_documents(b, r0 + i, s.data + i * Bc, a, z, c0);
           c[i] += known_row(s.data + i * Bc, ds.data + i * Bc, a, z, cols, l);
         }
         gemm(rows, E, cols, s.data, Bc, 1, dvc.data + vat, Sp * W, acc.data, Ep, true);
@@ -562,10 +616,10 @@ ffi::Error Tangent(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
 // One row's online softmax over a tile of the one-pass jvp: keys [a, z) of the tile's `cols` kept, the running
 // max m moved (moved_max), p and p∘dx formed, l and c (rowsum p∘dx) rescaled and summed; returns the rescale of
 // the row's accumulators (1: unmoved).
-inline float online_row(float* row, float* drow, int64_t a, int64_t z, int64_t cols, vf vmax, float& m, float& l,
-                        float& c) {
+inline float online_row(float* row, float* drow, int64_t a, int64_t z, int64_t cols, vf vmax, bool exact, float& m,
+                        float& l, float& c) {
   const float m_old = m;
-  m = moved_max(row, a, z, cols, vmax, m_old);
+  m = moved_max(row, a, z, cols, vmax, m_old, exact);
   std::fill(row, row + a, 0.f), std::fill(row + z, row + cols, 0.f);
   std::fill(drow, drow + a, 0.f), std::fill(drow + z, drow + cols, 0.f);
   const auto [sum, dsum] = a < z ? exp_times(row + a, drow + a, z - a, m) : std::pair<float, float>{0.f, 0.f};
@@ -581,14 +635,16 @@ inline float online_row(float* row, float* drow, int64_t a, int64_t z, int64_t c
 // and per row  out = acc / l,  lse = m + log l,  d lse = c / l,  d out = A / l - d lse·out; a row with no
 // key gives out, d out, d lse 0 and lse, max -inf. Same tasks, intervals and products as Forward.
 ffi::Error ForwardTangent(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
-                          ffi::Buffer<ffi::F32> dq, ffi::Buffer<ffi::F32> dk, ffi::Buffer<ffi::F32> dv,
+                          ffi::Buffer<ffi::F32> dq, ffi::Buffer<ffi::F32> dk, ffi::Buffer<ffi::F32> dv, ffi::Buffer<ffi::S32> lo_b, ffi::Buffer<ffi::S32> hi_b, ffi::Buffer<ffi::S32> q_ids, ffi::Buffer<ffi::S32> kv_ids,
                           ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse,
                           ffi::ResultBuffer<ffi::F32> mx, ffi::ResultBuffer<ffi::F32> d_out,
                           ffi::ResultBuffer<ffi::F32> d_lse, int64_t length, int64_t q_offset, int64_t kv_offset,
                           int64_t left, int64_t right, float scale, int64_t block_q, int64_t block_kv,
-                          int64_t threads) {
+                          int64_t threads, int64_t row_mask) {
   Dims d;
   if (ffi::Error e = dims_of(q, k, v, length, block_q, block_kv, threads, d); e.failure()) return e;
+  RowMask rm;
+  if (ffi::Error e = row_mask_of(lo_b, hi_b, q_ids, kv_ids, row_mask, d, rm); e.failure()) return e;
   const int64_t T = d.T, D = d.D, E = d.E, Sp = d.Sp, Ep = d.Ep, blocks = d.blocks, Bq = block_q, Bc = block_kv;
   const float *qp = q.typed_data(), *dqp = dq.typed_data();
   float *op = out->typed_data(), *lp = lse->typed_data(), *mp = mx->typed_data();
@@ -606,7 +662,7 @@ ffi::Error ForwardTangent(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi:
     for (int64_t task; (task = next.fetch_add(1)) < d.B * blocks;) {
       const int64_t b = task / blocks, r0 = (blocks - 1 - task % blocks) * Bq, rows = std::min(Bq, T - r0);
       scaled(qp, dqp, (b * T + r0) * D, rows * D, scale, qs.data, dqs.data);
-      const auto [first, last] = intervals(r0, rows, q_offset, kv_offset, left, right, d.length, lo.data(), hi.data());
+      const auto [first, last] = intervals(b, r0, rows, q_offset, kv_offset, left, right, d.length, rm, lo.data(), hi.data());
       std::fill(m.begin(), m.begin() + rows, -kInf);
       std::fill(l.begin(), l.begin() + rows, 0.f), std::fill(c.begin(), c.begin() + rows, 0.f);
       std::fill(acc.data, acc.data + rows * Ep, 0.f), std::fill(A.data, A.data + rows * Ep, 0.f);
@@ -618,7 +674,8 @@ ffi::Error ForwardTangent(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi:
                          vmax.data());
         for (int64_t i = 0; i < rows; ++i) {
           const auto [a, z] = kept(lo[i], hi[i], c0, cols);
-          r[i] = online_row(s.data + i * Bc, ds.data + i * Bc, a, z, cols, vmax[i].x, m[i], l[i], c[i]);
+          rm.other_documents(b, r0 + i, s.data + i * Bc, a, z, c0);
+          r[i] = online_row(s.data + i * Bc, ds.data + i * Bc, a, z, cols, vmax[i].x, !rm.ids, m[i], l[i], c[i]);
         }
         rescale(acc.data, rows, E, Ep, r.data()), rescale(A.data, rows, E, Ep, r.data());
         gemm(rows, E, cols, s.data, Bc, 1, vc.data + vat, Sp * W, acc.data, Ep, true);
@@ -648,12 +705,14 @@ ffi::Error ForwardTangent(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi:
 // over every query block, so one thread owns them), query blocks in order; pᵀ and dsᵀ read in place (the
 // micro-kernel's strided A), kᵀ, vᵀ and k packed once a task, the scaled q and d out once a query block.
 ffi::Error Backward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
-                    ffi::Buffer<ffi::F32> d_out, ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> delta,
+                    ffi::Buffer<ffi::F32> d_out, ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> delta, ffi::Buffer<ffi::S32> lo_b, ffi::Buffer<ffi::S32> hi_b, ffi::Buffer<ffi::S32> q_ids, ffi::Buffer<ffi::S32> kv_ids,
                     ffi::ResultBuffer<ffi::F32> dq, ffi::ResultBuffer<ffi::F32> dk, ffi::ResultBuffer<ffi::F32> dv,
                     int64_t length, int64_t q_offset, int64_t kv_offset, int64_t left, int64_t right, float scale,
-                    int64_t block_q, int64_t block_kv, int64_t threads) {
+                    int64_t block_q, int64_t block_kv, int64_t threads, int64_t row_mask) {
   Dims d;
   if (ffi::Error e = dims_of(q, k, v, length, block_q, block_kv, threads, d); e.failure()) return e;
+  RowMask rm;
+  if (ffi::Error e = row_mask_of(lo_b, hi_b, q_ids, kv_ids, row_mask, d, rm); e.failure()) return e;
   const int64_t T = d.T, S = d.S, D = d.D, E = d.E, Sp = d.Sp, Dp = d.Dp, Ep = d.Ep, Bq = block_q, Bc = block_kv;
   const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data(), *gp = d_out.typed_data();
   const float *lp = lse.typed_data(), *dp = delta.typed_data();
@@ -674,7 +733,7 @@ ffi::Error Backward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffe
         scaled(qp, nullptr, (b * T + r0) * D, rows * D, scale, qs.data, nullptr);
         pack_columns(qs.data, rows, D, D, Bq, qc.data), pack_columns(gb, rows, E, E, Bq, gc.data);
         std::fill(dqs.data, dqs.data + rows * Dp, 0.f);
-        const auto [first, last] = intervals(r0, rows, q_offset, kv_offset, left, right, d.length, lo.data(), hi.data());
+        const auto [first, last] = intervals(b, r0, rows, q_offset, kv_offset, left, right, d.length, rm, lo.data(), hi.data());
         for (int64_t c0 = first / 64 * 64; c0 < last; c0 += Bc) {
           const int64_t cols = std::min(Bc, last - c0);
           gemm_panels(rows, cols, D, qs.data, D, 1, kt.data + c0 * D, D * W, s.data, Bc, false);
@@ -683,6 +742,7 @@ ffi::Error Backward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffe
             const int64_t t = b * T + r0 + i;
             auto [a, z] = kept(lo[i], hi[i], c0, cols);
             if (lp[t] == -kInf) a = z = 0;  // a row with no key
+            rm.other_documents(b, r0 + i, s.data + i * Bc, a, z, c0);
             known_row(s.data + i * Bc, ds.data + i * Bc, a, z, cols, lp[t], dp[t]);
           }
           gemm(cols, E, rows, s.data, 1, Bc, gc.data, Bq * W, dvs.data + c0 * Ep, Ep, true);  // pᵀ d out
@@ -707,25 +767,28 @@ ffi::Error Backward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffe
 // The vector layer this library was built with ("avx512", "avx2", "neon" or "scalar").
 extern "C" const char* JattnFusedLayer() { return V::name; }
 
-// The handlers' bindings: float32 buffers in, then out, then the attributes every kernel takes.
+// The handlers' bindings: float32 buffers in, the row mask's four int32 ones, then out, then the attributes every
+// kernel takes.
 using F32 = ffi::Buffer<ffi::F32>;
+using S32 = ffi::Buffer<ffi::S32>;
+#define JATTN_ROWS .Arg<S32>().Arg<S32>().Arg<S32>().Arg<S32>()
 #define JATTN_ATTRIBUTES                                                                                      \
   .Attr<int64_t>("length").Attr<int64_t>("q_offset").Attr<int64_t>("kv_offset").Attr<int64_t>("left")        \
       .Attr<int64_t>("right").Attr<float>("scale").Attr<int64_t>("block_q").Attr<int64_t>("block_kv")        \
-      .Attr<int64_t>("threads")
+      .Attr<int64_t>("threads").Attr<int64_t>("row_mask")
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JattnFusedForward, Forward,
-                              ffi::Ffi::Bind().Arg<F32>().Arg<F32>().Arg<F32>().Ret<F32>().Ret<F32>().Ret<F32>()
+                              ffi::Ffi::Bind().Arg<F32>().Arg<F32>().Arg<F32>() JATTN_ROWS.Ret<F32>().Ret<F32>().Ret<F32>()
                                   JATTN_ATTRIBUTES);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JattnFusedTangent, Tangent,
                               ffi::Ffi::Bind()
                                   .Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>()
-                                  .Ret<F32>().Ret<F32>() JATTN_ATTRIBUTES);
+                                  JATTN_ROWS.Ret<F32>().Ret<F32>() JATTN_ATTRIBUTES);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JattnFusedForwardTangent, ForwardTangent,
                               ffi::Ffi::Bind()
                                   .Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>()
-                                  .Ret<F32>().Ret<F32>().Ret<F32>().Ret<F32>().Ret<F32>() JATTN_ATTRIBUTES);
+                                  JATTN_ROWS.Ret<F32>().Ret<F32>().Ret<F32>().Ret<F32>().Ret<F32>() JATTN_ATTRIBUTES);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JattnFusedBackward, Backward,
                               ffi::Ffi::Bind()
                                   .Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>()
-                                  .Ret<F32>().Ret<F32>().Ret<F32>() JATTN_ATTRIBUTES);
+                                  JATTN_ROWS.Ret<F32>().Ret<F32>().Ret<F32>() JATTN_ATTRIBUTES);

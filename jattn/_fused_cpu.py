@@ -170,6 +170,7 @@ def forward(
     window: tuple[int, int],
     scale: float,
     threads: int,
+    rows: tuple[Array, Array, Array | None, Array | None] | None = None,
     block_q: int = BLOCK_Q,
     block_kv: int = BLOCK_KV,
 ) -> tuple[Array, Array, Array]:
@@ -178,10 +179,12 @@ def forward(
     ``q (B, T, D)``, ``k (B, S, D)``, ``v (B, S, E)`` (any float dtype but float64: upcast to
     float32); keys at ``length`` and after are masked (block padding), and query row t sees key
     s where ``q_offset + t - left <= kv_offset + s <= q_offset + t + right``
-    (``window = (left, right)``, :func:`jattn._position_masks.key_interval`). Requires :func:`available`.
+    (``window = (left, right)``, :func:`jattn._position_masks.key_interval`). ``rows``: a per-example
+    mask's ``(lo, hi, q_ids, kv_ids)`` (:func:`jattn._fused_rows.row_bounds`; the ids None without
+    segment ids), or None. Requires :func:`available`.
     """
     call = dict(length=length, q_offset=q_offset, kv_offset=kv_offset, window=window, scale=scale, threads=threads,
-                block_q=block_q, block_kv=block_kv)  # fmt: skip
+                rows=rows, block_q=block_q, block_kv=block_kv)  # fmt: skip
     return _call(TARGET, ("tile", "row", "row"), (q, k, v), call)
 
 
@@ -192,7 +195,7 @@ def tangent(
 
     ``dq``, ``dk``, ``dv`` are the tangents of q, k, v (shaped like them), ``out`` and ``lse`` the
     forward's; ``call`` the keyword arguments of :func:`forward` (``length``, offsets, ``window``,
-    ``scale``, ``threads``). Rows with lse ``-inf`` (no key) get 0. Requires :func:`available`.
+    ``scale``, ``threads``, ``rows``). Rows with lse ``-inf`` (no key) get 0. Requires :func:`available`.
     """
     return _call(TANGENT, ("tile", "row"), (q, k, v, dq, dk, dv, out, lse), call)
 
@@ -220,7 +223,7 @@ def backward(
 
 
 def _call(target: str, results: tuple[str, ...], operands: tuple[Array, ...], call: dict) -> tuple[Array, ...]:
-    """Custom call ``target`` on float32 ``operands`` (q, k, v first) with ``call``'s attributes.
+    """Custom call ``target`` on float32 ``operands`` (q, k, v first), the row mask's and ``call``'s attributes.
 
     ``results`` are ``"tile"`` (B, T, E), ``"row"`` (B, T), or ``"q"``, ``"k"``, ``"v"`` (shaped as those), float32.
     Requires :func:`available`.
@@ -232,7 +235,10 @@ def _call(target: str, results: tuple[str, ...], operands: tuple[Array, ...], ca
     shape = {"tile": (B, T, E), "row": (B, T), "q": q.shape, "k": k.shape, "v": v.shape}
     shapes = tuple(jax.ShapeDtypeStruct(shape[r], jnp.float32) for r in results)
     fn = jax.ffi.ffi_call(target, shapes, vmap_method="broadcast_all")
-    return fn(*(x.astype(jnp.float32) for x in operands), **_attributes(**call))
+    rows = call.pop("rows", None) or (None,) * 4
+    mode = 0 if rows[0] is None else 1 if rows[2] is None else 2  # none, bounds, bounds and document ids
+    rows = tuple(jnp.zeros((1, 1), jnp.int32) if x is None else x.astype(jnp.int32) for x in rows)
+    return fn(*(x.astype(jnp.float32) for x in operands), *rows, **_attributes(**call), row_mask=np.int64(mode))
 
 
 def _attributes(

@@ -16,7 +16,7 @@ from jax import Array
 from jattn._mask_base import Combination, Leaf, Mask
 from jattn._predicate_masks import PredicateKind
 
-__all__ = ["fill_arrays", "shared_arrays", "split_arrays"]
+__all__ = ["fill_arrays", "is_slot", "shared_arrays", "split_arrays"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +55,11 @@ def fill_arrays(skeleton: Mask, arrays: Sequence[Array]) -> Mask:
     if isinstance(skeleton, Combination):
         return skeleton._with_parts([fill_arrays(p, arrays) for p in skeleton._parts()])
     return skeleton
+
+
+def is_slot(m: Mask) -> bool:
+    """Whether ``m`` (a part of a skeleton) stands for an array leaf: its ``kind`` makes the leaf, its arrays start at ``index``."""
+    return isinstance(m, _Slot)
 
 
 def shared_arrays(skeleton: Mask | None) -> tuple[int, ...]:

@@ -79,6 +79,37 @@ CASES = {  # mask, (T, S), q_offset, kv_offset, dtype, (lead of q, lead of k and
         ((2,), (2,)),
         (8, 8),
     ),
+    "padding, an example without queries, T != S": (
+        masks.padding(q_lengths=np.array([250, 0]), kv_lengths=np.array([530, 77])),
+        (270, 530),
+        None,
+        0,
+        jnp.float32,
+        ((2, 3), (2, 3)),
+        (8, 5),
+    ),
+    "packed documents, causal, an id that returns": (
+        masks.causal() & masks.segment_ids(np.array([[0] * 70 + [1] * 333 + [2] * 160 + [1] * 37, [5] * 600])),
+        (600, 600),
+        None,
+        0,
+        jnp.float32,
+        ((2, 1), (2, 1)),
+        (8, 8),
+    ),
+    "packed documents & window & padding, T != S": (
+        masks.sliding_window(90, 40)
+        & masks.segment_ids(
+            np.repeat(np.arange(3), [100, 120, 50])[None], np.repeat(np.arange(3), [200, 300, 30])[None]
+        )
+        & masks.padding(kv_lengths=np.array([500])),
+        (270, 530),
+        None,
+        0,
+        jnp.float32,
+        ((1, 2), (1, 2)),
+        (6, 7),
+    ),
     "bfloat16": (masks.causal(), (130, 130), None, 0, jnp.bfloat16, ((2,), (2,)), (8, 8)),
     "float16": (None, (70, 530), None, 0, jnp.float16, ((2,), (2,)), (8, 8)),
 }
@@ -210,6 +241,34 @@ def test_vmap_folds_into_the_fused_call():
     np.testing.assert_allclose(jax.jit(jax.vmap(call))(q, k, v), looped, rtol=1e-6, atol=1e-6)
 
 
+def test_packed_documents_fold_under_vmap_and_export_keeps_their_mask():
+    """Segment ids mapped by vmap fold into the kernels' rows (values and gradients as a loop); jax.export of grad
+    (XLA's tiles there: the mask's arrays go with it) gives jit's values and carries no custom call."""
+    T = 140
+    q, k, v = _rand((3, 2, T, 8), 0), _rand((3, 2, T, 8), 1), _rand((3, 2, T, 8), 2)
+    docs = [np.repeat(np.arange(4), [30, 50, 40, 20]), np.repeat([7, 3, 7], [60, 40, 40]), np.zeros(T, int)]
+    seg = jnp.asarray(np.stack(docs), jnp.int32)
+
+    def call(q, k, v, seg):
+        return jattn.attention(q, k, v, mask=masks.causal() & masks.segment_ids(seg[None]), implementation="blockwise")
+
+    def grad(q, k, v, seg):
+        return jax.grad(lambda q, k, v: jnp.sum(call(q, k, v, seg) * v), argnums=(0, 1, 2))(q, k, v)
+
+    assert _fused(jax.vmap(call), q, k, v, seg)
+    for f in (call, grad):
+        looped = [f(q[i], k[i], v[i], seg[i]) for i in range(3)]
+        mapped = jax.jit(jax.vmap(f))(q, k, v, seg)
+        want = jax.tree.map(lambda *xs: jnp.stack(xs), *looped)
+        for a, b in zip(jax.tree.leaves(mapped), jax.tree.leaves(want), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    args = (q[1], k[1], v[1], seg[1])
+    exported = jax.export.export(jax.jit(grad))(*args)
+    assert "custom_call @jattn_fused" not in exported.mlir_module()
+    for a, b in zip(exported.call(*args), jax.jit(grad)(*args), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
 def test_the_default_path_takes_it_from_auto_blockwise_sizes():
     q = _rand((1, 1, 1024, 8), 0)
     call = lambda q: jattn.attention(q, q, q, mask=masks.causal())  # noqa: E731
@@ -227,7 +286,11 @@ KEEP_XLA = {
     "precision": (dict(precision="highest"), jnp.float32),
     "global tokens": (dict(mask=masks.global_tokens([3])), jnp.float32),
     "array mask": (dict(mask=jnp.ones((70, 90), bool)), jnp.float32),
-    "padding": (dict(mask=masks.padding(kv_lengths=jnp.array([80, 90]))), jnp.float32),
+    "prefix_lm": (dict(mask=masks.prefix_lm(20)), jnp.float32),
+    "segment_ids | causal": (
+        dict(mask=masks.segment_ids(jnp.zeros((2, 70), jnp.int32), jnp.zeros((2, 90), jnp.int32)) | masks.causal()),
+        jnp.float32,
+    ),
 }
 
 
