@@ -33,8 +33,13 @@
 #include <cstring>
 #include <limits>
 #include <thread>
+#include <tuple>
 #include <utility>
 #include <vector>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 #include "xla/ffi/api/ffi.h"
 
@@ -274,31 +279,69 @@ void ukernel_tail(int64_t rows, int64_t K, const float* A, int64_t lda, int64_t 
   }
 }
 
+// The micro-kernel on `rows` (1 to R) rows.
+inline void micro(int64_t rows, int64_t K, const float* A, int64_t lda, int64_t ak, const float* B, float* C,
+                  int64_t ldc, bool accumulate, Lanes* vmax, int live) {
+  if (rows == R) return ukernel<R>(K, A, lda, ak, B, C, ldc, accumulate, vmax, live);
+  ukernel_tail<R - 1>(rows, K, A, lda, ak, B, C, ldc, accumulate, vmax, live);
+}
+
+// Each row's keys [a, z) within a tile (its other keys weigh 0): a product over a tile's keys computes, for each
+// R rows of a micro-kernel call, only the keys between the first a and the last z of those rows.
+struct Spans {
+  const int64_t* a;
+  const int64_t* z;
+
+  // The keys [first a, last z) of rows [i, i + rows).
+  std::pair<int64_t, int64_t> of(int64_t i, int64_t rows) const {
+    int64_t lo = std::numeric_limits<int64_t>::max(), hi = 0;
+    for (int64_t r = i; r < i + rows; ++r)
+      if (a[r] < z[r]) lo = std::min(lo, a[r]), hi = std::max(hi, z[r]);
+    return {lo, hi};
+  }
+};
+
 // C[M x N] (+)= A[M x K] B[K x N] a panel of B at a time (panel p at B + p pstride, rows W apart), R rows of
 // A a micro-kernel call (the panel stays in L1 meanwhile); C is written up to N rounded to W. With vmax,
-// each row's max over the vectors of C wholly below column N.
+// each row's max over the vectors of C wholly below column N. With spans (N a tile's keys), a panel no row of
+// a call needs is skipped: those columns of C are left as they were.
 void gemm_panels(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, int64_t ak, const float* B,
-                 int64_t pstride, float* C, int64_t ldc, bool accumulate, Lanes* vmax = nullptr) {
+                 int64_t pstride, float* C, int64_t ldc, bool accumulate, Lanes* vmax = nullptr,
+                 const Spans* spans = nullptr) {
   for (int64_t j = 0; j < N; j += W) {
     const int live = static_cast<int>(std::min<int64_t>(NV, (N - j) / L));
     const float* b = B + (j / W) * pstride;
-    int64_t i = 0;
-    for (; i + R <= M; i += R)
-      ukernel<R>(K, A + i * lda, lda, ak, b, C + i * ldc + j, ldc, accumulate, vmax ? vmax + i : nullptr, live);
-    if (i < M)
-      ukernel_tail<R - 1>(M - i, K, A + i * lda, lda, ak, b, C + i * ldc + j, ldc, accumulate,
-                          vmax ? vmax + i : nullptr, live);
+    for (int64_t i = 0; i < M; i += R) {
+      const int64_t rows = std::min<int64_t>(R, M - i);
+      if (spans) {
+        const auto [first, last] = spans->of(i, rows);
+        if (j >= last || j + W <= first) continue;
+      }
+      micro(rows, K, A + i * lda, lda, ak, b, C + i * ldc + j, ldc, accumulate, vmax ? vmax + i : nullptr, live);
+    }
   }
 }
 
 // C (+)= A B in chunks of kDepth along K, each over all of C's rows: a chunk of a panel of B stays in L1 while
-// the rows of A stream past it.
+// the rows of A stream past it. With spans (K a tile's keys, A zero outside each row's span), each R rows take
+// only the depth between their first and last key, and C accumulates.
 constexpr int64_t kDepth = 128;
 void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, int64_t ak, const float* B, int64_t pstride,
-          float* C, int64_t ldc, bool accumulate) {
+          float* C, int64_t ldc, bool accumulate, const Spans* spans = nullptr) {
   for (int64_t k0 = 0; k0 < K; k0 += kDepth) {
-    gemm_panels(M, N, std::min(kDepth, K - k0), A + k0 * ak, lda, ak, B + k0 * W, pstride, C, ldc,
-                accumulate || k0 > 0);
+    const int64_t depth = std::min(kDepth, K - k0);
+    if (!spans) {
+      gemm_panels(M, N, depth, A + k0 * ak, lda, ak, B + k0 * W, pstride, C, ldc, accumulate || k0 > 0);
+      continue;
+    }
+    for (int64_t i = 0; i < M; i += R) {
+      const int64_t rows = std::min<int64_t>(R, M - i);
+      const auto [first, last] = spans->of(i, rows);
+      const int64_t from = std::max(k0, first), to = std::min(k0 + depth, last);
+      for (int64_t j = 0; from < to && j < N; j += W)
+        micro(rows, to - from, A + i * lda + from * ak, lda, ak, B + (j / W) * pstride + from * W, C + i * ldc + j, ldc,
+              true, nullptr, 0);
+    }
   }
 }
 
@@ -330,9 +373,17 @@ void pack_columns(const float* x, int64_t rows, int64_t cols, int64_t ld, int64_
 
 inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
-// Scratch of n floats on a 64-byte boundary (whole cache lines: no vector load or store splits one).
+// Scratch of n floats on a 64-byte boundary (whole cache lines: no vector load or store splits one); from 2 MiB
+// on a 2 MiB one, with the kernel asked for huge pages (Linux: fresh scratch is paged in 512 times fewer faults).
 struct Scratch {
-  explicit Scratch(int64_t n) : data(static_cast<float*>(std::aligned_alloc(64, (n * sizeof(float) + 63) / 64 * 64))) {}
+  explicit Scratch(int64_t n) {
+    constexpr size_t kHuge = size_t{1} << 21;
+    const size_t bytes = (n * sizeof(float) + 63) / 64 * 64, align = bytes >= kHuge ? kHuge : 64;
+    data = static_cast<float*>(std::aligned_alloc(align, (bytes + align - 1) / align * align));
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    if (align == kHuge) madvise(data, bytes, MADV_HUGEPAGE);
+#endif
+  }
   ~Scratch() { std::free(data); }
   Scratch(const Scratch&) = delete;
   Scratch& operator=(const Scratch&) = delete;
@@ -458,6 +509,16 @@ inline std::pair<int64_t, int64_t> kept(int64_t lo, int64_t hi, int64_t c0, int6
   return {a, std::clamp<int64_t>(hi - c0, a, cols)};
 }
 
+// Each row's keys [a, z) of the tile of `cols` keys from c0 (kept), into a and z; a row whose lse (where given) is
+// -inf has none.
+inline void tile_spans(int64_t rows, const int64_t* lo, const int64_t* hi, int64_t c0, int64_t cols, const float* lse,
+                       int64_t* a, int64_t* z) {
+  for (int64_t i = 0; i < rows; ++i) {
+    std::tie(a[i], z[i]) = kept(lo[i], hi[i], c0, cols);
+    if (lse && lse[i] == -kInf) a[i] = z[i] = 0;
+  }
+}
+
 // One row's new running max over a tile: keys [a, z) of its `cols`, from the product's per-lane max (vmax, over
 // the tile's whole vectors) where the row sees the whole tile, the tile is whole vectors and no key of it was
 // masked after the product (`exact`: no document ids), else from the row.
@@ -493,7 +554,8 @@ ffi::Error Forward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
     Scratch s(Bq * Bc), acc(Bq * Ep), qs(Bq * D);
     std::vector<float> m(Bq), l(Bq), r(Bq);
     std::vector<Lanes> vmax(Bq);  // each row's max over the tile, from the first product
-    std::vector<int64_t> lo(Bq), hi(Bq);  // each row's keys, [lo, hi), as key indices
+    std::vector<int64_t> lo(Bq), hi(Bq), ka(Bq), kz(Bq);  // each row's keys, [lo, hi), and a tile's [ka, kz)
+    const Spans spans{ka.data(), kz.data()};
     for (int64_t task; (task = next.fetch_add(1)) < d.B * blocks;) {
       const int64_t b = task / blocks, r0 = (blocks - 1 - task % blocks) * Bq, rows = std::min(Bq, T - r0);
       scaled(qp, nullptr, (b * T + r0) * D, rows * D, scale, qs.data, nullptr);  // the scale folded into q
@@ -503,10 +565,12 @@ ffi::Error Forward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
       for (int64_t c0 = first / 64 * 64; c0 < last; c0 += Bc) {
         const int64_t cols = std::min(Bc, last - c0);
         for (int64_t i = 0; i < rows; ++i) vmax[i].x = V::set1(-kInf);
-        gemm_panels(rows, cols, D, qs.data, D, 1, kt.data + (b * Sp + c0) * D, D * W, s.data, Bc, false, vmax.data());
+        tile_spans(rows, lo.data(), hi.data(), c0, cols, nullptr, ka.data(), kz.data());
+        const float* ktb = kt.data + (b * Sp + c0) * D;
+        gemm_panels(rows, cols, D, qs.data, D, 1, ktb, D * W, s.data, Bc, false, vmax.data(), &spans);
         for (int64_t i = 0; i < rows; ++i) {
           float* row = s.data + i * Bc;
-          const auto [a, z] = kept(lo[i], hi[i], c0, cols);
+          const int64_t a = ka[i], z = kz[i];
           rm.other_documents(b, r0 + i, row, a, z, c0);
           const float m_old = m[i];
           m[i] = moved_max(row, a, z, cols, vmax[i].x, m_old, !rm.ids);
@@ -515,7 +579,7 @@ ffi::Error Forward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
           l[i] = l[i] * r[i] + (a < z ? exp_sum(row + a, z - a, m[i]) : 0.f);
         }
         rescale(acc.data, rows, E, Ep, r.data());
-        gemm(rows, E, cols, s.data, Bc, 1, vc.data + b * Sp * Ep + c0 * W, Sp * W, acc.data, Ep, true);
+        gemm(rows, E, cols, s.data, Bc, 1, vc.data + b * Sp * Ep + c0 * W, Sp * W, acc.data, Ep, true, &spans);
       }
       for (int64_t i = 0; i < rows; ++i) {
         const int64_t t = b * T + r0 + i;
@@ -532,10 +596,10 @@ ffi::Error Forward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
 // One tile's scores and their tangent, from q and dq rows (already scaled) and the panels of kᵀ and dkᵀ at its
 // first key: s = q kᵀ (each row's max into vmax, where given) and dx = dq kᵀ + q dkᵀ.
 void tangent_products(int64_t rows, int64_t cols, int64_t D, const float* qs, const float* dqs, const float* ktb,
-                      const float* dktb, float* s, float* ds, int64_t Bc, Lanes* vmax) {
-  gemm_panels(rows, cols, D, qs, D, 1, ktb, D * W, s, Bc, false, vmax);
-  gemm_panels(rows, cols, D, dqs, D, 1, ktb, D * W, ds, Bc, false);
-  gemm_panels(rows, cols, D, qs, D, 1, dktb, D * W, ds, Bc, true);
+                      const float* dktb, float* s, float* ds, int64_t Bc, Lanes* vmax, const Spans& spans) {
+  gemm_panels(rows, cols, D, qs, D, 1, ktb, D * W, s, Bc, false, vmax, &spans);
+  gemm_panels(rows, cols, D, dqs, D, 1, ktb, D * W, ds, Bc, false, nullptr, &spans);
+  gemm_panels(rows, cols, D, qs, D, 1, dktb, D * W, ds, Bc, true, nullptr, &spans);
 }
 
 // One tile row with its lse known: p = e^(s - lse) (clamped at 1; NaN stays NaN) over s, and p∘drow over drow,
@@ -581,7 +645,8 @@ ffi::Error Tangent(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
   run(d.n, [&] {
     Scratch s(Bq * Bc), ds(Bq * Bc), acc(Bq * Ep), qs(Bq * D), dqs(Bq * D);
     std::vector<float> c(Bq);
-    std::vector<int64_t> lo(Bq), hi(Bq);
+    std::vector<int64_t> lo(Bq), hi(Bq), ka(Bq), kz(Bq);
+    const Spans spans{ka.data(), kz.data()};
     for (int64_t task; (task = next.fetch_add(1)) < d.B * blocks;) {
       const int64_t b = task / blocks, r0 = (blocks - 1 - task % blocks) * Bq, rows = std::min(Bq, T - r0);
       scaled(qp, dqp, (b * T + r0) * D, rows * D, scale, qs.data, dqs.data);
@@ -591,16 +656,15 @@ ffi::Error Tangent(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
       for (int64_t c0 = first / 64 * 64; c0 < last; c0 += Bc) {
         const int64_t cols = std::min(Bc, last - c0);
         const int64_t at = (b * Sp + c0) * D, vat = b * Sp * Ep + c0 * W;
-        tangent_products(rows, cols, D, qs.data, dqs.data, kt.data + at, dkt.data + at, s.data, ds.data, Bc, nullptr);
+        tile_spans(rows, lo.data(), hi.data(), c0, cols, lp + b * T + r0, ka.data(), kz.data());  // lse -inf: no key
+        tangent_products(rows, cols, D, qs.data, dqs.data, kt.data + at, dkt.data + at, s.data, ds.data, Bc, nullptr,
+                         spans);
         for (int64_t i = 0; i < rows; ++i) {
-          const float l = lp[b * T + r0 + i];
-          auto [a, z] = kept(lo[i], hi[i], c0, cols);
-          if (l == -kInf) a = z = 0;  // a row with no key
-          rm.other_documents(b, r0 + i, s.data + i * Bc, a, z, c0);
-          c[i] += known_row(s.data + i * Bc, ds.data + i * Bc, a, z, cols, l);
+          rm.other_documents(b, r0 + i, s.data + i * Bc, ka[i], kz[i], c0);
+          c[i] += known_row(s.data + i * Bc, ds.data + i * Bc, ka[i], kz[i], cols, lp[b * T + r0 + i]);
         }
-        gemm(rows, E, cols, s.data, Bc, 1, dvc.data + vat, Sp * W, acc.data, Ep, true);
-        gemm(rows, E, cols, ds.data, Bc, 1, vc.data + vat, Sp * W, acc.data, Ep, true);
+        gemm(rows, E, cols, s.data, Bc, 1, dvc.data + vat, Sp * W, acc.data, Ep, true, &spans);
+        gemm(rows, E, cols, ds.data, Bc, 1, vc.data + vat, Sp * W, acc.data, Ep, true, &spans);
       }
       for (int64_t i = 0; i < rows; ++i) {
         const int64_t t = b * T + r0 + i;
@@ -658,7 +722,8 @@ ffi::Error ForwardTangent(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi:
     Scratch s(Bq * Bc), ds(Bq * Bc), acc(Bq * Ep), A(Bq * Ep), qs(Bq * D), dqs(Bq * D);
     std::vector<float> m(Bq), l(Bq), c(Bq), r(Bq);
     std::vector<Lanes> vmax(Bq);
-    std::vector<int64_t> lo(Bq), hi(Bq);
+    std::vector<int64_t> lo(Bq), hi(Bq), ka(Bq), kz(Bq);
+    const Spans spans{ka.data(), kz.data()};
     for (int64_t task; (task = next.fetch_add(1)) < d.B * blocks;) {
       const int64_t b = task / blocks, r0 = (blocks - 1 - task % blocks) * Bq, rows = std::min(Bq, T - r0);
       scaled(qp, dqp, (b * T + r0) * D, rows * D, scale, qs.data, dqs.data);
@@ -670,17 +735,18 @@ ffi::Error ForwardTangent(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi:
         const int64_t cols = std::min(Bc, last - c0);
         const int64_t at = (b * Sp + c0) * D, vat = b * Sp * Ep + c0 * W;
         for (int64_t i = 0; i < rows; ++i) vmax[i].x = V::set1(-kInf);
+        tile_spans(rows, lo.data(), hi.data(), c0, cols, nullptr, ka.data(), kz.data());
         tangent_products(rows, cols, D, qs.data, dqs.data, kt.data + at, dkt.data + at, s.data, ds.data, Bc,
-                         vmax.data());
+                         vmax.data(), spans);
         for (int64_t i = 0; i < rows; ++i) {
-          const auto [a, z] = kept(lo[i], hi[i], c0, cols);
+          const int64_t a = ka[i], z = kz[i];
           rm.other_documents(b, r0 + i, s.data + i * Bc, a, z, c0);
           r[i] = online_row(s.data + i * Bc, ds.data + i * Bc, a, z, cols, vmax[i].x, !rm.ids, m[i], l[i], c[i]);
         }
         rescale(acc.data, rows, E, Ep, r.data()), rescale(A.data, rows, E, Ep, r.data());
-        gemm(rows, E, cols, s.data, Bc, 1, vc.data + vat, Sp * W, acc.data, Ep, true);
-        gemm(rows, E, cols, s.data, Bc, 1, dvc.data + vat, Sp * W, A.data, Ep, true);
-        gemm(rows, E, cols, ds.data, Bc, 1, vc.data + vat, Sp * W, A.data, Ep, true);
+        gemm(rows, E, cols, s.data, Bc, 1, vc.data + vat, Sp * W, acc.data, Ep, true, &spans);
+        gemm(rows, E, cols, s.data, Bc, 1, dvc.data + vat, Sp * W, A.data, Ep, true, &spans);
+        gemm(rows, E, cols, ds.data, Bc, 1, vc.data + vat, Sp * W, A.data, Ep, true, &spans);
       }
       for (int64_t i = 0; i < rows; ++i) {
         const int64_t t = b * T + r0 + i;
@@ -721,7 +787,8 @@ ffi::Error Backward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffe
   run(static_cast<int>(std::min<int64_t>(d.n, d.B)), [&] {
     Scratch kt(Sp * D), vt(Sp * E), kc(Sp * Dp), dks(Sp * Dp), dvs(Sp * Ep);
     Scratch s(Bq * Bc), ds(Bq * Bc), qs(Bq * D), qc(Bq * Dp), gc(Bq * Ep), dqs(Bq * Dp);
-    std::vector<int64_t> lo(Bq), hi(Bq);
+    std::vector<int64_t> lo(Bq), hi(Bq), ka(Bq), kz(Bq);
+    const Spans spans{ka.data(), kz.data()};
     for (int64_t b; (b = next.fetch_add(1)) < d.B;) {
       pack_transposed(kp + b * S * D, d.length, D, D, Sp, kt.data);
       pack_transposed(vp + b * S * E, d.length, E, E, Sp, vt.data);
@@ -736,18 +803,17 @@ ffi::Error Backward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffe
         const auto [first, last] = intervals(b, r0, rows, q_offset, kv_offset, left, right, d.length, rm, lo.data(), hi.data());
         for (int64_t c0 = first / 64 * 64; c0 < last; c0 += Bc) {
           const int64_t cols = std::min(Bc, last - c0);
-          gemm_panels(rows, cols, D, qs.data, D, 1, kt.data + c0 * D, D * W, s.data, Bc, false);
-          gemm_panels(rows, cols, E, gb, E, 1, vt.data + c0 * E, E * W, ds.data, Bc, false);
+          tile_spans(rows, lo.data(), hi.data(), c0, cols, lp + b * T + r0, ka.data(), kz.data());  // lse -inf: none
+          gemm_panels(rows, cols, D, qs.data, D, 1, kt.data + c0 * D, D * W, s.data, Bc, false, nullptr, &spans);
+          gemm_panels(rows, cols, E, gb, E, 1, vt.data + c0 * E, E * W, ds.data, Bc, false, nullptr, &spans);
           for (int64_t i = 0; i < rows; ++i) {
             const int64_t t = b * T + r0 + i;
-            auto [a, z] = kept(lo[i], hi[i], c0, cols);
-            if (lp[t] == -kInf) a = z = 0;  // a row with no key
-            rm.other_documents(b, r0 + i, s.data + i * Bc, a, z, c0);
-            known_row(s.data + i * Bc, ds.data + i * Bc, a, z, cols, lp[t], dp[t]);
+            rm.other_documents(b, r0 + i, s.data + i * Bc, ka[i], kz[i], c0);
+            known_row(s.data + i * Bc, ds.data + i * Bc, ka[i], kz[i], cols, lp[t], dp[t]);
           }
           gemm(cols, E, rows, s.data, 1, Bc, gc.data, Bq * W, dvs.data + c0 * Ep, Ep, true);  // pᵀ d out
           gemm(cols, D, rows, ds.data, 1, Bc, qc.data, Bq * W, dks.data + c0 * Dp, Dp, true);  // dsᵀ (scale q)
-          gemm(rows, D, cols, ds.data, Bc, 1, kc.data + c0 * W, Sp * W, dqs.data, Dp, true);  // ds k
+          gemm(rows, D, cols, ds.data, Bc, 1, kc.data + c0 * W, Sp * W, dqs.data, Dp, true, &spans);  // ds k
         }
         for (int64_t i = 0; i < rows; ++i)
           for (int64_t e = 0; e < D; ++e) dqp[(b * T + r0 + i) * D + e] = dqs[i * Dp + e] * scale;

@@ -78,12 +78,36 @@ def _rows_of(x: Array, T: int) -> Array:
 def _document_keys(q_ids: Array, kv_ids: Array) -> tuple[Array, Array]:
     """Each query's first key of its document and one past its last, ``(R, T)``; ``(0, 0)`` where it has none.
 
-    By a stable sort of each row's key ids: a query's id spans ``[left, right)`` of the sorted row, whose
-    first and last entries hold the smallest and largest key index with that id.
+    Self-attention over documents in order (the ids the same for queries and keys, and sorted): the run of
+    equal ids around the query's own position (2 ms for 32 rows of 8192 on 2 cores); else by a stable sort of
+    each row's key ids (:func:`_by_sorting`, 40 ms there).
     """
     rows = max(q_ids.shape[0], kv_ids.shape[0])
     q_ids = jnp.broadcast_to(q_ids, (rows, q_ids.shape[1]))
     kv_ids = jnp.broadcast_to(kv_ids, (rows, kv_ids.shape[1]))
+    if q_ids.shape != kv_ids.shape:
+        return _by_sorting(q_ids, kv_ids)
+    in_order = jnp.all(kv_ids[:, 1:] >= kv_ids[:, :-1]) & jnp.all(q_ids == kv_ids)
+    return jax.lax.cond(in_order, _runs, _by_sorting, q_ids, kv_ids)
+
+
+def _runs(q_ids: Array, kv_ids: Array) -> tuple[Array, Array]:
+    """Where ``q_ids == kv_ids`` and each id is one run: the run around each position, ``[start, end)``."""
+    S = kv_ids.shape[1]
+    at = jnp.arange(S, dtype=jnp.int32)[None]
+    new = jnp.concatenate([jnp.ones_like(kv_ids[:, :1], bool), kv_ids[:, 1:] != kv_ids[:, :-1]], axis=1)
+    last = jnp.concatenate([kv_ids[:, 1:] != kv_ids[:, :-1], jnp.ones_like(kv_ids[:, :1], bool)], axis=1)
+    start = jax.lax.cummax(jnp.where(new, at, 0), axis=1)
+    end = jax.lax.cummin(jnp.where(last, at + 1, S), axis=1, reverse=True)
+    return start.astype(jnp.int32), end.astype(jnp.int32)
+
+
+def _by_sorting(q_ids: Array, kv_ids: Array) -> tuple[Array, Array]:
+    """Any ids, by a stable sort of each row's key ids.
+
+    A query's id spans ``[left, right)`` of the sorted row, whose first and last entries hold the
+    smallest and largest key index with that id.
+    """
     order = jnp.argsort(kv_ids, axis=-1, stable=True).astype(jnp.int32)
     ids = jnp.take_along_axis(kv_ids, order, axis=-1)
     left = jax.vmap(lambda a, v: jnp.searchsorted(a, v, side="left"))(ids, q_ids).astype(jnp.int32)
