@@ -170,6 +170,10 @@ def blockwise_attention(
     plain = score_mod is None and sinks is None and bias is None and not dropout_rate and precision is None
     use = window is not None and plain and fused_forward(compute, where[0])
     plan, back = _plans(xla, window if use else None, None if score_mod is not None else backward_block)
+    group = _kv_group(k, v, lead) if use else 1
+    if group > 1:  # grouped heads: k and v unrepeated, a row per `group` rows of q (the fused kernels read them so)
+        plan, back = (dataclasses.replace(p, kv_group=group) for p in (plan, back))
+        kf, vf = (x.reshape(b // group, *x.shape[-2:]) for x in (k, v))
     run = plan.run(arrays)
     padded = _pad(qf, 1, bq), _pad(kf, 1, bk), _pad(vf, 1, bk)
     flat = jnp.arange(b, dtype=jnp.int32)  # each row's flat leading index
@@ -196,6 +200,16 @@ def _plans(xla: Plan, fused: tuple[int, int] | None, backward_block: tuple[int, 
         if (bqb, bkb) != (bq, bk) and bq % bqb == 0 and bk % bkb == 0:  # q, k, v padded for both
             back = dataclasses.replace(xla, bq=bqb, bk=bkb)
     return plan, back
+
+
+def _kv_group(k: Array, v: Array, lead: tuple[int, ...]) -> int:
+    """The query rows a row of k and v serves: G where k and v are ``lead`` but 1 on its last axis, else 1.
+
+    Grouped heads: q ``(..., K, G, T, D)``, k and v ``(..., K, 1, S, ·)``; otherwise k and v are
+    broadcast to ``lead``.
+    """
+    grouped = len(lead) >= 1 and lead[-1] > 1 and k.shape[:-2] == v.shape[:-2] == (*lead[:-1], 1)
+    return lead[-1] if grouped else 1
 
 
 def fused_forward(compute, platform: str) -> bool:

@@ -37,7 +37,9 @@ __all__ = [
     "fused_backward_kernel",
     "fused_forward_tangent",
     "fused_tangent_kernel",
+    "regrouped",
     "tangent_kernel",
+    "ungrouped",
 ]
 
 
@@ -53,6 +55,7 @@ def _forward(q, k, v, rows, seeds, sinks, kind, arrays, consts, *, plan: Plan, p
     if plan.fused is not None:  # one custom call over all of B (jattn._fused_cpu), XLA's tiles under jax.export
         outs = _FUSED.bind(q, k, v, rows, seeds, sinks, kind, *arrays, plan=plan, precision=precision)
         return vary(tuple(outs), q, k, v), ()  # under shard_map, varying as q, k, v (a custom call's results are not)
+    (k, v), plan = ungrouped(plan, k, v)
     body = functools.partial(_forward_group, consts=consts, plan=plan, precision=precision)
     return by_group(plan, body, (q, k, v, rows, seeds, sinks), (kind, *arrays))
 
@@ -64,7 +67,22 @@ def _kernel_call(plan: Plan, arrays: tuple[Array, ...], T: int) -> dict:
     ``arrays`` (:func:`jattn._fused_rows.row_bounds`; ``T`` the kernels' padded query length).
     """
     return dict(length=plan.S, q_offset=plan.q_offset, kv_offset=plan.kv_offset, window=plan.fused, scale=plan.scale,
-                threads=plan.threads, rows=row_bounds(plan.mask, arrays, T, plan.S))  # fmt: skip
+                threads=plan.threads, rows=row_bounds(plan.mask, arrays, T, plan.S), group=plan.kv_group)  # fmt: skip
+
+
+def ungrouped(plan: Plan, *kv: Array) -> tuple[tuple[Array, ...], Plan]:
+    """Rows of k and v (or of their tangents) for each row of q, and ``plan`` without groups (XLA's tiles take those).
+
+    A grouped plan's k and v have a row per ``plan.kv_group`` rows of q (:attr:`jattn._plan.Plan.kv_group`).
+    """
+    if plan.kv_group == 1:
+        return kv, plan
+    return tuple(jnp.repeat(x, plan.kv_group, axis=0) for x in kv), replace(plan, kv_group=1)
+
+
+def regrouped(plan: Plan, *grads: Array) -> tuple[Array, ...]:
+    """Gradients of :func:`ungrouped`'s rows summed back to a row per ``plan.kv_group`` rows of q."""
+    return tuple(x.reshape(-1, plan.kv_group, *x.shape[1:]).sum(1) for x in grads)
 
 
 def _fused(q, k, v, rows, seeds, sinks, kind, *arrays, plan: Plan, precision) -> list:
@@ -116,6 +134,7 @@ def _fused_tangent(q, k, v, dq, dk, dv, out, lse, rows, seeds, kind, *arrays, pl
 
 def _tiles_tangent(q, k, v, dq, dk, dv, out, lse, rows, seeds, kind, *arrays, plan: Plan, precision) -> list:
     """The same on XLA's tiles (under :func:`jax.export`)."""
+    (k, v, dk, dv), plan = ungrouped(plan, k, v, dk, dv)
     xs = (q, k, v, dq, dk, dv, out, lse, jnp.zeros_like(lse[:, 0]), jnp.zeros_like(lse[:, 0]))
     plan = replace(plan, fused=None)
     return list(tangent_kernel(xs, rows, seeds, kind, arrays, (), (), (), plan=plan, precision=precision))
@@ -147,23 +166,10 @@ def _fused_backward(q, k, v, out, lse, d_out, d_lse, rows, seeds, kind, *arrays,
 
 def _tiles_backward(q, k, v, out, lse, d_out, d_lse, rows, seeds, kind, *arrays, plan: Plan, precision) -> list:
     """The same on XLA's tiles (under :func:`jax.export`)."""
-    ((dq, dk, dv), _), _ = backward_kernel(
-        q,
-        k,
-        v,
-        out,
-        lse,
-        d_out,
-        d_lse,
-        rows,
-        seeds,
-        kind,
-        arrays,
-        (),
-        plan=replace(plan, fused=None),
-        precision=precision,
-    )
-    return [dq, dk, dv]
+    (k, v), flat = ungrouped(plan, k, v)
+    args = (q, k, v, out, lse, d_out, d_lse, rows, seeds, kind, arrays, ())
+    ((dq, dk, dv), _), _ = backward_kernel(*args, plan=replace(flat, fused=None), precision=precision)
+    return [dq, *regrouped(plan, dk, dv)]
 
 
 #: The fused backward (first-order reverse mode where the forward is the fused kernel's), inside the pair's backward.
@@ -264,18 +270,19 @@ def folding(kernel, foldable: bool = True, shared: tuple[int, ...] = ()):
             outs = jax.vmap(kernel, in_axes=axes)(*args)
             return outs, jax.tree.map(lambda _: True, outs)
         b = xs[0].shape[1] if xs_batched[0] else xs[0].shape[0]
-        flat = tuple(fold(x, batched, n, b) for x, batched in zip(xs, xs_batched, strict=True))
+        flat = tuple(fold(x, batched, n) for x, batched in zip(xs, xs_batched, strict=True))
         masks = tuple(fold_rows(m, batched, n, b) for m, batched in zip(arrays, arrays_batched, strict=True))
         outs = folded(*flat, fold_rows(kind, kind_batched, n, b), masks, consts)
-        outs = jax.tree.map(lambda y: y.reshape(n, b, *y.shape[1:]), outs)
+        outs = jax.tree.map(lambda y: y.reshape(n, -1, *y.shape[1:]), outs)
         return outs, jax.tree.map(lambda _: True, outs)
 
     return folded
 
 
-def fold(x: Array, batched: bool, n: int, b: int) -> Array:
-    """``x`` ``(n, b, ...)`` (``batched``) or ``(b, ...)`` as ``(n·b, ...)``."""
+def fold(x: Array, batched: bool, n: int, b: int | None = None) -> Array:
+    """``x`` ``(n, b, ...)`` (``batched``) or ``(b, ...)`` as ``(n·b, ...)`` (``b``: its own rows where None)."""
     x = x if batched else jnp.broadcast_to(x, (n, *x.shape))
+    b = x.shape[1] if b is None else b
     return jnp.broadcast_to(x, (n, b, *x.shape[2:])).reshape(n * b, *x.shape[2:])
 
 

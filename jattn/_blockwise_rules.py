@@ -34,7 +34,9 @@ from jattn._blockwise_kernels import (
     fused_backward_kernel,
     fused_forward_tangent,
     fused_tangent_kernel,
+    regrouped,
     tangent_kernel,
+    ungrouped,
 )
 from jattn._linear_pair import LinearPair
 from jattn._one_pass_jvp import OnePassJvp
@@ -116,6 +118,8 @@ def _two_pass(call: Call, xs: list, dxs: list) -> list:
 
 def _impl(direction: int, call: Call, res: list, lin: list) -> list:
     """The tangent (direction 0) or the backward (1) of ``call`` at ``res`` on ``lin`` (:class:`jattn._linear_pair.LinearPair`)."""
+    if call.plan.kv_group > 1 and call.plan.fused is None:  # grouped k, v on XLA's tiles (second order)
+        return _ungrouped(direction, call, res, lin)
     q, k, v, rows, seeds, sinks, consts, bias, kind, arrays, out, lse = call.split(res)
     if direction == 0 and call.plan.fused is not None:  # the fused kernel's tangent (no sinks, bias or modification)
         dq, dk, dv, *_ = lin
@@ -156,6 +160,16 @@ def _backward(call: Call, q, k, v, rows, seeds, sinks, consts, bias, kind, array
     return dq, dk, dv, d_sinks, *d_consts, *d_bias
 
 
+def _ungrouped(direction: int, call: Call, res: list, lin: list) -> list:
+    """:func:`_impl` with k and v (and their tangents) repeated for every row of q, their gradients summed back."""
+    (k, v), plan = ungrouped(call.plan, res[1], res[2])
+    res = [res[0], k, v, *res[3:]]
+    if direction == 0:
+        lin = [lin[0], *ungrouped(call.plan, lin[1], lin[2])[0], *lin[3:]]
+    outs = _impl(direction, call._replace(plan=plan, back=dataclasses.replace(call.back, kv_group=1)), res, lin)
+    return outs if direction == 0 else [outs[0], *regrouped(call.plan, outs[1], outs[2]), *outs[3:]]
+
+
 def _diff(direction: int, call: Call, res: list, lin: list) -> list:
     """:func:`_impl` on the reverse-differentiable loops (second order)."""
     return _impl(direction, call.remat(), res, lin)
@@ -187,10 +201,10 @@ def _fold(call: Call, args: list, dims: list):
         if x is None
         else fold_rows(x, d is not None, n, b)
         if i == kind_at or i in arrays
-        else fold(x, d is not None, n, b)
+        else fold(x, d is not None, n)  # its own rows: k and v of a grouped plan have fewer than q
         for i, (x, d) in enumerate(zip(args, dims, strict=True))
     ]  # None: a slot the one-pass jvp does not fill (out and lse)
-    return folded, lambda outs: [y.reshape(n, b, *y.shape[1:]) for y in outs]
+    return folded, lambda outs: [y.reshape(n, -1, *y.shape[1:]) for y in outs]
 
 
 PAIR = LinearPair("jattn_blockwise", fast=_impl, diff=_diff, avals=_avals, fold=_fold)

@@ -399,25 +399,28 @@ void run(int threads, const Work& work) {
   for (auto& t : pool) t.join();
 }
 
-// q (B, T, D), k (B, S, D), v (B, S, E) with any leading dimensions flattened to B, read from the buffers, and
-// what every kernel derives from them: the keys below `length` (at most S), padded to 64 (Sp), D and E padded to
-// whole panels (Dp, Ep), the query blocks of a B row, and the threads that get a task.
+// q (B, T, D), k (B / G, S, D), v (B / G, S, E) with any leading dimensions flattened, read from the buffers:
+// grouped query heads, G rows of q (b G to b G + G - 1) a row of k and v (b); and what every kernel derives from
+// them: the keys below `length` (at most S), padded to 64 (Sp), D and E padded to whole panels (Dp, Ep), the
+// query blocks of a B row, and the threads that get a task.
 struct Dims {
-  int64_t B = 1, T = 0, S = 0, D = 0, E = 0, length = 0, Sp = 0, Dp = 0, Ep = 0, blocks = 0;
+  int64_t B = 1, Bk = 1, G = 1, T = 0, S = 0, D = 0, E = 0, length = 0, Sp = 0, Dp = 0, Ep = 0, blocks = 0;
   int n = 1;
 };
 
 // The dimensions of q, k, v and the blocks checked; an error names what disagrees.
 ffi::Error dims_of(ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& k, ffi::Buffer<ffi::F32>& v, int64_t length,
-                   int64_t block_q, int64_t block_kv, int64_t threads, Dims& d) {
+                   int64_t block_q, int64_t block_kv, int64_t threads, int64_t group, Dims& d) {
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
   const size_t rank = qd.size();
   if (rank < 2 || kd.size() != rank || vd.size() != rank) return ffi::Error::InvalidArgument("q, k, v: ranks differ");
-  d.T = qd[rank - 2], d.D = qd[rank - 1], d.S = kd[rank - 2], d.E = vd[rank - 1];
+  d.T = qd[rank - 2], d.D = qd[rank - 1], d.S = kd[rank - 2], d.E = vd[rank - 1], d.G = group;
   for (size_t a = 0; a + 2 < rank; ++a) {
-    if (kd[a] != qd[a] || vd[a] != qd[a]) return ffi::Error::InvalidArgument("q, k, v: leading dimensions differ");
-    d.B *= qd[a];
+    if (vd[a] != kd[a]) return ffi::Error::InvalidArgument("k, v: leading dimensions differ");
+    d.B *= qd[a], d.Bk *= kd[a];
   }
+  if (group < 1 || d.Bk * group != d.B)
+    return ffi::Error::InvalidArgument("fused attention: q's rows are not `group` times k's and v's");
   if (kd[rank - 1] != d.D || vd[rank - 2] != d.S || block_kv % 64 || block_q < 1 || threads < 1)
     return ffi::Error::InvalidArgument("fused attention: inconsistent shapes or blocks");
   d.length = std::min(length, d.S), d.Sp = round_up(d.length, 64), d.blocks = (d.T + block_q - 1) / block_q;
@@ -468,12 +471,12 @@ ffi::Error row_mask_of(ffi::Buffer<ffi::S32>& lo, ffi::Buffer<ffi::S32>& hi, ffi
   return ffi::Error::Success();
 }
 
-// Each B row's kᵀ (as panels of W keys, kt[b]: Sp x D) and v (as panels of W values, vc[b]: Ep/W panels of
-// Sp x W), packed by the kernel's threads.
+// Each row of k and v: kᵀ (as panels of W keys, kt[b]: Sp x D) and v (as panels of W values, vc[b]: Ep/W panels
+// of Sp x W), packed by the kernel's threads.
 void pack_keys(const Dims& d, const float* k, const float* v, float* kt, float* vc) {
   std::atomic<int64_t> next{0};
   run(d.n, [&] {
-    for (int64_t b; (b = next.fetch_add(1)) < d.B;) {
+    for (int64_t b; (b = next.fetch_add(1)) < d.Bk;) {
       pack_transposed(k + b * d.S * d.D, d.length, d.D, d.D, d.Sp, kt + b * d.Sp * d.D);
       pack_columns(v + b * d.S * d.E, d.length, d.E, d.E, d.Sp, vc + b * d.Sp * d.Ep);
     }
@@ -538,15 +541,15 @@ inline void rescale(float* acc, int64_t rows, int64_t E, int64_t ld, const float
 ffi::Error Forward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> lo_b, ffi::Buffer<ffi::S32> hi_b, ffi::Buffer<ffi::S32> q_ids, ffi::Buffer<ffi::S32> kv_ids,
                    ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse, ffi::ResultBuffer<ffi::F32> mx,
                    int64_t length, int64_t q_offset, int64_t kv_offset, int64_t left, int64_t right, float scale,
-                   int64_t block_q, int64_t block_kv, int64_t threads, int64_t row_mask) {
+                   int64_t block_q, int64_t block_kv, int64_t threads, int64_t row_mask, int64_t group) {
   Dims d;
-  if (ffi::Error e = dims_of(q, k, v, length, block_q, block_kv, threads, d); e.failure()) return e;
+  if (ffi::Error e = dims_of(q, k, v, length, block_q, block_kv, threads, group, d); e.failure()) return e;
   RowMask rm;
   if (ffi::Error e = row_mask_of(lo_b, hi_b, q_ids, kv_ids, row_mask, d, rm); e.failure()) return e;
   const int64_t T = d.T, D = d.D, E = d.E, Sp = d.Sp, Ep = d.Ep, blocks = d.blocks, Bq = block_q, Bc = block_kv;
   const float* qp = q.typed_data();
   float *op = out->typed_data(), *lp = lse->typed_data(), *mp = mx->typed_data();
-  Scratch kt(d.B * Sp * D), vc(d.B * Sp * Ep);
+  Scratch kt(d.Bk * Sp * D), vc(d.Bk * Sp * Ep);
   pack_keys(d, k.typed_data(), v.typed_data(), kt.data, vc.data);
 
   std::atomic<int64_t> next{0};
@@ -566,7 +569,7 @@ ffi::Error Forward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
         const int64_t cols = std::min(Bc, last - c0);
         for (int64_t i = 0; i < rows; ++i) vmax[i].x = V::set1(-kInf);
         tile_spans(rows, lo.data(), hi.data(), c0, cols, nullptr, ka.data(), kz.data());
-        const float* ktb = kt.data + (b * Sp + c0) * D;
+        const float* ktb = kt.data + (b / d.G * Sp + c0) * D;
         gemm_panels(rows, cols, D, qs.data, D, 1, ktb, D * W, s.data, Bc, false, vmax.data(), &spans);
         for (int64_t i = 0; i < rows; ++i) {
           float* row = s.data + i * Bc;
@@ -579,7 +582,7 @@ ffi::Error Forward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
           l[i] = l[i] * r[i] + (a < z ? exp_sum(row + a, z - a, m[i]) : 0.f);
         }
         rescale(acc.data, rows, E, Ep, r.data());
-        gemm(rows, E, cols, s.data, Bc, 1, vc.data + b * Sp * Ep + c0 * W, Sp * W, acc.data, Ep, true, &spans);
+        gemm(rows, E, cols, s.data, Bc, 1, vc.data + b / d.G * Sp * Ep + c0 * W, Sp * W, acc.data, Ep, true, &spans);
       }
       for (int64_t i = 0; i < rows; ++i) {
         const int64_t t = b * T + r0 + i;
@@ -629,15 +632,15 @@ ffi::Error Tangent(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
                    ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::S32> lo_b, ffi::Buffer<ffi::S32> hi_b, ffi::Buffer<ffi::S32> q_ids, ffi::Buffer<ffi::S32> kv_ids, ffi::ResultBuffer<ffi::F32> d_out,
                    ffi::ResultBuffer<ffi::F32> d_lse,
                    int64_t length, int64_t q_offset, int64_t kv_offset, int64_t left, int64_t right, float scale,
-                   int64_t block_q, int64_t block_kv, int64_t threads, int64_t row_mask) {
+                   int64_t block_q, int64_t block_kv, int64_t threads, int64_t row_mask, int64_t group) {
   Dims d;
-  if (ffi::Error e = dims_of(q, k, v, length, block_q, block_kv, threads, d); e.failure()) return e;
+  if (ffi::Error e = dims_of(q, k, v, length, block_q, block_kv, threads, group, d); e.failure()) return e;
   RowMask rm;
   if (ffi::Error e = row_mask_of(lo_b, hi_b, q_ids, kv_ids, row_mask, d, rm); e.failure()) return e;
   const int64_t T = d.T, D = d.D, E = d.E, Sp = d.Sp, Ep = d.Ep, blocks = d.blocks, Bq = block_q, Bc = block_kv;
   const float *qp = q.typed_data(), *dqp = dq.typed_data(), *op = out.typed_data(), *lp = lse.typed_data();
   float *dop = d_out->typed_data(), *dlp = d_lse->typed_data();
-  Scratch kt(d.B * Sp * D), vc(d.B * Sp * Ep), dkt(d.B * Sp * D), dvc(d.B * Sp * Ep);
+  Scratch kt(d.Bk * Sp * D), vc(d.Bk * Sp * Ep), dkt(d.Bk * Sp * D), dvc(d.Bk * Sp * Ep);
   pack_keys(d, k.typed_data(), v.typed_data(), kt.data, vc.data);
   pack_keys(d, dk.typed_data(), dv.typed_data(), dkt.data, dvc.data);
 
@@ -655,7 +658,7 @@ ffi::Error Tangent(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
       std::fill(acc.data, acc.data + rows * Ep, 0.f);
       for (int64_t c0 = first / 64 * 64; c0 < last; c0 += Bc) {
         const int64_t cols = std::min(Bc, last - c0);
-        const int64_t at = (b * Sp + c0) * D, vat = b * Sp * Ep + c0 * W;
+        const int64_t at = (b / d.G * Sp + c0) * D, vat = b / d.G * Sp * Ep + c0 * W;
         tile_spans(rows, lo.data(), hi.data(), c0, cols, lp + b * T + r0, ka.data(), kz.data());  // lse -inf: no key
         tangent_products(rows, cols, D, qs.data, dqs.data, kt.data + at, dkt.data + at, s.data, ds.data, Bc, nullptr,
                          spans);
@@ -704,16 +707,16 @@ ffi::Error ForwardTangent(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi:
                           ffi::ResultBuffer<ffi::F32> mx, ffi::ResultBuffer<ffi::F32> d_out,
                           ffi::ResultBuffer<ffi::F32> d_lse, int64_t length, int64_t q_offset, int64_t kv_offset,
                           int64_t left, int64_t right, float scale, int64_t block_q, int64_t block_kv,
-                          int64_t threads, int64_t row_mask) {
+                          int64_t threads, int64_t row_mask, int64_t group) {
   Dims d;
-  if (ffi::Error e = dims_of(q, k, v, length, block_q, block_kv, threads, d); e.failure()) return e;
+  if (ffi::Error e = dims_of(q, k, v, length, block_q, block_kv, threads, group, d); e.failure()) return e;
   RowMask rm;
   if (ffi::Error e = row_mask_of(lo_b, hi_b, q_ids, kv_ids, row_mask, d, rm); e.failure()) return e;
   const int64_t T = d.T, D = d.D, E = d.E, Sp = d.Sp, Ep = d.Ep, blocks = d.blocks, Bq = block_q, Bc = block_kv;
   const float *qp = q.typed_data(), *dqp = dq.typed_data();
   float *op = out->typed_data(), *lp = lse->typed_data(), *mp = mx->typed_data();
   float *dop = d_out->typed_data(), *dlp = d_lse->typed_data();
-  Scratch kt(d.B * Sp * D), vc(d.B * Sp * Ep), dkt(d.B * Sp * D), dvc(d.B * Sp * Ep);
+  Scratch kt(d.Bk * Sp * D), vc(d.Bk * Sp * Ep), dkt(d.Bk * Sp * D), dvc(d.Bk * Sp * Ep);
   pack_keys(d, k.typed_data(), v.typed_data(), kt.data, vc.data);
   pack_keys(d, dk.typed_data(), dv.typed_data(), dkt.data, dvc.data);
 
@@ -733,7 +736,7 @@ ffi::Error ForwardTangent(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi:
       std::fill(acc.data, acc.data + rows * Ep, 0.f), std::fill(A.data, A.data + rows * Ep, 0.f);
       for (int64_t c0 = first / 64 * 64; c0 < last; c0 += Bc) {
         const int64_t cols = std::min(Bc, last - c0);
-        const int64_t at = (b * Sp + c0) * D, vat = b * Sp * Ep + c0 * W;
+        const int64_t at = (b / d.G * Sp + c0) * D, vat = b / d.G * Sp * Ep + c0 * W;
         for (int64_t i = 0; i < rows; ++i) vmax[i].x = V::set1(-kInf);
         tile_spans(rows, lo.data(), hi.data(), c0, cols, nullptr, ka.data(), kz.data());
         tangent_products(rows, cols, D, qs.data, dqs.data, kt.data + at, dkt.data + at, s.data, ds.data, Bc,
@@ -774,9 +777,9 @@ ffi::Error Backward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffe
                     ffi::Buffer<ffi::F32> d_out, ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> delta, ffi::Buffer<ffi::S32> lo_b, ffi::Buffer<ffi::S32> hi_b, ffi::Buffer<ffi::S32> q_ids, ffi::Buffer<ffi::S32> kv_ids,
                     ffi::ResultBuffer<ffi::F32> dq, ffi::ResultBuffer<ffi::F32> dk, ffi::ResultBuffer<ffi::F32> dv,
                     int64_t length, int64_t q_offset, int64_t kv_offset, int64_t left, int64_t right, float scale,
-                    int64_t block_q, int64_t block_kv, int64_t threads, int64_t row_mask) {
+                    int64_t block_q, int64_t block_kv, int64_t threads, int64_t row_mask, int64_t group) {
   Dims d;
-  if (ffi::Error e = dims_of(q, k, v, length, block_q, block_kv, threads, d); e.failure()) return e;
+  if (ffi::Error e = dims_of(q, k, v, length, block_q, block_kv, threads, group, d); e.failure()) return e;
   RowMask rm;
   if (ffi::Error e = row_mask_of(lo_b, hi_b, q_ids, kv_ids, row_mask, d, rm); e.failure()) return e;
   const int64_t T = d.T, S = d.S, D = d.D, E = d.E, Sp = d.Sp, Dp = d.Dp, Ep = d.Ep, Bq = block_q, Bc = block_kv;
@@ -784,18 +787,18 @@ ffi::Error Backward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffe
   const float *lp = lse.typed_data(), *dp = delta.typed_data();
   float *dqp = dq->typed_data(), *dkp = dk->typed_data(), *dvp = dv->typed_data();
   std::atomic<int64_t> next{0};
-  run(static_cast<int>(std::min<int64_t>(d.n, d.B)), [&] {
+  run(static_cast<int>(std::min<int64_t>(d.n, d.Bk)), [&] {
     Scratch kt(Sp * D), vt(Sp * E), kc(Sp * Dp), dks(Sp * Dp), dvs(Sp * Ep);
     Scratch s(Bq * Bc), ds(Bq * Bc), qs(Bq * D), qc(Bq * Dp), gc(Bq * Ep), dqs(Bq * Dp);
     std::vector<int64_t> lo(Bq), hi(Bq), ka(Bq), kz(Bq);
     const Spans spans{ka.data(), kz.data()};
-    for (int64_t b; (b = next.fetch_add(1)) < d.B;) {
-      pack_transposed(kp + b * S * D, d.length, D, D, Sp, kt.data);
-      pack_transposed(vp + b * S * E, d.length, E, E, Sp, vt.data);
-      pack_columns(kp + b * S * D, d.length, D, D, Sp, kc.data);
+    for (int64_t kb; (kb = next.fetch_add(1)) < d.Bk;) {  // a row of k and v, and its G rows of q
+      pack_transposed(kp + kb * S * D, d.length, D, D, Sp, kt.data);
+      pack_transposed(vp + kb * S * E, d.length, E, E, Sp, vt.data);
+      pack_columns(kp + kb * S * D, d.length, D, D, Sp, kc.data);
       std::fill(dks.data, dks.data + Sp * Dp, 0.f), std::fill(dvs.data, dvs.data + Sp * Ep, 0.f);
-      for (int64_t r0 = 0; r0 < T; r0 += Bq) {
-        const int64_t rows = std::min(Bq, T - r0);
+      for (int64_t task = kb * d.G * d.blocks; task < (kb + 1) * d.G * d.blocks; ++task) {  // its rows' query blocks
+        const int64_t b = task / d.blocks, r0 = task % d.blocks * Bq, rows = std::min(Bq, T - r0);
         const float* gb = gp + (b * T + r0) * E;
         scaled(qp, nullptr, (b * T + r0) * D, rows * D, scale, qs.data, nullptr);
         pack_columns(qs.data, rows, D, D, Bq, qc.data), pack_columns(gb, rows, E, E, Bq, gc.data);
@@ -820,8 +823,8 @@ ffi::Error Backward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffe
       }
       for (int64_t j = 0; j < S; ++j) {
         const bool real = j < d.length;
-        for (int64_t e = 0; e < D; ++e) dkp[(b * S + j) * D + e] = real ? dks[j * Dp + e] : 0.f;
-        for (int64_t e = 0; e < E; ++e) dvp[(b * S + j) * E + e] = real ? dvs[j * Ep + e] : 0.f;
+        for (int64_t e = 0; e < D; ++e) dkp[(kb * S + j) * D + e] = real ? dks[j * Dp + e] : 0.f;
+        for (int64_t e = 0; e < E; ++e) dvp[(kb * S + j) * E + e] = real ? dvs[j * Ep + e] : 0.f;
       }
     }
   });
@@ -841,7 +844,7 @@ using S32 = ffi::Buffer<ffi::S32>;
 #define JATTN_ATTRIBUTES                                                                                      \
   .Attr<int64_t>("length").Attr<int64_t>("q_offset").Attr<int64_t>("kv_offset").Attr<int64_t>("left")        \
       .Attr<int64_t>("right").Attr<float>("scale").Attr<int64_t>("block_q").Attr<int64_t>("block_kv")        \
-      .Attr<int64_t>("threads").Attr<int64_t>("row_mask")
+      .Attr<int64_t>("threads").Attr<int64_t>("row_mask").Attr<int64_t>("group")
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JattnFusedForward, Forward,
                               ffi::Ffi::Bind().Arg<F32>().Arg<F32>().Arg<F32>() JATTN_ROWS.Ret<F32>().Ret<F32>().Ret<F32>()

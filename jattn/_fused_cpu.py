@@ -171,6 +171,7 @@ def forward(
     scale: float,
     threads: int,
     rows: tuple[Array, Array, Array | None, Array | None] | None = None,
+    group: int = 1,
     block_q: int = BLOCK_Q,
     block_kv: int = BLOCK_KV,
 ) -> tuple[Array, Array, Array]:
@@ -181,10 +182,11 @@ def forward(
     s where ``q_offset + t - left <= kv_offset + s <= q_offset + t + right``
     (``window = (left, right)``, :func:`jattn._position_masks.key_interval`). ``rows``: a per-example
     mask's ``(lo, hi, q_ids, kv_ids)`` (:func:`jattn._fused_rows.row_bounds`; the ids None without
-    segment ids), or None. Requires :func:`available`.
+    segment ids), or None. ``group``: grouped heads, k and v ``(B / group, ...)``, a row per
+    ``group`` rows of q. Requires :func:`available`.
     """
     call = dict(length=length, q_offset=q_offset, kv_offset=kv_offset, window=window, scale=scale, threads=threads,
-                rows=rows, block_q=block_q, block_kv=block_kv)  # fmt: skip
+                rows=rows, group=group, block_q=block_q, block_kv=block_kv)  # fmt: skip
     return _call(TARGET, ("tile", "row", "row"), (q, k, v), call)
 
 
@@ -195,7 +197,7 @@ def tangent(
 
     ``dq``, ``dk``, ``dv`` are the tangents of q, k, v (shaped like them), ``out`` and ``lse`` the
     forward's; ``call`` the keyword arguments of :func:`forward` (``length``, offsets, ``window``,
-    ``scale``, ``threads``, ``rows``). Rows with lse ``-inf`` (no key) get 0. Requires :func:`available`.
+    ``scale``, ``threads``, ``rows``, ``group``). Rows with lse ``-inf`` (no key) get 0. Requires :func:`available`.
     """
     return _call(TANGENT, ("tile", "row"), (q, k, v, dq, dk, dv, out, lse), call)
 
@@ -243,7 +245,7 @@ def _call(target: str, results: tuple[str, ...], operands: tuple[Array, ...], ca
 
 def _attributes(
     *, length: int, q_offset: int, kv_offset: int, window: tuple[int, int], scale: float, threads: int,
-    block_q: int = BLOCK_Q, block_kv: int = BLOCK_KV,
+    group: int = 1, block_q: int = BLOCK_Q, block_kv: int = BLOCK_KV,
 ) -> dict:  # fmt: skip
     """The custom calls' attributes, typed as the C++ handlers bind them."""
     return dict(
@@ -256,4 +258,5 @@ def _attributes(
         block_q=np.int64(block_q),
         block_kv=np.int64(-(-block_kv // 64) * 64),
         threads=np.int64(threads),
+        group=np.int64(group),
     )

@@ -72,6 +72,9 @@ class Plan:
     dropout: float = 0.0  # the dropout rate (0.0: none)
     fused: tuple[int, int] | None = None  # (left, right): the forward is the fused CPU kernel's for this key interval
     remat: bool = False  # loops of static length with checkpointed bodies: reverse-differentiable (second order)
+    kv_group: int = (
+        1  # rows of q a row of k and v serves: grouped heads, k and v unrepeated (fused plans; see _blockwise)
+    )
 
     @property
     def nq(self) -> int:
