@@ -57,6 +57,12 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--gpu", action="store_true", help="the GPU preset (bench/gpu.sh): " + str(suite.GPU_PRESET))
     p.add_argument("--flex", action="store_true", help="blockwise forward with softcap, alibi, sinks vs plain (ratios)")
+    p.add_argument(
+        "--gqa",
+        action="store_true",
+        help="grouped-query (N=8, K=2) causal fwd+bwd against torch enable_gqa=True (T=4096), and whether k, v "
+        "reach the kernels unrepeated",
+    )
     p.add_argument("--packed", action="store_true", help="8 packed causal documents vs full causal, blockwise (T=8192)")
     p.add_argument(
         "--transforms",
@@ -81,37 +87,9 @@ def main(argv: list[str] | None = None) -> int:
         args = gpu_args(args)
 
     console = Console()
-    if args.flex:
-        for T in args.T:
-            rows = suite.flex_case(T, args.B, args.N, args.D, args.repeats)
-            table = Table(title=f"blockwise causal forward, B={args.B} N={args.N} T={T} D={args.D}: modifications")
-            for col in ("variant", "ms", "ratio to plain"):
-                table.add_column(col, justify="right")
-            for name, r in rows.items():
-                table.add_row(name, f"{r['ms']:.1f}", f"{r['ratio']:.3f}")
-            console.print(table)
-            console.print(f"bias (B, 2, {T}, {T}) fwd+bwd scratch MiB: {suite.bias_memory_case(T, args.B)}")
-        return 0
-    if args.packed:
-        for T in args.T if p.get_default("T") != args.T else [8192]:
-            r = suite.packed_case(T, args.B, args.N, args.D, repeats=args.repeats)
-            console.print(f"packed documents, blockwise, B={args.B} N={args.N} T={T} D={args.D}: {r}")
-        return 0
-    if args.transforms:
-        _transforms(console, args)
-        return 0
-    if args.model:
-        _model(console, args)
-        return 0
-    if args.module:
-        for T in args.T:
-            rows = {impl: suite.module_case(T, impl, args.repeats) for impl in ("dense", "blockwise")}
-            table = Table(title=f"nnx.SelfAttention(512, num_heads=8), causal, fwd+bwd, x (1, {T}, 512)")
-            for col in ("path", "ms", "scratch MiB"):
-                table.add_column(col, justify="right")
-            for impl, r in rows.items():
-                table.add_row(impl, f"{r['ms']:.1f}", f"{r['temp_mib']:.0f}")
-            console.print(table)
+    special = next((name for name in SPECIAL if getattr(args, name)), None)
+    if special is not None:  # a case with its own table
+        SPECIAL[special](console, args, p.get_default("T") == args.T)
         return 0
     peak = suite.matmul_peak()
     console.print(f"matmul peak (jitted float32 2048^3): {peak:.0f} GFLOP/s")
@@ -155,11 +133,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _transforms(console: Console, args: argparse.Namespace) -> None:
+def _transforms(console: Console, args: argparse.Namespace, default_T: bool) -> None:
     """The ``--transforms`` tables (:mod:`bench.transforms`); ``--T`` (if given) sets the jvp's length."""
     from bench import transforms
 
-    T = 16384 if parser().get_default("T") == args.T else args.T[0]
+    T = 16384 if default_T else args.T[0]
     cases = (
         (f"jvp, causal, B=1 N=8 T={T} D=64", transforms.forward_mode_case, T),
         ("forward-over-reverse HVP, causal, B=1 N=8 T=8192 D=64", transforms.hvp_case, 8192),
@@ -177,11 +155,11 @@ def _transforms(console: Console, args: argparse.Namespace) -> None:
     console.print(f"jvp T=32768 peak RSS of a whole process: {transforms.peak_rss('jvp', 32768):.2f} GiB")
 
 
-def _model(console: Console, args: argparse.Namespace) -> None:
+def _model(console: Console, args: argparse.Namespace, default_T: bool) -> None:
     """The ``--model`` table (:mod:`bench.model`): step and its parts, jattn and torch, and their ratio."""
     from bench import model
 
-    for T in [2048] if parser().get_default("T") == args.T else args.T:
+    for T in [2048] if default_T else args.T:
         rows = model.model_case(args.B, T, args.repeats)
         table = Table(title=f"decoder training step (2 layers, d_model 256, 4 heads, causal, adam), B={args.B} T={T}")
         parts = ("step", "attention fwd", "attention bwd", "rest")
@@ -199,9 +177,52 @@ def _model(console: Console, args: argparse.Namespace) -> None:
         console.print(table)
 
 
+def _flex(console: Console, args: argparse.Namespace, default_T: bool) -> None:
+    """The ``--flex`` tables: the blockwise causal forward with score modifications against the plain one."""
+    for T in args.T:
+        rows = suite.flex_case(T, args.B, args.N, args.D, args.repeats)
+        table = Table(title=f"blockwise causal forward, B={args.B} N={args.N} T={T} D={args.D}: modifications")
+        for col in ("variant", "ms", "ratio to plain"):
+            table.add_column(col, justify="right")
+        for name, r in rows.items():
+            table.add_row(name, f"{r['ms']:.1f}", f"{r['ratio']:.3f}")
+        console.print(table)
+        console.print(f"bias (B, 2, {T}, {T}) fwd+bwd scratch MiB: {suite.bias_memory_case(T, args.B)}")
+
+
+def _gqa(console: Console, args: argparse.Namespace, default_T: bool) -> None:
+    """The ``--gqa`` line: grouped-query causal fwd+bwd against torch (T=4096 unless ``--T``)."""
+    for T in [4096] if default_T else args.T:
+        r = suite.gqa_case(T, 1, args.N, 2, args.D, repeats=args.repeats)
+        console.print(f"grouped-query causal fwd+bwd, B=1 N={args.N} K=2 T={T} D={args.D}: {r}")
+
+
+def _packed(console: Console, args: argparse.Namespace, default_T: bool) -> None:
+    """The ``--packed`` line: 8 packed causal documents against full causal (T=8192 unless ``--T``)."""
+    for T in [8192] if default_T else args.T:
+        r = suite.packed_case(T, args.B, args.N, args.D, repeats=args.repeats)
+        console.print(f"packed documents, blockwise, B={args.B} N={args.N} T={T} D={args.D}: {r}")
+
+
+def _module(console: Console, args: argparse.Namespace, default_T: bool) -> None:
+    """The ``--module`` tables: ``nnx.SelfAttention(512, 8 heads)`` causal fwd+bwd on the dense and blockwise paths."""
+    for T in args.T:
+        rows = {impl: suite.module_case(T, impl, args.repeats) for impl in ("dense", "blockwise")}
+        table = Table(title=f"nnx.SelfAttention(512, num_heads=8), causal, fwd+bwd, x (1, {T}, 512)")
+        for col in ("path", "ms", "scratch MiB"):
+            table.add_column(col, justify="right")
+        for impl, r in rows.items():
+            table.add_row(impl, f"{r['ms']:.1f}", f"{r['temp_mib']:.0f}")
+        console.print(table)
+
+
 def gpu_args(args: argparse.Namespace) -> argparse.Namespace:
     """``args`` with the GPU preset (:data:`bench.suite.GPU_PRESET`) in place of its shapes and candidates."""
     return argparse.Namespace(**(vars(args) | suite.GPU_PRESET))
+
+
+#: The options that run a case with its own table, in the order they are looked at, and their functions.
+SPECIAL = {"flex": _flex, "gqa": _gqa, "packed": _packed, "transforms": _transforms, "model": _model, "module": _module}
 
 
 if __name__ == "__main__":

@@ -400,6 +400,45 @@ def bias_memory_case(T: int = 2048, B: int = 1, N: int = 2, D: int = 64) -> dict
     }
 
 
+def gqa_case(T: int = 4096, B: int = 1, N: int = 8, K: int = 2, D: int = 64, repeats: int = 5) -> dict:
+    """Grouped-query causal attention, forward + backward: jattn (k, v ``(B, K, 1, T, D)`` against q
+    ``(B, K, N/K, T, D)``) against PyTorch SDPA with ``enable_gqa=True``, alternated in this process.
+
+    Also whether the compiled program gives the fused kernels k with ``B·K`` rows (no repeat per query head).
+    """
+    import torch
+
+    G = N // K
+    keys = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(keys[0], (B, K, G, T, D))
+    k, v = (jax.random.normal(x, (B, K, 1, T, D)) for x in keys[1:])
+    grad = jax.jit(jax.grad(lambda q, k, v: jnp.sum(jattn.attention(q, k, v, mask=masks.causal())), argnums=(0, 1, 2)))
+    program = grad.lower(q, k, v).as_text()
+    calls = [line for line in program.splitlines() if "custom_call @jattn_fused" in line]
+    tq, tk, tv = (torch.tensor(np.asarray(x).reshape(B, -1, T, D), requires_grad=True) for x in (q, k, v))
+
+    def theirs():
+        torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=True, enable_gqa=True).sum().backward()
+
+    fns = {"jattn": lambda: jax.block_until_ready(grad(q, k, v)), "torch": theirs}
+    for f in fns.values():
+        f()
+    times: dict[str, list[float]] = {n: [] for n in fns}
+    for _ in range(repeats):
+        for name, f in fns.items():
+            t0 = time.perf_counter()
+            f()
+            times[name].append(time.perf_counter() - t0)
+    ms = {n: 1e3 * statistics.median(t) for n, t in times.items()}
+    unrepeated = bool(calls) and all(f"tensor<{B * K}x" in line for line in calls)
+    return {
+        "jattn_ms": ms["jattn"],
+        "torch_ms": ms["torch"],
+        "x_torch": ms["torch"] / ms["jattn"],
+        "kv_unrepeated": unrepeated,
+    }
+
+
 def packed_case(T: int = 8192, B: int = 1, N: int = 8, D: int = 64, docs: int = 8, repeats: int = 5) -> dict:
     """Packed documents against full causal attention on the blockwise path (issue 34's target: fwd+bwd >= 5x).
 

@@ -18,10 +18,12 @@
 //   acc = acc e^(m - m') + p v,  and at the end  out = acc / l,  lse = m + log l.
 // Keys outside a row's interval get p = 0 (never scored); a row with none gives out 0 and lse and
 // max -inf. A NaN score makes its row's l, out and lse NaN (and its max logit NaN); a NaN value
-// reaches the rows that weigh it (p = 0 included, as in a dense product).
+// reaches the rows whose keys include it (a key of the computed span that a row does not see weighs
+// p = 0, and 0·NaN is NaN, as in a dense product; keys no row of a micro-kernel call sees are skipped).
 //
 // The vector layer (`V`, chosen at build time): AVX-512F (16 lanes), AVX2 + FMA (8 lanes), ARM NEON
-// (4 lanes), or scalar (-DJATTN_SCALAR, or any other CPU). Everything below is written once over it. The products are the file's own: a R x (NV lanes-wide
+// (4 lanes), or scalar (-DJATTN_SCALAR, or any other CPU). Everything below is written once over it.
+// The products are the file's own: a R x (NV lanes-wide
 // vectors) micro-kernel over B operands packed once into zero-padded panels of W = NV x lanes columns (kᵀ
 // as panels of W keys, v as panels of W values), so the micro-kernel never masks; scratch is padded to
 // whole panels and sits on 64-byte boundaries.

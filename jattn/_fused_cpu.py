@@ -5,8 +5,9 @@ k ``(B, S, D)``, v ``(B, S, E)``. XLA runs a tile's ops one after another, each 
 threads; the kernels give each thread whole (row of B, query block) tasks and keep the score
 tile in its core's cache between the two products, with the online softmax in between (docs:
 design notes). They serve the masks that give each query row one interval of keys
-(:func:`jattn._position_masks.key_interval`: none, causal, sliding windows and their ``&``) in float32
-(16-bit inputs are upcast): the forward (:func:`forward`, with the lse), its backward
+(:func:`jattn._position_masks.key_interval`: none, causal, sliding windows and their ``&``), cut per
+row by padding lengths and segment ids (``rows``, :mod:`jattn._fused_rows`), with grouped query heads
+(``group``: k and v a row per ``group`` rows of q), in float32 (16-bit inputs are upcast): the forward (:func:`forward`, with the lse), its backward
 (:func:`backward`: dq, dk, dv from the lse and ``delta``, one task per row of B), its tangent
 with the lse known (:func:`tangent`) and the forward and tangent in one pass (:func:`forward_tangent`).
 
