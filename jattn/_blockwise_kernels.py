@@ -54,7 +54,9 @@ def _forward(q, k, v, rows, seeds, sinks, kind, arrays, consts, *, plan: Plan, p
     """``((out (B, T, E), lse (B, T), max logit (B, T)), ())``: the fused CPU kernel's, or group by group."""
     if plan.fused is not None:  # one custom call over all of B (jattn._fused_cpu), XLA's tiles under jax.export
         outs = _FUSED.bind(q, k, v, rows, seeds, sinks, kind, *arrays, plan=plan, precision=precision)
-        return vary(tuple(outs), q, k, v), ()  # under shard_map, varying as q, k, v (a custom call's results are not)
+        return vary(
+            tuple(outs), q, k, v, *arrays
+        ), ()  # under shard_map, varying as its operands (a custom call's are not)
     (k, v), plan = ungrouped(plan, k, v)
     body = functools.partial(_forward_group, consts=consts, plan=plan, precision=precision)
     return by_group(plan, body, (q, k, v, rows, seeds, sinks), (kind, *arrays))
@@ -195,7 +197,7 @@ def fused_forward_tangent(q, k, v, dq, dk, dv, arrays, *, plan: Plan) -> list:
     Bound inside :mod:`jattn._blockwise_rules`' one-pass jvp, which lowers it (and folds its ``vmap``).
     """
     outs = _fused_cpu.forward_tangent(q, k, v, dq, dk, dv, **_kernel_call(plan, arrays, q.shape[1]))
-    return list(vary(tuple(outs), q, k, v, dq, dk, dv))
+    return list(vary(tuple(outs), q, k, v, dq, dk, dv, *arrays))
 
 
 def _forward_group(xs: tuple, a: tuple, group: Rows, *, consts, plan: Plan, precision) -> tuple:

@@ -144,7 +144,7 @@ def _backward(call: Call, q, k, v, rows, seeds, sinks, consts, bias, kind, array
     if plan.fused is not None:  # the fused kernel's backward (no sinks, bias or modification)
         args = (q, k, v, out, lse, d_out, d_lse, rows, seeds, kind, arrays)
         dq, dk, dv = fused_backward_kernel(*args, plan=plan, precision=None)
-        dq, dk, dv = sum_to(vary((dq, dk, dv), q, k, v, d_out), (q, k, v))  # as q, k, v vary under shard_map
+        dq, dk, dv = sum_to(vary((dq, dk, dv), q, k, v, d_out, *arrays), (q, k, v))  # as q, k, v vary under shard_map
         return dq, dk, dv, jnp.zeros_like(sinks)
     kind = kind if back == dataclasses.replace(plan, fused=None) else back.run(arrays).kind
     backward = functools.partial(backward_kernel, plan=back, precision=call.precision)

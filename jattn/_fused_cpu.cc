@@ -473,17 +473,31 @@ ffi::Error row_mask_of(ffi::Buffer<ffi::S32>& lo, ffi::Buffer<ffi::S32>& hi, ffi
   return ffi::Error::Success();
 }
 
-// Each row of k and v: kᵀ (as panels of W keys, kt[b]: Sp x D) and v (as panels of W values, vc[b]: Ep/W panels
-// of Sp x W), packed by the kernel's threads.
-void pack_keys(const Dims& d, const float* k, const float* v, float* kt, float* vc) {
-  std::atomic<int64_t> next{0};
-  run(d.n, [&] {
-    for (int64_t b; (b = next.fetch_add(1)) < d.Bk;) {
-      pack_transposed(k + b * d.S * d.D, d.length, d.D, d.D, d.Sp, kt + b * d.Sp * d.D);
-      pack_columns(v + b * d.S * d.E, d.length, d.E, d.E, d.Sp, vc + b * d.Sp * d.Ep);
-    }
-  });
-}
+// Each row of k and v as the products read them, packed by the kernel's threads: kᵀ as panels of W keys (Sp x D a
+// row), v as panels of W values (Ep/W panels of Sp x W a row), or v itself where E is one whole panel (its rows are
+// then the panel's rows: the products read no key past `length`).
+struct Keys {
+  Keys(const Dims& d, const float* k, const float* v)
+      : kt(d.Bk * d.Sp * d.D), vc(d.E == W ? 0 : d.Bk * d.Sp * d.Ep), v(v), S(d.S), Sp(d.Sp), D(d.D), E(d.E), Ep(d.Ep) {
+    std::atomic<int64_t> next{0};
+    run(d.n, [&] {
+      for (int64_t b; (b = next.fetch_add(1)) < d.Bk;) {
+        pack_transposed(k + b * d.S * d.D, d.length, d.D, d.D, d.Sp, kt.data + b * d.Sp * d.D);
+        if (d.E != W) pack_columns(v + b * d.S * d.E, d.length, d.E, d.E, d.Sp, vc.data + b * d.Sp * d.Ep);
+      }
+    });
+  }
+  // kᵀ's panels of row b from key c0 (panels D x W, D W apart), and v's (rows W apart, panels `vstride` apart).
+  const float* kt_at(int64_t b, int64_t c0) const { return kt.data + (b * Sp + c0) * D; }
+  const float* v_at(int64_t b, int64_t c0) const {
+    return E == W ? v + (b * S + c0) * E : vc.data + b * Sp * Ep + c0 * W;
+  }
+  int64_t vstride() const { return Sp * W; }
+
+  Scratch kt, vc;
+  const float* v;
+  int64_t S, Sp, D, E, Ep;
+};
 
 // Each of `rows` query rows from r0 of B row b: its keys [lo, hi) as key indices (below `length`, cut by the row
 // mask); returns the keys any row sees, [first, last) (first >= last: none).
@@ -548,11 +562,10 @@ ffi::Error Forward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
   if (ffi::Error e = dims_of(q, k, v, length, block_q, block_kv, threads, group, d); e.failure()) return e;
   RowMask rm;
   if (ffi::Error e = row_mask_of(lo_b, hi_b, q_ids, kv_ids, row_mask, d, rm); e.failure()) return e;
-  const int64_t T = d.T, D = d.D, E = d.E, Sp = d.Sp, Ep = d.Ep, blocks = d.blocks, Bq = block_q, Bc = block_kv;
+  const int64_t T = d.T, D = d.D, E = d.E, Ep = d.Ep, blocks = d.blocks, Bq = block_q, Bc = block_kv;
   const float* qp = q.typed_data();
   float *op = out->typed_data(), *lp = lse->typed_data(), *mp = mx->typed_data();
-  Scratch kt(d.Bk * Sp * D), vc(d.Bk * Sp * Ep);
-  pack_keys(d, k.typed_data(), v.typed_data(), kt.data, vc.data);
+  const Keys keys(d, k.typed_data(), v.typed_data());
 
   std::atomic<int64_t> next{0};
   run(d.n, [&] {
@@ -571,7 +584,7 @@ ffi::Error Forward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
         const int64_t cols = std::min(Bc, last - c0);
         for (int64_t i = 0; i < rows; ++i) vmax[i].x = V::set1(-kInf);
         tile_spans(rows, lo.data(), hi.data(), c0, cols, nullptr, ka.data(), kz.data());
-        const float* ktb = kt.data + (b / d.G * Sp + c0) * D;
+        const float* ktb = keys.kt_at(b / d.G, c0);
         gemm_panels(rows, cols, D, qs.data, D, 1, ktb, D * W, s.data, Bc, false, vmax.data(), &spans);
         for (int64_t i = 0; i < rows; ++i) {
           float* row = s.data + i * Bc;
@@ -584,7 +597,7 @@ ffi::Error Forward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
           l[i] = l[i] * r[i] + (a < z ? exp_sum(row + a, z - a, m[i]) : 0.f);
         }
         rescale(acc.data, rows, E, Ep, r.data());
-        gemm(rows, E, cols, s.data, Bc, 1, vc.data + b / d.G * Sp * Ep + c0 * W, Sp * W, acc.data, Ep, true, &spans);
+        gemm(rows, E, cols, s.data, Bc, 1, keys.v_at(b / d.G, c0), keys.vstride(), acc.data, Ep, true, &spans);
       }
       for (int64_t i = 0; i < rows; ++i) {
         const int64_t t = b * T + r0 + i;
@@ -639,12 +652,10 @@ ffi::Error Tangent(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
   if (ffi::Error e = dims_of(q, k, v, length, block_q, block_kv, threads, group, d); e.failure()) return e;
   RowMask rm;
   if (ffi::Error e = row_mask_of(lo_b, hi_b, q_ids, kv_ids, row_mask, d, rm); e.failure()) return e;
-  const int64_t T = d.T, D = d.D, E = d.E, Sp = d.Sp, Ep = d.Ep, blocks = d.blocks, Bq = block_q, Bc = block_kv;
+  const int64_t T = d.T, D = d.D, E = d.E, Ep = d.Ep, blocks = d.blocks, Bq = block_q, Bc = block_kv;
   const float *qp = q.typed_data(), *dqp = dq.typed_data(), *op = out.typed_data(), *lp = lse.typed_data();
   float *dop = d_out->typed_data(), *dlp = d_lse->typed_data();
-  Scratch kt(d.Bk * Sp * D), vc(d.Bk * Sp * Ep), dkt(d.Bk * Sp * D), dvc(d.Bk * Sp * Ep);
-  pack_keys(d, k.typed_data(), v.typed_data(), kt.data, vc.data);
-  pack_keys(d, dk.typed_data(), dv.typed_data(), dkt.data, dvc.data);
+  const Keys keys(d, k.typed_data(), v.typed_data()), dkeys(d, dk.typed_data(), dv.typed_data());
 
   std::atomic<int64_t> next{0};
   run(d.n, [&] {
@@ -660,16 +671,16 @@ ffi::Error Tangent(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
       std::fill(acc.data, acc.data + rows * Ep, 0.f);
       for (int64_t c0 = first / 64 * 64; c0 < last; c0 += Bc) {
         const int64_t cols = std::min(Bc, last - c0);
-        const int64_t at = (b / d.G * Sp + c0) * D, vat = b / d.G * Sp * Ep + c0 * W;
+        const int64_t kb = b / d.G;  // the row of k and v
         tile_spans(rows, lo.data(), hi.data(), c0, cols, lp + b * T + r0, ka.data(), kz.data());  // lse -inf: no key
-        tangent_products(rows, cols, D, qs.data, dqs.data, kt.data + at, dkt.data + at, s.data, ds.data, Bc, nullptr,
+        tangent_products(rows, cols, D, qs.data, dqs.data, keys.kt_at(kb, c0), dkeys.kt_at(kb, c0), s.data, ds.data, Bc, nullptr,
                          spans);
         for (int64_t i = 0; i < rows; ++i) {
           rm.other_documents(b, r0 + i, s.data + i * Bc, ka[i], kz[i], c0);
           c[i] += known_row(s.data + i * Bc, ds.data + i * Bc, ka[i], kz[i], cols, lp[b * T + r0 + i]);
         }
-        gemm(rows, E, cols, s.data, Bc, 1, dvc.data + vat, Sp * W, acc.data, Ep, true, &spans);
-        gemm(rows, E, cols, ds.data, Bc, 1, vc.data + vat, Sp * W, acc.data, Ep, true, &spans);
+        gemm(rows, E, cols, s.data, Bc, 1, dkeys.v_at(kb, c0), keys.vstride(), acc.data, Ep, true, &spans);
+        gemm(rows, E, cols, ds.data, Bc, 1, keys.v_at(kb, c0), keys.vstride(), acc.data, Ep, true, &spans);
       }
       for (int64_t i = 0; i < rows; ++i) {
         const int64_t t = b * T + r0 + i;
@@ -714,13 +725,11 @@ ffi::Error ForwardTangent(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi:
   if (ffi::Error e = dims_of(q, k, v, length, block_q, block_kv, threads, group, d); e.failure()) return e;
   RowMask rm;
   if (ffi::Error e = row_mask_of(lo_b, hi_b, q_ids, kv_ids, row_mask, d, rm); e.failure()) return e;
-  const int64_t T = d.T, D = d.D, E = d.E, Sp = d.Sp, Ep = d.Ep, blocks = d.blocks, Bq = block_q, Bc = block_kv;
+  const int64_t T = d.T, D = d.D, E = d.E, Ep = d.Ep, blocks = d.blocks, Bq = block_q, Bc = block_kv;
   const float *qp = q.typed_data(), *dqp = dq.typed_data();
   float *op = out->typed_data(), *lp = lse->typed_data(), *mp = mx->typed_data();
   float *dop = d_out->typed_data(), *dlp = d_lse->typed_data();
-  Scratch kt(d.Bk * Sp * D), vc(d.Bk * Sp * Ep), dkt(d.Bk * Sp * D), dvc(d.Bk * Sp * Ep);
-  pack_keys(d, k.typed_data(), v.typed_data(), kt.data, vc.data);
-  pack_keys(d, dk.typed_data(), dv.typed_data(), dkt.data, dvc.data);
+  const Keys keys(d, k.typed_data(), v.typed_data()), dkeys(d, dk.typed_data(), dv.typed_data());
 
   std::atomic<int64_t> next{0};
   run(d.n, [&] {
@@ -738,10 +747,10 @@ ffi::Error ForwardTangent(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi:
       std::fill(acc.data, acc.data + rows * Ep, 0.f), std::fill(A.data, A.data + rows * Ep, 0.f);
       for (int64_t c0 = first / 64 * 64; c0 < last; c0 += Bc) {
         const int64_t cols = std::min(Bc, last - c0);
-        const int64_t at = (b / d.G * Sp + c0) * D, vat = b / d.G * Sp * Ep + c0 * W;
+        const int64_t kb = b / d.G;  // the row of k and v
         for (int64_t i = 0; i < rows; ++i) vmax[i].x = V::set1(-kInf);
         tile_spans(rows, lo.data(), hi.data(), c0, cols, nullptr, ka.data(), kz.data());
-        tangent_products(rows, cols, D, qs.data, dqs.data, kt.data + at, dkt.data + at, s.data, ds.data, Bc,
+        tangent_products(rows, cols, D, qs.data, dqs.data, keys.kt_at(kb, c0), dkeys.kt_at(kb, c0), s.data, ds.data, Bc,
                          vmax.data(), spans);
         for (int64_t i = 0; i < rows; ++i) {
           const int64_t a = ka[i], z = kz[i];
@@ -749,9 +758,9 @@ ffi::Error ForwardTangent(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi:
           r[i] = online_row(s.data + i * Bc, ds.data + i * Bc, a, z, cols, vmax[i].x, !rm.ids, m[i], l[i], c[i]);
         }
         rescale(acc.data, rows, E, Ep, r.data()), rescale(A.data, rows, E, Ep, r.data());
-        gemm(rows, E, cols, s.data, Bc, 1, vc.data + vat, Sp * W, acc.data, Ep, true, &spans);
-        gemm(rows, E, cols, s.data, Bc, 1, dvc.data + vat, Sp * W, A.data, Ep, true, &spans);
-        gemm(rows, E, cols, ds.data, Bc, 1, vc.data + vat, Sp * W, A.data, Ep, true, &spans);
+        gemm(rows, E, cols, s.data, Bc, 1, keys.v_at(kb, c0), keys.vstride(), acc.data, Ep, true, &spans);
+        gemm(rows, E, cols, s.data, Bc, 1, dkeys.v_at(kb, c0), keys.vstride(), A.data, Ep, true, &spans);
+        gemm(rows, E, cols, ds.data, Bc, 1, keys.v_at(kb, c0), keys.vstride(), A.data, Ep, true, &spans);
       }
       for (int64_t i = 0; i < rows; ++i) {
         const int64_t t = b * T + r0 + i;

@@ -49,7 +49,8 @@ def row_bounds(skeleton: Mask | None, arrays: tuple[Array, ...], T: int, S: int)
 
     None where the mask has no per-example part (the kernels then read no row operands). ``T``
     (at least the mask's own length) is the kernels' query length: rows past the mask's get no
-    keys there. ``q_ids`` and ``kv_ids`` are None without segment ids.
+    keys there. ``q_ids`` and ``kv_ids`` are None without segment ids; with them, int32 keys of the
+    documents (equal where the ids are), whatever the ids' integer type.
     """
     slots = [] if skeleton is None else [t for t in conjuncts(skeleton) if is_slot(t)]
     if not slots:
@@ -62,9 +63,8 @@ def row_bounds(skeleton: Mask | None, arrays: tuple[Array, ...], T: int, S: int)
             q_len, kv_len = (jnp.asarray(x, jnp.int32)[:, None] for x in leaf)
             hi = jnp.minimum(hi, jnp.where(jnp.arange(T)[None] < q_len, jnp.minimum(kv_len, S), 0))
         else:
-            q_ids, kv_ids = (jnp.asarray(x).astype(jnp.int32) for x in leaf)
-            first, end = (_rows_of(x, T) for x in _document_keys(q_ids, kv_ids))
-            lo, hi, q_ids = jnp.maximum(lo, first), jnp.minimum(hi, end), _rows_of(q_ids, T)
+            first, end, q_ids, kv_ids = _document_keys(*(jnp.asarray(x) for x in leaf))
+            lo, hi, q_ids = jnp.maximum(lo, _rows_of(first, T)), jnp.minimum(hi, _rows_of(end, T)), _rows_of(q_ids, T)
     rows = max(lo.shape[0], hi.shape[0])
     lo, hi = (jnp.broadcast_to(x, (rows, T)) for x in (lo, hi))
     return lo, jnp.maximum(hi, lo), q_ids, kv_ids
@@ -75,10 +75,11 @@ def _rows_of(x: Array, T: int) -> Array:
     return x[:, :T] if x.shape[1] >= T else jnp.pad(x, ((0, 0), (0, T - x.shape[1])))
 
 
-def _document_keys(q_ids: Array, kv_ids: Array) -> tuple[Array, Array]:
-    """Each query's first key of its document and one past its last, ``(R, T)``; ``(0, 0)`` where it has none.
+def _document_keys(q_ids: Array, kv_ids: Array) -> tuple[Array, Array, Array, Array]:
+    """Each query's document's first key and one past its last, and int32 document keys of queries and keys.
 
-    Self-attention over documents in order (the ids the same for queries and keys, and sorted): the run of
+    Bounds ``(R, T)`` (``(0, 0)`` where a query has no key); keys ``(R, T)`` and ``(R, S)``, equal where
+    the ids are. Self-attention over documents in order (the ids the same for queries and keys, and sorted): the run of
     equal ids around the query's own position (2 ms for 32 rows of 8192 on 2 cores); else by a stable sort of
     each row's key ids (:func:`_by_sorting`, 40 ms there).
     """
@@ -91,22 +92,27 @@ def _document_keys(q_ids: Array, kv_ids: Array) -> tuple[Array, Array]:
     return jax.lax.cond(in_order, _runs, _by_sorting, q_ids, kv_ids)
 
 
-def _runs(q_ids: Array, kv_ids: Array) -> tuple[Array, Array]:
-    """Where ``q_ids == kv_ids`` and each id is one run: the run around each position, ``[start, end)``."""
+def _runs(q_ids: Array, kv_ids: Array) -> tuple[Array, Array, Array, Array]:
+    """Where ``q_ids == kv_ids`` and each id is one run: the run around each position, ``[start, end)``.
+
+    The run's start is its document key.
+    """
     S = kv_ids.shape[1]
     at = jnp.arange(S, dtype=jnp.int32)[None]
     new = jnp.concatenate([jnp.ones_like(kv_ids[:, :1], bool), kv_ids[:, 1:] != kv_ids[:, :-1]], axis=1)
     last = jnp.concatenate([kv_ids[:, 1:] != kv_ids[:, :-1], jnp.ones_like(kv_ids[:, :1], bool)], axis=1)
     start = jax.lax.cummax(jnp.where(new, at, 0), axis=1)
     end = jax.lax.cummin(jnp.where(last, at + 1, S), axis=1, reverse=True)
-    return start.astype(jnp.int32), end.astype(jnp.int32)
+    start = start.astype(jnp.int32)
+    return start, end.astype(jnp.int32), start, start
 
 
-def _by_sorting(q_ids: Array, kv_ids: Array) -> tuple[Array, Array]:
+def _by_sorting(q_ids: Array, kv_ids: Array) -> tuple[Array, Array, Array, Array]:
     """Any ids, by a stable sort of each row's key ids.
 
     A query's id spans ``[left, right)`` of the sorted row, whose first and last entries hold the
-    smallest and largest key index with that id.
+    smallest and largest key index with that id; an id's document key is ``left``, its first place in
+    the sorted row (a query whose id no key has gets no keys, whatever its document key).
     """
     order = jnp.argsort(kv_ids, axis=-1, stable=True).astype(jnp.int32)
     ids = jnp.take_along_axis(kv_ids, order, axis=-1)
@@ -116,4 +122,5 @@ def _by_sorting(q_ids: Array, kv_ids: Array) -> tuple[Array, Array]:
     first = jnp.take_along_axis(order, jnp.clip(left, 0, last), axis=-1)
     end = jnp.take_along_axis(order, jnp.clip(right - 1, 0, last), axis=-1) + 1
     found = right > left
-    return jnp.where(found, first, 0), jnp.where(found, end, 0)
+    keys = jax.vmap(lambda a, v: jnp.searchsorted(a, v, side="left"))(ids, kv_ids).astype(jnp.int32)
+    return jnp.where(found, first, 0), jnp.where(found, end, 0), left, keys

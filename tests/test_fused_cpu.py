@@ -303,6 +303,21 @@ def test_grouped_heads_read_k_and_v_unrepeated():
         ref.assert_grad_close(got, want, jnp.float32)
 
 
+def test_document_ids_compare_whole_under_x64():
+    """int64 ids that agree in their low 32 bits are still different documents (the kernels compare int32 keys
+    derived from the ids, not the ids cut to int32)."""
+    with jax.enable_x64(True):
+        T = 300
+        q, k, v = _rand((1, 2, T, 8), 0), _rand((1, 2, T, 8), 1), _rand((1, 2, T, 8), 2)
+        ids = jnp.asarray(np.where(np.arange(T) < 150, 0, 2**32)[None], jnp.int64)
+        for mask in (masks.segment_ids(ids), masks.segment_ids(ids[:, ::-1])):  # in order; not (the sorting path)
+            call = lambda q, k, v, mask=mask: jattn.attention(q, k, v, mask=mask, implementation="blockwise")  # noqa: E731
+            assert _fused(call, q, k, v)
+            keep = np.asarray(mask.dense(T, T))
+            want = ref.attention(q, k, v, keep)[0]
+            np.testing.assert_allclose(jax.jit(call)(q, k, v), want, **ref.tol(jnp.float32))
+
+
 def test_the_default_path_takes_it_from_auto_blockwise_sizes():
     q = _rand((1, 1, 1024, 8), 0)
     call = lambda q: jattn.attention(q, q, q, mask=masks.causal())  # noqa: E731
