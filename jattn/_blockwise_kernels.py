@@ -54,9 +54,8 @@ def _forward(q, k, v, rows, seeds, sinks, kind, arrays, consts, *, plan: Plan, p
     """``((out (B, T, E), lse (B, T), max logit (B, T)), ())``: the fused CPU kernel's, or group by group."""
     if plan.fused is not None:  # one custom call over all of B (jattn._fused_cpu), XLA's tiles under jax.export
         outs = _FUSED.bind(q, k, v, rows, seeds, sinks, kind, *arrays, plan=plan, precision=precision)
-        return vary(
-            tuple(outs), q, k, v, *arrays
-        ), ()  # under shard_map, varying as its operands (a custom call's are not)
+        # under shard_map, varying as its operands do (a custom call's results are not)
+        return vary(tuple(outs), q, k, v, *arrays), ()
     (k, v), plan = ungrouped(plan, k, v)
     body = functools.partial(_forward_group, consts=consts, plan=plan, precision=precision)
     return by_group(plan, body, (q, k, v, rows, seeds, sinks), (kind, *arrays))

@@ -137,3 +137,32 @@ def test_inside_shard_map_a_program_counts_its_share_of_the_cores(monkeypatch):
         )
         jax.jit(jax.shard_map(local, mesh=mesh, in_specs=PartitionSpec("b", "h"), out_specs=PartitionSpec("b", "h")))(x)
     assert seen == [2, 1, 1] and platform_facts.cpu_threads() == 4
+
+
+def test_the_fused_kernels_results_vary_as_the_mask_arrays_do():
+    """q, k, v replicated and the padding lengths sharded (each device masks with its own): the fused kernels'
+    results differ by device, so they must be typed varying over that axis, and the gradient of the replicated
+    q, k, v sums both devices' parts (the reference: the two masks' gradients added)."""
+    T = 300
+    mesh = jax.make_mesh((2,), ("b",), axis_types=(AxisType.Auto,), devices=jax.devices()[:2])
+    rng = np.random.default_rng(2)
+    q, k, v, g = (jnp.asarray(rng.normal(size=(1, N, T, d)), jnp.float32) for d in (D, D, E, E))
+    n = jnp.asarray([T - 40, 77], jnp.int32)
+
+    def local(q, k, v, n):
+        mask = masks.padding(kv_lengths=n) & masks.causal()
+        return jattn.attention(q, k, v, mask=mask, implementation="blockwise")
+
+    replicated, rows = PartitionSpec(), PartitionSpec("b")
+    sharded = jax.shard_map(local, mesh=mesh, in_specs=(replicated,) * 3 + (rows,), out_specs=rows)
+    assert "jattn_fused_forward" in str(jax.make_jaxpr(sharded)(q, k, v, n))
+    out = jax.jit(sharded)(q, k, v, n)  # (2, N, T, E): each device's row
+    loss = lambda q, k, v: jnp.sum(sharded(q, k, v, n) * jnp.concatenate([g, g]))  # noqa: E731
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    t, s = np.arange(T)[:, None], np.arange(T)[None, :]
+    explicit = [((s < length) & (s <= t))[None, None] for length in np.asarray(n)]
+    for i, keep in enumerate(explicit):
+        np.testing.assert_allclose(ref.f64(out[i : i + 1]), ref.attention(q, k, v, keep)[0], **ref.tol(jnp.float32))
+    parts = [ref.attention_grads(q, k, v, g, keep)[:3] for keep in explicit]
+    for got, a, b in zip(grads, *parts, strict=True):
+        ref.assert_grad_close(got, a + b, jnp.float32)
