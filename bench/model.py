@@ -11,27 +11,13 @@ attention of the model's shapes on its own (``(B, N, T, D)``, causal, forward an
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench.suite import alternated_ms
+
 VOCAB, D_MODEL, HEADS, LAYERS = 256, 256, 4, 2
-
-
-def _median_ms(fns: dict, repeats: int) -> dict[str, float]:
-    """Median ms of each zero-argument callable (blocking), alternated round by round after one warm-up call each."""
-    for f in fns.values():
-        f()
-    times = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, f in fns.items():
-            t0 = time.perf_counter()
-            f()
-            times[name].append(1e3 * (time.perf_counter() - t0))
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def jattn_step(B: int, T: int):
@@ -153,9 +139,9 @@ def attention_parts(B: int, T: int) -> dict[str, dict]:
 
 def model_case(B: int, T: int, repeats: int = 5) -> dict[str, dict[str, float]]:
     """Per framework: ms of the step, of attention forward and backward (all layers), and of the rest."""
-    steps = _median_ms({"jattn": jattn_step(B, T), "torch": torch_step(B, T)}, repeats)
+    steps = alternated_ms({"jattn": jattn_step(B, T), "torch": torch_step(B, T)}, repeats)
     parts = attention_parts(B, T)
-    alone = _median_ms({f"{fw} {mode}": f for fw, modes in parts.items() for mode, f in modes.items()}, repeats)
+    alone = alternated_ms({f"{fw} {mode}": f for fw, modes in parts.items() for mode, f in modes.items()}, repeats)
     rows = {}
     for fw, step in steps.items():
         fwd, both = LAYERS * alone[f"{fw} fwd"], LAYERS * alone[f"{fw} fwdbwd"]
@@ -250,5 +236,5 @@ def torch_adam(T: int):
 def rest_case(B: int, T: int, repeats: int = 5) -> dict[str, dict[str, float]]:
     """Per operation of the step's rest: ms in jattn (JAX) and in torch, alternated."""
     parts = rest_parts(B, T)
-    timed = _median_ms({f"{fw}|{op}": f for fw, ops in parts.items() for op, f in ops.items()}, repeats)
+    timed = alternated_ms({f"{fw}|{op}": f for fw, ops in parts.items() for op, f in ops.items()}, repeats)
     return {op: {fw: timed[f"{fw}|{op}"] for fw in parts} for op in parts["jattn"]}

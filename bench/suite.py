@@ -400,6 +400,19 @@ def bias_memory_case(T: int = 2048, B: int = 1, N: int = 2, D: int = 64) -> dict
     }
 
 
+def alternated_ms(fns: dict, repeats: int) -> dict[str, float]:
+    """Median ms of each zero-argument callable (blocking), alternated round by round after one warm-up call each."""
+    for f in fns.values():
+        f()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, f in fns.items():
+            t0 = time.perf_counter()
+            f()
+            times[name].append(1e3 * (time.perf_counter() - t0))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def gqa_case(T: int = 4096, B: int = 1, N: int = 8, K: int = 2, D: int = 64, repeats: int = 5) -> dict:
     """Grouped-query causal attention, forward + backward: jattn (k, v ``(B, K, 1, T, D)`` against q
     ``(B, K, N/K, T, D)``) against PyTorch SDPA with ``enable_gqa=True``, alternated in this process.
@@ -420,16 +433,7 @@ def gqa_case(T: int = 4096, B: int = 1, N: int = 8, K: int = 2, D: int = 64, rep
     def theirs():
         torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=True, enable_gqa=True).sum().backward()
 
-    fns = {"jattn": lambda: jax.block_until_ready(grad(q, k, v)), "torch": theirs}
-    for f in fns.values():
-        f()
-    times: dict[str, list[float]] = {n: [] for n in fns}
-    for _ in range(repeats):
-        for name, f in fns.items():
-            t0 = time.perf_counter()
-            f()
-            times[name].append(time.perf_counter() - t0)
-    ms = {n: 1e3 * statistics.median(t) for n, t in times.items()}
+    ms = alternated_ms({"jattn": lambda: jax.block_until_ready(grad(q, k, v)), "torch": theirs}, repeats)
     unrepeated = bool(calls) and all(f"tensor<{B * K}x" in line for line in calls)
     return {
         "jattn_ms": ms["jattn"],
@@ -463,15 +467,9 @@ def packed_case(T: int = 8192, B: int = 1, N: int = 8, D: int = 64, docs: int = 
         for name, packed in (("causal", False), ("packed", True))
         for suffix, f in (("", call), ("_fwdbwd", both))
     }
-    for f in fns.values():
-        jax.block_until_ready(f(q, k, v, ids))
-    times: dict[str, list[float]] = {n: [] for n in fns}
-    for _ in range(repeats):
-        for name, f in fns.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(q, k, v, ids))
-            times[name].append(time.perf_counter() - t0)
-    ms = {n: 1e3 * statistics.median(t) for n, t in times.items()}
+    ms = alternated_ms(
+        {n: functools.partial(lambda f: jax.block_until_ready(f(q, k, v, ids)), f) for n, f in fns.items()}, repeats
+    )
 
     def scratch(packed):
         loss = jax.grad(lambda q, k, v, ids: jnp.sum(call(q, k, v, ids, packed)), argnums=(0, 1, 2))
