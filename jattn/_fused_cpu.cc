@@ -34,6 +34,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <mutex>
 #include <thread>
 #include <tuple>
 #include <utility>
@@ -83,7 +84,7 @@ struct V {
   static T max(T a, T b) { return _mm512_max_ps(a, b); }
   static T min(T a, T b) { return _mm512_min_ps(a, b); }
   static T round(T x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-  static T pow2(T n) { return _mm512_scalef_ps(_mm512_set1_ps(1.f), n); }  // 2^n, n integral
+  static T ldexp(T p, T n) { return _mm512_scalef_ps(p, n); }  // p 2^n rounded once, n integral
   static float sum(T x) { return _mm512_reduce_add_ps(x); }
   static float top(T x) { return _mm512_reduce_max_ps(x); }
 };
@@ -103,9 +104,9 @@ struct V {
   static T max(T a, T b) { return _mm256_max_ps(a, b); }
   static T min(T a, T b) { return _mm256_min_ps(a, b); }
   static T round(T x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-  static T pow2(T n) {
-    const __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(e, 23));
+  static T ldexp(T p, T n) {  // p 2^n for n integral in [-150, 0] (as 2^(n + 126) 2^-126: one rounding)
+    const __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127 + 126));
+    return mul(mul(p, _mm256_castsi256_ps(_mm256_slli_epi32(e, 23))), set1(0x1p-126f));
   }
   static float sum(T x) {
     __m128 h = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
@@ -134,7 +135,10 @@ struct V {
   static T max(T a, T b) { return vmaxq_f32(a, b); }
   static T min(T a, T b) { return vminq_f32(a, b); }
   static T round(T x) { return vrndnq_f32(x); }
-  static T pow2(T n) { return vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(n), vdupq_n_s32(127)), 23)); }
+  static T ldexp(T p, T n) {  // as AVX2's
+    const float32x4_t e = vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(n), vdupq_n_s32(127 + 126)), 23));
+    return mul(mul(p, e), set1(0x1p-126f));
+  }
   static float sum(T x) { return vaddvq_f32(x); }
   static float top(T x) { return vmaxvq_f32(x); }
 };
@@ -154,7 +158,7 @@ struct V {
   static T max(T a, T b) { return a > b ? a : b; }
   static T min(T a, T b) { return a < b ? a : b; }
   static T round(T x) { return std::nearbyint(x); }
-  static T pow2(T n) { return std::isnan(n) ? n : std::ldexp(1.f, static_cast<int>(n)); }
+  static T ldexp(T p, T n) { return std::isnan(n) ? n : std::ldexp(p, static_cast<int>(n)); }
   static float sum(T x) { return x; }
   static float top(T x) { return x; }
 };
@@ -200,7 +204,7 @@ inline vf exp_le0(vf x) {
   p = V::fma(p, r, V::set1(1.6666665459e-1f));
   p = V::fma(p, r, V::set1(5.0000001201e-1f));
   p = V::fma(p, V::mul(r, r), V::add(r, V::set1(1.f)));
-  return V::mul(V::mul(p, V::pow2(V::add(n, V::set1(126.f)))), V::set1(0x1p-126f));
+  return V::ldexp(p, n);
 }
 
 // row[0:n] = e^(row - m), returning the row's sum; m = -inf (no key yet, none here) sets it to 0.
@@ -254,8 +258,13 @@ template <int Rr>
 void ukernel(int64_t K, const float* A, int64_t lda, int64_t ak, const float* B, float* C, int64_t ldc,
              bool accumulate, Lanes* vmax, int live) {
   vf c[Rr][NV];
-  for (int r = 0; r < Rr; ++r)
-    for (int j = 0; j < NV; ++j) c[r][j] = accumulate ? V::load(C + r * ldc + j * L) : V::zero();
+  if (accumulate) {
+    for (int r = 0; r < Rr; ++r)
+      for (int j = 0; j < NV; ++j) c[r][j] = V::load(C + r * ldc + j * L);
+  } else {
+    for (int r = 0; r < Rr; ++r)
+      for (int j = 0; j < NV; ++j) c[r][j] = V::zero();
+  }
   for (int64_t k = 0; k < K; ++k) {
     vf b[NV];
     for (int j = 0; j < NV; ++j) b[j] = V::load(B + k * W + j * L);
@@ -375,22 +384,63 @@ void pack_columns(const float* x, int64_t rows, int64_t cols, int64_t ld, int64_
 
 inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
-// Scratch of n floats on a 64-byte boundary (whole cache lines: no vector load or store splits one); from 2 MiB
-// on a 2 MiB one, with the kernel asked for huge pages (Linux: fresh scratch is paged in 512 times fewer faults).
+// Scratch memory kept between calls: fresh pages fault in and the OS zeroes them, which cost ~5% of a full forward
+// (B=4 N=8 T=2048) before scratch was reused. Up to kKeep bytes of freed blocks are kept; a request takes the
+// smallest kept block that fits.
+class Pool {
+ public:
+  static Pool& get() {
+    static Pool* pool = new Pool;  // never destroyed: kernels may run while the process exits
+    return *pool;
+  }
+  // A block of at least `bytes` (a multiple of 64); from 2 MiB on a 2 MiB boundary, with the kernel asked for
+  // huge pages (Linux: fresh scratch is paged in 512 times fewer faults). Returns the block and its size.
+  std::pair<float*, size_t> take(size_t bytes) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto best = kept_.end();
+      for (auto it = kept_.begin(); it != kept_.end(); ++it)
+        if (it->second >= bytes && (best == kept_.end() || it->second < best->second)) best = it;
+      if (best != kept_.end()) {
+        const auto block = *best;
+        kept_.erase(best), held_ -= block.second;
+        return block;
+      }
+    }
+    constexpr size_t kHuge = size_t{1} << 21;
+    const size_t align = bytes >= kHuge ? kHuge : 64, size = (bytes + align - 1) / align * align;
+    float* data = static_cast<float*>(std::aligned_alloc(align, size));
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    if (align == kHuge) madvise(data, size, MADV_HUGEPAGE);
+#endif
+    return {data, size};
+  }
+  void give(float* data, size_t size) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (held_ + size <= kKeep) return kept_.emplace_back(data, size), void(held_ += size);
+    }
+    std::free(data);
+  }
+
+ private:
+  static constexpr size_t kKeep = size_t{256} << 20;
+  std::mutex mu_;
+  std::vector<std::pair<float*, size_t>> kept_;
+  size_t held_ = 0;
+};
+
+// Scratch of n floats on a 64-byte boundary (whole cache lines: no vector load or store splits one), from the pool.
 struct Scratch {
   explicit Scratch(int64_t n) {
-    constexpr size_t kHuge = size_t{1} << 21;
-    const size_t bytes = (n * sizeof(float) + 63) / 64 * 64, align = bytes >= kHuge ? kHuge : 64;
-    data = static_cast<float*>(std::aligned_alloc(align, (bytes + align - 1) / align * align));
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-    if (align == kHuge) madvise(data, bytes, MADV_HUGEPAGE);
-#endif
+    std::tie(data, size) = Pool::get().take((n * sizeof(float) + 63) / 64 * 64);
   }
-  ~Scratch() { std::free(data); }
+  ~Scratch() { Pool::get().give(data, size); }
   Scratch(const Scratch&) = delete;
   Scratch& operator=(const Scratch&) = delete;
   float& operator[](int64_t i) { return data[i]; }
   float* data;
+  size_t size;
 };
 
 template <typename Work>
