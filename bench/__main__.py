@@ -175,6 +175,23 @@ def _model(console: Console, args: argparse.Namespace, default_T: bool) -> None:
         for op, r in model.rest_case(args.B, T, args.repeats).items():
             table.add_row(op, f"{r['jattn']:.1f}", f"{r['torch']:.1f}", f"{r['torch'] / r['jattn']:.2f}")
         console.print(table)
+        console.print(_step_profile_table(model, args.B, T))
+
+
+def _step_profile_table(model, B: int, T: int) -> Table:
+    """Where each framework's step goes by kind of operation, from XLA's and PyTorch's profilers."""
+    ours, theirs = model.step_profile(B, T), model.torch_step_profile(B, T)
+    table = Table(title=f"the whole step by kind of operation (profiled, ms a step), B={B} T={T}")
+    for col in ("kind", "jattn (XLA:CPU) ms", "torch ms"):
+        table.add_column(col, justify="right")
+    kinds = [kind for kind, _ in model.OP_KINDS] + ["elementwise and reductions"]
+    for kind in kinds:
+        table.add_row(kind, f"{ours.get(kind, 0.0):.1f}", f"{theirs.get(kind, 0.0):.1f}")
+    wall = "step (wall, profiled)"
+    for name, r in (("step minus the kinds (they may overlap)", None), (wall, wall)):
+        cells = [p[r] if r else p[wall] - sum(p.get(k, 0.0) for k in kinds) for p in (ours, theirs)]
+        table.add_row(name, *(f"{c:.1f}" for c in cells))
+    return table
 
 
 def _flex(console: Console, args: argparse.Namespace, default_T: bool) -> None:

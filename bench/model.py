@@ -11,6 +11,8 @@ attention of the model's shapes on its own (``(B, N, T, D)``, causal, forward an
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -238,3 +240,94 @@ def rest_case(B: int, T: int, repeats: int = 5) -> dict[str, dict[str, float]]:
     parts = rest_parts(B, T)
     timed = alternated_ms({f"{fw}|{op}": f for fw, ops in parts.items() for op, f in ops.items()}, repeats)
     return {op: {fw: timed[f"{fw}|{op}"] for fw in parts} for op in parts["jattn"]}
+
+
+#: XLA:CPU's operations of the compiled step by kind, from the first match of their names' prefixes.
+OP_KINDS = (
+    ("attention kernels (custom calls)", ("ffi_call", "custom-call", "custom_call")),
+    ("matmuls", ("ynn_fusion", "dot", "onednn", "xnn")),
+    ("layout copies (transposes)", ("copy", "transpose")),
+    ("materialized broadcasts", ("wrapped_broadcast", "broadcast")),
+)
+
+
+def op_kind(name: str) -> str:
+    """The kind (:data:`OP_KINDS`) of an XLA:CPU operation named ``name``; the others are elementwise/reductions."""
+    return next((kind for kind, prefixes in OP_KINDS if name.startswith(prefixes)), "elementwise and reductions")
+
+
+def step_profile(B: int, T: int, steps: int = 3) -> dict[str, float]:
+    """ms a step that each kind of XLA operation of the jattn step takes (:func:`op_kind`), and the step's wall time.
+
+    Operations that XLA runs at once on different threads each count whole, so the kinds may add up to more
+    than the wall time.
+
+    Runs in a subprocess: XLA:CPU records its operations for the profiler only with
+    ``--xla_cpu_enable_xprof_traceme=true`` set before its backend starts.
+    """
+    import os
+    import subprocess
+    import sys
+
+    flags = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_enable_xprof_traceme=true").strip()
+    code = f"import json; from bench import model; print(json.dumps(model._profiled_step({B}, {T}, {steps})))"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = os.environ | {"XLA_FLAGS": flags, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def _profiled_step(B: int, T: int, steps: int) -> dict[str, float]:
+    """:func:`step_profile`'s measurement, in this process (whose XLA records its operations)."""
+    import collections
+    import gzip
+    import tempfile
+    import time
+    from pathlib import Path
+
+    run = jattn_step(B, T)
+    run(), run()
+    with tempfile.TemporaryDirectory() as log:
+        with jax.profiler.trace(log, create_perfetto_trace=True):
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                run()
+            wall = time.perf_counter() - t0
+        trace = json.loads(gzip.decompress(next(Path(log).rglob("*.trace.json.gz")).read_bytes()))
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    kinds: dict[str, float] = collections.defaultdict(float)
+    for e in events:
+        name = e.get("name", "")
+        # XLA's operations: lower-case HLO names (the runtime's own events are capitalised or start with "$")
+        if e.get("ph") == "X" and name[:1].islower() and name.split(".")[0].replace("_", "").isalnum():
+            kinds[op_kind(name)] += e.get("dur", 0) / 1e3 / steps
+    return dict(kinds) | {"step (wall, profiled)": 1e3 * wall / steps}
+
+
+#: PyTorch's operators of the eager step by kind (self time, so nested operators count once).
+TORCH_KINDS = (
+    ("attention kernels (custom calls)", ("aten::_scaled_dot_product", "aten::_flash_attention")),
+    ("matmuls", ("aten::mm", "aten::addmm", "aten::bmm")),
+    ("layout copies (transposes)", ("aten::copy_", "aten::clone", "aten::contiguous")),
+)
+
+
+def torch_step_profile(B: int, T: int, steps: int = 3) -> dict[str, float]:
+    """The same split of the PyTorch eager step (``torch.profiler``, self CPU time a step by :data:`TORCH_KINDS`)."""
+    import time
+
+    import torch
+
+    run = torch_step(B, T)
+    run(), run()
+    kinds = {kind: 0.0 for kind, _ in TORCH_KINDS} | {"elementwise and reductions": 0.0}
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            run()
+        wall = time.perf_counter() - t0
+    for e in prof.key_averages():
+        kind = next((k for k, prefixes in TORCH_KINDS if e.key.startswith(prefixes)), "elementwise and reductions")
+        if e.key.startswith("aten::"):
+            kinds[kind] += e.self_cpu_time_total / 1e3 / steps
+    return kinds | {"step (wall, profiled)": 1e3 * wall / steps}

@@ -3,6 +3,8 @@
 import argparse
 import dataclasses
 import json
+import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -143,3 +145,19 @@ def test_the_model_bench_compares_the_same_model():
     theirs = model._torch_decoder(64)
     sizes = sorted(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(ours, nnx.Param)))
     assert sizes == sorted(p.numel() for p in theirs.parameters())
+
+
+def test_the_step_profile_finds_the_attention_kernels_and_the_matmuls():
+    """bench --model's profile of the jattn step (XLA's own trace, in a subprocess): the fused kernels and the
+    matmuls are found, and the kinds add up to no more than the profiled step's wall time on every core (XLA may run
+    independent operations at once)."""
+    from bench import model
+
+    if shutil.which("g++") is None:
+        pytest.skip("no C++ compiler: the step has no fused kernels")
+    kinds = model.step_profile(1, 1024, steps=2)  # T·S = 2^20: the automatic choice takes blockwise
+    wall = kinds.pop("step (wall, profiled)")
+    assert kinds["attention kernels (custom calls)"] > 0 and kinds["matmuls"] > 0
+    assert 0 < sum(kinds.values()) <= wall * os.cpu_count()
+    assert model.op_kind("copy_bitcast_fusion.7") == "layout copies (transposes)"
+    assert model.op_kind("multiply_tanh_fusion") == "elementwise and reductions"
