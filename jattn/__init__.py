@@ -19,6 +19,7 @@ from jattn import masks, score_mods
 from jattn._blockwise_rules import CHECKPOINT_NAMES
 from jattn._core import attention, attention_weights, choose_implementation
 from jattn._dot_product_attention import dot_product_attention
+from jattn._gated_linear import gated_linear_attention
 from jattn._linear import LinearState, linear_attention
 from jattn._paths import AUTO_BLOCKWISE_MIN, IMPLEMENTATIONS, SUPPORT
 from jattn._ring import ring_attention, sequence_parallel_attention, unzigzag, zigzag
@@ -38,6 +39,7 @@ __all__ = [
     "attention_weights",
     "choose_implementation",
     "dot_product_attention",
+    "gated_linear_attention",
     "linear_attention",
     "masks",
     "ring_attention",

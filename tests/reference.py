@@ -366,3 +366,41 @@ TRANSFORM_RUNS = {  # transformation -> (f, args, tangents) -> a pytree to compa
     )(a[0]),
     "eval_shape": lambda f, a, t: jax.eval_shape(f, *a),
 }
+
+
+def gated_linear(q, k, v, g=None, gk=None, beta=None, scale=None, segment_ids=None, kv_mask=None, state=None):
+    """The gated linear attention / delta-rule recurrence step by step in float64 NumPy, one leading index at a time.
+
+    q, k ``(..., T, D)``, v ``(..., T, E)``; ``g``, ``beta``, ``segment_ids``, ``kv_mask`` broadcast to ``(..., T)``,
+    ``gk`` to ``(..., T, D)``, ``state`` to ``(..., D, E)``. Returns ``out (..., T, E)`` and the final state.
+    """
+    q, k, v = f64(q), f64(k), f64(v)
+    lead = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    T, D, E = q.shape[-2], q.shape[-1], v.shape[-1]
+    scale = 1 / np.sqrt(D) if scale is None else scale
+
+    def full(x, tail, fill):
+        return np.broadcast_to(
+            np.full((1,) * (len(lead) + 1 + len(tail)), fill) if x is None else np.asarray(x), (*lead, T, *tail)
+        )
+
+    q, k, v = (np.broadcast_to(x, (*lead, T, x.shape[-1])) for x in (q, k, v))
+    g, gk, b = full(g, (), 0.0), full(gk, (D,), 0.0), full(beta, (), np.nan)
+    ids, keep = full(segment_ids, (), 0), full(kv_mask, (), True)
+    S0 = np.zeros((*lead, D, E)) if state is None else np.broadcast_to(f64(state), (*lead, D, E))
+    out, final = np.zeros((*lead, T, E)), np.zeros((*lead, D, E))
+    for i in np.ndindex(*lead):
+        S = S0[i].copy()
+        for t in range(T):
+            if t and ids[i][t] != ids[i][t - 1]:
+                S[:] = 0
+            if not keep[i][t]:
+                continue
+            S = np.exp(g[i][t]) * np.exp(gk[i][t])[:, None] * S
+            if np.isnan(b[i][t]):
+                S = S + np.outer(k[i][t], v[i][t])
+            else:
+                S = (np.eye(D) - b[i][t] * np.outer(k[i][t], k[i][t])) @ S + b[i][t] * np.outer(k[i][t], v[i][t])
+            out[i][t] = scale * S.T @ q[i][t]
+        final[i] = S
+    return out, final

@@ -1,0 +1,209 @@
+"""jattn.gated_linear_attention: decays, the delta rule, documents, both forms, against a float64 step-by-step loop."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jattn
+from tests import reference as ref
+
+B, N, T, D, E = 2, 3, 37, 5, 7  # odd, distinct sizes; T is not a multiple of the chunks below
+
+
+def _inputs(seed=0, lead=(B, N), T=T, dtype=jnp.float32):
+    r = np.random.default_rng(seed)
+    q, k, v = (r.standard_normal((*lead, T, x)) for x in (D, D, E))
+    k = k / np.linalg.norm(k, axis=-1, keepdims=True)  # the delta rule's papers L2-normalise k
+    return tuple(jnp.asarray(x, dtype) for x in (q, k, v))
+
+
+def _gates(seed=1, lead=(B, N), T=T):
+    r = np.random.default_rng(seed)
+    return {
+        "retention": lambda: {"g": jnp.asarray(np.log(1 - 2.0 ** -np.arange(5, 5 + N))[:, None], jnp.float32)},
+        "ssd": lambda: {"g": jnp.asarray(-r.uniform(0, 1, (*lead, T)), jnp.float32)},
+        "gla": lambda: {"gk": jnp.asarray(-r.uniform(0, 1, (*lead, T, D)), jnp.float32)},
+        "deltanet": lambda: {"beta": jnp.asarray(r.uniform(0.05, 0.95, (*lead, T)), jnp.float32)},
+        "gated deltanet": lambda: {
+            "g": jnp.asarray(-r.uniform(0, 1, (*lead, T)), jnp.float32),
+            "beta": jnp.asarray(r.uniform(0.05, 0.95, (*lead, T)), jnp.float32),
+        },
+        "linear": dict,
+    }
+
+
+VARIANTS = ("linear", "retention", "ssd", "gla", "deltanet", "gated deltanet")
+
+
+def _documents(seed=2):
+    r = np.random.default_rng(seed)
+    ids = jnp.asarray(np.cumsum(r.uniform(size=(B, 1, T)) < 0.15, axis=-1), jnp.int32)
+    keep = jnp.asarray(np.arange(T) < np.array([T, T - 6])[:, None, None])  # the second example is padded
+    return {"segment_ids": ids, "kv_mask": keep}
+
+
+@pytest.mark.parametrize("mode", ["chunk", "recurrent"])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_each_variant_equals_the_step_by_step_recurrence(variant, mode):
+    q, k, v = _inputs()
+    kw = _gates()[variant]()
+    state = jnp.asarray(np.random.default_rng(3).standard_normal((N, D, E)), jnp.float32)
+    out, final = jattn.gated_linear_attention(
+        q, k, v, **kw, **_documents(), initial_state=state, return_state=True, mode=mode, chunk_size=8
+    )
+    want, want_final = ref.gated_linear(q, k, v, **kw, **_documents(), state=state)
+    np.testing.assert_allclose(out, want, **ref.tol(jnp.float32))
+    np.testing.assert_allclose(final, want_final, **ref.tol(jnp.float32))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_gradients_equal_the_float64_recurrences_derivatives(variant):
+    """grad of the chunkwise form (float64) against central differences of the NumPy loop, every input included."""
+    with jax.enable_x64(True):
+        q, k, v = _inputs(dtype=jnp.float64)
+        args = {"q": q, "k": k, "v": v} | {n: x.astype(jnp.float64) for n, x in _gates()[variant]().items()}
+        docs = _documents()
+        w = jnp.asarray(np.random.default_rng(4).standard_normal((B, N, T, E)))
+
+        def loss(args):
+            return jnp.sum(w * jattn.gated_linear_attention(**args, **docs, chunk_size=8))
+
+        grads = jax.grad(loss)(args)
+        r = np.random.default_rng(5)
+        for name, x in args.items():
+            u = r.standard_normal(x.shape) * (0.01 if name in ("g", "gk", "beta") else 1.0)
+            eps = 1e-6
+
+            def ref_loss(sign, name=name, u=u, eps=eps):
+                moved = {n: np.asarray(a) + (sign * eps * u if n == name else 0) for n, a in args.items()}
+                return np.sum(np.asarray(w) * ref.gated_linear(**moved, **docs)[0])
+
+            numeric = (ref_loss(1) - ref_loss(-1)) / (2 * eps)
+            np.testing.assert_allclose(np.sum(np.asarray(grads[name]) * u), numeric, rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("variant", ["ssd", "gla", "gated deltanet"])
+def test_the_chunkwise_and_recurrent_forms_have_the_same_gradients(variant):
+    q, k, v = _inputs()
+    kw = _gates()[variant]()
+
+    def grads(mode):
+        def loss(q, k, v, kw):
+            return jnp.sum(
+                jnp.sin(jattn.gated_linear_attention(q, k, v, **kw, **_documents(), mode=mode, chunk_size=16))
+            )
+
+        return jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, kw)
+
+    for got, want in zip(jax.tree.leaves(grads("chunk")), jax.tree.leaves(grads("recurrent")), strict=True):
+        ref.assert_grad_close(got, want, jnp.float32)
+
+
+def test_decoding_token_by_token_equals_the_full_pass():
+    """The state returned after a prefix, passed back, continues the sequence: one token at a time and in pieces."""
+    q, k, v = _inputs()
+    kw = _gates()["gated deltanet"]()
+    full, final = jattn.gated_linear_attention(q, k, v, **kw, return_state=True)
+    state, outs = None, []
+    for t0, t1 in [(0, 20), *((t, t + 1) for t in range(20, T))]:
+        piece = {n: x[..., t0:t1] for n, x in kw.items()}
+        out, state = jattn.gated_linear_attention(
+            q[..., t0:t1, :], k[..., t0:t1, :], v[..., t0:t1, :], **piece, initial_state=state, return_state=True,
+            mode="recurrent" if t1 - t0 == 1 else "chunk",
+        )  # fmt: skip
+        outs.append(out)
+    np.testing.assert_allclose(jnp.concatenate(outs, axis=-2), full, **ref.tol(jnp.float32))
+    np.testing.assert_allclose(state, final, **ref.tol(jnp.float32))
+
+
+def test_a_document_start_forgets_what_came_before():
+    """With segment ids, a document's outputs equal those of the document run on its own."""
+    q, k, v = _inputs()
+    kw = _gates()["gated deltanet"]()
+    ids = jnp.asarray((np.arange(T) >= 13).astype(np.int32))
+    packed = jattn.gated_linear_attention(q, k, v, **kw, segment_ids=ids, chunk_size=8)
+    alone = jattn.gated_linear_attention(
+        q[..., 13:, :], k[..., 13:, :], v[..., 13:, :], **{n: x[..., 13:] for n, x in kw.items()}
+    )
+    np.testing.assert_allclose(packed[..., 13:, :], alone, **ref.tol(jnp.float32))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_16_bit_inputs_keep_a_float32_state(dtype):
+    q, k, v = _inputs(dtype=dtype)
+    kw = _gates()["gated deltanet"]()
+    out, state = jattn.gated_linear_attention(q, k, v, **kw, return_state=True)
+    assert out.dtype == dtype and state.dtype == jnp.float32
+    want, want_state = ref.gated_linear(q, k, v, **kw)
+    np.testing.assert_allclose(out.astype(jnp.float32), want, **ref.tol(dtype))
+    np.testing.assert_allclose(state, want_state, **ref.tol(dtype))
+
+
+def test_65536_steps_stay_finite_with_strong_decays():
+    """Decays in log space: a cumulative decay of e^-65536 over the sequence neither overflows nor underflows to NaN."""
+    q, k, v = _inputs(lead=(1,), T=65536)
+    r = np.random.default_rng(6)
+    g = jnp.asarray(-r.uniform(0.5, 1.5, (1, 65536)), jnp.float32)
+    beta = jnp.asarray(r.uniform(0.1, 0.9, (1, 65536)), jnp.float32)
+    out, state = jax.jit(lambda q, k, v: jattn.gated_linear_attention(q, k, v, g=g, beta=beta, return_state=True))(
+        q, k, v
+    )
+    assert bool(jnp.all(jnp.isfinite(out))) and bool(jnp.all(jnp.isfinite(state)))
+    tail = slice(65536 - 40, None)  # the last steps depend (to float32) only on the steps just before them
+    want, _ = ref.gated_linear(q[..., tail, :], k[..., tail, :], v[..., tail, :], g=g[..., tail], beta=beta[..., tail])
+    np.testing.assert_allclose(out[..., -8:, :], want[..., -8:, :], **ref.tol(jnp.float32))
+
+
+def test_jit_vmap_and_the_chunk_scan_keep_one_state_per_chunk():
+    q, k, v = _inputs()
+    kw = _gates()["gated deltanet"]()
+    f = jax.jit(lambda q, k, v, kw: jattn.gated_linear_attention(q, k, v, **kw))
+    np.testing.assert_allclose(jax.vmap(f)(q, k, v, kw), f(q, k, v, kw), **ref.tol(jnp.float32))
+    # the backward keeps the state at each chunk's start, not at each step: scratch grows as T / chunk_size
+    sizes = []
+    for t in (1024, 4096):
+        x = jnp.zeros((1, t, 64))
+        grad = jax.jit(
+            jax.grad(
+                lambda x, t=t: jnp.sum(jattn.gated_linear_attention(x, x, x, g=-jnp.ones(t), beta=jnp.full(t, 0.5)))
+            )
+        )
+        sizes.append(grad.lower(x).compile().memory_analysis().temp_size_in_bytes)
+    assert sizes[1] < 4.5 * sizes[0] and sizes[1] < 64 * 4096 * 64 * 4  # O(T), well below a state per step
+
+
+@pytest.mark.parametrize(
+    ("kw", "error", "match"),
+    [
+        ({"beta": jnp.full(T, 1.5)}, ValueError, r"beta must lie in \[0, 1\].*1.5"),
+        ({"g": jnp.full(T, 0.1)}, ValueError, r"g is a log decay.*0.1"),
+        ({"gk": jnp.full((T, D), 0.2)}, ValueError, r"gk is a log decay"),
+        ({"gk": jnp.zeros((T, D)), "beta": jnp.full(T, 0.5)}, ValueError, r"delta rule.*per step \(g\)"),
+        ({"g": jnp.zeros((T + 1,))}, ValueError, rf"g must broadcast to \(\.\.\., T={T}\), got shape \({T + 1},\)"),
+        ({"gk": jnp.zeros((T, D + 1))}, ValueError, r"gk must broadcast to .*D=5"),
+        ({"segment_ids": jnp.zeros(T)}, TypeError, r"segment_ids must be integers"),
+        ({"kv_mask": jnp.ones(T, jnp.int32)}, TypeError, r"kv_mask must be boolean"),
+        ({"initial_state": jnp.zeros((D, E + 1))}, ValueError, r"initial_state must have shape \(\.\.\., D=5, E=7\)"),
+        (
+            {"g": jnp.zeros((4, T))},
+            ValueError,
+            r"leading dimensions .* do not broadcast: q \(2, 3, 37, 5\).*g \(4, 37\)",
+        ),
+        ({"mode": "fused"}, ValueError, r"mode must be one of \('chunk', 'recurrent'\)"),
+        ({"chunk_size": 0}, ValueError, r"chunk_size"),
+    ],
+)
+def test_bad_arguments_are_named(kw, error, match):
+    q, k, v = _inputs()
+    with pytest.raises(error, match=match):
+        jattn.gated_linear_attention(q, k, v, **kw)
+
+
+def test_traced_bad_decays_give_nan_where_they_occur():
+    q, k, v = _inputs()
+    g = jnp.zeros((B, N, T)).at[1, 2, 5].set(0.3)
+    out = jax.jit(lambda g: jattn.gated_linear_attention(q, k, v, g=g))(g)
+    bad = np.zeros((B, N), bool)
+    bad[1, 2] = True
+    assert np.all(np.isnan(out[bad])) and np.all(np.isfinite(out[~bad]))
