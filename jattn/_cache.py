@@ -9,7 +9,8 @@ the same functions here. The dict describes its own layout (its keys are static)
 - ring softmax cache: the same with ``C = window + P`` slots, plus ``window ()`` and
   ``pinned (P,)`` (global positions kept in slots ``0..P-1``; the newest ``window`` tokens
   rotate through the other slots);
-- linear cache: ``next (B,)`` and the recurrent state ``kv (B, K, G, F, D)``, ``z (B, K, G, F)``.
+- linear cache: ``next (B,)`` and the recurrent state ``kv (B, K, G, F, D)``, ``z (B, K, G, F)``;
+- the recurrent kinds' cache (:data:`jattn._gates.RECURRENT_KINDS`): ``next (B,)`` and ``state (B, N, 1, D, D)``.
 
 Keys are cached after QK normalisation and rotary embedding (at their absolute positions).
 Dimension key: :mod:`jattn._core`.
@@ -26,6 +27,7 @@ import numpy as np
 from jax import Array
 
 from jattn._checks import check_dtype, check_int, int_array, is_traced
+from jattn._gates import RECURRENT_KINDS
 from jattn._linear import LinearState, feature_fn
 from jattn._mask_base import Mask
 
@@ -55,10 +57,12 @@ def init(
         raise ValueError(f"pinned positions must be distinct, got {pinned}")
     if pinned and window is None:
         raise ValueError(f"pinned={pinned} needs a window (pinned slots sit beside a ring buffer)")
-    if kind == "linear" and window is not None:
-        raise ValueError(f"window={window} applies to the softmax kind; the linear cache is a recurrent state")
+    if kind != "softmax" and window is not None:
+        raise ValueError(f"window={window} applies to the softmax kind; the {kind} cache is a recurrent state")
     num_heads, kv, d = heads
     cache: Cache = {"next": jnp.zeros((b,), jnp.int32)}
+    if kind in RECURRENT_KINDS:  # float32 (float64 for float64): gated_linear_attention's state
+        return cache | {"state": jnp.zeros((b, num_heads, 1, d, d), jnp.promote_types(dtype, jnp.float32))}
     if kind == "linear":
         g = num_heads // kv
         f = jax.eval_shape(feature_fn(feature_map), jax.ShapeDtypeStruct((d,), dtype)).shape[-1]
@@ -192,3 +196,8 @@ def linear_state(cache: Cache) -> LinearState:
 def write_linear(cache: Cache, state: LinearState, lengths: Array) -> Cache:
     """The linear cache after a step that advanced each example by ``lengths (B,)``."""
     return cache | {"kv": state.kv, "z": state.z, "next": cache["next"] + lengths}
+
+
+def write_state(cache: Cache, state: Array, lengths: Array) -> Cache:
+    """A recurrent kind's cache after a step that advanced each example by ``lengths (B,)``."""
+    return cache | {"state": state.astype(cache["state"].dtype), "next": cache["next"] + lengths}

@@ -19,6 +19,7 @@ from jax import Array
 
 from jattn import _cache
 from jattn._checks import check_bool, check_mask
+from jattn._gates import RECURRENT_KINDS, gates
 from jattn._mask_base import Mask
 from jattn._module_options import ModuleConfig, check_path
 from jattn._multihead import at_positions, multihead
@@ -100,6 +101,7 @@ class Layers:
     query_ln: Callable[[Array], Array] | None
     key_ln: Callable[[Array], Array] | None
     sinks: Array | None = None  # (N,) learned sink logits (``sinks=True``)
+    gates: dict[str, Array] | None = None  # a recurrent kind's gate parameters (:mod:`jattn._gates`)
 
 
 def init_cache(
@@ -215,6 +217,9 @@ def _decode_step(
         state = _cache.linear_state(cache)
         out, weights, state = multihead(q, k, v, mask=mask, kv_mask=valid, linear_state=state, **attend)
         return out, weights, _cache.write_linear(cache, state, lengths), bad
+    if config.kind in RECURRENT_KINDS:
+        out, weights, state = multihead(q, k, v, mask=mask, kv_mask=valid, linear_state=cache["state"], **attend)
+        return out, weights, _cache.write_state(cache, state, lengths), bad
     keys, values, allowed = _cache.read(cache, k, v, pos, valid, mask)  # (B, C + T, K*D) x2, (B, 1, T, C + T)
     bad = bad | _cache.dropped_seen(cache, pos, valid, mask)  # a ring that lost what the mask sees
     mod = config.score_mod
@@ -253,6 +258,8 @@ def forward(
     xs = x.reshape(-1, t, x.shape[-1])  # (B, T, F): the batch dims flattened
     cs = ctx.reshape(-1, ctx.shape[-2], ctx.shape[-1])  # (B, S, F')
     qkv = layers.wq(xs), layers.wk(cs), layers.wv(cs)
+    if config.kind in RECURRENT_KINDS and context is not None:
+        raise ValueError(f"kind={config.kind!r} is causal self-attention: cross-attention takes 'softmax' or 'linear'")
     attend = dict(
         num_heads=config.num_heads,
         num_kv_heads=config.num_kv_heads,
@@ -266,6 +273,8 @@ def forward(
         block_size=block_size,
         sinks=None if layers.sinks is None else jnp.asarray(layers.sinks),
     )
+    if config.kind in RECURRENT_KINDS:
+        attend["gates"] = gates(config.kind, layers.gates or {}, xs, config.num_heads, config.head_depth)
     bad = None
     if cache is None:
         out, weights = _full_pass(config, layers, qkv, call, batch, attend)

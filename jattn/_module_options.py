@@ -28,6 +28,7 @@ from jattn._checks import (
     check_real,
     check_score_mod,
 )
+from jattn._gates import RECURRENT_KINDS
 from jattn._linear import feature_fn
 from jattn._paths import IMPLEMENTATIONS
 from jattn._score_mods import ScoreMod
@@ -43,7 +44,7 @@ __all__ = [
     "configure",
 ]
 
-KINDS = ("softmax", "linear")
+KINDS = ("softmax", "linear", *RECURRENT_KINDS)
 SELF_ATTENTION_ONLY = ("rope", "rope_base", "decode")  # the options cross-attention does not take
 
 
@@ -64,8 +65,11 @@ class ModuleOptions:
       out_proj: add the output projection ``wo``; default True when ``num_heads > 1`` or
         ``out_features`` is set. Without it the output has qkv_features features.
       use_bias: biases on the projections.
-      kind: ``'softmax'`` (default) or ``'linear'`` (:func:`jattn.linear_attention`, whose
-        only masks are None and ``masks.causal()``).
+      kind: ``'softmax'`` (default), ``'linear'`` (:func:`jattn.linear_attention`, whose
+        only masks are None and ``masks.causal()``), or a recurrent kind of
+        :func:`jattn.gated_linear_attention` (causal self-attention, N = K, no dropout, scores or
+        ring): ``'retention'``, ``'ssd'``, ``'gla'``, ``'deltanet'``, ``'gated_deltanet'``, with
+        the gate parameters of :mod:`jattn._gates` (named there, with the papers' choices).
       feature_map: the feature map of linear attention (``'elu'``, ... or a callable).
       dropout_rate: dropout on the attention weights (softmax kind), in ``[0, 1)``.
       deterministic: the default of the call-time switch; dropout is off when True. NNX: the
@@ -199,6 +203,24 @@ def _check_types(o: ModuleOptions) -> None:
     check_bool("sinks", o.sinks)
 
 
+def _check_recurrent(o: ModuleOptions, kv_heads: int) -> None:
+    """A recurrent kind (:data:`jattn._gates.RECURRENT_KINDS`) runs one state a head, with no scores to modify."""
+    refused = {
+        "num_kv_heads": kv_heads != o.num_heads,
+        "score_mod": o.score_mod is not None,
+        "sinks": o.sinks,
+        "dropout_rate": o.dropout_rate != 0,
+        "sequence_axis": o.sequence_axis is not None,
+    }
+    names = [name for name, bad in refused.items() if bad]
+    if names:
+        got = ", ".join(f"{name}={getattr(o, name)!r}" for name in names)
+        raise ValueError(
+            f"kind={o.kind!r} (gated_linear_attention: a state per head, no scores) takes num_kv_heads = num_heads "
+            f"and no score_mod, sinks, dropout or sequence_axis; got {got}"
+        )
+
+
 def configure(d_model: int, kv_features: int, options: ModuleOptions) -> ModuleConfig:
     """Checks ``options`` (a ValueError or TypeError naming the option) and resolves their defaults.
 
@@ -210,6 +232,8 @@ def configure(d_model: int, kv_features: int, options: ModuleOptions) -> ModuleC
     check_kind(o.kind, o.feature_map)
     check_int("context_features (kv features)", kv_features, min=1)
     _check_types(o)
+    if o.kind in RECURRENT_KINDS:
+        _check_recurrent(o, kv_heads)
     if o.kind == "linear" and (o.score_mod is not None or o.sinks):
         raise ValueError(
             f"score_mod and sinks need kind='softmax' (linear attention forms no scores), got kind={o.kind!r} with "

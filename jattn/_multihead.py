@@ -16,6 +16,8 @@ import jax.numpy as jnp
 from jax import Array
 
 from jattn._core import attention, attention_weights
+from jattn._gated_linear import gated_linear_attention
+from jattn._gates import RECURRENT_KINDS, qk_features
 from jattn._linear import LinearState, linear_attention
 from jattn._mask_base import Mask
 from jattn._position_masks import Causal
@@ -143,6 +145,41 @@ def _linear_heads(
     )
 
 
+def _recurrent_heads(
+    qh: Array,
+    kh: Array,
+    vh: Array,
+    *,
+    kind: str,
+    gates: dict[str, Array],
+    mask: Array | Mask | None,
+    valid: Array | None,
+    state: Array | None,
+    precision: jax.lax.PrecisionLike,
+    return_weights: bool,
+) -> tuple[Array, Array]:
+    """A recurrent kind over the heads ``(B, N, 1, T, D)`` (K = N); ``valid (B, 1, 1, T)``; the gates ``(B, N, 1, T[, D])``.
+
+    Returns ``out (B, N, 1, T, E)`` and the state after the last step ``(B, N, 1, D, E)``.
+    """
+    if mask is not None and not isinstance(mask, Causal):
+        raise ValueError(f"kind={kind!r} is causal: it takes mask=None or masks.causal(), got {mask!r}")
+    if return_weights:
+        raise ValueError(f"return_weights needs kind='softmax'; kind={kind!r} forms no weights")
+    one_step = qh.shape[-2] == 1
+    return gated_linear_attention(
+        qk_features(kind, qh),
+        qk_features(kind, kh),
+        vh,
+        **gates,
+        kv_mask=None if valid is None else valid,
+        initial_state=state,
+        return_state=True,
+        mode="recurrent" if one_step else "chunk",
+        precision=precision,
+    )
+
+
 def _ring_heads(
     qh: Array,
     kh: Array,
@@ -202,7 +239,8 @@ def multihead(
     dropout_rng: Array | None = None,
     precision: jax.lax.PrecisionLike = None,
     return_weights: bool = False,
-    linear_state: LinearState | None = None,
+    linear_state: LinearState | Array | None = None,
+    gates: dict[str, Array] | None = None,
     sequence_axis: str | None = None,
     implementation: str | None = None,
     block_size: int | tuple[int, int] | None = None,
@@ -240,6 +278,11 @@ def multihead(
         out, state = _linear_heads(
             qh, kh, vh, mask=mask, valid=valid, feature_map=feature_map, state=linear_state, **scores
         )
+    elif kind in RECURRENT_KINDS:
+        out, state = _recurrent_heads(
+            qh, kh, vh, kind=kind, gates=gates or {}, mask=mask, valid=valid, state=linear_state, precision=precision,
+            return_weights=return_weights,
+        )  # fmt: skip
     elif _ring_size(sequence_axis) > 1:
         out, weights = _ring_heads(
             qh, kh, vh, sequence_axis=sequence_axis, mask=mask, kv_mask=kv_mask, dropout_rate=dropout_rate, **scores

@@ -30,6 +30,7 @@ from flax import linen as nn
 from jax import Array
 
 from jattn._checks import check_int
+from jattn._gates import gate_params
 from jattn._mask_base import Mask
 from jattn._module_call import CallArguments, Layers, check_context, check_input, forward, init_cache
 from jattn._module_options import ModuleConfig, ModuleOptions, configure
@@ -108,6 +109,11 @@ class _Attention(nn.Module):
             norm("query_ln") if o.normalize_qk else None,
             norm("key_ln") if o.normalize_qk else None,
             self.param("sinks", nn.initializers.zeros_init(), (o.num_heads,), self.param_dtype) if o.sinks else None,
+            {
+                name: self.param(name, init, shape, self.param_dtype)
+                for name, (shape, init) in gate_params(o.kind, o.d_model, o.num_heads, o.head_depth).items()
+            }
+            or None,
         )
 
     def _decoding_cache(self) -> dict[str, Array]:

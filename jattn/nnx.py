@@ -24,6 +24,7 @@ from flax import nnx
 from jax import Array
 
 from jattn._checks import check_bool
+from jattn._gates import gate_params
 from jattn._mask_base import Mask
 from jattn._module_call import CallArguments, Layers, check_context, check_input, forward, init_cache
 from jattn._module_options import ModuleOptions, configure
@@ -62,6 +63,9 @@ class _Attention(nnx.Module):
         self.query_ln = self._norm(rngs) if o.normalize_qk else nnx.data(None)
         self.key_ln = self._norm(rngs) if o.normalize_qk else nnx.data(None)
         self.sinks = nnx.Param(jnp.zeros((o.num_heads,), o.param_dtype)) if o.sinks else nnx.data(None)
+        self.gate_names = tuple(gate_params(o.kind, o.d_model, o.num_heads, o.head_depth))  # jattn._gates
+        for name, (shape, init) in gate_params(o.kind, o.d_model, o.num_heads, o.head_depth).items():
+            setattr(self, name, nnx.Param(init(rngs.params(), shape, o.param_dtype)))
         self.dropout_rngs = rngs.dropout.fork() if o.dropout_rate > 0 else nnx.data(None)
         self.cache: dict[str, nnx.Cache] | None = nnx.data(None)
 
@@ -110,7 +114,8 @@ class _Attention(nnx.Module):
             raise ValueError("decode=True needs init_cache(batch_size, max_length) first")
         cache = {name: var[...] for name, var in self.cache.items()} if decode else None
         sinks = None if self.sinks is None else self.sinks[...]
-        layers = Layers(self.wq, self.wk, self.wv, self.wo, self.query_ln, self.key_ln, sinks)
+        gates = {name: getattr(self, name)[...] for name in self.gate_names} or None
+        layers = Layers(self.wq, self.wk, self.wv, self.wo, self.query_ln, self.key_ln, sinks, gates)
         out, weights, cache = forward(self.options, layers, x, context, call, cache=cache, dropout_rng=rng)
         if cache is not None:
             for name, value in cache.items():

@@ -256,7 +256,7 @@ def linen_params(m: jattn.nnx.SelfAttention) -> dict:
         layer = getattr(m, name)
         if layer is not None:
             params[name] = {"kernel": layer.kernel[...]} | ({} if layer.bias is None else {"bias": layer.bias[...]})
-    return params
+    return params | {name: getattr(m, name)[...] for name in m.gate_names}  # a recurrent kind's gates
 
 
 def dense_jax(q, k, v, keep=None, bias=None, sinks=None, softcap=None):

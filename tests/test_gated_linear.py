@@ -207,3 +207,88 @@ def test_traced_bad_decays_give_nan_where_they_occur():
     bad = np.zeros((B, N), bool)
     bad[1, 2] = True
     assert np.all(np.isnan(out[bad])) and np.all(np.isfinite(out[~bad]))
+
+
+# -- the modules' recurrent kinds ------------------------------------------------------------------------------
+
+KINDS = ("retention", "ssd", "gla", "deltanet", "gated_deltanet")
+F_MODEL, HEADS = 24, 3  # head depth 8
+
+
+def _np_gates(kind, m, x):
+    """The gates of ``kind`` written out in float64 NumPy from the module's parameters (docs: jattn._gates)."""
+    p = {name: np.asarray(getattr(m, name)[...], np.float64) for name in m.gate_names}
+    x = np.asarray(x, np.float64)
+    softplus, sigmoid = (lambda z: np.log1p(np.exp(z))), (lambda z: 1 / (1 + np.exp(-z)))
+    heads = lambda y: np.moveaxis(y, -1, -2)  # noqa: E731  (B, T, N) -> (B, N, T)
+    out = {}
+    if kind == "retention":
+        out["g"] = np.log(1 - 2.0 ** -(5.0 + np.arange(HEADS)))[None, :, None]
+    if kind in ("ssd", "gated_deltanet"):
+        out["g"] = heads(-np.exp(p["a_log"]) * softplus(x @ p["w_dt"] + p["dt_bias"]))
+    if kind == "gla":
+        gk = np.log(sigmoid(x @ p["w_gk_down"] @ p["w_gk_up"] + p["b_gk"])) / 16
+        out["gk"] = gk.reshape(*x.shape[:2], HEADS, -1).transpose(0, 2, 1, 3)
+    if kind in ("deltanet", "gated_deltanet"):
+        out["beta"] = heads(sigmoid(x @ p["w_beta"]))
+    return out
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_each_module_kind_equals_its_gates_written_out(kind):
+    """NNX and Linen: projections, the kind's gates (NumPy, from the parameters) and the float64 recurrence."""
+    from flax import nnx
+
+    m = jattn.nnx.SelfAttention(F_MODEL, num_heads=HEADS, kind=kind, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (2, 11, F_MODEL))
+    split = lambda y: np.asarray(y, np.float64).reshape(2, 11, HEADS, -1).transpose(0, 2, 1, 3)  # noqa: E731
+    q, k, v = (split(x @ getattr(m, w).kernel[...]) for w in ("wq", "wk", "wv"))
+    if kind in ("deltanet", "gated_deltanet"):  # SiLU, then an L2 norm over the head depth
+        q, k = (
+            (y / (1 + np.exp(-y))) / np.sqrt(np.sum((y / (1 + np.exp(-y))) ** 2, -1, keepdims=True) + 1e-6)
+            for y in (q, k)
+        )
+    out, _ = ref.gated_linear(q, k, v, **_np_gates(kind, m, x))
+    want = out.transpose(0, 2, 1, 3).reshape(2, 11, F_MODEL) @ np.asarray(m.wo.kernel[...], np.float64)
+    np.testing.assert_allclose(m(x), want, rtol=1e-4, atol=1e-5)
+    linen = jattn.linen.SelfAttention(F_MODEL, num_heads=HEADS, kind=kind)
+    np.testing.assert_allclose(linen.apply({"params": ref.linen_params(m)}, x), m(x), **ref.tol(jnp.float32))
+
+
+@pytest.mark.parametrize("kind", ["gla", "gated_deltanet"])
+def test_module_decoding_from_the_cache_equals_the_full_pass(kind):
+    from flax import nnx
+
+    m = jattn.nnx.SelfAttention(F_MODEL, num_heads=HEADS, kind=kind, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (2, 11, F_MODEL))
+    m.init_cache(2, 11)
+    pieces = [m(x[:, :4], decode=True)] + [m(x[:, t : t + 1], decode=True) for t in range(4, 11)]
+    np.testing.assert_allclose(jnp.concatenate(pieces, axis=1), m(x), **ref.tol(jnp.float32))
+    linen = jattn.linen.SelfAttention(F_MODEL, num_heads=HEADS, kind=kind)
+    cache = linen.init(jax.random.key(0), 2, 11, method="init_cache")["cache"]
+    outs = []
+    for t in range(11):
+        y, state = linen.apply(
+            {"params": ref.linen_params(m), "cache": cache}, x[:, t : t + 1], decode=True, mutable=["cache"]
+        )
+        outs.append(y)
+        cache = state["cache"]
+    np.testing.assert_allclose(jnp.concatenate(outs, axis=1), m(x), **ref.tol(jnp.float32))
+
+
+def test_module_kinds_refuse_what_they_cannot_do():
+    from flax import nnx
+
+    with pytest.raises(ValueError, match=r"kind='deltanet'.*num_kv_heads = num_heads.*num_kv_heads=1"):
+        jattn.nnx.SelfAttention(F_MODEL, num_heads=HEADS, num_kv_heads=1, kind="deltanet", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"kind='ssd'.*dropout_rate=0.1"):
+        jattn.nnx.SelfAttention(F_MODEL, num_heads=HEADS, kind="ssd", dropout_rate=0.1, rngs=nnx.Rngs(0))
+    m = jattn.nnx.SelfAttention(F_MODEL, num_heads=HEADS, kind="gla", rngs=nnx.Rngs(0))
+    x = jnp.ones((1, 5, F_MODEL))
+    with pytest.raises(ValueError, match=r"kind='gla' is causal: it takes mask=None or masks.causal\(\)"):
+        m(x, jattn.masks.sliding_window(2))
+    with pytest.raises(ValueError, match=r"return_weights needs kind='softmax'"):
+        m(x, return_weights=True)
+    cross = jattn.nnx.CrossAttention(F_MODEL, 7, num_heads=HEADS, kind="retention", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"kind='retention' is causal self-attention"):
+        cross(x, jnp.ones((1, 4, 7)))
