@@ -20,6 +20,7 @@ from jattn._blockwise_rules import CHECKPOINT_NAMES
 from jattn._core import attention, attention_weights, choose_implementation
 from jattn._dot_product_attention import dot_product_attention
 from jattn._gated_linear import gated_linear_attention
+from jattn._gates import RECURRENT_KINDS
 from jattn._linear import LinearState, linear_attention
 from jattn._paths import AUTO_BLOCKWISE_MIN, IMPLEMENTATIONS, SUPPORT
 from jattn._ring import ring_attention, sequence_parallel_attention, unzigzag, zigzag
@@ -31,6 +32,7 @@ __all__ = [
     "AUTO_BLOCKWISE_MIN",
     "CHECKPOINT_NAMES",
     "IMPLEMENTATIONS",
+    "RECURRENT_KINDS",
     "SUPPORT",
     "TRANSFORMS",
     "LinearState",

@@ -53,7 +53,11 @@ def _recurrent(steps: Steps, state: Array, precision) -> tuple[Array, Array]:
 
 
 def _chunks(steps: Steps, state: Array, chunk_size: int, precision) -> tuple[Array, Array]:
-    """The chunkwise form (module docstring): a rematerialised ``lax.scan`` over chunks of ``chunk_size`` steps."""
+    """The chunkwise form (module docstring).
+
+    What needs no state is computed for all chunks at once, then a rematerialised ``lax.scan`` over the
+    chunks carries the state.
+    """
     *lead, T, E = steps.v.shape
     c = max(min(chunk_size, T), 1)
     n = -(-T // c)
@@ -66,34 +70,56 @@ def _chunks(steps: Steps, state: Array, chunk_size: int, precision) -> tuple[Arr
         return jnp.moveaxis(x.reshape(*lead, n, c, *tail), len(lead), 0)
 
     runs = jnp.cumsum(chunked(steps.reset, False).astype(jnp.int32), axis=-1)  # each step's document in its chunk
-    xs = (*(chunked(x) for x in steps[:6]), runs)
-    body = jax.checkpoint(_chunk_step(precision, steps.beta is not None))
-    state, out = jax.lax.scan(body, state, xs)
+    q, k, v, g, gk, beta = (chunked(x) for x in steps[:6])
+    if gk is not None:
+        body, xs = _per_feature(precision), (q, k, v, g, gk, runs)
+    else:
+        body, xs = _carry_step(precision), _scalar_parts(q, k, v, g, beta, runs, precision)
+    state, out = jax.lax.scan(jax.checkpoint(body), state, xs)
     out = jnp.moveaxis(out, 0, len(lead)).reshape(*lead, n * c, E)[..., :T, :]
     return out, state
 
 
-def _chunk_step(precision, delta: bool) -> Callable:
-    """The body of the chunk scan: ``(S_0, chunk) -> (S_C, out (..., C, E))``."""
+def _documents(runs: Array) -> tuple[Array, Array, Array]:
+    """The pairs and steps that documents allow, from each step's document in its chunk ``runs (..., C)``.
+
+    ``seen (..., C, C)`` (s <= t in t's document), the steps that see the chunk's incoming state
+    (``first``) and those whose writes reach its last (``last``).
+    """
+    same = runs[..., :, None] == runs[..., None, :]
+    return same & _lower(same.shape, 0), runs == 0, runs == runs[..., -1:]
+
+
+def _scalar_parts(q, k, v, g, beta, runs, precision) -> tuple[Array, ...]:
+    """Per chunk, with a decay per step (or none): what the state is not needed for, all chunks at once.
+
+    ``(q, k, scores Γ ∘ q kᵀ, into exp(b_t), reach Γ_Cs, u, w)``; the writes are ``u - w S_0`` (``w`` None
+    without the delta rule, whose ``u`` is v).
+    """
+    seen, first, last = _documents(runs)
+    b = jnp.zeros(q.shape[:-1], q.dtype) if g is None else jnp.cumsum(g, axis=-1)
+    decay = jnp.exp(jnp.where(seen, b[..., :, None] - b[..., None, :], -jnp.inf))  # Γ (..., C, C)
+    into = jnp.where(first, jnp.exp(b), 0.0)
+    reach = jnp.where(last, jnp.exp(b[..., -1:] - b), 0.0)
+    scores = _einsum("...tf,...sf->...ts", q, k, precision=precision) * decay
+    u, w = v, None
+    if beta is not None:  # the UT transform: (I + A)^-1 diag(β) [V | diag(into) K]
+        a = beta[..., :, None] * decay * _einsum("...tf,...sf->...ts", k, k, precision=precision)
+        inverse = _unit_lower_inverse(jnp.where(_lower(a.shape, -1), a, 0.0))
+        rhs = beta[..., None] * jnp.concatenate([v, into[..., None] * k], axis=-1)  # (..., C, E + D)
+        solved = _einsum("...ts,...sx->...tx", inverse, rhs, precision=precision)
+        u, w = solved[..., : v.shape[-1]], solved[..., v.shape[-1] :]
+    return q, k, scores, into, reach, u, w
+
+
+def _carry_step(precision) -> Callable:
+    """The scan body with a decay per step: ``(S_0, parts of a chunk) -> (S_C, out (..., C, E))``."""
 
     def step(S, x):
-        q, k, v, g, gk, beta, run = x
-        same = run[..., :, None] == run[..., None, :]
-        seen = same & _lower(same.shape, 0)  # (..., C, C): s <= t in t's document
-        first = run == 0  # (..., C): the steps that see S_0
-        last = run == run[..., -1:]  # the steps whose writes reach S_C
-        if gk is not None:
-            return _per_feature(S, q, k, v, g, gk, seen, first, last, precision)
-        b = jnp.zeros(q.shape[:-1], q.dtype) if g is None else jnp.cumsum(g, axis=-1)
-        decay = jnp.exp(jnp.where(seen, b[..., :, None] - b[..., None, :], -jnp.inf))  # Γ (..., C, C)
-        into = jnp.where(first, jnp.exp(b), 0.0)  # exp(b_t) for the steps that see S_0
-        writes = v
-        if delta:
-            writes = _delta_writes(S, k, v, beta, decay, into, precision)
-        scores = _einsum("...tf,...sf->...ts", q, k, precision=precision) * decay
+        q, k, scores, into, reach, u, w = x
+        writes = u if w is None else u - _einsum("...tf,...fe->...te", w, S, precision=precision)
         out = into[..., None] * _einsum("...tf,...fe->...te", q, S, precision=precision)
         out = out + _einsum("...ts,...se->...te", scores, writes, precision=precision)
-        reach = jnp.where(last, jnp.exp(b[..., -1:] - b), 0.0)  # Γ_Cs
         S = into[..., -1, None, None] * S + _einsum("...sf,...s,...se->...fe", k, reach, writes, precision=precision)
         return S, out
 
@@ -105,25 +131,47 @@ def _lower(shape: tuple[int, ...], diagonal: int) -> Array:
     return jnp.broadcast_to(jnp.tril(jnp.ones(shape[-2:], bool), diagonal), shape)
 
 
-def _delta_writes(S, k, v, beta, decay, into, precision) -> Array:
-    """The delta rule's writes Δ (..., C, E) of a chunk: ``(I + A) Δ = diag(β)(V - diag(into) K S_0)`` (UT transform)."""
-    a = beta[..., :, None] * decay * _einsum("...tf,...sf->...ts", k, k, precision=precision)
-    system = jnp.where(_lower(a.shape, -1), a, 0.0) + jnp.broadcast_to(jnp.eye(a.shape[-1], dtype=a.dtype), a.shape)
-    rhs = beta[..., None] * jnp.concatenate([v, into[..., None] * k], axis=-1)  # (..., C, E + D)
-    solved = jax.lax.linalg.triangular_solve(system, rhs, left_side=True, lower=True, unit_diagonal=True)
-    u, w = solved[..., : v.shape[-1]], solved[..., v.shape[-1] :]
-    return u - _einsum("...tf,...fe->...te", w, S, precision=precision)
+@jax.custom_jvp
+def _unit_lower_inverse(a: Array) -> Array:
+    """``(I + a)^-1`` for a strictly lower triangular ``a (..., C, C)``, by forward substitution (C steps).
+
+    Not ``lax.linalg.triangular_solve``: on CPU its LAPACK call splits a batch over XLA's thread pool and waits
+    for the parts, and two such calls running at once on a 2-thread pool wait for each other forever (seen in
+    training with jaxlib 0.10). The derivative ``-X da X`` (rule below) serves every order.
+    """
+    eye = jnp.broadcast_to(jnp.eye(a.shape[-1], dtype=a.dtype), a.shape)
+
+    def row(t, x):  # x's rows from t on are still 0
+        r = jax.lax.dynamic_index_in_dim(a, t, axis=-2, keepdims=False)
+        e = jax.lax.dynamic_index_in_dim(eye, t, axis=-2, keepdims=False)
+        new = e - jnp.einsum("...s,...sx->...x", r, x)
+        return jax.lax.dynamic_update_index_in_dim(x, new[..., None, :], t, axis=-2)
+
+    return jax.lax.fori_loop(0, a.shape[-1], row, jnp.zeros_like(a))
 
 
-def _per_feature(S, q, k, v, g, gk, seen, first, last, precision) -> tuple[Array, Array]:
-    """A chunk with a decay per key feature (GLA): the exponents ``B_tf - B_sf`` kept per feature (..., C, C, D)."""
-    logs = gk if g is None else gk + g[..., None]
-    b = jnp.cumsum(logs, axis=-2)  # (..., C, D)
-    gap = jnp.where(seen[..., None], b[..., :, None, :] - b[..., None, :, :], -jnp.inf)
-    scores = _einsum("...tf,...sf,...tsf->...ts", q, k, jnp.exp(gap), precision=precision)
-    into = jnp.where(first[..., None], jnp.exp(b), 0.0)  # (..., C, D)
-    out = _einsum("...tf,...fe->...te", q * into, S, precision=precision)
-    out = out + _einsum("...ts,...se->...te", scores, v, precision=precision)
-    reach = jnp.where(last[..., None], jnp.exp(b[..., -1:, :] - b), 0.0)  # (..., C, D)
-    S = into[..., -1, :, None] * S + _einsum("...sf,...se->...fe", k * reach, v, precision=precision)
-    return S, out
+@_unit_lower_inverse.defjvp
+def _unit_lower_inverse_jvp(primals, tangents):
+    (a,), (da,) = primals, tangents
+    x = _unit_lower_inverse(a)
+    da = jnp.where(_lower(da.shape, -1), da, 0.0)  # the map reads a's strictly lower part only
+    return x, -jnp.einsum("...ts,...sr,...rx->...tx", x, da, x)
+
+
+def _per_feature(precision) -> Callable:
+    """The scan body with a decay per key feature (GLA): the exponents ``B_tf - B_sf`` kept per feature (..., C, C, D)."""
+
+    def step(S, x):
+        q, k, v, g, gk, runs = x
+        seen, first, last = _documents(runs)
+        b = jnp.cumsum(gk if g is None else gk + g[..., None], axis=-2)  # (..., C, D)
+        gap = jnp.where(seen[..., None], b[..., :, None, :] - b[..., None, :, :], -jnp.inf)
+        scores = _einsum("...tf,...sf,...tsf->...ts", q, k, jnp.exp(gap), precision=precision)
+        into = jnp.where(first[..., None], jnp.exp(b), 0.0)  # (..., C, D)
+        out = _einsum("...tf,...fe->...te", q * into, S, precision=precision)
+        out = out + _einsum("...ts,...se->...te", scores, v, precision=precision)
+        reach = jnp.where(last[..., None], jnp.exp(b[..., -1:, :] - b), 0.0)  # (..., C, D)
+        S = into[..., -1, :, None] * S + _einsum("...sf,...se->...fe", k * reach, v, precision=precision)
+        return S, out
+
+    return step

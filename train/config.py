@@ -28,7 +28,8 @@ import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
-from train.model import IMPLEMENTATIONS, MIXERS, POSITIONS
+import jattn
+from train.model import IMPLEMENTATIONS, MIXERS, POSITIONS, SCORE_FREE
 from train.sharding import AXES
 from train.tasks import MQAR, TASKS, Task
 
@@ -59,7 +60,8 @@ KEYS: dict[str, str] = {
     "task.size": "sort, reverse, induction: tokens in the first half; the second half is them sorted, "
     "reversed or repeated",
     "task.vocab": "sort, reverse, induction: symbols the tokens are drawn from (chance is 1/vocab)",
-    "model.mixer": "'attention' (softmax), 'linear', or 'none' (the token-local control)",
+    "model.mixer": "'attention' (softmax), 'linear', a recurrent kind of jattn.gated_linear_attention ('retention', "
+    "'ssd', 'gla', 'deltanet', 'gated_deltanet'), or 'none' (the token-local control)",
     "model.positions": "'learned' (an absolute table) or 'alibi' (no table; softmax attention only)",
     "model.d_model": "width of the residual stream",
     "model.num_heads": "attention heads (a divisor of d_model)",
@@ -489,20 +491,25 @@ def _check_model(cfg: ml_collections.ConfigDict, task: Task) -> None:
         raise ConfigError(
             f"config key 'model.positions': unknown positions {cfg.model.positions!r}; choose from {POSITIONS}"
         )
-    if cfg.model.positions == "alibi" and cfg.model.mixer == "linear":
+    if cfg.model.positions == "alibi" and cfg.model.mixer in SCORE_FREE:
         raise ConfigError(
-            "config key 'model.positions'='alibi' needs softmax attention: 'model.mixer'='linear' forms no scores "
-            "to bias ('none' is allowed: that model sees no positions at all)"
+            f"config key 'model.positions'='alibi' needs softmax attention: 'model.mixer'={cfg.model.mixer!r} forms "
+            "no scores to bias ('none' is allowed: that model sees no positions at all)"
         )
     kv = cfg.model.num_kv_heads
     if kv < 0 or (kv and cfg.model.num_heads % kv):
         raise ConfigError(f"config key 'model.num_kv_heads'={kv} must be 0 or a divisor of 'model.num_heads'")
+    if kv and kv != cfg.model.num_heads and cfg.model.mixer in jattn.RECURRENT_KINDS:
+        raise ConfigError(
+            f"config key 'model.num_kv_heads'={kv}: 'model.mixer'={cfg.model.mixer!r} keeps a state per head "
+            "(0 or num_heads)"
+        )
     if cfg.model.window < 0:
         raise ConfigError(f"config key 'model.window' must be >= 0, got {cfg.model.window}")
-    if cfg.model.window and cfg.model.mixer == "linear":
+    if cfg.model.window and cfg.model.mixer in SCORE_FREE:
         raise ConfigError(
-            f"config key 'model.window'={cfg.model.window} needs softmax attention: 'model.mixer'='linear' takes "
-            "the causal mask only"
+            f"config key 'model.window'={cfg.model.window} needs softmax attention: 'model.mixer'="
+            f"{cfg.model.mixer!r} takes the causal mask only"
         )
     if cfg.model.global_tokens and not cfg.model.window:
         raise ConfigError("config key 'model.global_tokens' needs 'model.window' > 0")

@@ -3,7 +3,8 @@
 tokens (B, L) -> embeddings + positions -> num_layers x [x + mixer(LN x), x + MLP(LN x)]
 -> LN -> logits (B, L, vocab). The mixer is jattn softmax attention under a causal mask
 (optionally a sliding window with global tokens, and grouped kv heads), jattn linear attention,
-or, for the control, ``'none'``: a token-local linear map that cannot look at other positions.
+one of the recurrent kinds of ``jattn.gated_linear_attention`` (``'retention'``, ``'ssd'``, ``'gla'``,
+``'deltanet'``, ``'gated_deltanet'``: the module's ``kind``), or, for the control, ``'none'``: a token-local linear map that cannot look at other positions.
 Under a mesh with a ``seq`` axis, softmax attention runs as ring attention over it. Positions
 are a learned absolute table (``positions='learned'``, ``max_len`` rows) or ALiBi
 (``positions='alibi'``: no table; every attention layer subtracts ``slope[head] · distance``
@@ -22,7 +23,8 @@ from jax import Array
 import jattn.nnx
 from jattn import masks
 
-MIXERS = ("attention", "linear", "none")
+MIXERS = ("attention", "linear", *jattn.RECURRENT_KINDS, "none")
+SCORE_FREE = ("linear", *jattn.RECURRENT_KINDS)  # mixers that form no scores (no ALiBi, windows or weights)
 POSITIONS = ("learned", "alibi")
 IMPLEMENTATIONS = jattn.IMPLEMENTATIONS  # paths of softmax attention (jattn.attention's implementation=)
 SEQUENCE_AXIS = "seq"  # ring attention over this mesh axis when the current mesh has it (train/sharding.py)
@@ -57,14 +59,14 @@ class Block(nnx.Module):
         if mixer == "none":
             self.mixer = nnx.Linear(d_model, d_model, rngs=rngs)
         else:
-            kind = "linear" if mixer == "linear" else "softmax"
+            kind = "softmax" if mixer == "attention" else mixer
             self.mixer = jattn.nnx.SelfAttention(
                 d_model,
                 num_heads=num_heads,
                 num_kv_heads=num_kv_heads,
                 out_proj=True,
                 kind=kind,
-                sequence_axis=SEQUENCE_AXIS,
+                sequence_axis=None if mixer in jattn.RECURRENT_KINDS else SEQUENCE_AXIS,
                 implementation=implementation,
                 block_size=block_size,
                 score_mod=score_mod,
@@ -114,8 +116,8 @@ class Decoder(nnx.Module):
         """
         if positions not in POSITIONS:
             raise ValueError(f"positions must be one of {POSITIONS}, got {positions!r}")
-        if positions == "alibi" and mixer == "linear":
-            raise ValueError("positions='alibi' needs softmax attention (mixer='attention'), got mixer='linear'")
+        if positions == "alibi" and mixer in SCORE_FREE:
+            raise ValueError(f"positions='alibi' needs softmax attention (mixer='attention'), got mixer={mixer!r}")
         self.embed = nnx.Embed(vocab_size, d_model, rngs=rngs)
         learned = positions == "learned"
         self.pos = nnx.Param(jax.random.normal(rngs.params(), (max_len, d_model)) / d_model**0.5) if learned else None
