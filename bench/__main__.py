@@ -65,6 +65,11 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--packed", action="store_true", help="8 packed causal documents vs full causal, blockwise (T=8192)")
     p.add_argument(
+        "--gated",
+        action="store_true",
+        help="gated_linear_attention fwd+bwd, chunkwise vs recurrent vs softmax causal (B=1, N=4, T=8192 and 32768)",
+    )
+    p.add_argument(
         "--transforms",
         action="store_true",
         help="jvp vs forward (T=16384), forward-over-reverse HVP vs forward+backward (T=8192), jvp peak RSS (T=32768)",
@@ -238,8 +243,30 @@ def gpu_args(args: argparse.Namespace) -> argparse.Namespace:
     return argparse.Namespace(**(vars(args) | suite.GPU_PRESET))
 
 
+def _gated(console: Console, args: argparse.Namespace, default_T: bool) -> None:
+    """The ``--gated`` table: :func:`jattn.gated_linear_attention`'s forms and softmax, fwd+bwd (:mod:`bench.gated`)."""
+    from bench import gated
+
+    for T in [8192, 32768] if default_T else args.T:
+        rows = gated.gated_case(T, 1, 4, args.D, args.repeats)
+        table = Table(title=f"gated linear attention, fwd+bwd, B=1 N=4 T={T} D={args.D}")
+        for col in ("candidate", "ms", "x the chunkwise gated deltanet"):
+            table.add_column(col, justify="right")
+        for name, ms in rows.items():
+            table.add_row(name, f"{ms:.1f}", f"{ms / rows['gated deltanet, chunkwise']:.2f}")
+        console.print(table)
+
+
 #: The options that run a case with its own table, in the order they are looked at, and their functions.
-SPECIAL = {"flex": _flex, "gqa": _gqa, "packed": _packed, "transforms": _transforms, "model": _model, "module": _module}
+SPECIAL = {
+    "flex": _flex,
+    "gqa": _gqa,
+    "packed": _packed,
+    "gated": _gated,
+    "transforms": _transforms,
+    "model": _model,
+    "module": _module,
+}
 
 
 if __name__ == "__main__":

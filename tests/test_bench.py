@@ -102,7 +102,7 @@ def test_help_gives_every_option_a_meaning_and_its_default(capsys, monkeypatch):
     assert exit_info.value.code == 0
     shown = "".join(capsys.readouterr().out.split())  # help text is wrapped over lines, hyphens too
     options = [a for a in bench_main.parser()._actions if a.option_strings != ["-h", "--help"]]
-    assert len(options) == 19
+    assert len(options) == 20
     for action in options:
         assert action.help, action.option_strings
         assert "".join(f"{action.help} (default: {action.default})".split()) in shown, action.option_strings
