@@ -33,6 +33,7 @@ def get_config() -> ml_collections.ConfigDict:
             global_tokens=(),
             implementation="",
             block_size=0,
+            short_conv=0,
         )
     )
     c.steps = 2000

@@ -175,6 +175,14 @@ BAD_CONFIGS = [
         "config key 'model.window'=4 needs softmax attention: 'model.mixer'='linear' takes the causal mask only",
     ),
     (["--config.control_model.d_model=32"], "on the command line control_model takes the keys its config file sets"),
+    (
+        ["--config.model.mixer=gated_deltanet", "--config.model.num_kv_heads=1"],
+        "config key 'model.num_kv_heads'=1: 'model.mixer'='gated_deltanet' keeps a state per head",
+    ),
+    (
+        ["--config.model.mixer=gla", "--config.model.window=4"],
+        "config key 'model.window'=4 needs softmax attention: 'model.mixer'='gla' takes the causal mask only",
+    ),
 ]
 
 

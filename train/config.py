@@ -65,6 +65,8 @@ KEYS: dict[str, str] = {
     "model.positions": "'learned' (an absolute table) or 'alibi' (no table; softmax attention only)",
     "model.d_model": "width of the residual stream",
     "model.num_heads": "attention heads (a divisor of d_model)",
+    "model.short_conv": "size of a causal depthwise convolution (then SiLU) before every mixer, as the linear-attention "
+    "papers use; 0: none",
     "model.num_kv_heads": "key/value heads: 0 means as many as num_heads; fewer is grouped-query attention",
     "model.num_layers": "decoder blocks",
     "model.mlp_ratio": "the MLP's hidden width, in multiples of d_model",
@@ -476,8 +478,8 @@ def _check_model(cfg: ml_collections.ConfigDict, task: Task) -> None:
     """The ``model`` keys, together and against the task's length."""
     _positive(cfg, "model.d_model", "model.num_heads", "model.num_layers", "model.mlp_ratio")
     _integer(cfg, "model.d_model", "model.num_heads", "model.num_layers", "model.mlp_ratio")
-    _integer(cfg, "model.num_kv_heads", "model.window", "model.block_size")
-    _non_negative(cfg, "model.block_size")
+    _integer(cfg, "model.num_kv_heads", "model.window", "model.block_size", "model.short_conv")
+    _non_negative(cfg, "model.block_size", "model.short_conv")
     if cfg.model.implementation not in ("", *IMPLEMENTATIONS):
         raise ConfigError(
             f"config key 'model.implementation'={cfg.model.implementation!r}: choose from {IMPLEMENTATIONS} or ''"

@@ -79,6 +79,7 @@ def build(cfg: ml_collections.ConfigDict) -> Experiment:
         global_tokens=tuple(m.global_tokens),
         implementation=m.implementation or None,
         block_size=m.block_size or None,
+        short_conv=m.short_conv,
         rngs=nnx.Rngs(params=jax.random.fold_in(jax.random.key(cfg.seed), 2)),
     )
     graphdef, params = nnx.split(model)

@@ -38,6 +38,32 @@ def causal_mask(window: int = 0, global_tokens: tuple[int, ...] = ()) -> masks.M
     return masks.causal() & (local | masks.global_tokens(global_tokens) if global_tokens else local)
 
 
+class ShortConv(nnx.Module):
+    """A causal depthwise convolution over the last ``size`` steps, then SiLU: ``x (B, L, d_model)`` -> same shape.
+
+    What the linear-attention papers (H3, Based, DeltaNet, Gated DeltaNet) put before the mixer: it hands
+    each step its predecessors, which a recurrent state alone cannot look back at. Decoding keeps the last
+    ``size - 1`` inputs (:meth:`init_cache`).
+    """
+
+    def __init__(self, d_model: int, size: int, *, rngs: nnx.Rngs) -> None:
+        self.size = size
+        self.kernel = nnx.Param(jax.random.normal(rngs.params(), (size, d_model)) / size**0.5)
+        self.state = nnx.data(None)  # (B, size - 1, d_model) while decoding
+
+    def init_cache(self, batch_size: int, d_model: int) -> None:
+        self.state = nnx.Cache(jnp.zeros((batch_size, self.size - 1, d_model)))
+
+    def __call__(self, x: Array, *, decode: bool) -> Array:
+        before = self.state[...] if decode else jnp.zeros((x.shape[0], self.size - 1, x.shape[-1]), x.dtype)
+        padded = jnp.concatenate([before.astype(x.dtype), x], axis=1)  # (B, size - 1 + L, d_model)
+        if decode:
+            self.state[...] = padded[:, -(self.size - 1) :] if self.size > 1 else before
+        length, kernel = x.shape[1], self.kernel[...].astype(x.dtype)
+        out = sum(padded[:, i : i + length] * kernel[i][None, None] for i in range(self.size))
+        return jax.nn.silu(out)
+
+
 class Block(nnx.Module):
     """Pre-norm residual block: sequence mixer then MLP."""
 
@@ -52,10 +78,12 @@ class Block(nnx.Module):
         implementation: str | None = None,
         block_size: int | None = None,
         score_mod: Callable[..., Array] | None = None,
+        short_conv: int = 0,
         rngs: nnx.Rngs,
     ) -> None:
         self.ln1 = nnx.LayerNorm(d_model, rngs=rngs)
         self.ln2 = nnx.LayerNorm(d_model, rngs=rngs)
+        self.conv = ShortConv(d_model, short_conv, rngs=rngs) if short_conv else nnx.data(None)
         if mixer == "none":
             self.mixer = nnx.Linear(d_model, d_model, rngs=rngs)
         else:
@@ -78,6 +106,8 @@ class Block(nnx.Module):
     def __call__(self, x: Array, mask: masks.Mask, *, decode: bool, weights: bool) -> tuple[Array, Array | None]:
         """``x (B, L, d_model)`` -> new x and, if asked, attention weights ``(B, N, L, L)``."""
         h, w = self.ln1(x), None
+        if self.conv is not None:
+            h = self.conv(h, decode=decode)
         if isinstance(self.mixer, jattn.nnx.SelfAttention):
             h = self.mixer(h, mask, decode=decode, return_weights=weights)
             h, w = h if weights else (h, None)
@@ -106,9 +136,12 @@ class Decoder(nnx.Module):
         global_tokens: tuple[int, ...] = (),
         implementation: str | None = None,
         block_size: int | None = None,
+        short_conv: int = 0,
         rngs: nnx.Rngs,
     ) -> None:
         """``implementation`` and ``block_size`` choose softmax attention's path (:func:`jattn.attention`).
+
+        ``short_conv``: the size of a :class:`ShortConv` before every mixer (0: none).
 
         ``positions``: ``'learned'`` (a ``(max_len, d_model)`` table added to the embeddings) or
         ``'alibi'`` (no table: ALiBi in every attention layer; needs softmax attention, and with
@@ -133,6 +166,7 @@ class Decoder(nnx.Module):
                     implementation=implementation,
                     block_size=block_size,
                     score_mod=alibi,
+                    short_conv=short_conv,
                     rngs=rngs,
                 )
                 for _ in range(num_layers)
@@ -174,3 +208,5 @@ class Decoder(nnx.Module):
         for block in self.blocks:
             if isinstance(block.mixer, jattn.nnx.SelfAttention):
                 block.mixer.init_cache(batch_size, max_len, **ring)
+            if block.conv is not None:
+                block.conv.init_cache(batch_size, self.embed.features)
