@@ -54,7 +54,7 @@ def picture(results: dict[str, dict[int, float]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(7.5, 4))
     for mixer, row in results.items():
         pairs = sorted(row)
         ax.plot(pairs, [100 * row[p] for p in pairs], marker="o", label=mixer)
@@ -62,8 +62,9 @@ def picture(results: dict[str, dict[int, float]], path: Path) -> None:
         xlabel="key-value pairs (sequence length 4 x pairs - 1)", ylabel="held-out query accuracy (%)", ylim=(0, 102)
     )
     ax.set_xscale("log", base=2)
-    ax.set_xticks(sorted({p for row in results.values() for p in row}), labels=None)
-    ax.legend(fontsize=8)
+    ticks = sorted({p for row in results.values() for p in row})
+    ax.set_xticks(ticks, labels=[str(p) for p in ticks])
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.02, 0.5))
     ax.set_title("MQAR: softmax attention and the linear-attention family")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
