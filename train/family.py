@@ -72,7 +72,9 @@ def picture(results: dict[str, dict[int, float]], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m train.family", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m train.family", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--mixers", nargs="+", default=list(MIXERS), choices=MIXERS)
     p.add_argument("--pairs", nargs="+", type=int, default=[8, 16, 32])
     p.add_argument("--out", type=Path, default=Path("runs/mqar_family"))
