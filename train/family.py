@@ -78,8 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mixers", nargs="+", default=list(MIXERS), choices=MIXERS)
     p.add_argument("--pairs", nargs="+", type=int, default=[8, 16, 32])
     p.add_argument("--out", type=Path, default=Path("runs/mqar_family"))
+    p.add_argument("--steps", type=int, default=None, help="a smaller budget than the config's 2000 steps (tests)")
     args = p.parse_args(argv)
-    results = {m: {n: accuracy(m, n, args.out) for n in args.pairs} for m in args.mixers}
+    results = {m: {n: accuracy(m, n, args.out, args.steps) for n in args.pairs} for m in args.mixers}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "family.json").write_text(json.dumps(results, indent=2) + "\n")
     (args.out / "family.md").write_text(table(results))
