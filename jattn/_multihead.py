@@ -172,7 +172,7 @@ def _recurrent_heads(
         qk_features(kind, kh),
         vh,
         **gates,
-        kv_mask=None if valid is None else valid,
+        kv_mask=valid,
         initial_state=state,
         return_state=True,
         mode="recurrent" if one_step else "chunk",

@@ -63,8 +63,9 @@ class _Attention(nnx.Module):
         self.query_ln = self._norm(rngs) if o.normalize_qk else nnx.data(None)
         self.key_ln = self._norm(rngs) if o.normalize_qk else nnx.data(None)
         self.sinks = nnx.Param(jnp.zeros((o.num_heads,), o.param_dtype)) if o.sinks else nnx.data(None)
-        self.gate_names = tuple(gate_params(o.kind, o.d_model, o.num_heads, o.head_depth))  # jattn._gates
-        for name, (shape, init) in gate_params(o.kind, o.d_model, o.num_heads, o.head_depth).items():
+        gates = gate_params(o.kind, o.d_model, o.num_heads, o.head_depth)  # a recurrent kind's (jattn._gates)
+        self.gate_names = tuple(gates)
+        for name, (shape, init) in gates.items():
             setattr(self, name, nnx.Param(init(rngs.params(), shape, o.param_dtype)))
         self.dropout_rngs = rngs.dropout.fork() if o.dropout_rate > 0 else nnx.data(None)
         self.cache: dict[str, nnx.Cache] | None = nnx.data(None)
