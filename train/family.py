@@ -28,6 +28,7 @@ def config(mixer: str, pairs: int, root: Path, steps: int | None = None):
     """The config of one run: ``configs/mqar_family.py`` with ``mixer`` and ``pairs`` (and ``steps``) set."""
     c = mqar_family.get_config()
     c.model.mixer, c.task.num_pairs, c.task.num_queries = mixer, pairs, pairs
+    c.task.num_keys = c.task.num_values = max(c.task.num_keys, pairs)  # every pair's key distinct
     c.workdir = str(root / f"{mixer}-{pairs}")
     if steps is not None:
         c.steps, c.warmup_steps = steps, min(c.warmup_steps, steps // 10)
