@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from train import config as train_config
 from train import family
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -18,6 +19,16 @@ def test_the_table_has_a_row_a_model_and_a_column_a_number_of_pairs():
     assert family.table(results) == (
         "| model | 8 pairs | 16 pairs |\n|---|---|---|\n| attention | 99.0 | 100.0 |\n| linear | 43.2 | 25.0 |\n"
     )
+
+
+@pytest.mark.parametrize("pairs, symbols", [(8, 32), (32, 32), (64, 64)])
+def test_a_run_draws_every_pair_a_distinct_key_and_the_config_validates(tmp_path: Path, pairs: int, symbols: int):
+    cfg = family.config("deltanet", pairs, tmp_path, steps=10)
+    assert (cfg.task.num_pairs, cfg.task.num_queries, cfg.task.num_keys, cfg.task.num_values) == (
+        pairs, pairs, symbols, symbols)  # fmt: skip
+    assert cfg.workdir == str(tmp_path / f"deltanet-{pairs}")
+    assert train_config.make_task(cfg).length == 4 * pairs - 1
+    train_config.validate(cfg)
 
 
 @pytest.mark.long

@@ -1,12 +1,13 @@
 r"""``python -m train.family``: the MQAR comparison of softmax attention and the linear-attention family.
 
-Every model of :data:`MIXERS` trains on MQAR with 8, 16 and 32 key-value pairs (``--pairs``) under the same
-budget (``configs/mqar_family.py``), each run the run of one command::
+Every model of :data:`MIXERS` trains on MQAR with 8, 16, 32 and 64 key-value pairs (``--pairs``; the sequence is
+4 x pairs - 1 long, 255 at 64) under the same budget (``configs/mqar_family.py``), each run the run of one command::
 
     python -m train --config configs/mqar_family.py --config.model.mixer=M --config.task.num_pairs=P \\
         --config.workdir=runs/mqar_family/M-P
 
-(a finished run is read back, not trained again). Writes ``runs/mqar_family/family.json``, ``family.md`` (the
+past 32 pairs with ``--config.task.num_keys=P --config.task.num_values=P`` (every pair's key distinct). A finished
+run is read back, not trained again. Writes ``runs/mqar_family/family.json``, ``family.md`` (the
 table: held-out per-token accuracy on the queries) and ``family.png`` (accuracy against pairs, a line a model).
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 import matplotlib
@@ -33,6 +35,7 @@ def config(mixer: str, pairs: int, root: Path, steps: int | None = None):
     if steps is not None:
         c.steps, c.warmup_steps = steps, min(c.warmup_steps, steps // 10)
         c.eval_every = c.checkpoint_every = steps
+        c.log_every = math.gcd(c.log_every, steps)  # eval_every must be a multiple of it
     return c
 
 
@@ -77,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m train.family", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--mixers", nargs="+", default=list(MIXERS), choices=MIXERS)
-    p.add_argument("--pairs", nargs="+", type=int, default=[8, 16, 32])
+    p.add_argument("--pairs", nargs="+", type=int, default=[8, 16, 32, 64])
     p.add_argument("--out", type=Path, default=Path("runs/mqar_family"))
     p.add_argument("--steps", type=int, default=None, help="a smaller budget than the config's 2000 steps (tests)")
     args = p.parse_args(argv)
