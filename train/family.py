@@ -6,8 +6,8 @@ Every model of :data:`MIXERS` trains on MQAR with 8, 16, 32 and 64 key-value pai
     python -m train --config configs/mqar_family.py --config.model.mixer=M --config.task.num_pairs=P \\
         --config.workdir=runs/mqar_family/M-P
 
-past 32 pairs with ``--config.task.num_keys=P --config.task.num_values=P`` (every pair's key distinct). A finished
-run is read back, not trained again. Writes ``runs/mqar_family/family.json``, ``family.md`` (the
+and, past 32 pairs, ``--config.task.num_keys=P --config.task.num_values=P`` (every pair's key distinct). A
+finished run is read back, not trained again. Writes ``runs/mqar_family/family.json``, ``family.md`` (the
 table: held-out per-token accuracy on the queries) and ``family.png`` (accuracy against pairs, a line a model).
 """
 
