@@ -15,6 +15,10 @@ layout (top-left causal alignment); :mod:`jattn.flax` has an ``attention_fn`` fo
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from jattn import _xla_flags
+
+_xla_flags.apply()  # before anything could start JAX's backend: XLA reads XLA_FLAGS once, then
+
 from jattn import masks, score_mods
 from jattn._blockwise_rules import CHECKPOINT_NAMES
 from jattn._core import attention, attention_weights, choose_implementation
