@@ -93,6 +93,12 @@ def main(argv: list[str] | None = None) -> int:
 
     console = Console()
     special = next((name for name in SPECIAL if getattr(args, name)), None)
+    missing = suite.torch_missing()
+    if missing is not None and special in NEEDS_TORCH:
+        p.error(f"--{special} times PyTorch beside jattn, but {missing}; {suite.TORCH_INSTALL}")
+    if missing is not None and special is None and "torch" in args.candidates:  # then each table and the JSON too
+        line = f"{missing}: PyTorch SDPA is left out; {suite.TORCH_INSTALL} to compare"
+        console.print(line, markup=False, soft_wrap=True)
     if special is not None:  # a case with its own table
         SPECIAL[special](console, args, p.get_default("T") == args.T)
         return 0
@@ -267,6 +273,9 @@ SPECIAL = {
     "model": _model,
     "module": _module,
 }
+
+#: The special cases that time PyTorch beside jattn (refused, with the reason, when torch does not import).
+NEEDS_TORCH = ("gqa", "model")
 
 
 if __name__ == "__main__":

@@ -187,12 +187,25 @@ def _sharded_heads(f: Callable, case: Case) -> tuple[Callable, Callable]:
     return sharded, lambda x: jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))
 
 
-def _torch_candidate(case: Case) -> Callable | None:
+#: How to get the PyTorch comparisons (the ``[bench]`` extra's pin, the CPU build).
+TORCH_INSTALL = "pip install torch==2.13.0"
+
+
+def torch_missing() -> str | None:
+    """Why torch does not import (``"torch not installed (No module named 'torch')"``), or None when it does."""
+    try:
+        import torch  # noqa: F401
+    except ImportError as e:
+        return f"torch not installed ({e})"
+    return None
+
+
+def _torch_candidate(case: Case) -> Callable:
     try:
         import torch
         from torch.nn import functional
-    except ImportError:
-        return None
+    except ImportError as e:  # recorded by run_case as the candidate's error: in the table and the JSON
+        raise ModuleNotFoundError("torch not installed") from e
     dtype = getattr(torch, case.dtype)
     device = "cuda" if torch.cuda.is_available() else "cpu"  # on a GPU: the flash kernel (below)
     q, k, v = (torch.from_numpy(np.array(x, np.float32)).to(device, dtype) for x in _inputs(case))

@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -75,6 +76,33 @@ def test_a_failing_candidate_is_recorded_not_fatal():
     timings = suite.run_case(suite.Case(1, 1, 16, 8), ("jattn-dense", "jax.nn-cudnn"), repeats=1)
     assert timings["jattn-dense"]["ms"] > 0
     assert set(timings["jax.nn-cudnn"]) == {"error"}
+
+
+def test_without_torch_the_run_says_so_first_and_records_it_per_case(monkeypatch, capsys, tmp_path):
+    """torch not importable (None in sys.modules, as for a missing package): one line first, then each case's
+    table and JSON keep the torch row with its error; the other candidates are timed as usual."""
+    monkeypatch.setitem(sys.modules, "torch", None)
+    monkeypatch.setattr(suite, "matmul_peak", lambda: 100.0)
+    monkeypatch.setenv("COLUMNS", "200")
+    args = ["--T", "24", "40", "--B", "1", "--N", "2", "--D", "8", "--masks", "causal", "--repeats", "1"]
+    assert bench_main.main([*args, "--candidates", "jattn-dense", "torch", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    first = out.splitlines()[0]
+    assert first.startswith("torch not installed (") and "left out; pip install torch==2.13.0 to compare" in first
+    assert out.count("torch not installed") == 3  # the line, then the torch row of each of the 2 tables
+    results = json.loads((tmp_path / "results.json").read_text())["results"]
+    assert [r["case"]["T"] for r in results] == [24, 40]
+    for r in results:
+        assert r["timings"]["torch"] == {"error": "ModuleNotFoundError: torch not installed"}
+        assert r["timings"]["jattn-dense"]["ms"] > 0
+    assert bench_main.main([*args, "--candidates", "jattn-dense", "--out", str(tmp_path)]) == 0
+    assert "not installed" not in capsys.readouterr().out  # torch not asked for: nothing said
+    for special in ("--gqa", "--model"):  # the cases that time torch beside jattn refuse, naming why
+        with pytest.raises(SystemExit) as exit_info:
+            bench_main.main([special])
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert f"{special} times PyTorch beside jattn, but torch not installed (" in err and "2.13.0" in err
 
 
 def test_a_call_with_gigabytes_of_scratch_lets_the_memory_go_before_the_next(monkeypatch):
