@@ -120,7 +120,12 @@ def test_examples_run(group: list[dict]) -> None:
 
 def test_every_file_has_examples() -> None:
     """The docs have examples where they should (a fence typo would silently skip a block)."""
-    for name in ("README.md", "docs/guide/core.md", "docs/guide/masks.md", "docs/guide/flax.md"):
+    for name in (
+        "README.md",
+        "docs/guide/core.md",
+        "docs/guide/masks.md",
+        "docs/guide/flax.md",
+    ):
         assert blocks(ROOT / name, "python"), name
     for path in DOCS:
         for m in FENCE.finditer(path.read_text()):
@@ -135,6 +140,22 @@ def test_named_configs_exist() -> None:
             named |= set(re.findall(r"--config[ =]([^\s]+\.py)", block["source"]))
         for name in named:
             assert (ROOT / name).is_file(), f"{path.relative_to(ROOT)} names {name}, which does not exist"
+
+
+NUMBERS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve")
+
+
+def test_counts_of_configs_are_the_files() -> None:
+    """A count of configs in the docs ("Ten more configs", "12 configs") is the number of files in configs/."""
+    files = [p for p in (ROOT / "configs").glob("*.py") if p.name != "__init__.py"]
+    assert (ROOT / "configs" / "default.py") in files
+    for path in DOCS:
+        for number, more in re.findall(r"\b(\d+|[A-Za-z]+) (more |other )?configs\b", path.read_text()):
+            if not (number.isdigit() or number.lower() in NUMBERS):
+                continue  # "the configs", "other configs": no count
+            n = int(number) if number.isdigit() else NUMBERS.index(number.lower())
+            want = len(files) - 1 if more else len(files)  # "more", "other": besides configs/default.py
+            assert n == want, f"{path.relative_to(ROOT)} counts {number} {more}configs; configs/ holds {want}"
 
 
 def test_bench_commands_parse() -> None:
