@@ -67,7 +67,12 @@ BAD = [
     ("global_tokens_empty", lambda: masks.global_tokens([]), ValueError, "global_tokens needs at least one"),
     ("padding_negative", lambda: masks.padding(kv_lengths=[-1]), ValueError, r"kv_lengths must be non-negative"),
     ("padding_float", lambda: masks.padding(q_lengths=[1.5]), TypeError, "padding q_lengths must be an integer"),
-    ("padding_batch_mismatch", lambda: masks.padding([1, 2], [1, 2, 3]), ValueError, "share the batch"),
+    (
+        "padding_batch_mismatch",
+        lambda: masks.padding(q_lengths=[1, 2], kv_lengths=[1, 2, 3]),
+        ValueError,
+        "share the batch",
+    ),
     (
         "segment_ids_wrong_length",
         lambda: jattn.attention(X, X, X, mask=masks.segment_ids(jnp.zeros((2, 4), jnp.int32))),
@@ -696,3 +701,11 @@ def test_the_fixes_the_messages_name_are_right():
     q, k, v = (x.swapaxes(1, 2) for x in _TORCH)  # the same heads in jax.nn's (B, T, N, H)
     for kwargs in (dict(mask=keep[:, None, None, :]), dict(key_value_seq_lengths=jnp.array([3, 5]))):
         np.testing.assert_allclose(jattn.dot_product_attention(q, k, v, **kwargs), want, **ref.tol(jnp.float32))
+
+
+def test_positional_padding_lengths_are_refused_by_name():
+    """``masks.padding(lengths)`` positionally meant query lengths; the common call is key padding."""
+    with pytest.raises(TypeError, match=r"pass kv_lengths=\.\.\. \(key padding.* or q_lengths=\.\.\. \(query padding"):
+        masks.padding(jnp.array([2, 3]))
+    with pytest.raises(TypeError, match=r"kv_lengths=\.\.\..*got 2 positional"):
+        masks.padding([2, 3], [1, 1])
