@@ -69,24 +69,6 @@ def _split_mask(mask: Array | None, shape: tuple[int, int, int, int], num_kv_hea
     return mask.reshape(mask.shape[0], *heads, *mask.shape[2:])
 
 
-def _weights(
-    q: Array, k: Array, mask: Array | Mask | None, precision: jax.lax.PrecisionLike, score_mod, sinks
-) -> Array:
-    """The weights ``(B, K, G, T, S)`` that the core applies to v (before dropout), ``score_mod`` and ``sinks`` included.
-
-    Without either, :func:`jattn.attention_weights`; with them, the dense core itself on the values
-    ``I (S, S)``: row t of its output is the weights of row t (a sink's share left out).
-    """
-    if score_mod is None and sinks is None:
-        return attention_weights(q, k, mask=mask, precision=precision)
-    compute = jnp.promote_types(q.dtype, jnp.float32)  # the weights' dtype, as attention_weights
-    eye = jnp.eye(k.shape[-2], dtype=compute)  # (S, S): value s picks key s's weight
-    q, k = q.astype(compute), k.astype(compute)  # the core computes the logits in this dtype anyway
-    return attention(
-        q, k, eye, mask=mask, precision=precision, implementation="dense", score_mod=score_mod, sinks=sinks
-    )
-
-
 def at_positions(score_mod: ScoreMod, q_pos: Array, kv_pos: Array) -> ScoreMod:
     """``score_mod`` at absolute positions ``q_pos (B, T)`` and ``kv_pos (B, S)`` (a cache's, in any slot order).
 
@@ -302,7 +284,9 @@ def multihead(
             score_mod=score_mod,
             sinks=sinks,
         )
-        weights = _weights(qh, kh, mask, precision, score_mod, sinks) if return_weights else None
+        weights = None
+        if return_weights:  # the weights the core applies to v, before dropout (a sink's share left out)
+            weights = attention_weights(qh, kh, mask=mask, precision=precision, score_mod=score_mod, sinks=sinks)
     weights = None if weights is None else weights.reshape(b, num_heads, t, s)  # (B, K, G, T, S) -> (B, N, T, S)
     out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, -1)  # (B, K, G, T, E) -> (B, T, N*E)
     return out, weights, state

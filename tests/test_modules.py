@@ -444,3 +444,30 @@ def test_module_options_are_declared_once_and_the_modules_take_them_as_declared(
     assert inspect.signature(jattn.nnx.SelfAttention.init_cache) == inspect.signature(
         jattn.linen.SelfAttention.init_cache
     )
+
+
+# -- attention_weights with score_mod and sinks (issue #43) -------------------------------------------
+
+
+@pytest.mark.parametrize("offset", [None, 3])
+def test_attention_weights_take_score_mod_and_sinks_as_attention(offset):
+    """The weights :func:`jattn.attention` applies, with a score_mod and sinks: rows sum to 1 - the sink's share."""
+    b, n, t, s, d = 2, 3, 5, 7, 4
+    q, k, v = _x((b, n, t, d), 1), _x((b, n, s, d), 2), _x((b, n, s, 6), 3)
+    sinks = jax.random.normal(jax.random.key(4), (n,))
+    slopes = np.asarray(score_mods.alibi_slopes(n), np.float64)
+    mod = score_mods.compose(score_mods.alibi(score_mods.alibi_slopes(n)), score_mods.softcap(CAP))
+
+    def np_mod(x, batch, head, q_pos, kv_pos):
+        return CAP * np.tanh((x - slopes[head] * np.abs(q_pos - kv_pos)) / CAP)
+
+    mask = masks.causal() & masks.padding(q_lengths=np.array([5, 3]))  # example 1: rows 3, 4 see nothing
+    kw = dict(mask=mask, score_mod=mod, sinks=sinks, q_offset=offset)
+    got = jattn.attention_weights(q, k, **kw)
+    dense = np.asarray(mask.dense(t, s, q_offset=offset))  # (B, 1, T, S)
+    _, want, _ = ref.attention(q, k, v, mask=dense, score_mod=np_mod, sinks=sinks, q_offset=offset)
+    np.testing.assert_allclose(got, want, **ref.tol(jnp.float32))
+    rows = np.asarray(got).sum(-1)
+    assert np.all(rows[0] < 1) and np.all(rows[1, :, :3] < 1) and np.all(rows[1, :, 3:] == 0)
+    out = jattn.attention(q, k, v, implementation="dense", **kw)
+    np.testing.assert_allclose(jnp.einsum("bnts,bnse->bnte", got, v), out, **ref.tol(jnp.float32))
