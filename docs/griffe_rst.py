@@ -9,11 +9,15 @@ the docs are built, and only there (mkdocs.yml: ``extensions``); the docstrings 
 * a role becomes inline code (``~`` keeps the last dotted name, as Sphinx does);
 * a paragraph ending in ``::`` ends in ``:`` and the indented block after it becomes a fenced
   ``text`` block (a line that is only ``::`` is dropped);
-* a ``.. math::`` directive's block becomes a fenced ``text`` block.
+* a ``.. math::`` directive's block becomes a fenced ``text`` block;
+* a class docstring with an ``{options}`` line is taken from the imported class, where the
+  attention modules' option entries are written in at import.
 """
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import re
 from typing import Any
 
@@ -76,10 +80,25 @@ def to_markdown(text: str) -> str:
     return "\n".join(out)
 
 
+def _runtime_docstring(obj: griffe.Object) -> str:
+    """The docstring of ``obj``'s class as imported: the modules' option entries are written in at import.
+
+    ``jattn._module_options.document_options`` replaces a docstring's ``{options}`` line with
+    the entries of the options the class takes; griffe reads the source, so it takes them from
+    the imported class.
+    """
+    cls = importlib.import_module(obj.module.path)
+    for name in obj.path.removeprefix(obj.module.path + ".").split("."):
+        cls = getattr(cls, name)
+    return inspect.cleandoc(cls.__doc__)
+
+
 class RstToMarkdown(griffe.Extension):
     """Rewrites every docstring with :func:`to_markdown` once the object tree is complete."""
 
     def on_object(self, *, obj: griffe.Object, **kwargs: Any) -> None:
         """Griffe's hook, run on every object of the loaded tree."""
         if obj.docstring is not None:
+            if obj.is_class and "{options}" in obj.docstring.value.split():
+                obj.docstring.value = _runtime_docstring(obj)
             obj.docstring.value = to_markdown(obj.docstring.value)

@@ -303,13 +303,17 @@ def attention_weights(
     q_offset: ArrayLike | None = None,
     kv_offset: ArrayLike = 0,
     precision: jax.lax.PrecisionLike = None,
+    score_mod: Callable[..., Array] | None = None,
+    sinks: ArrayLike | None = None,
 ) -> Array:
-    """The attention weights ``(..., T, S)`` that :func:`attention` applies to v.
+    """The attention weights ``(..., T, S)`` that :func:`attention` applies to v (before dropout).
 
     q ``(..., T, D)`` and k ``(..., S, D)`` and the keyword arguments are as for
-    :func:`attention`. Each row sums to 1 over its attended keys; a fully masked row is all
-    zeros. The weights are in float32 for bfloat16/float16/float32 inputs and float64 for
-    float64 inputs.
+    :func:`attention`, ``score_mod`` and ``sinks (...)`` included. Each row sums to 1 over its
+    attended keys, or with ``sinks`` to ``1 - e^sink / (Σ_s e^{x_ts} + e^sink)``: the sink's
+    share, which has no column here; a fully masked row is all zeros. The weights are in float32
+    for bfloat16/float16/float32 inputs and float64 for float64 inputs.
     """
     ops = check_operands(q, k, None, mask=mask, bias=bias, scale=scale, q_offset=q_offset, kv_offset=kv_offset)
-    return dense_weights(ops, precision)
+    check_score_mod(score_mod)
+    return dense_weights(ops, precision, score_mod, None if sinks is None else jnp.asarray(sinks))

@@ -198,11 +198,26 @@ def dense_attention(
     return out, jnp.broadcast_to(parts.logsumexp(), rows), jnp.broadcast_to(top, rows)
 
 
-def dense_weights(ops: Operands, precision: jax.lax.PrecisionLike) -> Array:
-    """The softmax weights ``(..., T, S)`` of q ``(..., T, D)`` against k ``(..., S, D)`` on checked operands."""
-    _, q, k, _, mask, bias = _operands(ops)
-    parts, _, _ = _logits(q, k, mask, bias, ops.scale, precision)
-    return parts.weights()
+def dense_weights(
+    ops: Operands,
+    precision: jax.lax.PrecisionLike,
+    score_mod: Callable[..., Array] | None = None,
+    sinks: Array | None = None,
+) -> Array:
+    """The softmax weights ``(..., T, S)`` of q ``(..., T, D)`` against k ``(..., S, D)`` on checked operands.
+
+    As :func:`dense_attention` forms them: ``score_mod`` at the same indices, ``sinks`` in each
+    row's denominator (their column left out, so such a row sums to less than 1).
+    """
+    T, S = ops.q.shape[-2], ops.k.shape[-2]
+    lead, q, k, _, mask, bias = _operands(ops)
+    mod_index = (*lead_index(lead), *_positions(ops.q_offset, ops.kv_offset, T, S, len(lead) + 2)) if score_mod else ()
+    if sinks is not None:
+        check_sinks(sinks, lead, q.dtype)
+        sinks = jnp.broadcast_to(sinks, lead)[..., None, None]
+    parts, _, _ = _logits(q, k, mask, bias, ops.scale, precision, score_mod, mod_index, sinks)
+    weights = parts.weights()
+    return weights if sinks is None else weights[..., :-1]
 
 
 def dense_lse(ops: Operands) -> Array:

@@ -34,7 +34,8 @@ kinds: :mod:`jattn._mask_kinds`; a mask in a call: :mod:`jattn._mask_rows`,
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -102,12 +103,39 @@ def prefix_lm(prefix_length: int) -> Mask:
     return Causal() | KeyBelow(check_int("prefix_length", prefix_length, min=0))
 
 
-def padding(q_lengths: ArrayLike | None = None, kv_lengths: ArrayLike | None = None) -> Mask:
-    """Per-example valid lengths ``(B,)`` of the queries and/or keys; the rest is masked.
+def _keywords_only(fn: Callable[..., Mask]) -> Callable[..., Mask]:
+    """``fn`` (keyword-only arguments), refusing a positional call with a TypeError that names the keywords."""
+
+    @functools.wraps(fn)
+    def call(*args: object, **kwargs: Any) -> Mask:
+        if args:
+            raise TypeError(
+                f"masks.padding takes its lengths by keyword: pass kv_lengths=... (key padding: the keys s >= "
+                f"length of each example are masked, the common case) or q_lengths=... (query padding), or both; "
+                f"got {len(args)} positional argument(s) (a positional padding(lengths) once meant q_lengths)"
+            )
+        return fn(**kwargs)
+
+    return call
+
+
+@_keywords_only
+def padding(*, kv_lengths: ArrayLike | None = None, q_lengths: ArrayLike | None = None) -> Mask:
+    """Per-example valid lengths ``(B,)`` of the keys and/or queries, by keyword; the rest is masked.
+
+    ``padding(kv_lengths=n)`` is key padding, the common case (a batch of sequences padded to
+    one length; torch's ``key_padding_mask`` is its negation): query t of example b attends to
+    the keys ``s < n[b]`` only. ``padding(q_lengths=n)`` masks the query rows ``t >= n[b]``
+    (their output is 0); both together mask both. A positional call raises a TypeError: which
+    lengths are meant is said by name.
 
     Lengths are non-negative integers; a length beyond the sequence means all of it is valid.
     Negative lengths raise a ValueError when they can be read; traced under ``jit``, a negative
     length counts as 0 (the whole example is masked, and a fully masked query row gives 0).
+
+    Args:
+      kv_lengths: ``(B,)`` valid keys of each example.
+      q_lengths: ``(B,)`` valid queries of each example.
     """
     if q_lengths is None and kv_lengths is None:
         raise ValueError("padding needs q_lengths or kv_lengths")

@@ -21,8 +21,8 @@ from jattn import _cache
 from jattn._checks import check_bool, check_mask
 from jattn._gates import RECURRENT_KINDS, gates
 from jattn._mask_base import Mask
-from jattn._module_options import ModuleConfig, check_path
-from jattn._multihead import at_positions, multihead
+from jattn._module_options import ModuleConfig, check_path, refuse_path
+from jattn._multihead import at_positions, multihead, with_causal
 from jattn._position_masks import Causal
 from jattn._rope import rope as rotate
 
@@ -176,7 +176,15 @@ def _full_pass(
     q, k = _qk(config, layers, q, k, pos, pos)
     mask = _flatten_mask_batch(call.mask, batch, config.num_heads, t, s)
     out, weights, _ = multihead(
-        q, k, v, mask=mask, kv_mask=kv_mask, sequence_axis=config.sequence_axis, score_mod=config.score_mod, **attend
+        q,
+        k,
+        v,
+        mask=mask,
+        kv_mask=kv_mask,
+        causal=config.causal,
+        sequence_axis=config.sequence_axis,
+        score_mod=config.score_mod,
+        **attend,
     )
     return out, weights
 
@@ -207,9 +215,9 @@ def _decode_step(
         raise ValueError(
             f"x has batch dims {batch} ({b} sequences) but the cache was made for batch_size={cache['next'].shape[0]}"
         )
-    mask = Causal() if call.mask is None else call.mask
-    if not isinstance(mask, Mask):
+    if call.mask is not None and not isinstance(call.mask, Mask):
         raise TypeError("with decode=True, mask must be a jattn.masks.Mask predicate (default causal())")
+    mask = Causal() if call.mask is None else with_causal(call.mask) if config.causal else call.mask
     lengths = _lengths(call, batch, b)
     pos, valid, lengths, bad = _cache.positions(cache, t, lengths)  # (B, T), (B, T), (B,), (B, T)
     q, k = _qk(config, layers, q, k, pos, pos)
@@ -252,14 +260,13 @@ def forward(
     implementation = config.implementation if call.implementation is None else call.implementation
     block_size = config.block_size if call.block_size is None else call.block_size
     check_path(implementation, block_size)
+    refuse_path(config.kind, implementation, block_size)
     check_mask(call.mask)
     batch, t = x.shape[:-2], x.shape[-2]
     ctx = x if context is None else context
     xs = x.reshape(-1, t, x.shape[-1])  # (B, T, F): the batch dims flattened
     cs = ctx.reshape(-1, ctx.shape[-2], ctx.shape[-1])  # (B, S, F')
     qkv = layers.wq(xs), layers.wk(cs), layers.wv(cs)
-    if config.kind in RECURRENT_KINDS and context is not None:
-        raise ValueError(f"kind={config.kind!r} is causal self-attention: cross-attention takes 'softmax' or 'linear'")
     attend = dict(
         num_heads=config.num_heads,
         num_kv_heads=config.num_kv_heads,

@@ -1,20 +1,25 @@
-"""The options of the attention modules, declared once, and their checks.
+"""The options of the attention modules, declared once, documented once, and their checks.
 
 :class:`ModuleOptions` is the one declaration of the options :mod:`jattn.nnx` and
-:mod:`jattn.linen` share: each option's name, type, default and documentation. The NNX
-constructors and the Linen fields take them under these names, in this order, with these
-defaults and annotations (tests/test_modules.py fails where they drift apart); an NNX constructor
-builds its options from its arguments in one line (:meth:`ModuleOptions.pick`), a Linen module
-from its fields. :func:`configure` checks them (a ValueError or TypeError naming the option) and
-resolves their defaults against the module's feature sizes into a :class:`ModuleConfig`, which
-the module call (:mod:`jattn._module_call`) reads. Dimension key: :mod:`jattn._core`.
+:mod:`jattn.linen` share: each option's name, type and default; :data:`OPTION_DOCS` is the one
+documentation of each. The NNX constructors and the Linen fields take them under these names, in
+this order, with these defaults and annotations (tests/test_modules.py fails where they drift
+apart), and :func:`document_options` writes each option's entry from :data:`OPTION_DOCS` into
+the public classes' docstrings at import (so ``help()`` and the API reference show them). An NNX
+constructor builds its options from its arguments in one line (:meth:`ModuleOptions.pick`), a
+Linen module from its fields. :func:`configure` checks them (a ValueError or TypeError naming the
+option, and for an option the kind does not take, the kinds that do) and resolves their defaults
+against the module's feature sizes into a :class:`ModuleConfig`, which the module call
+(:mod:`jattn._module_call`) reads. Dimension key: :mod:`jattn._core`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import textwrap
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +39,9 @@ from jattn._paths import IMPLEMENTATIONS
 from jattn._score_mods import ScoreMod
 
 __all__ = [
+    "CROSS_KINDS",
     "KINDS",
+    "OPTION_DOCS",
     "SELF_ATTENTION_ONLY",
     "ModuleConfig",
     "ModuleOptions",
@@ -42,73 +49,121 @@ __all__ = [
     "check_kind",
     "check_path",
     "configure",
+    "document_options",
+    "refuse_path",
 ]
 
 KINDS = ("softmax", "linear", *RECURRENT_KINDS)
-SELF_ATTENTION_ONLY = ("rope", "rope_base", "decode")  # the options cross-attention does not take
+CROSS_KINDS = ("softmax", "linear")  # the recurrent kinds are causal recurrences over x's own sequence
+SELF_ATTENTION_ONLY = ("rope", "rope_base", "decode", "causal")  # the options cross-attention does not take
+SOFTMAX_ONLY = ("dropout_rate", "implementation", "block_size", "score_mod", "sinks")  # the other kinds form no scores
+OPTIONS_MARKER = "{options}"  # the docstring line :func:`document_options` replaces
+
+# Each option's documentation, in the declaration's order: the one text the public modules' docstrings
+# show (document_options). A dict {"nnx": ..., "linen": ...} where the two frameworks differ.
+OPTION_DOCS: dict[str, str | dict[str, str]] = {
+    "num_heads": "query heads N.",
+    "num_kv_heads": (
+        "key/value heads K (default N); N/K query heads share one kv head (grouped-query attention; K=1 is "
+        "multi-query). Must divide N."
+    ),
+    "qkv_features": "total query features N*D (default d_model); kv heads have the same head depth D.",
+    "out_features": "output features; setting it implies an output projection.",
+    "out_proj": (
+        "add the output projection ``wo``; default True when ``num_heads > 1`` or ``out_features`` is set. "
+        "Without it the output has qkv_features features."
+    ),
+    "use_bias": "biases on the projections.",
+    "kind": (
+        "``'softmax'`` (default, :func:`jattn.attention`), ``'linear'`` (:func:`jattn.linear_attention`, whose "
+        "only masks are None and ``masks.causal()``), or a recurrent kind of :func:`jattn.gated_linear_attention` "
+        "(:data:`jattn.RECURRENT_KINDS`: ``'retention'``, ``'ssd'``, ``'gla'``, ``'deltanet'``, "
+        "``'gated_deltanet'``; causal self-attention with N = K and the papers' gate parameters, listed in the "
+        "linear-attention guide). Only the softmax kind forms scores: the others refuse ``dropout_rate``, "
+        "``implementation``, ``block_size``, ``score_mod`` and ``sinks``, and the recurrent kinds "
+        "``num_kv_heads != num_heads`` and ``sequence_axis``. Cross-attention takes ``'softmax'`` and "
+        "``'linear'``."
+    ),
+    "feature_map": (
+        "the feature map of ``kind='linear'`` (``'elu'``, ``'relu'``, ... or a callable); the other kinds refuse "
+        "any but the default."
+    ),
+    "dropout_rate": (
+        "dropout on the attention weights, in ``[0, 1)`` (softmax kind only: the other kinds form no weights to "
+        "drop, and refuse it)."
+    ),
+    "deterministic": {
+        "nnx": (
+            "the default of the call-time switch; dropout is off when True. It is the module's attribute "
+            "``deterministic``, Flax's convention as ``nnx.MultiHeadAttention``: ``model.eval()`` sets it True "
+            "and ``model.train()`` False in every nested module, and ``nnx.view(model, deterministic=...)`` gives "
+            "a view with it set (:meth:`set_view`)."
+        ),
+        "linen": (
+            "the default of the call-time switch; dropout is off when True. The call's ``deterministic`` overrides it."
+        ),
+    },
+    "dtype": "computation dtype (default: inferred from input and params).",
+    "param_dtype": "parameter dtype.",
+    "precision": "matmul precision for projections and attention.",
+    "sequence_axis": (
+        "a mesh axis the sequence is sharded over; when the current mesh (``jax.set_mesh``) has it with more "
+        "than one device, softmax attention runs as ring attention over it "
+        "(:func:`jattn.sequence_parallel_attention`; masks: None or a position-only predicate, no dropout). "
+        "Decoding uses the plain core."
+    ),
+    "implementation": (
+        "the path of :func:`jattn.attention` (``'dense'``, ``'blockwise'``, ``'xla'``, ``'cudnn'``, "
+        "``'pallas'``; default None: chosen per call). Mask predicates reach the core as they are, so the "
+        "blockwise path skips their empty tiles; overridable per call. Softmax kind only (the other kinds have "
+        "one path each, and refuse it)."
+    ),
+    "block_size": (
+        "the blockwise tiles ``(block_q, block_kv)`` or one int (default: chosen from the mask); overridable "
+        "per call. Softmax kind only, as ``implementation``."
+    ),
+    "normalize_qk": (
+        "QK normalisation as Flax's ``MultiHeadAttention(normalize_qk=True)``: a bias-free LayerNorm over the "
+        "head depth D (``query_ln``, ``key_ln``; scale shared by the heads, epsilon 1e-6) on queries and keys "
+        "after their projections."
+    ),
+    "rope": (
+        "rotary position embeddings (:func:`jattn.rope`) on queries and keys (after the QK norm) at their "
+        "absolute positions: ``0..T-1``, or the cache's positions when decoding (so decoding equals the full "
+        "pass). Needs an even head depth D."
+    ),
+    "rope_base": "the wavelength base of ``rope`` (> 0).",
+    "decode": "default for the call-time ``decode`` switch (Flax's field of that name).",
+    "causal": (
+        "True: every call is causal, ``masks.causal()`` and-ed into the call's mask (``mask=None`` included) "
+        "in a full pass and when decoding, so a decoder cannot look ahead through a forgotten mask. False (the "
+        "default, Flax's convention): the mask is the call's alone, and ``mask=None`` is bidirectional in a "
+        "full pass (every token sees the later ones) but causal with ``decode=True``. The recurrent kinds are "
+        "causal either way."
+    ),
+    "score_mod": (
+        "a score modification ``(score, batch, head, q_pos, kv_pos) -> score`` (:mod:`jattn.score_mods`: "
+        "``softcap``, ``alibi``, ...) that :func:`jattn.attention` applies on every call (softmax kind). "
+        "``head`` is the query head n (kv head ``n // (N/K)``); ``q_pos``, ``kv_pos`` are absolute positions: "
+        "``0..T-1`` in a full pass, the cache's positions when decoding (so decoding equals the full pass). "
+        "Arrays it closes over are constants of the module (not parameters): hold learned ones yourself and "
+        "build the module's mod from them."
+    ),
+    "sinks": (
+        "a learned sink logit per query head, the parameter ``sinks (N,)`` (zeros at init, head "
+        "n = k·(N/K) + g as the heads are split), passed as :func:`jattn.attention`'s ``sinks``: each row's "
+        "softmax denominator gains ``e^sink`` (softmax kind)."
+    ),
+}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModuleOptions:
     """The options of :class:`jattn.nnx.SelfAttention` and :class:`jattn.linen.SelfAttention`.
 
-    Cross-attention (:class:`jattn.nnx.CrossAttention`, :class:`jattn.linen.CrossAttention`)
-    takes all of them but ``rope``, ``rope_base`` and ``decode`` (:data:`SELF_ATTENTION_ONLY`).
-    N: query heads, K: key/value heads, D: head depth (``qkv_features / N``).
-
-    Attributes:
-      num_heads: query heads N.
-      num_kv_heads: key/value heads K (default N); N/K query heads share one kv head
-        (grouped-query attention; K=1 is multi-query). Must divide N.
-      qkv_features: total query features N*D (default d_model); kv heads have the same D.
-      out_features: output features; setting it implies an output projection.
-      out_proj: add the output projection ``wo``; default True when ``num_heads > 1`` or
-        ``out_features`` is set. Without it the output has qkv_features features.
-      use_bias: biases on the projections.
-      kind: ``'softmax'`` (default), ``'linear'`` (:func:`jattn.linear_attention`, whose
-        only masks are None and ``masks.causal()``), or a recurrent kind of
-        :func:`jattn.gated_linear_attention` (causal self-attention, N = K, no dropout, scores or
-        ring): ``'retention'``, ``'ssd'``, ``'gla'``, ``'deltanet'``, ``'gated_deltanet'``, with
-        the gate parameters of :mod:`jattn._gates` (named there, with the papers' choices).
-      feature_map: the feature map of linear attention (``'elu'``, ... or a callable).
-      dropout_rate: dropout on the attention weights (softmax kind), in ``[0, 1)``.
-      deterministic: the default of the call-time switch; dropout is off when True. NNX: the
-        module's attribute ``deterministic``, Flax's convention as ``nnx.MultiHeadAttention``:
-        ``model.eval()`` sets it True and ``model.train()`` False in every nested module, and
-        ``nnx.view(model, deterministic=...)`` gives a view with it set (``set_view``). Linen:
-        the field, which the call's ``deterministic`` overrides.
-      dtype: computation dtype (default: inferred from input and params).
-      param_dtype: parameter dtype.
-      precision: matmul precision for projections and attention.
-      sequence_axis: a mesh axis the sequence is sharded over; when the current mesh
-        (``jax.set_mesh``) has it with more than one device, softmax attention runs as ring
-        attention over it (:func:`jattn.sequence_parallel_attention`; masks: None or a
-        position-only predicate, no dropout). Decoding uses the plain core.
-      implementation: the path of :func:`jattn.attention` (``'dense'``, ``'blockwise'``,
-        ``'xla'``, ``'cudnn'``; default None: chosen per call). Mask predicates reach the core
-        as they are, so the blockwise path skips their empty tiles; overridable per call.
-      block_size: the blockwise tiles ``(block_q, block_kv)`` or one int (default: chosen from
-        the mask); overridable per call.
-      normalize_qk: QK normalisation as Flax's ``MultiHeadAttention(normalize_qk=True)``: a
-        bias-free LayerNorm over the head depth D (``query_ln``, ``key_ln``; scale shared by
-        the heads, epsilon 1e-6) on queries and keys after their projections.
-      rope: rotary position embeddings (:func:`jattn.rope`) on queries and keys (after the
-        QK norm) at their absolute positions: ``0..T-1``, or the cache's positions when
-        decoding (so decoding equals the full pass). Needs an even head depth D.
-        Self-attention only.
-      rope_base: the wavelength base of ``rope`` (> 0). Self-attention only.
-      decode: default for the call-time ``decode`` switch (Flax's field of that name).
-        Self-attention only.
-      score_mod: a score modification ``(score, batch, head, q_pos, kv_pos) -> score``
-        (:mod:`jattn.score_mods`: ``softcap``, ``alibi``, ...) that :func:`jattn.attention`
-        applies on every call (softmax kind). ``head`` is the query head n (kv head
-        ``n // (N/K)``); ``q_pos``, ``kv_pos`` are absolute positions: ``0..T-1`` in a full
-        pass, the cache's positions when decoding (so decoding equals the full pass). Arrays
-        it closes over are constants of the module (not parameters): hold learned ones
-        yourself and build the module's mod from them.
-      sinks: a learned sink logit per query head, the parameter ``sinks (N,)`` (zeros at
-        init, head n = k·(N/K) + g as the heads are split), passed as :func:`jattn.attention`'s
-        ``sinks``: each row's softmax denominator gains ``e^sink`` (softmax kind).
+    Each is documented in :data:`OPTION_DOCS`, which the public classes' docstrings show
+    (:func:`document_options`). Cross-attention (:class:`jattn.nnx.CrossAttention`,
+    :class:`jattn.linen.CrossAttention`) takes all of them but :data:`SELF_ATTENTION_ONLY`.
     """
 
     num_heads: int = 1
@@ -131,6 +186,7 @@ class ModuleOptions:
     rope: bool = False
     rope_base: float = 10000.0
     decode: bool = False
+    causal: bool = False
     score_mod: ScoreMod | None = None
     sinks: bool = False
 
@@ -155,6 +211,47 @@ class ModuleConfig(ModuleOptions):
     head_depth: int  # D
 
 
+Class = TypeVar("Class", bound=type)
+
+
+def _entry(name: str, framework: str, indent: str) -> str:
+    """One option's docstring entry ``name: text`` from :data:`OPTION_DOCS`, wrapped at 100 columns."""
+    text = OPTION_DOCS[name]
+    text = text[framework] if isinstance(text, dict) else text
+    return textwrap.fill(
+        f"{name}: {text}",
+        width=100,
+        initial_indent=indent,
+        subsequent_indent=indent + "  ",
+        break_long_words=False,
+        break_on_hyphens=False,
+    )
+
+
+def document_options(framework: str) -> Callable[[Class], Class]:
+    """A class decorator: the line ``{options}`` of the class's docstring becomes its options' entries.
+
+    The options are those of :class:`ModuleOptions` the class takes (its constructor's
+    parameters: NNX arguments, Linen fields), in the declaration's order, each with its text
+    from :data:`OPTION_DOCS` (``framework``: ``'nnx'`` or ``'linen'``), at the marker's indentation.
+    """
+
+    def document(cls: Class) -> Class:
+        taken = inspect.signature(cls.__init__).parameters  # NNX: the constructor's; Linen: the fields
+        names = [f.name for f in dataclasses.fields(ModuleOptions) if f.name in taken]
+        doc = (cls.__doc__ or "").split("\n")
+        markers = [i for i, line in enumerate(doc) if line.strip() == OPTIONS_MARKER]
+        if len(markers) != 1 or not names:
+            raise ValueError(f"{cls.__qualname__} needs one {OPTIONS_MARKER} line in its docstring and options")
+        line = doc[markers[0]]
+        indent = line[: len(line) - len(line.lstrip())]
+        doc[markers[0]] = "\n".join(_entry(name, framework, indent) for name in names)
+        cls.__doc__ = "\n".join(doc)
+        return cls
+
+    return document
+
+
 def check_heads(d_model: int, num_heads: int, num_kv_heads: int | None, qkv_features: int | None) -> tuple[int, int]:
     """Validates the head configuration; returns ``(num_kv_heads, head_depth)``."""
     d_model, num_heads = check_int("d_model", d_model, min=1), check_int("num_heads", num_heads, min=1)
@@ -167,12 +264,22 @@ def check_heads(d_model: int, num_heads: int, num_kv_heads: int | None, qkv_feat
     return kv, features // num_heads
 
 
-def check_kind(kind: str, feature_map: object) -> None:
-    """Validates the attention kind."""
+def check_kind(kind: str, feature_map: object, *, cross: bool = False) -> None:
+    """Validates the attention kind (``cross``: of a cross-attention module) and, for ``'linear'``, its feature map."""
     if not isinstance(kind, str) or kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if cross and kind not in CROSS_KINDS:
+        raise ValueError(
+            f"kind={kind!r} is causal self-attention (a recurrence along x's own sequence, with gates computed "
+            f"from x): CrossAttention takes kind {' or '.join(map(repr, CROSS_KINDS))}; use SelfAttention for it"
+        )
     if kind == "linear":
         feature_fn(feature_map)
+    elif not (isinstance(feature_map, str) and feature_map == "elu"):
+        raise ValueError(
+            f"feature_map={feature_map!r} is the feature map of kind='linear' (linear attention); kind={kind!r} "
+            "takes none (leave it at its default)"
+        )
 
 
 def check_path(implementation: str | None, block_size: int | tuple[int, int] | None) -> None:
@@ -180,6 +287,16 @@ def check_path(implementation: str | None, block_size: int | tuple[int, int] | N
     if implementation is not None and implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
     check_block_size(block_size)
+
+
+def refuse_path(kind: str, implementation: str | None, block_size: int | tuple[int, int] | None) -> None:
+    """Raises unless ``implementation`` and ``block_size`` are None for a kind other than softmax (they choose its path)."""
+    if kind != "softmax" and (implementation is not None or block_size is not None):
+        raise ValueError(
+            f"implementation and block_size choose the path of softmax attention (jattn.attention, "
+            f"kind='softmax'); kind={kind!r} has one path and takes neither, got implementation={implementation!r}, "
+            f"block_size={block_size!r}"
+        )
 
 
 def _check_types(o: ModuleOptions) -> None:
@@ -199,6 +316,7 @@ def _check_types(o: ModuleOptions) -> None:
     check_bool("normalize_qk", o.normalize_qk)
     check_bool("rope", o.rope)
     check_bool("decode", o.decode)
+    check_bool("causal", o.causal)
     check_score_mod(o.score_mod)
     check_bool("sinks", o.sinks)
 
@@ -211,34 +329,52 @@ def _check_recurrent(o: ModuleOptions, kv_heads: int) -> None:
         "sinks": o.sinks,
         "dropout_rate": o.dropout_rate != 0,
         "sequence_axis": o.sequence_axis is not None,
+        "implementation": o.implementation is not None,
+        "block_size": o.block_size is not None,
     }
     names = [name for name, bad in refused.items() if bad]
     if names:
         got = ", ".join(f"{name}={getattr(o, name)!r}" for name in names)
         raise ValueError(
             f"kind={o.kind!r} (gated_linear_attention: a state per head, no scores) takes num_kv_heads = num_heads "
-            f"and no score_mod, sinks, dropout or sequence_axis; got {got}"
+            f"and no score_mod, sinks, dropout_rate, sequence_axis, implementation or block_size (those are "
+            f"softmax attention's: kind='softmax'); got {got}"
         )
 
 
-def configure(d_model: int, kv_features: int, options: ModuleOptions) -> ModuleConfig:
+def _check_linear(o: ModuleOptions) -> None:
+    """Linear attention forms no scores: what acts on them (:data:`SOFTMAX_ONLY`) needs the softmax kind."""
+    refused = {
+        "dropout_rate": o.dropout_rate != 0,
+        "implementation": o.implementation is not None,
+        "block_size": o.block_size is not None,
+        "score_mod": o.score_mod is not None,
+        "sinks": o.sinks,
+    }
+    names = [name for name, bad in refused.items() if bad]
+    if names:
+        got = ", ".join(f"{name}={getattr(o, name)!r}" for name in names)
+        raise ValueError(
+            "kind='linear' (linear_attention) forms no attention weights and has one path: dropout_rate, "
+            f"implementation, block_size, score_mod and sinks need kind='softmax'; got {got}"
+        )
+
+
+def configure(d_model: int, kv_features: int, options: ModuleOptions, *, cross: bool = False) -> ModuleConfig:
     """Checks ``options`` (a ValueError or TypeError naming the option) and resolves their defaults.
 
     ``d_model``: the query features; ``kv_features``: the features of the keys' and values'
-    input (``d_model`` for self-attention, ``context_features`` for cross-attention).
+    input (``d_model`` for self-attention, ``context_features`` for cross-attention, ``cross``).
     """
     o = options
     kv_heads, depth = check_heads(d_model, o.num_heads, o.num_kv_heads, o.qkv_features)
-    check_kind(o.kind, o.feature_map)
+    check_kind(o.kind, o.feature_map, cross=cross)
     check_int("context_features (kv features)", kv_features, min=1)
     _check_types(o)
     if o.kind in RECURRENT_KINDS:
         _check_recurrent(o, kv_heads)
-    if o.kind == "linear" and (o.score_mod is not None or o.sinks):
-        raise ValueError(
-            f"score_mod and sinks need kind='softmax' (linear attention forms no scores), got kind={o.kind!r} with "
-            f"score_mod={o.score_mod!r}, sinks={o.sinks!r}"
-        )
+    if o.kind == "linear":
+        _check_linear(o)
     rope_base = check_real("rope_base", o.rope_base, low=0.0, open_low=True)
     if o.rope and depth % 2:
         raise ValueError(f"rope=True needs an even head depth D = qkv_features / num_heads, got D={depth}")
@@ -259,7 +395,7 @@ def configure(d_model: int, kv_features: int, options: ModuleOptions) -> ModuleC
         rope_base=rope_base,
         **{
             flag: bool(getattr(o, flag))
-            for flag in ("use_bias", "deterministic", "normalize_qk", "rope", "decode", "sinks")
+            for flag in ("use_bias", "deterministic", "normalize_qk", "rope", "decode", "causal", "sinks")
         },
     )
     return ModuleConfig(**{f.name: getattr(o, f.name) for f in dataclasses.fields(ModuleOptions)} | resolved)

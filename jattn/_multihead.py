@@ -24,7 +24,7 @@ from jattn._position_masks import Causal
 from jattn._ring import sequence_parallel_attention
 from jattn._score_mods import ScoreMod
 
-__all__ = ["at_positions", "multihead"]
+__all__ = ["at_positions", "multihead", "with_causal"]
 
 
 def _split(x: Array, heads: int, groups: int) -> Array:
@@ -69,22 +69,11 @@ def _split_mask(mask: Array | None, shape: tuple[int, int, int, int], num_kv_hea
     return mask.reshape(mask.shape[0], *heads, *mask.shape[2:])
 
 
-def _weights(
-    q: Array, k: Array, mask: Array | Mask | None, precision: jax.lax.PrecisionLike, score_mod, sinks
-) -> Array:
-    """The weights ``(B, K, G, T, S)`` that the core applies to v (before dropout), ``score_mod`` and ``sinks`` included.
-
-    Without either, :func:`jattn.attention_weights`; with them, the dense core itself on the values
-    ``I (S, S)``: row t of its output is the weights of row t (a sink's share left out).
-    """
-    if score_mod is None and sinks is None:
-        return attention_weights(q, k, mask=mask, precision=precision)
-    compute = jnp.promote_types(q.dtype, jnp.float32)  # the weights' dtype, as attention_weights
-    eye = jnp.eye(k.shape[-2], dtype=compute)  # (S, S): value s picks key s's weight
-    q, k = q.astype(compute), k.astype(compute)  # the core computes the logits in this dtype anyway
-    return attention(
-        q, k, eye, mask=mask, precision=precision, implementation="dense", score_mod=score_mod, sinks=sinks
-    )
+def with_causal(mask: Array | Mask | None) -> Mask:
+    """``masks.causal()`` and ``mask`` (a module's ``causal=True``): causal() itself for None or causal()."""
+    if mask is None or isinstance(mask, Causal):
+        return Causal()
+    return Causal() & mask
 
 
 def at_positions(score_mod: ScoreMod, q_pos: Array, kv_pos: Array) -> ScoreMod:
@@ -210,9 +199,16 @@ def _ring_heads(
 
 
 def _core_mask(
-    mask: Array | Mask | None, valid: Array | None, shape: tuple[int, int, int, int], num_kv_heads: int
+    mask: Array | Mask | None,
+    valid: Array | None,
+    shape: tuple[int, int, int, int],
+    num_kv_heads: int,
+    causal: bool = False,
 ) -> Array | Mask | None:
-    """The module mask for ``shape = (B, N, T, S)`` as the core takes it over ``(B, K, G, T, S)``, ``valid (B, 1, 1, S)`` and-ed in."""
+    """The module mask for ``shape = (B, N, T, S)`` as the core takes it over ``(B, K, G, T, S)``.
+
+    ``valid (B, 1, 1, S)`` is and-ed in, and with ``causal`` :func:`masks.causal() <with_causal>`.
+    """
     b, _, t, s = shape
     if not isinstance(mask, Mask):  # a predicate broadcasts over (B, K, G) as it is
         mask = _split_mask(mask, shape, num_kv_heads)  # (B|1, K|1, G|1, T|1, S|1)
@@ -221,7 +217,7 @@ def _core_mask(
     if valid is not None:
         valid = valid.reshape(b, 1, 1, 1, s)
         mask = valid if mask is None else mask & valid
-    return mask
+    return with_causal(mask) if causal else mask
 
 
 def multihead(
@@ -241,6 +237,7 @@ def multihead(
     return_weights: bool = False,
     linear_state: LinearState | Array | None = None,
     gates: dict[str, Array] | None = None,
+    causal: bool = False,
     sequence_axis: str | None = None,
     implementation: str | None = None,
     block_size: int | tuple[int, int] | None = None,
@@ -256,7 +253,7 @@ def multihead(
     :func:`jattn.attention` (``block_size`` is dropped for a path other than the blockwise one). For ``kind='linear'`` the mask must
     be None or ``causal()`` and ``linear_state`` continues a causal sequence. ``score_mod`` goes to
     the core as it is (its ``head`` is the query head n = k·G + g) and ``sinks (N,)`` as ``(K, G)``
-    (softmax kind, not over a ring).
+    (softmax kind, not over a ring). ``causal`` ands ``masks.causal()`` into ``mask`` (None included).
 
     Returns ``out (B, T, N*E)``, the weights ``(B, N, T, S)`` (before dropout) if asked, and
     the linear state after the last key (linear kind only).
@@ -274,6 +271,8 @@ def multihead(
     state, weights = None, None
     sinks = None if sinks is None else sinks.reshape(num_kv_heads, groups)  # (N,) -> (K, G): head n = k·G + g
     scores = dict(precision=precision, return_weights=return_weights, score_mod=score_mod, sinks=sinks)
+    if causal and (kind != "softmax" or _ring_size(sequence_axis) > 1):  # the core's mask: _core_mask
+        mask = with_causal(mask)
     if kind == "linear":
         out, state = _linear_heads(
             qh, kh, vh, mask=mask, valid=valid, feature_map=feature_map, state=linear_state, **scores
@@ -288,7 +287,7 @@ def multihead(
             qh, kh, vh, sequence_axis=sequence_axis, mask=mask, kv_mask=kv_mask, dropout_rate=dropout_rate, **scores
         )
     else:
-        mask = _core_mask(mask, valid, (b, num_heads, t, s), num_kv_heads)
+        mask = _core_mask(mask, valid, (b, num_heads, t, s), num_kv_heads, causal)
         out = attention(
             qh,
             kh,
@@ -302,7 +301,9 @@ def multihead(
             score_mod=score_mod,
             sinks=sinks,
         )
-        weights = _weights(qh, kh, mask, precision, score_mod, sinks) if return_weights else None
+        weights = None
+        if return_weights:  # the weights the core applies to v, before dropout (a sink's share left out)
+            weights = attention_weights(qh, kh, mask=mask, precision=precision, score_mod=score_mod, sinks=sinks)
     weights = None if weights is None else weights.reshape(b, num_heads, t, s)  # (B, K, G, T, S) -> (B, N, T, S)
     out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, -1)  # (B, K, G, T, E) -> (B, T, N*E)
     return out, weights, state

@@ -1,10 +1,10 @@
 """Flax Linen attention modules: thin layers over :func:`jattn.attention`.
 
-The same modules as :mod:`jattn.nnx` (see there for every option) with the same option names and
-parameter names (``wq``, ``wk``, ``wv`` and, with an output projection, ``wo``, each an
-``nn.Dense``; ``query_ln``, ``key_ln`` with ``normalize_qk``); given the same weights both return
-the same output. The call itself is shared with NNX in ``jattn._module_call``, and so are the
-options, declared once in ``jattn._module_options.ModuleOptions``.
+The same modules as :mod:`jattn.nnx` with the same option names and parameter names (``wq``,
+``wk``, ``wv`` and, with an output projection, ``wo``, each an ``nn.Dense``; ``query_ln``,
+``key_ln`` with ``normalize_qk``); given the same weights both return the same output. The call
+itself is shared with NNX in ``jattn._module_call``, and so are the options, declared and
+documented once in ``jattn._module_options`` (each class's docstring shows them).
 
 Dropout draws from the ``'dropout'`` rng collection when not deterministic, or from a call-time
 ``dropout_rng``. The call's ``deterministic`` overrides the field of that name (default False);
@@ -33,7 +33,7 @@ from jattn._checks import check_int
 from jattn._gates import gate_params
 from jattn._mask_base import Mask
 from jattn._module_call import CallArguments, Layers, check_context, check_input, forward, init_cache
-from jattn._module_options import ModuleConfig, ModuleOptions, configure
+from jattn._module_options import ModuleConfig, ModuleOptions, configure, document_options
 from jattn._score_mods import ScoreMod
 
 __all__ = ["CrossAttention", "SelfAttention"]
@@ -42,16 +42,7 @@ SOW_NAME = "attention_weights"
 
 
 class _Attention(nn.Module):
-    """Options: as :class:`jattn.nnx.SelfAttention` (the same names, types and defaults).
-
-    The fields from ``num_heads`` to ``sinks`` are the module options, documented once, for NNX
-    and Linen, in the Attributes of :class:`jattn._module_options.ModuleOptions` (with ``sinks``
-    the parameter ``sinks (N,)``).
-
-    Attributes:
-      d_model: input features.
-      kernel_init, bias_init: initialisers of the projections.
-    """
+    """The fields, projections and call shared by the Linen modules (their options: the public classes)."""
 
     d_model: int
     num_heads: int = 1
@@ -76,10 +67,10 @@ class _Attention(nn.Module):
     kernel_init: nn.initializers.Initializer = nn.initializers.lecun_normal()
     bias_init: nn.initializers.Initializer = nn.initializers.zeros_init()
 
-    def _config(self, kv_features: int) -> ModuleConfig:
+    def _config(self, kv_features: int, *, cross: bool = False) -> ModuleConfig:
         """The fields that are options, checked and resolved (self-attention's ``rope``, ... where present)."""
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return configure(self.d_model, kv_features, ModuleOptions.pick(fields))
+        return configure(self.d_model, kv_features, ModuleOptions.pick(fields), cross=cross)
 
     def _dense(self, features: int, name: str) -> nn.Dense:
         """A projection ``(B, L, ·) -> (B, L, features)`` with the module's bias, dtypes, precision and initialisers."""
@@ -144,17 +135,24 @@ class _Attention(nn.Module):
         return (out, weights) if call.return_weights else out
 
 
+@document_options("linen")
 class SelfAttention(_Attention):
-    """Multi-head self-attention over ``x (..., T, d_model)``; see :class:`jattn.nnx.SelfAttention`.
+    """Multi-head self-attention over ``x (..., T, d_model)``, as :class:`jattn.nnx.SelfAttention`.
+
+    A call's ``mask=None`` is bidirectional in a full pass (every token sees the later ones, as in
+    Flax) and causal with ``decode=True``: a decoder passes ``masks.causal()`` on every call, or
+    sets ``causal=True``.
 
     Attributes:
-      rope, rope_base, decode: the self-attention options (rotary embedding, the default of the
-        call-time ``decode``), documented in :class:`jattn._module_options.ModuleOptions`.
+      d_model: input features.
+      {options}
+      kernel_init, bias_init: initialisers of the projections.
     """
 
     rope: bool = False
     rope_base: float = 10000.0
     decode: bool = False
+    causal: bool = False
 
     @nn.compact
     def __call__(
@@ -203,10 +201,17 @@ class SelfAttention(_Attention):
             self.put_variable("cache", name, value)
 
 
+@document_options("linen")
 class CrossAttention(_Attention):
     """Cross-attention from ``x (..., T, d_model)`` to ``context (..., S, context_features)``.
 
-    See :class:`jattn.nnx.CrossAttention`.
+    As :class:`jattn.nnx.CrossAttention` (kind ``'softmax'`` or ``'linear'``).
+
+    Attributes:
+      d_model: query input features.
+      {options}
+      kernel_init, bias_init: initialisers of the projections.
+      context_features: key/value input features.
     """
 
     context_features: int = 0
@@ -233,4 +238,5 @@ class CrossAttention(_Attention):
         check_int("d_model", self.d_model, min=1)  # the fields first: x and context are checked against them
         check_int("context_features", self.context_features, min=1)
         check_context(x, self.d_model, context, self.context_features, context_mask)
-        return self._run(x, context, self._config(self.context_features), CallArguments.pick(locals()), dropout_rng)
+        config = self._config(self.context_features, cross=True)
+        return self._run(x, context, config, CallArguments.pick(locals()), dropout_rng)

@@ -3,8 +3,9 @@
 Softmax attention is :func:`jattn.attention`; ``kind='linear'`` uses :func:`jattn.linear_attention`.
 The call itself (batch dims, masks, QK norm, rotary embedding, the decoding cache) is shared with
 :mod:`jattn.linen` in ``jattn._module_call``, and so are the options, declared once (names, types,
-defaults, documentation) in ``jattn._module_options.ModuleOptions``; the cache is a dict of arrays
-(``jattn._cache``) held in ``nnx.Cache`` variables.
+defaults) in ``jattn._module_options.ModuleOptions`` and documented once there, in the text each
+class's docstring shows; the cache is a dict of arrays (``jattn._cache``) held in ``nnx.Cache``
+variables.
 
 Parameters (the article's names): ``wq`` (``d_model -> N*D``), ``wk`` and ``wv`` (keys/values
 features ``-> K*D``, K = ``num_kv_heads``) and, when there is an output projection, ``wo``
@@ -27,7 +28,7 @@ from jattn._checks import check_bool
 from jattn._gates import gate_params
 from jattn._mask_base import Mask
 from jattn._module_call import CallArguments, Layers, check_context, check_input, forward, init_cache
-from jattn._module_options import ModuleOptions, configure
+from jattn._module_options import ModuleOptions, configure, document_options
 from jattn._score_mods import ScoreMod
 
 __all__ = ["CrossAttention", "SelfAttention"]
@@ -46,11 +47,12 @@ class _Attention(nnx.Module):
         kv_features: int,
         options: ModuleOptions,
         *,
+        cross: bool,
         kernel_init: nnx.Initializer,
         bias_init: nnx.Initializer,
         rngs: nnx.Rngs,
     ) -> None:
-        o = configure(d_model, kv_features, options)
+        o = configure(d_model, kv_features, options, cross=cross)
         self.options = o
         self.deterministic = bool(o.deterministic)  # Flax's switch: .eval(), .train() and nnx.view set it
         self.d_model, self.kv_features, self.num_heads = o.d_model, o.kv_features, o.num_heads
@@ -126,6 +128,7 @@ class _Attention(nnx.Module):
         return (out, weights) if call.return_weights else out
 
 
+@document_options("nnx")
 class SelfAttention(_Attention):
     """Multi-head self-attention over ``x`` of shape ``(..., T, d_model)``.
 
@@ -134,12 +137,13 @@ class SelfAttention(_Attention):
     output ``(..., T, d_model)`` without an output projection. :class:`jattn.linen.SelfAttention`
     takes the same options under the same names.
 
-    The keyword options from ``num_heads`` to ``sinks`` are documented once, for NNX and Linen,
-    in the Attributes of :class:`jattn._module_options.ModuleOptions` (the same names, types and
-    defaults); ``deterministic`` becomes the module's attribute of that name (:meth:`set_view`).
+    A call's ``mask=None`` is bidirectional in a full pass (every token sees the later ones, as in
+    Flax) and causal with ``decode=True``: a decoder passes ``masks.causal()`` on every call, or
+    is built with ``causal=True``.
 
     Args:
       d_model: input features.
+      {options}
       kernel_init, bias_init: initialisers of the projections.
       rngs: ``nnx.Rngs`` for the parameters (``params``) and dropout (``dropout``).
 
@@ -170,14 +174,16 @@ class SelfAttention(_Attention):
         rope: bool = False,
         rope_base: float = 10000.0,
         decode: bool = False,
+        causal: bool = False,
         score_mod: ScoreMod | None = None,
         sinks: bool = False,
         kernel_init: nnx.Initializer = _KERNEL_INIT,
         bias_init: nnx.Initializer = _BIAS_INIT,
         rngs: nnx.Rngs,
     ) -> None:
+        options = ModuleOptions.pick(locals())
         super().__init__(
-            d_model, d_model, ModuleOptions.pick(locals()), kernel_init=kernel_init, bias_init=bias_init, rngs=rngs
+            d_model, d_model, options, cross=False, kernel_init=kernel_init, bias_init=bias_init, rngs=rngs
         )
 
     def __call__(
@@ -198,10 +204,13 @@ class SelfAttention(_Attention):
 
         Args:
           x: ``(..., T, d_model)`` inputs: any number of batch dims ``...`` (none: unbatched).
-          mask: boolean array (True = attend): ``(T, T)``, ``(..., T, T)`` per example (the
-            same for every head) or ``(..., N, T, T)``, any axis may be 1; or a
+          mask: None (the default) is bidirectional in a full pass, every token attending to
+            the later ones too (Flax's convention), and causal with ``decode``: a decoder passes
+            ``masks.causal()`` here (or is built with ``causal=True``, which ands it into every
+            mask). Otherwise a boolean array (True = attend): ``(T, T)``, ``(..., T, T)`` per
+            example (the same for every head) or ``(..., N, T, T)``, any axis may be 1; or a
             :class:`jattn.masks.Mask` such as ``masks.causal()`` (a per-example predicate,
-            e.g. ``masks.padding``, takes the batch dims flattened into one).
+            e.g. ``masks.padding(kv_lengths=...)``, takes the batch dims flattened into one).
           deterministic: overrides the attribute ``deterministic`` (set by the constructor,
             ``.eval()``, ``.train()`` or ``nnx.view``) for this call; dropout is off when True.
           rngs: overrides the constructor's dropout stream.
@@ -215,7 +224,8 @@ class SelfAttention(_Attention):
             real (a ragged batch), integers in ``[0, T]``; the rest are neither attended to nor
             cached. Out of range they raise a ValueError, or, traced (under ``jit``), are
             clipped to ``[0, T]`` and make that example's outputs NaN.
-          implementation, block_size: override the constructor's (None: keep them).
+          implementation, block_size: override the constructor's (None: keep them); softmax
+            kind only.
 
         Returns:
           ``(..., T, F)`` with F the out features (or qkv features without ``wo``), and the
@@ -255,16 +265,24 @@ class SelfAttention(_Attention):
         self.cache = nnx.data({name: nnx.Cache(value) for name, value in cache.items()})
 
 
+@document_options("nnx")
 class CrossAttention(_Attention):
     """Multi-head cross-attention from ``x`` to a context of another length and feature size.
 
     Queries come from ``x (..., T, d_model)``, keys and values from
     ``context (..., S, context_features)`` (the same batch dims).
 
-    Options as :class:`SelfAttention` (no rotary embedding or cache); ``wk`` and ``wv`` map
-    ``context_features -> K*D``. ``score_mod`` gets the core's positions, the same as mask
-    predicates get: queries aligned at the end of the context (``q_pos = S - T + t``), keys at
-    ``0..S-1``.
+    Options as :class:`SelfAttention` (no rotary embedding, cache or ``causal``; kind
+    ``'softmax'`` or ``'linear'``); ``wk`` and ``wv`` map ``context_features -> K*D``.
+    ``score_mod`` gets the core's positions, the same as mask predicates get: queries aligned at
+    the end of the context (``q_pos = S - T + t``), keys at ``0..S-1``.
+
+    Args:
+      d_model: query input features.
+      context_features: key/value input features.
+      {options}
+      kernel_init, bias_init: initialisers of the projections.
+      rngs: ``nnx.Rngs`` for the parameters (``params``) and dropout (``dropout``).
     """
 
     def __init__(
@@ -295,8 +313,9 @@ class CrossAttention(_Attention):
         bias_init: nnx.Initializer = _BIAS_INIT,
         rngs: nnx.Rngs,
     ) -> None:
-        options = ModuleOptions.pick(locals())  # rope, rope_base and decode keep their defaults
-        super().__init__(d_model, context_features, options, kernel_init=kernel_init, bias_init=bias_init, rngs=rngs)
+        options = ModuleOptions.pick(locals())  # rope, rope_base, decode and causal keep their defaults
+        init = dict(kernel_init=kernel_init, bias_init=bias_init, rngs=rngs)
+        super().__init__(d_model, context_features, options, cross=True, **init)
 
     def __call__(
         self,

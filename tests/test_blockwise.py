@@ -533,9 +533,12 @@ def _per_example_cases(rng, B, T, S):
     cases = {
         "segments": (masks.segment_ids(q_ids, kv_ids), seg),
         "segments&causal": (masks.segment_ids(q_ids, kv_ids) & masks.causal(), seg & causal),
-        "padding": (masks.padding(q_len, kv_len), pad),
+        "padding": (masks.padding(q_lengths=q_len, kv_lengths=kv_len), pad),
         "keys|causal": (masks.padding(kv_lengths=kv_len) | masks.causal(), (s < kv_len[:, None, None]) | causal),
-        "~segments&padding": (~masks.segment_ids(q_ids, kv_ids) & masks.padding(q_len, kv_len), ~seg & pad),
+        "~segments&padding": (
+            ~masks.segment_ids(q_ids, kv_ids) & masks.padding(q_lengths=q_len, kv_lengths=kv_len),
+            ~seg & pad,
+        ),
     }
     return {n: (m, d[:, None]) for n, (m, d) in cases.items()}
 
@@ -573,7 +576,7 @@ def test_tiles_computed_in_parts_equal_the_reference(monkeypatch, dtype, case, b
         "causal-offset": lambda: (masks.causal(), causal),
         "window": lambda: (masks.sliding_window(5), causal & (s >= t - 5)),
         "causal&padding": lambda: (
-            masks.causal() & masks.padding(q_len, kv_len),
+            masks.causal() & masks.padding(q_lengths=q_len, kv_lengths=kv_len),
             causal & (t < q_len[:, None, None]) & (s < kv_len[:, None, None]),
         ),
         "segments&causal": lambda: (
@@ -744,7 +747,10 @@ def test_per_example_tile_kinds_are_read_per_example_on_device():
             assert kinds[i, j] == want, (i, j, each)
     assert (
         jattn.choose_implementation(
-            jnp.zeros((2, 1024, 8)), jnp.zeros((2, 1024, 8)), jnp.zeros((2, 1024, 8)), mask=masks.padding([3, 1024])
+            jnp.zeros((2, 1024, 8)),
+            jnp.zeros((2, 1024, 8)),
+            jnp.zeros((2, 1024, 8)),
+            mask=masks.padding(q_lengths=[3, 1024]),
         )
         == "blockwise"
     )
@@ -770,8 +776,8 @@ def test_vmap_over_per_example_masks_equals_a_loop():
 @pytest.mark.parametrize(
     ("q_shape", "mask", "match"),
     [
-        ((11, 5), masks.padding([3, 4]), "per-example mask needs a batch axis in q"),
-        ((2, 11, 5), masks.padding([3, 4]) & masks.segment_ids(np.zeros((3, 11), int)), "share the batch B"),
+        ((11, 5), masks.padding(q_lengths=[3, 4]), "per-example mask needs a batch axis in q"),
+        ((2, 11, 5), masks.padding(q_lengths=[3, 4]) & masks.segment_ids(np.zeros((3, 11), int)), "share the batch B"),
         ((2, 11, 5), masks.segment_ids(np.zeros((2, 9), int)), r"must have shapes \(B, T=11\)"),
     ],
 )
@@ -785,7 +791,7 @@ def test_per_example_batch_is_qs_first_axis_when_k_has_more_leading_axes():
     """q (B, T, D) against k, v (1, 1, S, D): the mask's batch lands where q's does (found by the fuzz)."""
     q, k, v = _rand((2, 5, 3), 0), _rand((1, 1, 7, 3), 1), _rand((1, 1, 7, 3), 2)
     for mask in (
-        masks.padding([1, 4], [2, 7]),
+        masks.padding(q_lengths=[1, 4], kv_lengths=[2, 7]),
         masks.segment_ids(np.array([[0, 0, 1, 1, 1]] * 2), np.eye(2, 7, 3, int)),
     ):
         dense = np.asarray(mask.dense(5, 7))[:, 0]  # (B, T, S): batch on q's first axis
@@ -866,7 +872,7 @@ def test_fuzz_finds_on_the_blockwise_path():
     np.testing.assert_allclose(got, want, **ref.tol(jnp.float32))
     with jax.enable_x64(True):
         q, k = _rand((2, 5, 3), 0, jnp.float64), _rand((2, 7, 3), 1, jnp.float64)
-        mask = masks.padding(np.array([2, 5]), np.array([0, 6]))
+        mask = masks.padding(q_lengths=np.array([2, 5]), kv_lengths=np.array([0, 6]))
         want = ref.attention(q, k, k, np.asarray(mask.dense(5, 7))[:, 0])[0]
         got = jattn.attention(q, k, k, mask=mask, implementation="blockwise", block_size=(2, 3))
         np.testing.assert_allclose(ref.f64(got), want, **ref.tol(jnp.float64))

@@ -303,7 +303,12 @@ BAD = [
     ("decode_not_bool", dict(decode=None), TypeError, "decode must be a bool"),
     ("score_mod_not_callable", dict(score_mod=2.0), TypeError, r"score_mod must be a callable .* got 2.0"),
     ("sinks_not_bool", dict(sinks=1), TypeError, "sinks must be a bool"),
-    ("linear_sinks", dict(kind="linear", sinks=True), ValueError, r"score_mod and sinks need kind='softmax'"),
+    (
+        "linear_sinks",
+        dict(kind="linear", sinks=True),
+        ValueError,
+        r"score_mod and sinks need kind='softmax'; got sinks=True",
+    ),
 ]
 
 

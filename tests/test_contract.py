@@ -106,7 +106,7 @@ def test_padding_lengths_lie_on_the_batch_axis_of_q(impl):
     # batch is q's first axis, the last leading one (found by the slow fuzz: xla and pallas put it first).
     rng = np.random.default_rng(0)
     q, k, v = rng.normal(size=(3, 5, 4)), rng.normal(size=(1, 3, 7, 4)), rng.normal(size=(1, 3, 7, 4))
-    pad = masks.padding(jnp.array([1, 5, 3]), jnp.array([7, 2, 4]))
+    pad = masks.padding(q_lengths=jnp.array([1, 5, 3]), kv_lengths=jnp.array([7, 2, 4]))
     dense = np.asarray(pad.dense(5, 7)).reshape(3, 5, 7)  # batch first, broadcasting like q
     want = ref.attention(q, k, v, dense)[0]
     got = jattn.attention(*(jnp.asarray(x, jnp.float32) for x in (q, k, v)), mask=pad, implementation=impl)
@@ -119,7 +119,7 @@ def test_padding_batch_broadcasts_against_a_unit_batch(impl):
     # (xla flattened q to 3 rows and the lengths to 6).
     rng = np.random.default_rng(1)
     q, k, v = rng.normal(size=(1, 3, 5, 4)), rng.normal(size=(1, 3, 7, 4)), rng.normal(size=(1, 3, 7, 4))
-    pad = masks.padding(jnp.array([2, 5]), jnp.array([7, 3]))
+    pad = masks.padding(q_lengths=jnp.array([2, 5]), kv_lengths=jnp.array([7, 3]))
     dense = np.asarray(pad.dense(5, 7)).reshape(2, 1, 5, 7)
     want = ref.attention(q, k, v, dense)[0]
     got = jattn.attention(*(jnp.asarray(x, jnp.float32) for x in (q, k, v)), mask=pad, implementation=impl)
@@ -341,7 +341,7 @@ def fuzz_cases(draw):
         if draw(st.booleans()):
             per = masks.segment_ids(rng.integers(0, 3, size=(b, t)), rng.integers(0, 3, size=(b, s)))
         else:
-            per = masks.padding(rng.integers(0, t + 2, size=b), rng.integers(0, s + 2, size=b))
+            per = masks.padding(q_lengths=rng.integers(0, t + 2, size=b), kv_lengths=rng.integers(0, s + 2, size=b))
         mask = per & pred if draw(st.booleans()) else per
     q_offset = None
     if kind.startswith("predicate") and kind == "predicate" and draw(st.booleans()):

@@ -7,6 +7,8 @@ documented defined behaviour instead, tested here too.
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -67,7 +69,12 @@ BAD = [
     ("global_tokens_empty", lambda: masks.global_tokens([]), ValueError, "global_tokens needs at least one"),
     ("padding_negative", lambda: masks.padding(kv_lengths=[-1]), ValueError, r"kv_lengths must be non-negative"),
     ("padding_float", lambda: masks.padding(q_lengths=[1.5]), TypeError, "padding q_lengths must be an integer"),
-    ("padding_batch_mismatch", lambda: masks.padding([1, 2], [1, 2, 3]), ValueError, "share the batch"),
+    (
+        "padding_batch_mismatch",
+        lambda: masks.padding(q_lengths=[1, 2], kv_lengths=[1, 2, 3]),
+        ValueError,
+        "share the batch",
+    ),
     (
         "segment_ids_wrong_length",
         lambda: jattn.attention(X, X, X, mask=masks.segment_ids(jnp.zeros((2, 4), jnp.int32))),
@@ -696,3 +703,57 @@ def test_the_fixes_the_messages_name_are_right():
     q, k, v = (x.swapaxes(1, 2) for x in _TORCH)  # the same heads in jax.nn's (B, T, N, H)
     for kwargs in (dict(mask=keep[:, None, None, :]), dict(key_value_seq_lengths=jnp.array([3, 5]))):
         np.testing.assert_allclose(jattn.dot_product_attention(q, k, v, **kwargs), want, **ref.tol(jnp.float32))
+
+
+# -- options a kind cannot honour (issue #43 item 4): refused when the module is built -----------------
+
+_OTHER_KINDS = ("linear", *jattn.RECURRENT_KINDS)  # the kinds that form no attention scores
+REFUSED = [  # (kind, option, value, the kind the message names as taking it)
+    ("linear", "dropout_rate", 0.5, "softmax"),
+    *((kind, "implementation", "dense", "softmax") for kind in _OTHER_KINDS),
+    *((kind, "block_size", 8, "softmax") for kind in _OTHER_KINDS),
+    ("softmax", "feature_map", "relu", "linear"),
+    ("gla", "feature_map", "relu", "linear"),
+]
+
+
+@pytest.mark.parametrize(("kind", "option", "value", "taker"), REFUSED, ids=[f"{r[0]}-{r[1]}" for r in REFUSED])
+def test_options_a_kind_cannot_honour_are_refused_when_built(kind, option, value, taker):
+    """Accepted and then ignored before: linear attention trained with dropout_rate=0.5 without dropout."""
+    named = rf"(?=.*kind='{kind}')(?=.*kind='{taker}')(?=.*{re.escape(f'{option}={value!r}')})"  # kind, option, path
+    with pytest.raises(ValueError, match=named):
+        _nnx(kind=kind, **{option: value})
+    with pytest.raises(ValueError, match=named):
+        _linen(kind=kind, **{option: value})
+
+
+@pytest.mark.parametrize("kind", _OTHER_KINDS)
+def test_a_call_choosing_a_path_for_a_kind_without_one_is_refused(kind):
+    m = _nnx(kind=kind)
+    params = _linen(kind=kind)
+    lin = jattn.linen.SelfAttention(D, num_heads=2, kind=kind)
+    for option, value in (("implementation", "blockwise"), ("block_size", (4, 4))):
+        named = rf"(?=.*kind='{kind}')(?=.*kind='softmax')(?=.*{re.escape(f'{option}={value!r}')})"
+        with pytest.raises(ValueError, match=named):
+            m(X, **{option: value})
+        with pytest.raises(ValueError, match=named):
+            lin.apply(params, X, **{option: value})
+
+
+@pytest.mark.parametrize("kind", jattn.RECURRENT_KINDS)
+def test_cross_attention_refuses_a_recurrent_kind_when_built(kind):
+    """Before, CrossAttention(kind='gla') built its gate parameters and failed only when called."""
+    named = rf"kind='{kind}' is causal self-attention.*CrossAttention takes kind 'softmax' or 'linear'"
+    with pytest.raises(ValueError, match=named):
+        _cross(kind=kind)
+    lin = jattn.linen.CrossAttention(D, num_heads=2, kind=kind, context_features=5)
+    with pytest.raises(ValueError, match=named):
+        lin.init(jax.random.key(0), X, jnp.ones((2, 4, 5)))
+
+
+def test_positional_padding_lengths_are_refused_by_name():
+    """``masks.padding(lengths)`` positionally meant query lengths; the common call is key padding."""
+    with pytest.raises(TypeError, match=r"pass kv_lengths=\.\.\. \(key padding.* or q_lengths=\.\.\. \(query padding"):
+        masks.padding(jnp.array([2, 3]))
+    with pytest.raises(TypeError, match=r"kv_lengths=\.\.\..*got 2 positional"):
+        masks.padding([2, 3], [1, 1])

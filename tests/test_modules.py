@@ -444,3 +444,121 @@ def test_module_options_are_declared_once_and_the_modules_take_them_as_declared(
     assert inspect.signature(jattn.nnx.SelfAttention.init_cache) == inspect.signature(
         jattn.linen.SelfAttention.init_cache
     )
+
+
+# -- issue #43: the options documented in the public docstrings; causal=True ---------------------------
+
+PUBLIC = [jattn.nnx.SelfAttention, jattn.nnx.CrossAttention, jattn.linen.SelfAttention, jattn.linen.CrossAttention]
+
+
+def _entries(doc: str) -> dict[str, str]:
+    """The top-level ``name: text`` entries of a docstring's Args/Attributes (continuation lines joined)."""
+    entries, name = {}, None
+    for line in doc.split("\n"):
+        if line.startswith("  ") and not line.startswith("   ") and ": " in line:
+            name, text = line.strip().split(": ", 1)
+            entries[name] = text
+        elif name is not None and line.startswith("    "):
+            entries[name] += " " + line.strip()
+        else:
+            name = None
+    return entries
+
+
+def _options_taken(cls) -> list[str]:
+    """The options a public class takes: NNX's keyword arguments, Linen's fields (inputs and initialisers aside)."""
+    import dataclasses
+    import inspect
+
+    aside = {"d_model", "context_features", "kernel_init", "bias_init", "rngs", "parent", "name"}
+    if issubclass(cls, nn.Module):
+        return [f.name for f in dataclasses.fields(cls) if f.name not in aside]
+    params = inspect.signature(cls.__init__).parameters.values()
+    return [p.name for p in params if p.kind is p.KEYWORD_ONLY and p.name not in aside]
+
+
+@pytest.mark.parametrize("cls", PUBLIC, ids=lambda c: f"{c.__module__}.{c.__name__}")
+def test_public_docstrings_document_every_option_themselves(cls):
+    """``help(jattn.nnx.SelfAttention)`` once sent the reader to the private ``ModuleOptions``."""
+    import inspect
+
+    doc = inspect.getdoc(cls)
+    assert "ModuleOptions" not in doc and "_module_options" not in doc
+    entries = _entries(doc)
+    taken = _options_taken(cls)
+    assert len(taken) >= 19 and [name for name in taken if name not in entries] == []
+    twin = {c.__name__: c for c in PUBLIC if c is not cls and c.__name__ == cls.__name__}[cls.__name__]
+    other = _entries(inspect.getdoc(twin))  # NNX and Linen say the same of each option, but the switch
+    assert [n for n in taken if n != "deterministic" and entries[n] != other[n]] == []
+
+
+def test_the_mask_argument_says_first_that_none_is_bidirectional():
+    import inspect
+
+    mask = _entries(inspect.getdoc(jattn.nnx.SelfAttention.__call__))["mask"]
+    assert mask.startswith("None (the default) is bidirectional in a full pass") and "masks.causal()" in mask[:200]
+    assert "bidirectional" in inspect.getdoc(jattn.linen.SelfAttention).split("Attributes:")[0]
+
+
+def test_causal_option_ands_causal_into_every_mask_nnx_and_linen():
+    """``causal=True``: a forgotten mask cannot make a decoder look ahead; the default stays Flax's."""
+    x = _x((2, 7, D_MODEL), seed=8)  # B=2, T=7; N=6, K=2
+    m = _flex_nnx(causal=True)
+    params = _flex_params(m)
+    t, s = np.arange(7)[:, None], np.arange(7)[None, :]
+    keep = np.random.default_rng(1).random((2, 7, 7)) > 0.3  # (B, T, S) per example
+    lengths = np.array([7, 4])
+    cases = [  # (the call's mask, what it allows (B|1, 1, T, S) before causal() is and-ed in)
+        (None, np.ones((1, 1, 7, 7), bool)),
+        (keep, keep[:, None]),
+        (masks.padding(kv_lengths=lengths), (s < lengths[:, None, None, None])),
+        (masks.sliding_window(2, 2), (np.abs(t - s) <= 2)[None, None]),
+    ]
+    lin = jattn.linen.SelfAttention(D_MODEL, **FLEX, causal=True)
+    for mask, allowed in cases:
+        want, _ = _flex_reference(params, x, allowed & (s <= t), None, None)
+        np.testing.assert_allclose(m(x, mask), want, **ref.tol(jnp.float32))
+        np.testing.assert_allclose(lin.apply({"params": params}, x, mask), want, **ref.tol(jnp.float32))
+    bidirectional, _ = _flex_reference(params, x, None, None, None)  # the default: Flax's convention
+    np.testing.assert_allclose(_flex_nnx()(x), bidirectional, **ref.tol(jnp.float32))
+    assert not np.allclose(bidirectional, m(x), atol=1e-3)
+    # decoding: a chunk of 4 then single tokens, the window and-ed with causal() as in the full pass
+    window = masks.sliding_window(2, 2)
+    m.init_cache(2, 16)
+    steps = [m(x[:, :4], window, decode=True)] + [m(x[:, i : i + 1], window, decode=True) for i in range(4, 7)]
+    np.testing.assert_allclose(jnp.concatenate(steps, axis=1), m(x, window), **ref.tol(jnp.float32))
+
+
+def test_causal_option_of_linear_attention_is_its_causal_mask():
+    x = _x((3, 5, D_MODEL), seed=9)
+    causal = jattn.nnx.SelfAttention(D_MODEL, num_heads=2, kind="linear", causal=True, rngs=nnx.Rngs(4))
+    plain = jattn.nnx.SelfAttention(D_MODEL, num_heads=2, kind="linear", rngs=nnx.Rngs(4))
+    np.testing.assert_allclose(causal(x), plain(x, masks.causal()), **ref.tol(jnp.float32))
+    assert not np.allclose(plain(x), plain(x, masks.causal()), atol=1e-3)
+
+
+# -- attention_weights with score_mod and sinks (issue #43) -------------------------------------------
+
+
+@pytest.mark.parametrize("offset", [None, 3])
+def test_attention_weights_take_score_mod_and_sinks_as_attention(offset):
+    """The weights :func:`jattn.attention` applies, with a score_mod and sinks: rows sum to 1 - the sink's share."""
+    b, n, t, s, d = 2, 3, 5, 7, 4
+    q, k, v = _x((b, n, t, d), 1), _x((b, n, s, d), 2), _x((b, n, s, 6), 3)
+    sinks = jax.random.normal(jax.random.key(4), (n,))
+    slopes = np.asarray(score_mods.alibi_slopes(n), np.float64)
+    mod = score_mods.compose(score_mods.alibi(score_mods.alibi_slopes(n)), score_mods.softcap(CAP))
+
+    def np_mod(x, batch, head, q_pos, kv_pos):
+        return CAP * np.tanh((x - slopes[head] * np.abs(q_pos - kv_pos)) / CAP)
+
+    mask = masks.causal() & masks.padding(q_lengths=np.array([5, 3]))  # example 1: rows 3, 4 see nothing
+    kw = dict(mask=mask, score_mod=mod, sinks=sinks, q_offset=offset)
+    got = jattn.attention_weights(q, k, **kw)
+    dense = np.asarray(mask.dense(t, s, q_offset=offset))  # (B, 1, T, S)
+    _, want, _ = ref.attention(q, k, v, mask=dense, score_mod=np_mod, sinks=sinks, q_offset=offset)
+    np.testing.assert_allclose(got, want, **ref.tol(jnp.float32))
+    rows = np.asarray(got).sum(-1)
+    assert np.all(rows[0] < 1) and np.all(rows[1, :, :3] < 1) and np.all(rows[1, :, 3:] == 0)
+    out = jattn.attention(q, k, v, implementation="dense", **kw)
+    np.testing.assert_allclose(jnp.einsum("bnts,bnse->bnte", got, v), out, **ref.tol(jnp.float32))

@@ -26,7 +26,7 @@ CASES = {
     "causal-bottom-right": (masks.causal(), {}, (2, 3), (2, 3), 11, 13, 5, jnp.float32, 0.3),
     # queries before every key (dropped rows), padding of both sides, an example without keys
     "padding-causal-queries-before-keys": (
-        masks.padding(np.array([5, 11]), np.array([0, 9])) & masks.causal(),
+        masks.padding(q_lengths=np.array([5, 11]), kv_lengths=np.array([0, 9])) & masks.causal(),
         dict(q_offset=-3),
         (2, 3),
         (2, 1),
@@ -131,7 +131,7 @@ SPLASH_CASES = {
     ),
     "numpy-mask-padding-segments-bf16": (
         (masks.chunked(50) | masks.sliding_window(4))
-        & masks.padding(np.array([100, 131]), np.array([0, 90]))
+        & masks.padding(q_lengths=np.array([100, 131]), kv_lengths=np.array([0, 90]))
         & masks.segment_ids(np.arange(2 * 131).reshape(2, 131) // 60, np.arange(2 * 101).reshape(2, 101) // 60),
         {},
         (2, 1),
@@ -173,7 +173,7 @@ def test_splash_translation_equals_the_reference(monkeypatch, case):
 def test_an_example_without_keys_gives_zero_and_zero_gradients(q_lengths):
     """kv_lengths 0 for one example (found by the slow fuzz: the kernel's backward gave NaN there)."""
     q, k, v = _rand((2, 8, 2), 0, jnp.float32), _rand((2, 3, 2), 1, jnp.float32), _rand((2, 3, 2), 2, jnp.float32)
-    mask = masks.padding(q_lengths, np.array([0, 2]))
+    mask = masks.padding(q_lengths=q_lengths, kv_lengths=np.array([0, 2]))
     g = _rand((2, 8, 2), 3, jnp.float32)
 
     def grads(impl):
