@@ -56,7 +56,14 @@ __all__ = [
 KINDS = ("softmax", "linear", *RECURRENT_KINDS)
 CROSS_KINDS = ("softmax", "linear")  # the recurrent kinds are causal recurrences over x's own sequence
 SELF_ATTENTION_ONLY = ("rope", "rope_base", "decode", "causal")  # the options cross-attention does not take
-SOFTMAX_ONLY = ("dropout_rate", "implementation", "block_size", "score_mod", "sinks")  # the other kinds form no scores
+SOFTMAX_ONLY = (
+    "dropout_rate",
+    "implementation",
+    "block_size",
+    "score_mod",
+    "sinks",
+    "sequence_axis",
+)  # the other kinds form no scores
 OPTIONS_MARKER = "{options}"  # the docstring line :func:`document_options` replaces
 
 # Each option's documentation, in the declaration's order: the one text the public modules' docstrings
@@ -350,13 +357,15 @@ def _check_linear(o: ModuleOptions) -> None:
         "block_size": o.block_size is not None,
         "score_mod": o.score_mod is not None,
         "sinks": o.sinks,
+        "sequence_axis": o.sequence_axis is not None,
     }
     names = [name for name, bad in refused.items() if bad]
     if names:
         got = ", ".join(f"{name}={getattr(o, name)!r}" for name in names)
         raise ValueError(
             "kind='linear' (linear_attention) forms no attention weights and has one path: dropout_rate, "
-            f"implementation, block_size, score_mod and sinks need kind='softmax'; got {got}"
+            f"implementation, block_size, score_mod, sinks and sequence_axis (ring attention) need kind='softmax'; "
+            f"got {got}"
         )
 
 

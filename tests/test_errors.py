@@ -710,6 +710,7 @@ def test_the_fixes_the_messages_name_are_right():
 _OTHER_KINDS = ("linear", *jattn.RECURRENT_KINDS)  # the kinds that form no attention scores
 REFUSED = [  # (kind, option, value, the kind the message names as taking it)
     ("linear", "dropout_rate", 0.5, "softmax"),
+    ("linear", "sequence_axis", "seq", "softmax"),  # ring attention is softmax's
     *((kind, "implementation", "dense", "softmax") for kind in _OTHER_KINDS),
     *((kind, "block_size", 8, "softmax") for kind in _OTHER_KINDS),
     ("softmax", "feature_map", "relu", "linear"),

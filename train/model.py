@@ -94,7 +94,7 @@ class Block(nnx.Module):
                 num_kv_heads=num_kv_heads,
                 out_proj=True,
                 kind=kind,
-                sequence_axis=None if mixer in jattn.RECURRENT_KINDS else SEQUENCE_AXIS,
+                sequence_axis=SEQUENCE_AXIS if kind == "softmax" else None,  # ring attention is softmax's
                 implementation=implementation,
                 block_size=block_size,
                 score_mod=score_mod,
