@@ -1,5 +1,9 @@
 """Per-example masks (batch first): padding and segment ids, their row forms, per-example arrays on a call's lead.
 
+The linear family (:func:`jattn.gated_linear_attention`'s ``segment_ids`` and ``kv_mask``,
+:func:`jattn.linear_attention`'s ``kv_mask``) reads its per-step arrays by the same convention
+(:func:`per_example_steps`).
+
 :class:`Padding` and :class:`SegmentIds` read arrays of B examples (their constructors, with the
 argument checks, are in :mod:`jattn._masks`). A blockwise kernel reads them in row form, one
 row per row of B·N (:meth:`jattn.masks.Mask._rows`): :class:`RowPadding` and
@@ -19,7 +23,7 @@ from jax.typing import ArrayLike
 
 from jattn._mask_base import Leaf, Mask, leaf_dataclass, per_tile
 
-__all__ = ["Padding", "PerExample", "RowPadding", "RowSegments", "SegmentIds", "on_batch_axis"]
+__all__ = ["Padding", "PerExample", "RowPadding", "RowSegments", "SegmentIds", "on_batch_axis", "per_example_steps"]
 
 _NO_LIMIT = np.iinfo(np.int32).max  # a length that masks nothing
 
@@ -33,6 +37,29 @@ def on_batch_axis(x: ArrayLike, lead: tuple[int, ...], axis: int) -> Array:
     rest = x.shape[1:]
     x = x.reshape((1,) * axis + (x.shape[0],) + (1,) * (len(lead) - axis - 1) + rest)
     return jnp.broadcast_to(x, (*lead, *rest))
+
+
+def per_example_steps(name: str, x: Array, lead: tuple[int, ...]) -> Array:
+    """A per-step array ``x (..., L)`` of a call whose q, k, v broadcast to the leading shape ``lead``, read as masks read.
+
+    ``(L,)``: every sequence alike. ``(B, L)``: per example, batch first (on ``lead[0]``) and shared by the other
+    leading axes (the heads), as :func:`jattn.masks.segment_ids` reads ``(B, T)``: returned as ``(B, 1, ..., 1, L)``.
+    One axis per axis of ``lead`` (or more): per leading index, as it is (``(B, N, L)``: per batch and head). Between
+    those (``(B, K, L)`` with ``lead`` ``(B, K, G)``), which axes it spans could be read two ways: a ValueError that
+    says how to write it.
+    """
+    axes, rank = x.ndim - 1, len(lead)
+    if axes == 1:
+        return x.reshape(x.shape[0], *(1,) * max(rank - 1, 0), x.shape[-1])
+    if axes == 0 or axes >= rank:
+        return x
+    first = (*x.shape[:-1], *(1,) * (rank - axes), x.shape[-1])
+    raise ValueError(
+        f"{name} {x.shape} has {axes} leading axes and q, k, v {rank} {lead}: which of them it spans is ambiguous. "
+        f"Give it one axis per leading axis (1 where it is shared), e.g. {first} if it spans the first ones "
+        f"({name}{'[' + ', '.join([':'] * axes + ['None'] * (rank - axes)) + ', :]'}), or (B, {x.shape[-1]}) per "
+        f"example (batch first, shared by the heads)"
+    )
 
 
 def _row_form(x: Array, lead: tuple[int, ...], axis: int) -> Array:

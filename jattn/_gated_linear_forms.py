@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import Array
 
 from jattn._gated_linear_steps import Steps
@@ -97,10 +98,11 @@ def _scalar_parts(q, k, v, g, beta, runs, precision) -> tuple[Array, ...]:
     without the delta rule, whose ``u`` is v).
     """
     seen, first, last = _documents(runs)
-    b = jnp.zeros(q.shape[:-1], q.dtype) if g is None else jnp.cumsum(g, axis=-1)
-    decay = jnp.exp(jnp.where(seen, b[..., :, None] - b[..., None, :], -jnp.inf))  # Γ (..., C, C)
-    into = jnp.where(first, jnp.exp(b), 0.0)
-    reach = jnp.where(last, jnp.exp(b[..., -1:] - b), 0.0)
+    hi, lo = (x[..., 0] for x in _running_sums(jnp.zeros(q.shape[:-1], q.dtype) if g is None else g, axis=-1))
+    gaps = (hi[..., :, None] - hi[..., None, :]) + (lo[..., :, None] - lo[..., None, :])  # b_t - b_s
+    decay = jnp.exp(jnp.where(seen, gaps, -jnp.inf))  # Γ (..., C, C)
+    into = jnp.where(first, jnp.exp(hi + lo), 0.0)
+    reach = jnp.where(last, jnp.exp(gaps[..., -1, :]), 0.0)
     scores = _einsum("...tf,...sf->...ts", q, k, precision=precision) * decay
     u, w = v, None
     if beta is not None:  # the UT transform: (I + A)^-1 diag(β) [V | diag(into) K]
@@ -124,6 +126,25 @@ def _carry_step(precision) -> Callable:
         return S, out
 
     return step
+
+
+def _running_sums(g: Array, axis: int) -> tuple[Array, Array]:
+    """The running sums ``b`` of the log decays ``g`` along ``axis`` (-1 or -2) as ``hi + lo``, to twice the precision.
+
+    Returned with a trailing axis ``(..., C, X)`` (X = 1 for ``axis=-1``). ``hi`` is the cumulative sum, ``lo``
+    what it rounded away: ``hi_t - hi_{t-1}`` is exact where the two lie within a factor 2 of each other
+    (Sterbenz; else it rounds at the size of the step itself), so ``g_t`` minus it is that step's rounding
+    error, and their running sum ``lo`` stays small (C roundings of ``|b|``). A difference ``b_t - b_s`` taken
+    as ``(hi_t - hi_s) + (lo_t - lo_s)`` is then exact to its own rounding: after a step of log decay -1e7 the
+    later steps' small decays do not cancel away as in ``hi_t - hi_s`` alone. Each log decay is first clamped
+    at twice the log of the dtype's smallest subnormal, where exp is exactly 0 already (as for any sum holding
+    it; so are the derivatives): no sum reaches -inf, whose differences would be NaN.
+    """
+    g = g[..., None] if axis == -1 else g
+    g = jnp.maximum(g, 2.0 * float(np.log(np.finfo(g.dtype).smallest_subnormal)))
+    hi = jnp.cumsum(g, axis=-2)
+    step = hi - jnp.concatenate([jnp.zeros_like(hi[..., :1, :]), hi[..., :-1, :]], axis=-2)
+    return hi, jnp.cumsum(g - step, axis=-2)
 
 
 def _lower(shape: tuple[int, ...], diagonal: int) -> Array:
@@ -159,18 +180,23 @@ def _unit_lower_inverse_jvp(primals, tangents):
 
 
 def _per_feature(precision) -> Callable:
-    """The scan body with a decay per key feature (GLA): the exponents ``B_tf - B_sf`` kept per feature (..., C, C, D)."""
+    """The scan body with a decay per key feature (GLA): the exponents kept per feature (..., C, C, D).
+
+    The exponents ``b_t - b_s`` (:func:`_running_sums`) are ``(hi_t - hi_s) + (lo_t - lo_s)``; the ``lo`` parts
+    go into q and k (``e^lo_t q_t``, ``e^-lo_s k_s``), so the ``(C, C, D)`` exponents are formed from ``hi`` alone.
+    """
 
     def step(S, x):
         q, k, v, g, gk, runs = x
         seen, first, last = _documents(runs)
-        b = jnp.cumsum(gk if g is None else gk + g[..., None], axis=-2)  # (..., C, D)
-        gap = jnp.where(seen[..., None], b[..., :, None, :] - b[..., None, :, :], -jnp.inf)
-        scores = _einsum("...tf,...sf,...tsf->...ts", q, k, jnp.exp(gap), precision=precision)
-        into = jnp.where(first[..., None], jnp.exp(b), 0.0)  # (..., C, D)
+        hi, lo = _running_sums(gk if g is None else gk + g[..., None], axis=-2)  # (..., C, D)
+        up, down = jnp.exp(lo), jnp.exp(-lo)
+        gap = jnp.where(seen[..., None], hi[..., :, None, :] - hi[..., None, :, :], -jnp.inf)
+        scores = _einsum("...tf,...sf,...tsf->...ts", q * up, k * down, jnp.exp(gap), precision=precision)
+        into = jnp.where(first[..., None], jnp.exp(hi) * up, 0.0)  # (..., C, D)
         out = _einsum("...tf,...fe->...te", q * into, S, precision=precision)
         out = out + _einsum("...ts,...se->...te", scores, v, precision=precision)
-        reach = jnp.where(last[..., None], jnp.exp(b[..., -1:, :] - b), 0.0)  # (..., C, D)
+        reach = jnp.where(last[..., None], jnp.exp(hi[..., -1:, :] - hi) * (up[..., -1:, :] * down), 0.0)
         S = into[..., -1, :, None] * S + _einsum("...sf,...se->...fe", k * reach, v, precision=precision)
         return S, out
 

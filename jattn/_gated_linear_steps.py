@@ -14,7 +14,9 @@ import numpy as np
 from jax import Array
 from jax.typing import ArrayLike
 
-from jattn._checks import check_qkv, check_real, is_traced
+from jattn._checks import check_qkv, check_scale, is_traced
+from jattn._example_masks import per_example_steps
+from jattn._online import compute_dtype
 
 __all__ = ["Steps", "poison", "prepare"]
 
@@ -46,7 +48,7 @@ def prepare(
     g: ArrayLike | None,
     gk: ArrayLike | None,
     beta: ArrayLike | None,
-    scale: float | None,
+    scale: float | ArrayLike | None,
     segment_ids: ArrayLike | None,
     kv_mask: ArrayLike | None,
     initial_state: ArrayLike | None,
@@ -68,17 +70,18 @@ def prepare(
         raise ValueError(
             "the delta rule (beta) takes a decay per step (g), not per key feature (gk); got both gk and beta"
         )
-    compute = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
+    compute = compute_dtype(q.dtype)
     extra = {
-        "g": _per_step("g", g, T, compute, floating=True),
-        "gk": _per_step("gk", gk, T, compute, floating=True, depth=D),
-        "beta": _per_step("beta", beta, T, compute, floating=True),
-        "segment_ids": _per_step("segment_ids", segment_ids, T, None, floating=False),
-        "kv_mask": _per_step("kv_mask", kv_mask, T, jnp.bool_, floating=False),
+        "g": _per_step("g", g, T, floating=True),
+        "gk": _per_step("gk", gk, T, floating=True, depth=D),
+        "beta": _per_step("beta", beta, T, floating=True),
+        "segment_ids": _per_example("segment_ids", segment_ids, q, k, v),
+        "kv_mask": _per_example("kv_mask", kv_mask, q, k, v),
     }
-    lead = _lead(q, k, v, extra)
+    given = {n: jnp.shape(x) for n, x in (("segment_ids", segment_ids), ("kv_mask", kv_mask)) if x is not None}
+    lead = _lead(q, k, v, extra, given)
     _check_values(extra)
-    scale = 1.0 / D**0.5 if scale is None else check_real("scale", scale)
+    scale = _check_scale(scale, D)
     keep = jnp.ones((*lead, T), bool) if extra["kv_mask"] is None else jnp.broadcast_to(extra["kv_mask"], (*lead, T))
 
     def full(x, *tail):
@@ -95,9 +98,7 @@ def prepare(
     return steps, _initial_state(initial_state, lead, D, E, compute)
 
 
-def _per_step(
-    name: str, x: ArrayLike | None, T: int, dtype, *, floating: bool, depth: int | None = None
-) -> Array | None:
+def _per_step(name: str, x: ArrayLike | None, T: int, *, floating: bool, depth: int | None = None) -> Array | None:
     """``x`` as an array of shape ``(..., T)`` (``(..., T, depth)`` with ``depth``), or an error naming it."""
     if x is None:
         return None
@@ -115,8 +116,25 @@ def _per_step(
     return x
 
 
-def _lead(q: Array, k: Array, v: Array, extra: dict[str, Array | None]) -> tuple[int, ...]:
-    """The broadcast leading shape of q, k, v and the per-step arrays, or an error naming every shape."""
+def _per_example(name: str, x: ArrayLike | None, q: Array, k: Array, v: Array) -> Array | None:
+    """``segment_ids`` or ``kv_mask`` checked and read as :mod:`jattn.masks` reads per-example arrays (batch first)."""
+    x = _per_step(name, x, q.shape[-2], floating=False)
+    if x is None:
+        return None
+    try:
+        lead = jnp.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    except ValueError:
+        return x  # q, k, v's own error comes next (_lead)
+    return per_example_steps(name, x, tuple(lead))
+
+
+def _lead(
+    q: Array, k: Array, v: Array, extra: dict[str, Array | None], given: dict[str, tuple[int, ...]]
+) -> tuple[int, ...]:
+    """The broadcast leading shape of q, k, v and the per-step arrays, or an error naming every shape.
+
+    ``given``: the shapes the per-example arrays were passed with (``extra`` holds them as read).
+    """
     leads = [q.shape[:-2], k.shape[:-2], v.shape[:-2]]
     for name, x in extra.items():
         if x is not None:
@@ -124,22 +142,52 @@ def _lead(q: Array, k: Array, v: Array, extra: dict[str, Array | None]) -> tuple
     try:
         return tuple(jnp.broadcast_shapes(*leads))
     except ValueError:
-        got = ", ".join(f"{n} {x.shape}" for n, x in {"q": q, "k": k, "v": v, **extra}.items() if x is not None)
-        raise ValueError(f"leading dimensions (batch, heads) do not broadcast: {got}") from None
+        got = ", ".join(
+            f"{n} {given.get(n, x.shape)}" for n, x in {"q": q, "k": k, "v": v, **extra}.items() if x is not None
+        )
+        hint = "".join(
+            f"; {n} {given[n]} is read as {extra[n].shape} ((B, T) per example, batch first as jattn.masks reads "
+            f"it; one axis per leading axis as it is): for one per head pass e.g. (1, N, T), {n}[None], for q "
+            f"(B, N, T, D)"
+            for n in given
+            if len(given[n]) > 1
+        )
+        raise ValueError(f"leading dimensions (batch, heads) do not broadcast: {got}{hint}") from None
 
 
 def _check_values(extra: dict[str, Array | None]) -> None:
-    """Concrete decays must be finite and <= 0, beta in [0, 1]; traced ones are poisoned later (:func:`poison`)."""
-    for name in ("g", "gk"):
+    """Concrete decays of kept steps must be finite and <= 0, beta in [0, 1]; traced ones are poisoned (:func:`poison`).
+
+    A step that ``kv_mask`` drops is not read (under ``jit`` neither: :func:`prepare` zeroes its gates), so its
+    values are not checked; with a traced ``kv_mask`` which steps are kept is known at run time only.
+    """
+    keep = None if extra["kv_mask"] is None else _concrete(extra["kv_mask"])
+    if extra["kv_mask"] is not None and keep is None:
+        return
+    for name in ("g", "gk", "beta"):
         x = _concrete(extra[name])
-        if x is not None and not np.all(np.isfinite(x) & (x <= 0)):
+        if x is None:
+            continue
+        if keep is not None:
+            x, kept = np.broadcast_arrays(x, keep[..., None] if name == "gk" else keep)
+            x = x[kept]
+        if x.size and name == "beta" and not np.all((x >= 0) & (x <= 1)):
+            raise ValueError(f"beta must lie in [0, 1] (e.g. a sigmoid), got values in [{np.min(x)}, {np.max(x)}]")
+        if x.size and name != "beta" and not np.all(np.isfinite(x) & (x <= 0)):
             raise ValueError(
                 f"{name} is a log decay: finite and <= 0 (a decay exp({name}) in (0, 1]); got values in "
                 f"[{np.min(x)}, {np.max(x)}] (segment_ids restart the state)"
             )
-    b = _concrete(extra["beta"])
-    if b is not None and not np.all((b >= 0) & (b <= 1)):
-        raise ValueError(f"beta must lie in [0, 1] (e.g. a sigmoid), got values in [{np.min(b)}, {np.max(b)}]")
+
+
+def _check_scale(scale: float | ArrayLike | None, D: int) -> float | Array:
+    """``scale`` (default ``1/sqrt(D)``): a real number or 0-d float array (:func:`jattn._checks.check_scale`), finite."""
+    if scale is None:
+        return 1.0 / D**0.5
+    check_scale(scale)
+    if not is_traced(scale) and not np.isfinite(float(scale)):
+        raise ValueError(f"scale must be a finite number, got {float(scale)}")
+    return scale
 
 
 def _concrete(x: Array | None) -> np.ndarray | None:
@@ -174,7 +222,9 @@ def _initial_state(state: ArrayLike | None, lead: tuple[int, ...], D: int, E: in
 
 
 def poison(steps: Steps, out: Array, state: Array, axis_name: str | None = None) -> tuple[Array, Array]:
-    """NaN outputs and state wherever traced decays are above 0 or not finite, or beta is outside [0, 1].
+    """NaN outputs and state wherever traced decays of kept steps are above 0 or not finite, or beta is outside [0, 1].
+
+    A dropped step's gates were zeroed by :func:`prepare`: they are not read, as eagerly (:func:`_check_values`).
 
     With ``axis_name`` (the sequence split over it) a bad step on any device poisons the whole sequence.
     """

@@ -20,12 +20,16 @@ papers put before q, k and v: decoding then needs no convolution cache.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import Array
+
+from jattn._online import compute_dtype
 
 __all__ = ["DELTA_KINDS", "RECURRENT_KINDS", "gate_params", "gates", "qk_features"]
 
@@ -62,21 +66,28 @@ def gate_params(kind: str, features: int, heads: int, depth: int) -> dict[str, t
     return params
 
 
-def gates(kind: str, params: dict[str, Array], x: Array, heads: int, depth: int) -> dict[str, Array]:
-    """``g``, ``gk`` and ``beta`` of ``kind`` for ``x (B, T, F)`` in the heads layout ``(B, N, 1, T[, D])``, float32."""
-    x = x.astype(jnp.float32)
+def gates(kind: str, params: dict[str, Array], x: Array, heads: int, depth: int, dtype: Any = None) -> dict[str, Array]:
+    """``g``, ``gk`` and ``beta`` of ``kind`` for ``x (B, T, F)`` in the heads layout ``(B, N, 1, T[, D])``.
+
+    Computed in the module's compute dtype (:func:`jattn._online.compute_dtype` of its ``dtype``, or without one
+    of x's and the parameters' promoted dtype, as its projections infer theirs): float64 in a float64 module,
+    else float32.
+    """
+    compute = compute_dtype(functools.reduce(jnp.promote_types, [p.dtype for p in params.values()], x.dtype))
+    compute = compute if dtype is None else compute_dtype(jnp.dtype(dtype))
+    x = x.astype(compute)
     b, t = x.shape[:2]
 
     def per_head(y: Array) -> Array:  # (B, T, N) -> (B, N, 1, T)
         return y.transpose(0, 2, 1)[:, :, None, :]
 
     def param(name: str) -> Array:  # a bias or per-head parameter, broadcast over (B, T) explicitly
-        y = params[name].astype(jnp.float32)
+        y = params[name].astype(compute)
         return y if y.ndim == 2 else y[None, None]
 
     out: dict[str, Array] = {}
     if kind == "retention":
-        out["g"] = jnp.log1p(-(2.0 ** -(5.0 + jnp.arange(heads, dtype=jnp.float32))))[None, :, None, None]
+        out["g"] = jnp.log1p(-(2.0 ** -(5.0 + jnp.arange(heads, dtype=compute))))[None, :, None, None]
     if kind in ("ssd", "gated_deltanet"):
         dt = jax.nn.softplus(x @ param("w_dt") + param("dt_bias"))
         out["g"] = per_head(-jnp.exp(param("a_log")) * dt)
@@ -91,8 +102,11 @@ def gates(kind: str, params: dict[str, Array], x: Array, heads: int, depth: int)
 
 
 def qk_features(kind: str, x: Array) -> Array:
-    """The q or k ``(..., D)`` a kind reads: SiLU then an L2 norm over D for the delta kinds, else as is."""
+    """The q or k ``(..., D)`` a kind reads: SiLU then an L2 norm over D for the delta kinds, else as is.
+
+    Computed in x's compute dtype (:func:`jattn._online.compute_dtype`: float64 for float64, else float32).
+    """
     if kind not in DELTA_KINDS:
         return x
-    y = jax.nn.silu(x.astype(jnp.float32))
+    y = jax.nn.silu(x.astype(compute_dtype(x.dtype)))
     return (y * jax.lax.rsqrt(jnp.sum(y * y, axis=-1, keepdims=True) + 1e-6)).astype(x.dtype)

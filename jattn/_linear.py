@@ -32,6 +32,7 @@ from jax import Array
 from jax.typing import ArrayLike
 
 from jattn._checks import check_bool, check_int, check_qkv, check_real, is_traced
+from jattn._example_masks import per_example_steps
 
 __all__ = ["LinearState", "linear_attention"]
 
@@ -80,7 +81,11 @@ def linear_attention(
       feature_map: ``'elu'`` (elu + 1, default), ``'relu'``, or a callable ``(..., D) -> (..., F)``
         returning non-negative features (see the module docstring for negative ones).
       causal: bool; query t sees keys s <= t (and everything in ``initial_state``).
-      kv_mask: boolean ``(..., S)``, False drops a key (padding; it never enters the state).
+      kv_mask: boolean, False drops a key (padding; it never enters the state): ``(S,)``, ``(B, S)`` per
+        example (batch first, shared by the heads, as :mod:`jattn.masks` reads per-example arrays, whatever B
+        and N are), or one axis per leading axis of q, k, v (``(B, N, S)``, ``(B, 1, S)``: per leading index).
+        Between those (``(B, K, S)`` for q ``(B, K, G, T, D)``) it is ambiguous: a ValueError says how to
+        write it.
       chunk_size: positive int, chunk length of the causal form.
       eps: positive number added to the normaliser (see the module docstring). A traced ``eps``
         is not checked.
@@ -167,15 +172,23 @@ def _broadcasts(*shapes: tuple[int, ...]) -> tuple[int, ...] | None:
 
 
 def _check_kv_mask(kv_mask: ArrayLike, lead: tuple[int, ...], S: int) -> Array:
-    """``kv_mask`` as a boolean ``(..., S)`` array whose leading dimensions broadcast with ``lead``."""
+    """``kv_mask`` as a boolean array ``(..., S)`` broadcasting with ``lead``, read as masks read per-example arrays.
+
+    ``(B, S)`` is per example, batch first (:func:`jattn._example_masks.per_example_steps`).
+    """
     kv_mask = jnp.asarray(kv_mask)
     if kv_mask.dtype != jnp.bool_:
         raise TypeError(f"kv_mask must be boolean (..., S={S}), got {kv_mask.dtype} with shape {kv_mask.shape}")
-    if kv_mask.ndim < 1 or kv_mask.shape[-1] != S or _broadcasts(lead, kv_mask.shape[:-1]) is None:
+    if kv_mask.ndim < 1 or kv_mask.shape[-1] != S:
+        raise ValueError(f"kv_mask must have shape (..., S={S}), got {kv_mask.shape}")
+    read = per_example_steps("kv_mask", kv_mask, lead)
+    if _broadcasts(lead, read.shape[:-1]) is None:
         raise ValueError(
-            f"kv_mask must have shape (..., S={S}) with leading dimensions broadcasting with {lead}, got {kv_mask.shape}"
+            f"kv_mask {kv_mask.shape}, read as {read.shape} ((B, S) per example, batch first as jattn.masks reads "
+            f"it, or one axis per leading axis), does not broadcast with the leading dimensions {lead} of q, k, v; "
+            f"for one mask per head give it one axis per leading axis, e.g. (1, N, S) as kv_mask[None] for q (B, N, T, D)"
         )
-    return kv_mask
+    return read
 
 
 def _check_state(state: object, lead: tuple[int, ...], F: int, E: int, compute: jnp.dtype) -> LinearState:

@@ -281,7 +281,7 @@ def forward(
         sinks=None if layers.sinks is None else jnp.asarray(layers.sinks),
     )
     if config.kind in RECURRENT_KINDS:
-        attend["gates"] = gates(config.kind, layers.gates or {}, xs, config.num_heads, config.head_depth)
+        attend["gates"] = gates(config.kind, layers.gates or {}, xs, config.num_heads, config.head_depth, config.dtype)
     bad = None
     if cache is None:
         out, weights = _full_pass(config, layers, qkv, call, batch, attend)

@@ -255,6 +255,29 @@ def test_each_module_kind_equals_its_gates_written_out(kind):
     np.testing.assert_allclose(linen.apply({"params": ref.linen_params(m)}, x), m(x), **ref.tol(jnp.float32))
 
 
+@pytest.mark.parametrize("setup", ["float64 params and input", "dtype=float64"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_float64_module_computes_its_gates_in_float64(kind, setup):
+    """The module's compute dtype rule (float64 in, float64 out) reaches the gates and q/k features: to 1e-12."""
+    from flax import nnx
+
+    with jax.enable_x64(True):
+        wide = setup == "float64 params and input"
+        opts = {"param_dtype": jnp.float64} if wide else {"dtype": jnp.float64}
+        m = jattn.nnx.SelfAttention(F_MODEL, num_heads=HEADS, kind=kind, rngs=nnx.Rngs(0), **opts)
+        x = jax.random.normal(jax.random.key(1), (2, 11, F_MODEL), jnp.float64 if wide else jnp.float32)
+        split = lambda y: y.reshape(2, 11, HEADS, -1).transpose(0, 2, 1, 3)  # noqa: E731
+        q, k, v = (split(ref.f64(x) @ ref.f64(getattr(m, w).kernel[...])) for w in ("wq", "wk", "wv"))
+        if kind in ("deltanet", "gated_deltanet"):  # SiLU, then an L2 norm over the head depth
+            q, k = (y / (1 + np.exp(-y)) for y in (q, k))
+            q, k = (y / np.sqrt(np.sum(y**2, -1, keepdims=True) + 1e-6) for y in (q, k))
+        out, _ = ref.gated_linear(q, k, v, **_np_gates(kind, m, x))
+        want = out.transpose(0, 2, 1, 3).reshape(2, 11, F_MODEL) @ ref.f64(m.wo.kernel[...])
+        got = m(x)
+        assert got.dtype == jnp.float64
+        np.testing.assert_allclose(got, want, **ref.tol(jnp.float64))
+
+
 @pytest.mark.parametrize("kind", ["gla", "gated_deltanet"])
 def test_module_decoding_from_the_cache_equals_the_full_pass(kind):
     from flax import nnx
