@@ -160,7 +160,7 @@ def _jax_candidate(name: str, case: Case) -> Callable | None:
     args = tuple(layout(x) for x in _inputs(case))
     t0, c0 = time.perf_counter(), time.process_time()
     switch = {"JATTN_FUSED_CPU": "0"} if name == "jattn-xla-tiles" else {}
-    with unittest.mock.patch.dict(os.environ, switch):  # read at trace time (jattn._fused_cpu.available)
+    with unittest.mock.patch.dict(os.environ, switch):  # read at trace time (jattn._blockwise.fused_cpu.available)
         compiled = jitted.lower(*args).compile()
     compile_s = (time.perf_counter() - t0, time.process_time() - c0)
 

@@ -83,7 +83,7 @@ def to_markdown(text: str) -> str:
 def _runtime_docstring(obj: griffe.Object) -> str:
     """The docstring of ``obj``'s class as imported: the modules' option entries are written in at import.
 
-    ``jattn._module_options.document_options`` replaces a docstring's ``{options}`` line with
+    ``jattn._modules.options.document_options`` replaces a docstring's ``{options}`` line with
     the entries of the options the class takes; griffe reads the source, so it takes them from
     the imported class.
     """

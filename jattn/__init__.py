@@ -4,7 +4,7 @@ The dimension key (B, T, S, N, K, G, D, E) is stated in :mod:`jattn._core`. Flax
 :mod:`jattn.nnx` and :mod:`jattn.linen`; mask predicates in :mod:`jattn.masks`; score modifications
 (``score_mod``) in :mod:`jattn.score_mods`; sequence-parallel
 ring attention (``ring_attention`` inside ``jax.shard_map``, ``sequence_parallel_attention``
-outside it) in :mod:`jattn._ring`. :func:`dot_product_attention` takes ``jax.nn``'s signature and
+outside it) in :mod:`jattn._ring.attention`. :func:`dot_product_attention` takes ``jax.nn``'s signature and
 layout (top-left causal alignment); :mod:`jattn.flax` has an ``attention_fn`` for Flax's modules.
 
 ``jattn.nnx``, ``jattn.linen`` and ``jattn.flax`` are imported on first access (PEP 562), so
@@ -20,17 +20,14 @@ from jattn import _xla_flags
 _xla_flags.apply()  # before anything could start JAX's backend: XLA reads XLA_FLAGS once, then
 
 from jattn import masks, score_mods
-from jattn._blockwise_rules import CHECKPOINT_NAMES
+from jattn._blockwise import CHECKPOINT_NAMES
 from jattn._core import attention, attention_weights, choose_implementation
 from jattn._dot_product_attention import dot_product_attention
-from jattn._gated_linear import gated_linear_attention
-from jattn._gates import RECURRENT_KINDS
-from jattn._linear import LinearState, linear_attention
-from jattn._paths import AUTO_BLOCKWISE_MIN, IMPLEMENTATIONS, SUPPORT
+from jattn._linear import RECURRENT_KINDS, LinearState, gated_linear_attention, linear_attention
+from jattn._paths import AUTO_BLOCKWISE_MIN, IMPLEMENTATIONS, SUPPORT, TRANSFORMS
 from jattn._ring import ring_attention, sequence_parallel_attention, unzigzag, zigzag
 from jattn._rope import rope
 from jattn._softmax import SoftmaxParts, softmax, softmax_parts
-from jattn._transforms import TRANSFORMS
 
 __all__ = [
     "AUTO_BLOCKWISE_MIN",

@@ -2,127 +2,53 @@
 
 Every check raises ``TypeError`` (wrong kind of value) or ``ValueError`` (right kind, wrong
 value or shape) with a message that names the argument, what it got and what is allowed.
-Integers are Python or NumPy integers (or 0-d concrete integer arrays), never ``bool``.
+The scalar checks (ints, bools, reals, dtypes) are :mod:`jattn._scalars`, which imports nothing of
+jattn; the checks here build on the masks (:mod:`jattn._masks`).
 """
 
 from __future__ import annotations
 
 import inspect
-import math
 import numbers
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import Array
 from jax.typing import ArrayLike
 
-if TYPE_CHECKING:
-    from jattn._mask_base import Mask
+from jattn._masks import (
+    ArrayMask,
+    Mask,
+    array_leaves,
+    as_rows,
+    check_lengths,
+    example_lead,
+    is_mask_function,
+    mask_of_array,
+)
+from jattn._scalars import check_int, check_real
 
 __all__ = [
     "Operands",
     "as_mask",
     "broadcast_all",
+    "call_lead",
+    "call_rows",
     "check_bias",
     "check_block_size",
-    "check_bool",
     "check_dropout",
-    "check_dtype",
     "check_grid",
-    "check_int",
     "check_mask",
     "check_offsets",
     "check_operands",
     "check_qkv",
-    "check_real",
     "check_scale",
     "check_score_mod",
     "check_sinks",
-    "int_array",
-    "is_traced",
     "layout_hint",
 ]
-
-
-def is_traced(x: Any) -> bool:
-    """True when ``x`` is a JAX tracer (under ``jit``, ``grad``, ``vmap``...): its value cannot be read."""
-    return isinstance(x, jax.core.Tracer)
-
-
-def check_int(name: str, value: Any, *, min: int | None = None, max: int | None = None) -> int:
-    """``value`` as a Python int, raising unless it is an integer in ``[min, max]``.
-
-    Accepts ``int``, NumPy integers and 0-d concrete integer arrays; rejects ``bool`` and floats
-    (``1.7`` or ``2.0``: an int is meant) with a TypeError.
-    """
-    if is_traced(value):
-        raise TypeError(f"{name} must be a static int, got a traced value {value} (pass it as a static argument)")
-    is_int_array = isinstance(value, np.ndarray | jax.Array) and value.ndim == 0 and value.dtype.kind in "iu"
-    if isinstance(value, bool | np.bool_) or not (isinstance(value, numbers.Integral) or is_int_array):
-        raise TypeError(f"{name} must be an int, got {value!r} of type {type(value).__name__}")
-    value = int(value)
-    if (min is not None and value < min) or (max is not None and value > max):
-        raise ValueError(f"{name} must be {_int_range(min, max)}, got {value}")
-    return value
-
-
-def _int_range(min: int | None, max: int | None) -> str:
-    if max is None:
-        return {0: "a non-negative int", 1: "a positive int"}.get(min, f"an int >= {min}")
-    return f"an int <= {max}" if min is None else f"an int in [{min}, {max}]"
-
-
-def check_real(
-    name: str, value: Any, *, low: float | None = None, high: float | None = None, open_low: bool = False
-) -> float:
-    """``value`` as a float, raising unless it is a finite real number in ``[low, high)``.
-
-    ``open_low`` excludes ``low`` itself. ``bool`` is rejected (TypeError). A traced value is
-    returned as is, unchecked (the caller documents what happens then).
-    """
-    if is_traced(value):
-        return value
-    if isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {value!r} of type {type(value).__name__}")
-    value = float(value)
-    below = low is not None and (value <= low if open_low else value < low)
-    if not math.isfinite(value) or below or (high is not None and value >= high):
-        lo = "any" if low is None else f"({low}" if open_low else f"[{low}"
-        hi = "inf)" if high is None else f"{high})"
-        raise ValueError(f"{name} must be a finite number in {lo}, {hi}, got {value}")
-    return value
-
-
-def check_bool(name: str, value: Any) -> bool:
-    """``value`` as a Python bool, raising TypeError unless it is ``bool`` or ``np.bool_``."""
-    if not isinstance(value, bool | np.bool_):
-        raise TypeError(f"{name} must be a bool, got {value!r} of type {type(value).__name__}")
-    return bool(value)
-
-
-def check_dtype(name: str, dtype: Any, *, optional: bool = False) -> Any:
-    """Raises unless ``dtype`` is a floating dtype (or None when ``optional``); returns it unchanged."""
-    if dtype is None and optional:
-        return dtype
-    try:
-        ok = jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
-    except TypeError:
-        ok = False
-    if not ok:
-        allowed = "a floating dtype" + (" or None" if optional else "")
-        raise TypeError(f"{name} must be {allowed} (e.g. jnp.float32), got {dtype!r}")
-    return dtype
-
-
-def int_array(name: str, x: Any, *, ndim: int, shape: str) -> jax.Array:
-    """``x`` as an integer array of ``ndim`` dimensions (documented as ``shape``), or an error naming it."""
-    x = jnp.asarray(x)
-    if x.dtype == jnp.bool_ or not jnp.issubdtype(x.dtype, jnp.integer):
-        raise TypeError(f"{name} must be an integer array of shape {shape}, got dtype {x.dtype} with shape {x.shape}")
-    if x.ndim != ndim:
-        raise ValueError(f"{name} must have shape {shape}, got {x.shape}")
-    return x
 
 
 _FLOATS = tuple(map(jnp.dtype, (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64)))
@@ -266,8 +192,6 @@ def check_mask(mask: Any, *, arrays_only: bool = False) -> None:
     ``arrays_only`` (jax.nn's signature, :func:`jattn.dot_product_attention`) a
     :class:`jattn.masks.Mask` is refused too. Every entry point that takes a mask calls this.
     """
-    from jattn._mask_base import Mask  # jattn._masks imports this module
-
     if arrays_only and (callable(mask) or isinstance(mask, Mask)):
         raise TypeError(
             f"mask must be a boolean array broadcastable to (B, N, T, S) (jax.nn's mask, True = attend), got "
@@ -280,14 +204,14 @@ def check_mask(mask: Any, *, arrays_only: bool = False) -> None:
 
 def _called(fn: Any) -> str:
     """``fn`` for an error message: a jattn.masks constructor by its public name."""
-    if inspect.isfunction(fn) and fn.__module__ == "jattn._masks":
+    if is_mask_function(fn):
         return f"the function masks.{fn.__name__}"
     return f"{fn!r} of type {type(fn).__name__}"
 
 
 def _mask_fix(fn: Any) -> str:
     """How to make a mask of the callable ``fn``: call a jattn.masks constructor, or wrap a predicate."""
-    if inspect.isfunction(fn) and fn.__module__ == "jattn._masks" and not fn.__name__.startswith("_"):
+    if is_mask_function(fn):
         params = inspect.signature(fn).parameters.values()
         required = [p.name for p in params if p.default is p.empty]
         args = ", ".join(required) if required or not params else "..."
@@ -365,24 +289,19 @@ def as_mask(mask: ArrayLike | Mask | None, bias: ArrayLike | None, q: jax.Array,
     ``bias`` broadcast to ``(..., T, S)`` (T, S: axis -2 of q ``(..., T, D)`` and k
     ``(..., S, D)``), in the shapes the caller gave.
     """
-    from jattn._mask_base import Mask  # jattn._masks imports this module
-    from jattn._mask_base import mask_of_array as array
-
     check_mask(mask)
     if bias is not None:
         check_bias(bias)  # its dtype first
         check_grid("bias", jnp.shape(bias), q.shape, k.shape)
     if mask is None or isinstance(mask, Mask):
         return mask
-    masked = array(mask)
+    masked = mask_of_array(mask)
     check_grid("mask", jnp.shape(mask), q.shape, k.shape)
     return masked
 
 
 def check_offsets(mask: Mask | None, q_offset: ArrayLike | None, kv_offset: ArrayLike) -> None:
     """Offsets are integers (ints or integer arrays) and place predicates; with none they would silently do nothing."""
-    from jattn._mask_base import ArrayMask  # jattn._masks imports this module
-
     for name, offset in (("q_offset", q_offset), ("kv_offset", kv_offset)):
         if offset is None or (isinstance(offset, numbers.Integral) and not isinstance(offset, bool)):
             continue
@@ -448,3 +367,33 @@ def check_operands(
     if offsets:
         check_offsets(mask, q_offset, kv_offset)
     return Operands(q, k, v, mask, bias, scale, q_offset, kv_offset)
+
+
+def call_lead(mask: Mask, q: Array, k: Array, v: Array | None, bias: Array | None) -> tuple[tuple[int, ...], int]:
+    """``(lead, axis)``: the call's leading shape and the axis of it where q's first axis lands.
+
+    ``lead`` broadcasts q, k, v, bias, the mask's arrays (each checked against q and k) and a
+    per-example mask's batch, which lies on ``lead[axis]``.
+    """
+    T, S = q.shape[-2], k.shape[-2]
+    check_lengths(mask, T, S)
+    lead = broadcast_all(q=q, k=k, v=v, bias=bias)
+    leads = [broadcast_all(q=q, k=k, v=v, mask=a.array) for a in array_leaves(mask)]
+    batch = example_lead(mask, q.ndim)
+    try:
+        lead = tuple(np.broadcast_shapes(lead, *leads, batch))
+    except ValueError:
+        raise ValueError(
+            f"leading dimensions do not broadcast: q {q.shape}, k {k.shape}"
+            + ("" if v is None else f", v {v.shape}")
+            + ("" if bias is None else f", bias {bias.shape}")
+            + "".join(f", mask array {a.array.shape}" for a in array_leaves(mask))
+            + (f", the mask's batch {batch} (a per-example mask's B on q's first axis)" if batch else "")
+        ) from None
+    return lead, len(lead) - (q.ndim - 2)
+
+
+def call_rows(mask: Mask, q: Array, k: Array, v: Array | None, bias: Array | None) -> tuple[tuple[int, ...], Mask]:
+    """``(lead, rows)``: the call's leading shape (:func:`call_lead`) and ``mask`` as rows of it flattened."""
+    lead, axis = call_lead(mask, q, k, v, bias)
+    return lead, as_rows(mask, lead, axis)

@@ -25,25 +25,20 @@ from jax import Array
 from jax.ad_checkpoint import checkpoint_name
 from jax.typing import ArrayLike
 
-from jattn._blockwise import blockwise_attention
-from jattn._blockwise_rules import CHECKPOINT_NAMES
-from jattn._checks import (
-    Operands,
-    check_bias,
-    check_block_size,
-    check_dropout,
-    check_operands,
-    check_score_mod,
+from jattn._blockwise import CHECKPOINT_NAMES, blockwise_attention, choose_tiles
+from jattn._checks import Operands, check_bias, check_block_size, check_dropout, check_operands, check_score_mod
+from jattn._masks import Mask
+from jattn._paths import (
+    choose_path,
+    dense_attention,
+    dense_weights,
+    features_used,
+    jax_nn_attention,
+    pallas_attention,
+    refusals,
 )
-from jattn._dense import dense_attention, dense_weights
-from jattn._mask_base import Mask
-from jattn._pallas import pallas_attention
-from jattn._paths import choose_path, features_used
-from jattn._tiles import choose_tiles
-from jattn._transforms import refusals
-from jattn._xla_path import jax_nn_attention
 
-# The table and constants live in jattn._paths; named here too for the modules that import them from the core.
+# The table and constants live in jattn._paths.choice; named here too for the modules that import them from the core.
 __all__ = ["attention", "attention_weights", "choose_implementation"]
 
 
@@ -56,7 +51,7 @@ def _blockwise(
     dropout_rate: float,
     dropout_rng: Array | None,
 ) -> tuple[Array, Array, Array]:
-    """``implementation='blockwise'`` on checked operands, at the tiles :func:`jattn._tiles.choose_tiles` picks.
+    """``implementation='blockwise'`` on checked operands, at the tiles :func:`jattn._blockwise.tiles.choose_tiles` picks.
 
     Returns ``out (..., T, E)``, ``lse (..., T)`` and ``max_logit (..., T)``.
     """
@@ -193,11 +188,11 @@ def attention(
       precision: matmul precision passed to the einsums (matters on TPU).
       return_lse: also return the ``(..., T)`` log-sum-exp of the logits.
       implementation: ``'dense'`` materialises the ``(..., T, S)`` scores (the reference);
-        ``'blockwise'`` runs an online softmax over blocks (:mod:`jattn._blockwise`): O(T)
+        ``'blockwise'`` runs an online softmax over blocks (:mod:`jattn._blockwise.attention`): O(T)
         memory, empty blocks of a mask predicate skipped, same contract; ``'xla'`` /
         ``'cudnn'`` hand the call to :func:`jax.nn.dot_product_attention` and raise a
         ``ValueError`` for arguments it cannot express; ``'pallas'`` runs JAX's fused Pallas
-        kernel of the platform (:mod:`jattn._pallas`): the flash-attention kernel for GPU
+        kernel of the platform (:mod:`jattn._paths.pallas`): the flash-attention kernel for GPU
         (causal() at any static offsets, padding()), on CPU that same kernel in Pallas
         interpret mode (exact but slow, meant for tests), splash attention on TPU (any static
         predicate, padding(), segment_ids()); lengths and head dims are padded by jattn; ``None``
@@ -205,7 +200,7 @@ def attention(
         applies and the scores would have at least ``AUTO_BLOCKWISE_MIN`` entries per head,
         dense otherwise.
       block_size: ``(block_q, block_kv)`` (or one int for both) of the blockwise path;
-        ``None`` chooses the tile from the mask, the platform and the CPU threads (:func:`jattn._tiles.auto_block`;
+        ``None`` chooses the tile from the mask, the platform and the CPU threads (:func:`jattn._blockwise.tiles.auto_block`;
         on several CPU threads a causal or windowed backward's at 512, :data:`BACKWARD_SIDE`),
         so results may differ in the last bits between machines; pass it to fix them. On
         'pallas' the kernel's blocks (default: 128, or the padded length's power of two).

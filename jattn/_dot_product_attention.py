@@ -17,12 +17,13 @@ from jax import Array
 from jax.typing import ArrayLike
 
 from jattn import masks
-from jattn._checks import check_bool, check_int, check_mask, int_array
+from jattn._checks import check_mask
 from jattn._core import attention
 from jattn._layouts import from_grouped, heads_grid, to_grouped
-from jattn._mask_base import Mask
-from jattn._mask_base import mask_of_array as array_mask
+from jattn._masks import Mask
+from jattn._masks import mask_of_array as array_mask
 from jattn._paths import IMPLEMENTATIONS
+from jattn._scalars import check_bool, check_int, int_array
 
 __all__ = ["dot_product_attention"]
 

@@ -34,8 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
-from jattn._mask_kinds import EMPTY, FULL, PARTIAL
-from jattn._predicate_masks import lead_rows
+from jattn._masks import EMPTY, FULL, PARTIAL, lead_rows
 from jattn._softmax import exp_below_one
 
 Tree = TypeVar("Tree")  # a pytree of arrays

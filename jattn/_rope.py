@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import Array
 
-from jattn._checks import check_real, int_array
+from jattn._scalars import check_real, int_array
 
 __all__ = ["rope"]
 

@@ -39,8 +39,8 @@ from jattn import masks
 from jattn._checks import check_mask
 from jattn._core import attention, attention_weights
 from jattn._layouts import from_grouped, heads_grid, to_grouped
-from jattn._mask_base import Mask
-from jattn._mask_base import mask_of_array as array_mask
+from jattn._masks import Mask
+from jattn._masks import mask_of_array as array_mask
 
 __all__ = ["attention_fn"]
 

@@ -3,8 +3,8 @@
 The same modules as :mod:`jattn.nnx` with the same option names and parameter names (``wq``,
 ``wk``, ``wv`` and, with an output projection, ``wo``, each an ``nn.Dense``; ``query_ln``,
 ``key_ln`` with ``normalize_qk``); given the same weights both return the same output. The call
-itself is shared with NNX in ``jattn._module_call``, and so are the options, declared and
-documented once in ``jattn._module_options`` (each class's docstring shows them).
+itself is shared with NNX in ``jattn._modules.call``, and so are the options, declared and
+documented once in ``jattn._modules.options`` (each class's docstring shows them).
 
 Dropout draws from the ``'dropout'`` rng collection when not deterministic, or from a call-time
 ``dropout_rng``. The call's ``deterministic`` overrides the field of that name (default False);
@@ -29,12 +29,22 @@ import jax.numpy as jnp
 from flax import linen as nn
 from jax import Array
 
-from jattn._checks import check_int
-from jattn._gates import gate_params
-from jattn._mask_base import Mask
-from jattn._module_call import CallArguments, Layers, check_context, check_input, forward, init_cache
-from jattn._module_options import ModuleConfig, ModuleOptions, configure, document_options
-from jattn._score_mods import ScoreMod
+from jattn._linear import gate_params
+from jattn._masks import Mask
+from jattn._modules import (
+    CallArguments,
+    Layers,
+    ModuleConfig,
+    ModuleOptions,
+    check_context,
+    check_input,
+    configure,
+    document_options,
+    forward,
+    init_cache,
+)
+from jattn._scalars import check_int
+from jattn.score_mods import ScoreMod
 
 __all__ = ["CrossAttention", "SelfAttention"]
 

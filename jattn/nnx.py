@@ -2,9 +2,9 @@
 
 Softmax attention is :func:`jattn.attention`; ``kind='linear'`` uses :func:`jattn.linear_attention`.
 The call itself (batch dims, masks, QK norm, rotary embedding, the decoding cache) is shared with
-:mod:`jattn.linen` in ``jattn._module_call``, and so are the options, declared once (names, types,
-defaults) in ``jattn._module_options.ModuleOptions`` and documented once there, in the text each
-class's docstring shows; the cache is a dict of arrays (``jattn._cache``) held in ``nnx.Cache``
+:mod:`jattn.linen` in ``jattn._modules.call``, and so are the options, declared once (names, types,
+defaults) in ``jattn._modules.options.ModuleOptions`` and documented once there, in the text each
+class's docstring shows; the cache is a dict of arrays (``jattn._modules.cache``) held in ``nnx.Cache``
 variables.
 
 Parameters (the article's names): ``wq`` (``d_model -> N*D``), ``wk`` and ``wv`` (keys/values
@@ -24,12 +24,21 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import Array
 
-from jattn._checks import check_bool
-from jattn._gates import gate_params
-from jattn._mask_base import Mask
-from jattn._module_call import CallArguments, Layers, check_context, check_input, forward, init_cache
-from jattn._module_options import ModuleOptions, configure, document_options
-from jattn._score_mods import ScoreMod
+from jattn._linear import gate_params
+from jattn._masks import Mask
+from jattn._modules import (
+    CallArguments,
+    Layers,
+    ModuleOptions,
+    check_context,
+    check_input,
+    configure,
+    document_options,
+    forward,
+    init_cache,
+)
+from jattn._scalars import check_bool
+from jattn.score_mods import ScoreMod
 
 __all__ = ["CrossAttention", "SelfAttention"]
 
@@ -65,7 +74,8 @@ class _Attention(nnx.Module):
         self.query_ln = self._norm(rngs) if o.normalize_qk else nnx.data(None)
         self.key_ln = self._norm(rngs) if o.normalize_qk else nnx.data(None)
         self.sinks = nnx.Param(jnp.zeros((o.num_heads,), o.param_dtype)) if o.sinks else nnx.data(None)
-        gates = gate_params(o.kind, o.d_model, o.num_heads, o.head_depth)  # a recurrent kind's (jattn._gates)
+        # a recurrent kind's (jattn._linear.module_gates)
+        gates = gate_params(o.kind, o.d_model, o.num_heads, o.head_depth)
         self.gate_names = tuple(gates)
         for name, (shape, init) in gates.items():
             setattr(self, name, nnx.Param(init(rngs.params(), shape, o.param_dtype)))

@@ -1,4 +1,4 @@
-"""The fused CPU kernels (jattn/_fused_cpu.cc) that blockwise attention runs on CPU for key-interval masks.
+"""The fused CPU kernels (jattn/_blockwise/fused_cpu.cc) that blockwise attention runs on CPU for key-interval masks.
 
 Through the public API: which calls take them (the custom calls in the jaxpr), the forward's values, lse
 and max logit, its backward and tangents against the float64 reference on odd sizes that cross the
@@ -426,7 +426,7 @@ def test_the_neon_layer_compiles_for_aarch64(tmp_path):
     """The source cross-compiled for aarch64 Linux (zig's clang, from the ziglang wheel): it builds, and the vector
     layer it picks is NEON (the layer's name and NEON fused multiply-adds on vector registers in the assembly)."""
     pytest.importorskip("ziglang", reason="the cross compiler comes with the dev extra's ziglang")
-    source = ROOT / "jattn" / "_fused_cpu.cc"
+    source = ROOT / "jattn" / "_blockwise" / "fused_cpu.cc"
     asm = tmp_path / "fused_cpu_aarch64.s"
     flags = ["-target", "aarch64-linux-gnu", "-O3", "-ffp-contract=off", "-std=c++17", "-fPIC"]
     command = [sys.executable, "-m", "ziglang", "c++", *flags, f"-I{jax.ffi.include_dir()}", "-S", str(source)]

@@ -407,13 +407,13 @@ def test_cross_attention_score_mod_and_sinks_nnx_equals_linen():
 def test_module_options_are_declared_once_and_the_modules_take_them_as_declared():
     """NNX constructors and Linen fields carry the declaration's options: names, order, defaults, annotations.
 
-    The declaration (``jattn._module_options.ModuleOptions``, imported here as the one private
+    The declaration (``jattn._modules.options.ModuleOptions``, imported here as the one private
     name this test checks against) documents them; a new option written in one place only fails here.
     """
     import dataclasses
     import inspect
 
-    from jattn._module_options import SELF_ATTENTION_ONLY, ModuleOptions
+    from jattn._modules import SELF_ATTENTION_ONLY, ModuleOptions
 
     declared = [(f.name, f.default, f.type) for f in dataclasses.fields(ModuleOptions)]
     cross = [d for d in declared if d[0] not in SELF_ATTENTION_ONLY]

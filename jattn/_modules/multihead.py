@@ -1,0 +1,306 @@
+"""Attention over the heads of projected activations (pure functions, no parameters).
+
+:func:`multihead` splits projected ``q (B, T, N*D)``, ``k, v (B, S, K*D)`` into heads, lays
+them out for the core as ``(B, K, G, T, D)`` queries against ``(B, K, 1, S, D)`` keys and
+values, so grouped-query attention is plain broadcasting and nothing is repeated in memory, and
+runs the softmax core, linear attention or ring attention over them. Dimension key:
+:mod:`jattn._core`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import Array
+
+from jattn._core import attention, attention_weights
+from jattn._linear import RECURRENT_KINDS, LinearState, gated_linear_attention, linear_attention, qk_features
+from jattn._masks import Causal, Mask
+from jattn._ring import sequence_parallel_attention
+from jattn.score_mods import ScoreMod
+
+__all__ = ["at_positions", "multihead", "with_causal"]
+
+
+def _split(x: Array, heads: int, groups: int) -> Array:
+    """``(B, L, heads*groups*D) -> (B, heads, groups, L, D)``."""
+    b, length, f = x.shape
+    return x.reshape(b, length, heads, groups, f // (heads * groups)).transpose(0, 2, 3, 1, 4)
+
+
+def _check_mask_shape(got: tuple[int, ...], shape: tuple[int, int, int, int]) -> None:
+    """Raises unless a mask of shape ``got`` is ``(T, S)``, ``(B, T, S)`` or ``(B, N, T, S)`` for ``shape = (B, N, T, S)``."""
+    b, n, t, s = shape
+    want = {2: (t, s), 3: (b, t, s), 4: (b, n, t, s)}.get(len(got))
+    if want is None or any(m not in (1, w) for m, w in zip(got, want, strict=True)):
+        padding = (
+            "; a (B, S) key-padding mask goes as mask[:, None, :] (B, 1, S) or masks.padding(kv_lengths=lengths) "
+            "(True = attend: torch's key_padding_mask is True at padding, so ~mask)"
+        )
+        raise ValueError(
+            f"mask must have shape (T, S) = {(t, s)}, (B, T, S) = {(b, t, s)} or (B, N, T, S) = {shape} "
+            f"(each axis may be 1), got shape {tuple(got)}" + (padding if tuple(got) == (b, s) else "")
+        )
+
+
+def _split_mask(mask: Array | None, shape: tuple[int, int, int, int], num_kv_heads: int) -> Array | None:
+    """A boolean mask for ``shape = (B, N, T, S)`` -> broadcastable to ``(B, K, G, T, S)``.
+
+    The rule: a 2-D mask is ``(T, S)``, a 3-D mask ``(B, T, S)`` per example (broadcast over
+    heads) and a 4-D mask ``(B, N, T, S)``; any axis may be 1 (broadcast). The module call
+    has already refused a function as ``mask`` (:func:`jattn._checks.check_mask`).
+    """
+    if mask is None:
+        return None
+    mask = jnp.asarray(mask)
+    if mask.dtype != jnp.bool_:
+        raise TypeError(f"mask must be boolean (True = attend), got {mask.dtype} with shape {mask.shape}")
+    _check_mask_shape(mask.shape, shape)
+    n = shape[1]
+    if mask.ndim == 3:
+        mask = mask[:, None]  # (B, 1, T, S): the same mask for every head
+    mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+    heads = (num_kv_heads, n // num_kv_heads) if mask.shape[1] == n != 1 else (1, 1)
+    return mask.reshape(mask.shape[0], *heads, *mask.shape[2:])
+
+
+def with_causal(mask: Array | Mask | None) -> Mask:
+    """``masks.causal()`` and ``mask`` (a module's ``causal=True``): causal() itself for None or causal()."""
+    if mask is None or isinstance(mask, Causal):
+        return Causal()
+    return Causal() & mask
+
+
+def at_positions(score_mod: ScoreMod, q_pos: Array, kv_pos: Array) -> ScoreMod:
+    """``score_mod`` at absolute positions ``q_pos (B, T)`` and ``kv_pos (B, S)`` (a cache's, in any slot order).
+
+    The core, called with an array mask, gives ``score_mod`` grid positions: query t at
+    ``S - T + t`` and key s at ``s`` (its default offsets); this maps them, per batch row, to the
+    positions the tokens really have, so a decoding step modifies the scores as the full pass does.
+    """
+    t, s = q_pos.shape[1], kv_pos.shape[1]
+
+    def mod(score, batch, head, i, j):
+        rows = jnp.clip(i - (s - t), 0, t - 1)  # grid row -> query index (padded tile rows clipped)
+        return score_mod(score, batch, head, q_pos[batch, rows], kv_pos[batch, jnp.clip(j, 0, s - 1)])
+
+    return mod
+
+
+def _ring_size(axis: str | None) -> int:
+    """Devices along mesh axis ``axis`` of the current mesh (1 without one)."""
+    if axis is None:
+        return 1
+    mesh = jax.sharding.get_abstract_mesh()
+    return mesh.shape[axis] if axis in mesh.axis_names else 1
+
+
+def _linear_heads(
+    qh: Array,
+    kh: Array,
+    vh: Array,
+    *,
+    mask: Array | Mask | None,
+    valid: Array | None,
+    feature_map: str | Callable[[Array], Array],
+    state: LinearState | None,
+    precision: jax.lax.PrecisionLike,
+    return_weights: bool,
+    score_mod: ScoreMod | None,
+    sinks: Array | None,
+) -> tuple[Array, LinearState]:
+    """Linear attention over the heads ``(B, K, G, T, D)``; ``valid (B, 1, 1, S)``; the state continues a causal sequence."""
+    if score_mod is not None or sinks is not None:
+        raise ValueError("score_mod and sinks need kind='softmax'; linear attention forms no scores")
+    if return_weights:
+        raise ValueError("return_weights needs kind='softmax'; linear attention forms no weights")
+    if mask is not None and not isinstance(mask, Causal):
+        raise ValueError(f"kind='linear' takes mask=None or masks.causal(), got {mask!r}")
+    return linear_attention(
+        qh,
+        kh,
+        vh,
+        feature_map=feature_map,
+        causal=mask is not None,
+        kv_mask=valid,
+        initial_state=state,
+        return_state=True,
+        precision=precision,
+    )
+
+
+def _recurrent_heads(
+    qh: Array,
+    kh: Array,
+    vh: Array,
+    *,
+    kind: str,
+    gates: dict[str, Array],
+    mask: Array | Mask | None,
+    valid: Array | None,
+    state: Array | None,
+    precision: jax.lax.PrecisionLike,
+    return_weights: bool,
+) -> tuple[Array, Array]:
+    """A recurrent kind over the heads ``(B, N, 1, T, D)`` (K = N); ``valid (B, 1, 1, T)``; the gates ``(B, N, 1, T[, D])``.
+
+    Returns ``out (B, N, 1, T, E)`` and the state after the last step ``(B, N, 1, D, E)``.
+    """
+    if mask is not None and not isinstance(mask, Causal):
+        raise ValueError(f"kind={kind!r} is causal: it takes mask=None or masks.causal(), got {mask!r}")
+    if return_weights:
+        raise ValueError(f"return_weights needs kind='softmax'; kind={kind!r} forms no weights")
+    one_step = qh.shape[-2] == 1
+    return gated_linear_attention(
+        qk_features(kind, qh),
+        qk_features(kind, kh),
+        vh,
+        **gates,
+        kv_mask=valid,
+        initial_state=state,
+        return_state=True,
+        mode="recurrent" if one_step else "chunk",
+        precision=precision,
+    )
+
+
+def _ring_heads(
+    qh: Array,
+    kh: Array,
+    vh: Array,
+    *,
+    sequence_axis: str,
+    mask: Array | Mask | None,
+    kv_mask: Array | None,
+    dropout_rate: float,
+    precision: jax.lax.PrecisionLike,
+    return_weights: bool,
+    score_mod: ScoreMod | None,
+    sinks: Array | None,
+) -> tuple[Array, Array | None]:
+    """Ring attention over ``sequence_axis``: ``out (B, K, G, T, E)`` and the weights ``(B, K, G, T, S)`` if asked."""
+    if kv_mask is not None:
+        raise ValueError(f"sequence_axis={sequence_axis!r} does not take a context mask (kv_mask)")
+    if dropout_rate:
+        raise ValueError(f"sequence_axis={sequence_axis!r} does not take dropout_rate={dropout_rate}")
+    if score_mod is not None or sinks is not None:
+        raise ValueError(
+            f"sequence_axis={sequence_axis!r} (ring attention over {_ring_size(sequence_axis)} devices) does not "
+            f"take score_mod or sinks, got score_mod={score_mod!r}, sinks={sinks is not None}"
+        )
+    out = sequence_parallel_attention(qh, kh, vh, axis_name=sequence_axis, mask=mask, precision=precision)
+    weights = attention_weights(qh, kh, mask=mask, precision=precision) if return_weights else None
+    return out, weights
+
+
+def _core_mask(
+    mask: Array | Mask | None,
+    valid: Array | None,
+    shape: tuple[int, int, int, int],
+    num_kv_heads: int,
+    causal: bool = False,
+) -> Array | Mask | None:
+    """The module mask for ``shape = (B, N, T, S)`` as the core takes it over ``(B, K, G, T, S)``.
+
+    ``valid (B, 1, 1, S)`` is and-ed in, and with ``causal`` :func:`masks.causal() <with_causal>`.
+    """
+    b, _, t, s = shape
+    if not isinstance(mask, Mask):  # a predicate broadcasts over (B, K, G) as it is
+        mask = _split_mask(mask, shape, num_kv_heads)  # (B|1, K|1, G|1, T|1, S|1)
+    elif mask.per_example:  # its batch is checked on the shape of its dense form (nothing is formed)
+        _check_mask_shape(jax.eval_shape(lambda: mask.dense(t, s)).shape, shape)
+    if valid is not None:
+        valid = valid.reshape(b, 1, 1, 1, s)
+        mask = valid if mask is None else mask & valid
+    return with_causal(mask) if causal else mask
+
+
+def multihead(
+    q: Array,
+    k: Array,
+    v: Array,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    mask: Array | Mask | None,
+    kv_mask: Array | None = None,
+    kind: str = "softmax",
+    feature_map: str | Callable[[Array], Array] = "elu",
+    dropout_rate: float = 0.0,
+    dropout_rng: Array | None = None,
+    precision: jax.lax.PrecisionLike = None,
+    return_weights: bool = False,
+    linear_state: LinearState | Array | None = None,
+    gates: dict[str, Array] | None = None,
+    causal: bool = False,
+    sequence_axis: str | None = None,
+    implementation: str | None = None,
+    block_size: int | tuple[int, int] | None = None,
+    score_mod: ScoreMod | None = None,
+    sinks: Array | None = None,
+) -> tuple[Array, Array | None, LinearState | None]:
+    """Attention over heads of projected ``q (B, T, N*D)``, ``k, v (B, S, K*D)``.
+
+    ``mask`` is a boolean ``(T, S)``, ``(B, T, S)`` (per example, broadcast over heads) or
+    ``(B, N, T, S)`` array (any axis may be 1), or a :class:`~jattn.masks.Mask`, which goes to
+    the core as it is (so the blockwise path can skip its empty tiles); ``kv_mask (B, S)`` marks
+    valid keys (context padding). ``implementation`` and ``block_size`` are those of
+    :func:`jattn.attention` (``block_size`` is dropped for a path other than the blockwise one). For ``kind='linear'`` the mask must
+    be None or ``causal()`` and ``linear_state`` continues a causal sequence. ``score_mod`` goes to
+    the core as it is (its ``head`` is the query head n = k·G + g) and ``sinks (N,)`` as ``(K, G)``
+    (softmax kind, not over a ring). ``causal`` ands ``masks.causal()`` into ``mask`` (None included).
+
+    Returns ``out (B, T, N*E)``, the weights ``(B, N, T, S)`` (before dropout) if asked, and
+    the linear state after the last key (linear kind only).
+
+    With ``sequence_axis`` naming an axis of more than one device in the current mesh
+    (``jax.set_mesh``), softmax attention runs as ring attention over it
+    (:func:`jattn.sequence_parallel_attention`); elsewhere it is the plain core.
+    """
+    groups = num_heads // num_kv_heads
+    qh = _split(q, num_kv_heads, groups)  # (B, K, G, T, D)
+    kh = _split(k, num_kv_heads, 1)  # (B, K, 1, S, D)
+    vh = _split(v, num_kv_heads, 1)  # (B, K, 1, S, E)
+    b, t, s = q.shape[0], q.shape[1], k.shape[1]
+    valid = None if kv_mask is None else jnp.asarray(kv_mask).reshape(b, 1, 1, s)  # (B, 1, 1, S)
+    state, weights = None, None
+    sinks = None if sinks is None else sinks.reshape(num_kv_heads, groups)  # (N,) -> (K, G): head n = k·G + g
+    scores = dict(precision=precision, return_weights=return_weights, score_mod=score_mod, sinks=sinks)
+    if causal and (kind != "softmax" or _ring_size(sequence_axis) > 1):  # the core's mask: _core_mask
+        mask = with_causal(mask)
+    if kind == "linear":
+        out, state = _linear_heads(
+            qh, kh, vh, mask=mask, valid=valid, feature_map=feature_map, state=linear_state, **scores
+        )
+    elif kind in RECURRENT_KINDS:
+        out, state = _recurrent_heads(
+            qh, kh, vh, kind=kind, gates=gates or {}, mask=mask, valid=valid, state=linear_state, precision=precision,
+            return_weights=return_weights,
+        )  # fmt: skip
+    elif _ring_size(sequence_axis) > 1:
+        out, weights = _ring_heads(
+            qh, kh, vh, sequence_axis=sequence_axis, mask=mask, kv_mask=kv_mask, dropout_rate=dropout_rate, **scores
+        )
+    else:
+        mask = _core_mask(mask, valid, (b, num_heads, t, s), num_kv_heads, causal)
+        out = attention(
+            qh,
+            kh,
+            vh,
+            mask=mask,
+            dropout_rate=dropout_rate,
+            dropout_rng=dropout_rng,
+            precision=precision,
+            implementation=implementation,
+            block_size=block_size if implementation in (None, "blockwise") else None,  # tiles of the blockwise path
+            score_mod=score_mod,
+            sinks=sinks,
+        )
+        weights = None
+        if return_weights:  # the weights the core applies to v, before dropout (a sink's share left out)
+            weights = attention_weights(qh, kh, mask=mask, precision=precision, score_mod=score_mod, sinks=sinks)
+    weights = None if weights is None else weights.reshape(b, num_heads, t, s)  # (B, K, G, T, S) -> (B, N, T, S)
+    out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, -1)  # (B, K, G, T, E) -> (B, T, N*E)
+    return out, weights, state

@@ -1,0 +1,17 @@
+"""The paths of :func:`jattn.attention` but the blockwise one, what each honours, and the choice between them.
+
+``choice`` holds ``IMPLEMENTATIONS``, ``SUPPORT`` and the choice of path, ``transforms`` the
+``TRANSFORMS`` table and the kernels' refusals; ``dense`` the dense path (the reference of the
+others), ``xla`` the hand-over to ``jax.nn.dot_product_attention``, ``pallas`` the Pallas GPU kernel
+and ``splash`` TPU's splash attention.
+
+May import: ``_checks``, ``_masks``, ``_online``, ``_dropout``, ``_softmax``, ``_platform``. The
+rest of jattn imports this subpackage through this face only: the names imported below, and nothing
+else. Its files import each other directly, never through the face.
+"""
+
+from jattn._paths.choice import AUTO_BLOCKWISE_MIN, IMPLEMENTATIONS, SUPPORT, choose_path, features_used
+from jattn._paths.dense import dense_attention, dense_weights
+from jattn._paths.pallas import pallas_attention
+from jattn._paths.transforms import TRANSFORMS, refusals
+from jattn._paths.xla import jax_nn_attention

@@ -1,0 +1,160 @@
+"""The paths of :func:`jattn.attention`, what each honours, and which one a call takes.
+
+:data:`IMPLEMENTATIONS` names the paths; :data:`SUPPORT` says what each does with each argument
+(the docs' support table is this dict); :func:`features_used` lists the rows of it a call uses,
+:func:`refusal` says why a path cannot honour them, and :func:`choose_path` picks the path
+(``implementation=None``: on GPU and TPU 'pallas' where it honours everything, then blockwise for
+scores of at least :data:`AUTO_BLOCKWISE_MIN` entries per head, dense otherwise). Nothing here
+computes attention; shapes follow the dimension key of :mod:`jattn._core`.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import Array
+from jax.typing import ArrayLike
+
+from jattn import _platform
+from jattn._checks import Operands
+from jattn._masks import ArrayMask, Mask
+
+__all__ = ["AUTO_BLOCKWISE_MIN", "IMPLEMENTATIONS", "SUPPORT", "choose_path", "features_used", "refusal"]
+
+AUTO_BLOCKWISE_MIN = 1024 * 1024  # T·S from which 'auto' prefers blockwise on CPU (docs: design notes)
+IMPLEMENTATIONS = ("dense", "blockwise", "xla", "cudnn", "pallas")
+
+_YES = "yes"
+_STATIC = "no: offsets must be static ints"
+_NO_BLOCKS = "no: it has no blocks"
+
+
+def _row(
+    *, dense: str = _YES, blockwise: str = _YES, jax_nn: str = _YES, xla: str = "", cudnn: str = "", pallas: str = _YES
+) -> dict[str, str]:
+    """A row of :data:`SUPPORT`, "yes" in every cell not named; ``jax_nn`` fills 'xla' and 'cudnn' both."""
+    return dict(dense=dense, blockwise=blockwise, xla=xla or jax_nn, cudnn=cudnn or jax_nn, pallas=pallas)
+
+
+#: What each implementation does with each argument: "yes" (honoured); "partly: ..." (honoured
+#: where jax.nn has an argument for it, otherwise a ``ValueError`` that names the mask); or
+#: "no: ..." (a ``ValueError`` that names the argument, the path and the paths that take it).
+#: The support table of the README and the docs is this dict; ``implementation=None`` picks a
+#: path whose cells are all "yes".
+#: The 'pallas' column is JAX's GPU flash kernel (interpreted on CPU) and splash attention on TPU.
+SUPPORT: dict[str, dict[str, str]] = {
+    "mask (array, any leading dims, 1-D)": _row(pallas="no: the kernel takes no mask array"),
+    "mask (position predicate)": _row(
+        cudnn="partly: causal() and sliding_window(l, 0) aligned with the keys' end, and arrays",
+        pallas="partly: GPU causal() (any static offsets); TPU any (splash masks)",
+    ),
+    "mask (per-example predicate: padding, segment_ids)": _row(
+        cudnn="partly: padding() (as sequence lengths)",
+        pallas="partly: GPU padding(); TPU padding(), segment_ids(), in an '&'",
+    ),
+    "mask (predicate of batch and head: masks.predicate)": _row(
+        cudnn="no: cuDNN takes no mask of the batch and head",
+        pallas="no: the kernel takes no mask of the batch and head",
+    ),
+    "q_offset / kv_offset (static ints)": _row(cudnn="partly: where the mask stays aligned with the keys' end"),
+    "q_offset / kv_offset (arrays, per example)": _row(blockwise=_STATIC, jax_nn=_STATIC, pallas=_STATIC),
+    "bias": _row(pallas="no: the kernel takes no bias"),
+    "dropout_rate": _row(jax_nn="no: jax.nn has no dropout", pallas="no: the kernel has no dropout"),
+    "precision": _row(jax_nn="no: jax.nn takes no precision", pallas="no: the kernel fixes its own precision"),
+    "return_lse": _row(pallas="no: the kernel's log-sum-exp cannot be differentiated"),
+    "return_max_logit": _row(jax_nn="no: jax.nn returns no max logit", pallas="no: the kernel returns no max logit"),
+    "score_mod": _row(
+        jax_nn="no: jax.nn takes no score modification", pallas="no: the kernel takes no score modification"
+    ),
+    "sinks": _row(jax_nn="no: jax.nn takes no sinks", pallas="no: the kernel takes no sinks"),
+    "block_size": _row(dense=_NO_BLOCKS, jax_nn=_NO_BLOCKS),
+    "float64 inputs": _row(
+        xla="no: jax.nn computes in float32",
+        cudnn="no: cuDNN has no float64 kernel",
+        pallas="no: the kernel computes in float32",
+    ),
+    "value depth E != D": _row(jax_nn="no: jax.nn needs E == D"),
+}
+
+
+def _mask_rows(mask: Mask | None) -> list[str]:
+    """The mask rows of :data:`SUPPORT` that ``mask`` uses."""
+    if mask is None:
+        return []
+    used = []
+    if mask.has_arrays:
+        used.append("mask (array, any leading dims, 1-D)")
+    if mask.per_row:
+        used.append("mask (predicate of batch and head: masks.predicate)")
+    if not isinstance(mask, ArrayMask):
+        used.append(
+            "mask (per-example predicate: padding, segment_ids)" if mask.per_example else "mask (position predicate)"
+        )
+    return used
+
+
+def features_used(
+    ops: Operands,
+    dropout_rate: float,
+    precision: jax.lax.PrecisionLike,
+    return_lse: bool,
+    block_size: int | tuple[int, int] | None,
+    score_mod: Callable[..., Array] | None = None,
+    sinks: ArrayLike | None = None,
+    return_max_logit: bool = False,
+) -> list[str]:
+    """The rows of :data:`SUPPORT` a call of these operands and arguments uses."""
+    q, v, q_offset, kv_offset = ops.q, ops.v, ops.q_offset, ops.kv_offset
+    used = _mask_rows(ops.mask)
+    offsets = (q_offset if q_offset is not None else 0, kv_offset)
+    if not all(isinstance(o, numbers.Integral) for o in offsets):
+        used.append("q_offset / kv_offset (arrays, per example)")
+    elif q_offset is not None or kv_offset != 0:
+        used.append("q_offset / kv_offset (static ints)")
+    for flag, row in (
+        (ops.bias is not None, "bias"),
+        (dropout_rate != 0, "dropout_rate"),
+        (precision is not None, "precision"),
+        (return_lse, "return_lse"),
+        (return_max_logit, "return_max_logit"),
+        (score_mod is not None, "score_mod"),
+        (sinks is not None, "sinks"),
+        (block_size is not None, "block_size"),
+        (q.dtype == jnp.float64, "float64 inputs"),
+        (v.shape[-1] != q.shape[-1], "value depth E != D"),
+    ):
+        if flag:
+            used.append(row)
+    return used
+
+
+def refusal(path: str, used: list[str], *, partly: bool = True) -> str | None:
+    """Why ``path`` cannot honour this call (the first row it refuses), or None.
+
+    ``partly=True`` lets "partly" cells through (the jax.nn translation checks them case by case).
+    """
+    for row in used:
+        cell = SUPPORT[row][path]
+        if cell != _YES and not (partly and cell.startswith("partly")):
+            takes = [p for p in IMPLEMENTATIONS if SUPPORT[row][p] == _YES]
+            return f"implementation={path!r} cannot take {row}: {cell.removeprefix('no: ')}; use one of {takes}"
+    return None
+
+
+def choose_path(implementation: str | None, q: Array, k: Array, used: list[str]) -> str:
+    """The path for this call (q ``(..., T, D)``, k ``(..., S, D)``); an explicit choice that cannot honour an argument raises a ``ValueError``."""
+    if implementation is not None and implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
+    if implementation is not None:
+        why = refusal(implementation, used)
+        if why:
+            raise ValueError(why)
+        return implementation
+    big = q.shape[-2] * k.shape[-2] >= AUTO_BLOCKWISE_MIN
+    order = ("blockwise", "dense") if big else ("dense", "blockwise")
+    if _platform.platform() in ("gpu", "tpu"):  # the fused kernel first, where it honours everything
+        order = ("pallas", *order)
+    return next((p for p in order if refusal(p, used, partly=False) is None), "dense")

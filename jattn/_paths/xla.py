@@ -1,0 +1,210 @@
+"""The 'xla' and 'cudnn' paths: a call of :func:`jattn.attention` handed to :func:`jax.nn.dot_product_attention`.
+
+:func:`jax_nn_attention` translates jattn's arguments into jax.nn's (``is_causal``,
+``local_window_size``, sequence lengths, a ``(B, 1, T, S)`` mask, q, k, v as ``(B, T|S, 1, D|E)``),
+refuses what cuDNN cannot express, zeroes the rows with no key (jax.nn averages v there) and
+gives jax.nn's log-sum-exp residual the dense path's gradient (jax.nn stops it). What each path
+takes is :data:`jattn._paths.choice.SUPPORT`. Dimension key: :mod:`jattn._core`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+from jax import Array
+
+from jattn._checks import Operands, broadcast_all, call_lead, check_bias
+from jattn._masks import Causal, Mask, Padding, SlidingWindow, conjuncts, on_batch_axis, query_offset
+from jattn._paths.dense import dense_lse, dense_mask
+from jattn._softmax import zero_empty_rows
+
+__all__ = ["jax_nn_attention"]
+
+
+def _band(mask: Mask | None, d: int) -> tuple[int | None, int | None, Mask | None, list[Padding]]:
+    """The band ``s - t in [-left, right]`` (None: unbounded) of the causal and window terms of ``mask``.
+
+    ``d = q_offset - kv_offset`` moves jattn's band into jax.nn's top-left frame. Also returns the
+    padding terms and the rest of the mask (the terms jax.nn has no argument for), or None.
+    """
+    left = right = None
+    paddings: list[Padding] = []
+    rest: Mask | None = None
+    for term in [] if mask is None else conjuncts(mask):
+        if isinstance(term, Causal | SlidingWindow):
+            tl, tr = (None, d) if isinstance(term, Causal) else (term.left - d, term.right + d)
+            left = tl if left is None else (left if tl is None else min(left, tl))
+            right = tr if right is None else min(right, tr)
+        elif isinstance(term, Padding):
+            paddings.append(term)
+        else:
+            rest = term if rest is None else rest & term
+    return left, right, rest, paddings
+
+
+def _lengths(paddings: list[Padding], T: int, S: int, lead: tuple[int, ...], batch_axis: int) -> dict:
+    """jax.nn's ``query_seq_lengths`` / ``key_value_seq_lengths`` ``(B,)`` of the padding terms (the least of each)."""
+    kwargs: dict = {}
+    for term in paddings:
+        for name, x in (("query_seq_lengths", term.q_lengths), ("key_value_seq_lengths", term.kv_lengths)):
+            if x is not None:
+                x = jnp.minimum(jnp.asarray(x, jnp.int32), T if name[0] == "q" else S)
+                x = on_batch_axis(x, lead, batch_axis).reshape(-1)
+                kwargs[name] = x if name not in kwargs else jnp.minimum(kwargs[name], x)
+    return kwargs
+
+
+def _jax_nn_args(
+    mask: Mask | None,
+    path: str,
+    T: int,
+    S: int,
+    q_offset: int | None,
+    kv_offset: int,
+    lead: tuple[int, ...],
+    batch_axis: int,
+) -> dict:
+    """jax.nn's own arguments for a jattn mask: ``is_causal``, ``local_window_size``, sequence lengths, ``mask``.
+
+    jax.nn aligns queries top-left (query t sees key s <= t); jattn places query t at position
+    ``q_offset + t`` and key s at ``kv_offset + s``, so a band ``i - L <= j <= i + R`` becomes
+    ``local_window_size = (L - d, R + d)`` with ``d = q_offset - kv_offset``. Terms jax.nn has no
+    argument for are materialised into its ``mask`` (xla) or refused (cudnn). Padding lengths
+    ``(B,)`` lie along ``lead``'s axis ``batch_axis``, where q's first axis lands (as for every path).
+    """
+    q_offset = query_offset(q_offset, kv_offset, T, S)
+    left, right, rest, paddings = _band(mask, q_offset - kv_offset)
+    kwargs = _lengths(paddings, T, S, lead, batch_axis)
+    if right is not None or left is not None:
+        if path == "cudnn" and right != 0:
+            raise ValueError(
+                f"implementation='cudnn' expresses causal() and sliding_window(l, 0) only with queries aligned to the "
+                f"keys' end (q_offset - kv_offset == S - T == 0), got {mask!r} with T={T}, S={S}, q_offset={q_offset}, "
+                f"kv_offset={kv_offset}; use 'xla', 'dense' or 'blockwise'"
+            )
+        if right == 0 and (path == "cudnn" or left is None):
+            kwargs["is_causal"] = True
+        if left is not None or right != 0:
+            kwargs["local_window_size"] = (T + S if left is None else left, T + S if right is None else right)
+    if rest is not None:
+        if path == "cudnn" and not rest.has_arrays:
+            raise ValueError(
+                f"implementation='cudnn' expresses causal(), sliding_window(l, 0), padding() and arrays only, got "
+                f"{rest!r}; use 'xla', 'dense' or 'blockwise'"
+            )
+        kwargs["mask"] = rest
+    return kwargs
+
+
+def _flat_lse(q: Array, k: Array, bias: Array | None = None, *, ops: Operands) -> Array:
+    """The dense logits' log-sum-exp of all B·T rows of ``ops`` at these q, k, bias, flattened (what :func:`_lse_grad` differentiates)."""
+    return dense_lse(ops._replace(q=q, k=k, bias=bias)).reshape(-1)
+
+
+def _lse_grad(value: Array, ops: Operands) -> Array:
+    """jax.nn's log-sum-exp ``value`` (any shape of B·T entries), differentiated as the dense path's.
+
+    jax.nn stops its residual's gradient. Here it gets the derivative of the dense logits'
+    log-sum-exp with respect to q, k and bias (:func:`_grad_from`). Everything traced that the
+    dense one reads (mask arrays, v, offsets, scale) becomes an argument (the constants of its
+    jaxpr), so it also holds where the backward runs outside the forward's ``jit``
+    (``grad(jit(f))``).
+    """
+    diff = (ops.q, ops.k) if ops.bias is None else (ops.q, ops.k, ops.bias)
+    closed = jax.make_jaxpr(functools.partial(_flat_lse, ops=ops))(*diff)
+    return _grad_from(_Jaxpr(closed.jaxpr), value, diff, tuple(closed.consts))
+
+
+class _Jaxpr:
+    """A jaxpr as a function of its inputs and then its constants (for :func:`_grad_from`)."""
+
+    def __init__(self, jaxpr) -> None:
+        """Holds ``jaxpr`` (an open jaxpr whose constants become trailing arguments)."""
+        self.jaxpr = jaxpr
+
+    def __call__(self, *args: Array) -> Array:
+        """The jaxpr's first output at ``(*inputs, *constants)``."""
+        n = len(self.jaxpr.constvars)
+        args, consts = args[: len(args) - n], args[len(args) - n :]
+        return jax.extend.core.jaxpr_as_fun(jax.extend.core.ClosedJaxpr(self.jaxpr, consts))(*args)[0]
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _grad_from(fn: _Jaxpr, value: Array, diff: tuple, rest: tuple) -> Array:
+    """``value`` (no derivative of its own), differentiated as ``fn(*diff, *rest)`` (whose value it equals) in ``diff``.
+
+    A custom JVP: its tangent is ``fn``'s, so reverse mode (JAX's transpose of it) and every higher
+    order hold too; ``rest`` (mask arrays, v, offsets) has no derivative here.
+    """
+    return value
+
+
+@_grad_from.defjvp
+def _grad_from_jvp(fn: _Jaxpr, primals: tuple, tangents: tuple) -> tuple[Array, Array]:
+    value, diff, rest = primals
+    _, d_diff, _ = tangents
+    _, tangent = jax.jvp(lambda *d: fn(*d, *rest), diff, d_diff)
+    return _grad_from(fn, value, diff, rest), tangent.reshape(value.shape).astype(value.dtype)
+
+
+def _flat(x: Array, lead: tuple[int, ...]) -> Array:
+    """``(..., L, D)`` (L: T or S; D or E) broadcast to ``(*lead, L, D)`` as jax.nn's ``(B, L, 1, D)``."""
+    x = jnp.broadcast_to(x, (*lead, *x.shape[-2:]))
+    return x.reshape(-1, x.shape[-2], 1, x.shape[-1])
+
+
+def _flat_grid(x: Array, lead: tuple[int, ...], T: int, S: int) -> Array:
+    """``(..., T, S)`` broadcast to ``(*lead, T, S)`` as jax.nn's ``(B, 1, T, S)``."""
+    return jnp.broadcast_to(x, (*lead, T, S)).reshape(-1, 1, T, S)
+
+
+def _call_lead(q: Array, k: Array, v: Array, bias: Array | None, dense: Array | None, lead: tuple[int, ...]) -> tuple:
+    """``lead`` broadcast with the leading shape ``...`` of q, k, v, bias and a dense mask ``(..., T, S)``."""
+    return tuple(np.broadcast_shapes(lead, broadcast_all(q=q, k=k, v=v, bias=bias, mask=dense)))
+
+
+def jax_nn_attention(ops: Operands, path: str, return_lse: bool) -> Array | tuple[Array, Array]:
+    """Hands the call to ``jax.nn.dot_product_attention`` with its own arguments (see :data:`jattn._paths.choice.SUPPORT`).
+
+    ``out (..., T, E)``, with ``lse (..., T)`` when ``return_lse``.
+    """
+    q, k, v, mask, _, scale, q_offset, kv_offset = ops
+    T, S = q.shape[-2], k.shape[-2]
+    bias = check_bias(ops.bias)
+    lead, axis = broadcast_all(q=q, k=k, v=v, bias=bias), 0
+    if mask is not None and q.ndim > 2:
+        lead, axis = call_lead(mask, q, k, v, bias)  # with a per-example mask's batch, on q's first axis
+    if T == 0 or S == 0:  # no key (or no query): every row is empty, 0 with lse -inf; jax.nn cannot reshape it
+        lead = _call_lead(q, k, v, bias, dense_mask(mask, q, k, q_offset, kv_offset, v, bias), lead)
+        out = jnp.zeros((*lead, T, v.shape[-1]), v.dtype)
+        return (out, jnp.full((*lead, T), -jnp.inf, jnp.float32)) if return_lse else out
+    kwargs = _jax_nn_args(mask, path, T, S, q_offset, kv_offset, lead or (1,), axis)  # jax.nn needs a batch axis
+    dense = dense_mask(kwargs.pop("mask", None), q, k, q_offset, kv_offset, v, bias)
+    lead = _call_lead(q, k, v, bias, dense, lead)
+    with jax.numpy_dtype_promotion("standard"):  # jax.nn promotes bf16/f16 internally; callers may run strict
+        out = jax.nn.dot_product_attention(
+            _flat(q, lead),
+            _flat(k, lead),
+            _flat(v, lead),
+            bias=None if bias is None else _flat_grid(bias, lead, T, S).astype(q.dtype),
+            mask=None if dense is None else _flat_grid(dense, lead, T, S),
+            scale=scale,
+            implementation=path,
+            return_residual=return_lse,
+            **kwargs,
+        )
+    out, lse = out if return_lse else (out, None)
+    if lse is not None:  # jax.nn stops the residual's gradient: take it from the dense logits'
+        lse = _lse_grad(lse, ops._replace(bias=bias))
+    out = out.reshape(*lead, T, v.shape[-1])
+    if mask is not None:  # jax.nn averages v over a fully masked row; the contract is 0 (and lse -inf)
+        dense = dense_mask(mask, q, k, q_offset, kv_offset, v, bias)  # (..., T, S): reduced before it is broadcast
+        seen = jnp.broadcast_to(jnp.any(jnp.broadcast_to(dense, (*dense.shape[:-2], T, S)), axis=-1), (*lead, T))
+        out, lse = zero_empty_rows(out, seen, None if lse is None else lse.reshape(*lead, T))
+    elif lse is not None:
+        lse = lse.reshape(*lead, T).astype(jnp.float32)
+    return (out, lse) if return_lse else out
