@@ -32,6 +32,7 @@ from jax import Array
 from jattn._linear import gate_params
 from jattn._masks import Mask
 from jattn._modules import (
+    SELF_ATTENTION_ONLY,
     CallArguments,
     Layers,
     ModuleConfig,
@@ -78,9 +79,11 @@ class _Attention(nn.Module):
     bias_init: nn.initializers.Initializer = nn.initializers.zeros_init()
 
     def _config(self, kv_features: int, *, cross: bool = False) -> ModuleConfig:
-        """The fields that are options, checked and resolved (self-attention's ``rope``, ... where present)."""
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return configure(self.d_model, kv_features, ModuleOptions.pick(fields), cross=cross)
+        """The fields that are options, by their names in :class:`ModuleOptions` (a missing one raises), checked and resolved."""
+        names = [f.name for f in dataclasses.fields(ModuleOptions) if not (cross and f.name in SELF_ATTENTION_ONLY)]
+        values = {name: getattr(self, name) for name in names}
+        options = ModuleOptions.cross(**values) if cross else ModuleOptions(**values)
+        return configure(self.d_model, kv_features, options, cross=cross)
 
     def _dense(self, features: int, name: str) -> nn.Dense:
         """A projection ``(B, L, ·) -> (B, L, features)`` with the module's bias, dtypes, precision and initialisers."""
@@ -191,7 +194,18 @@ class SelfAttention(_Attention):
         """
         check_int("d_model", self.d_model, min=1)  # the field first: x is checked against it
         check_input("x", x, self.d_model)
-        return self._run(x, None, self._config(self.d_model), CallArguments.pick(locals()), dropout_rng)
+        call = CallArguments(
+            mask=mask,
+            context_mask=None,
+            deterministic=deterministic,
+            return_weights=return_weights,
+            sow_weights=sow_weights,
+            decode=decode,
+            lengths=lengths,
+            implementation=implementation,
+            block_size=block_size,
+        )
+        return self._run(x, None, self._config(self.d_model), call, dropout_rng)
 
     def init_cache(
         self,
@@ -249,4 +263,15 @@ class CrossAttention(_Attention):
         check_int("context_features", self.context_features, min=1)
         check_context(x, self.d_model, context, self.context_features, context_mask)
         config = self._config(self.context_features, cross=True)
-        return self._run(x, context, config, CallArguments.pick(locals()), dropout_rng)
+        call = CallArguments(
+            mask=mask,
+            context_mask=context_mask,
+            deterministic=deterministic,
+            return_weights=return_weights,
+            sow_weights=sow_weights,
+            decode=False,
+            lengths=None,
+            implementation=implementation,
+            block_size=block_size,
+        )
+        return self._run(x, context, config, call, dropout_rng)

@@ -3,8 +3,8 @@
 Softmax attention is :func:`jattn.attention`; ``kind='linear'`` uses :func:`jattn.linear_attention`.
 The call itself (batch dims, masks, QK norm, rotary embedding, the decoding cache) is shared with
 :mod:`jattn.linen` in ``jattn._modules.call``, and so are the options, declared once (names, types,
-defaults) in ``jattn._modules.options.ModuleOptions`` and documented once there, in the text each
-class's docstring shows; the cache is a dict of arrays (``jattn._modules.cache``) held in ``nnx.Cache``
+defaults) in ``jattn._modules.options.ModuleOptions``, passed to it by name from each constructor,
+and documented once there, in the text each class's docstring shows; the cache is a dict of arrays (``jattn._modules.cache``) held in ``nnx.Cache``
 variables.
 
 Parameters (the article's names): ``wq`` (``d_model -> N*D``), ``wk`` and ``wv`` (keys/values
@@ -191,7 +191,31 @@ class SelfAttention(_Attention):
         bias_init: nnx.Initializer = _BIAS_INIT,
         rngs: nnx.Rngs,
     ) -> None:
-        options = ModuleOptions.pick(locals())
+        options = ModuleOptions(
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            qkv_features=qkv_features,
+            out_features=out_features,
+            out_proj=out_proj,
+            use_bias=use_bias,
+            kind=kind,
+            feature_map=feature_map,
+            dropout_rate=dropout_rate,
+            deterministic=deterministic,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            precision=precision,
+            sequence_axis=sequence_axis,
+            implementation=implementation,
+            block_size=block_size,
+            normalize_qk=normalize_qk,
+            rope=rope,
+            rope_base=rope_base,
+            decode=decode,
+            causal=causal,
+            score_mod=score_mod,
+            sinks=sinks,
+        )
         super().__init__(
             d_model, d_model, options, cross=False, kernel_init=kernel_init, bias_init=bias_init, rngs=rngs
         )
@@ -242,7 +266,18 @@ class SelfAttention(_Attention):
           weights when ``return_weights`` (with ``decode``, S = cache slots + T).
         """
         check_input("x", x, self.d_model)
-        return self._call(x, None, CallArguments.pick(locals()), rngs)
+        call = CallArguments(
+            mask=mask,
+            context_mask=None,
+            deterministic=deterministic,
+            return_weights=return_weights,
+            sow_weights=sow_weights,
+            decode=decode,
+            lengths=lengths,
+            implementation=implementation,
+            block_size=block_size,
+        )
+        return self._call(x, None, call, rngs)
 
     def init_cache(
         self,
@@ -323,7 +358,27 @@ class CrossAttention(_Attention):
         bias_init: nnx.Initializer = _BIAS_INIT,
         rngs: nnx.Rngs,
     ) -> None:
-        options = ModuleOptions.pick(locals())  # rope, rope_base, decode and causal keep their defaults
+        options = ModuleOptions.cross(
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            qkv_features=qkv_features,
+            out_features=out_features,
+            out_proj=out_proj,
+            use_bias=use_bias,
+            kind=kind,
+            feature_map=feature_map,
+            dropout_rate=dropout_rate,
+            deterministic=deterministic,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            precision=precision,
+            sequence_axis=sequence_axis,
+            implementation=implementation,
+            block_size=block_size,
+            normalize_qk=normalize_qk,
+            score_mod=score_mod,
+            sinks=sinks,
+        )
         init = dict(kernel_init=kernel_init, bias_init=bias_init, rngs=rngs)
         super().__init__(d_model, context_features, options, cross=True, **init)
 
@@ -351,4 +406,15 @@ class CrossAttention(_Attention):
             :class:`SelfAttention`.
         """
         check_context(x, self.d_model, context, self.kv_features, context_mask)
-        return self._call(x, context, CallArguments.pick(locals()), rngs)
+        call = CallArguments(
+            mask=mask,
+            context_mask=context_mask,
+            deterministic=deterministic,
+            return_weights=return_weights,
+            sow_weights=sow_weights,
+            decode=False,
+            lengths=None,
+            implementation=implementation,
+            block_size=block_size,
+        )
+        return self._call(x, context, call, rngs)

@@ -562,3 +562,59 @@ def test_attention_weights_take_score_mod_and_sinks_as_attention(offset):
     assert np.all(rows[0] < 1) and np.all(rows[1, :, :3] < 1) and np.all(rows[1, :, 3:] == 0)
     out = jattn.attention(q, k, v, implementation="dense", **kw)
     np.testing.assert_allclose(jnp.einsum("bnts,bnse->bnte", got, v), out, **ref.tol(jnp.float32))
+
+
+# -- issue #44: the options built from the named parameters ------------------------------------------------
+
+#: A value of each option unlike its default (with what it needs beside it), for a module of d_model=12.
+_OPTION_VALUES = {
+    "num_heads": (3, {}),
+    "num_kv_heads": (1, {"num_heads": 3}),
+    "qkv_features": (24, {}),
+    "out_features": (6, {}),
+    "out_proj": (False, {}),
+    "use_bias": (True, {}),
+    "kind": ("linear", {}),
+    "feature_map": ("relu", {"kind": "linear"}),
+    "dropout_rate": (0.25, {}),
+    "deterministic": (True, {}),
+    "dtype": (jnp.bfloat16, {}),
+    "param_dtype": (jnp.bfloat16, {}),
+    "precision": ("highest", {}),
+    "sequence_axis": ("seq", {}),
+    "implementation": ("dense", {}),
+    "block_size": (8, {}),
+    "normalize_qk": (True, {}),
+    "rope": (True, {}),
+    "rope_base": (500.0, {"rope": True}),
+    "decode": (True, {}),
+    "causal": (True, {}),
+    "score_mod": (jattn.score_mods.softcap(5.0), {}),
+    "sinks": (True, {}),
+}
+
+
+@pytest.mark.parametrize("cls", [jattn.nnx.SelfAttention, jattn.nnx.CrossAttention])
+def test_every_option_reaches_the_module_by_its_name(cls):
+    """Each keyword option of the constructor, set unlike its default, is the module's: none dropped or misrouted."""
+    import inspect
+
+    cross = cls is jattn.nnx.CrossAttention
+    params = inspect.signature(cls.__init__).parameters
+    options = [
+        p for p in params if params[p].kind is params[p].KEYWORD_ONLY and p not in ("kernel_init", "bias_init", "rngs")
+    ]
+    assert sorted(options) == sorted(
+        n for n in _OPTION_VALUES if not (cross and n in ("rope", "rope_base", "decode", "causal"))
+    )
+    shape = (12, 10) if cross else (12,)
+    for name in options:
+        value, beside = _OPTION_VALUES[name]
+        module = cls(*shape, **{name: value, **beside}, rngs=nnx.Rngs(0))
+        assert getattr(module.options, name) == value, name
+        for other in ("rope", "rope_base", "decode", "causal"):  # cross-attention's stay off
+            if cross:
+                assert (
+                    getattr(module.options, other)
+                    == inspect.signature(jattn.nnx.SelfAttention.__init__).parameters[other].default
+                )

@@ -11,7 +11,7 @@ over the heads (:func:`jattn._modules.multihead.multihead`), continues the decod
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import jax.numpy as jnp
@@ -59,18 +59,19 @@ def check_context(x: Array, d_model: int, context: Array, features: int, context
 class CallArguments:
     """The arguments of one module call besides its inputs, under the names NNX and Linen take them.
 
-    ``deterministic`` and ``decode``: None takes the module's default. Checked when made.
+    ``deterministic`` and ``decode``: None takes the module's default. Checked when made; no defaults
+    here (each call passes every argument by name, so a missing or misspelt one is a ``TypeError``).
     """
 
-    mask: Array | Mask | None = None
-    context_mask: Array | None = None
-    deterministic: bool | None = None
-    return_weights: bool = False
-    sow_weights: bool = False
-    decode: bool | None = False
-    lengths: Array | None = None
-    implementation: str | None = None
-    block_size: int | tuple[int, int] | None = None
+    mask: Array | Mask | None
+    context_mask: Array | None
+    deterministic: bool | None
+    return_weights: bool
+    sow_weights: bool
+    decode: bool | None
+    lengths: Array | None
+    implementation: str | None
+    block_size: int | tuple[int, int] | None
 
     def __post_init__(self) -> None:
         if self.deterministic is not None:
@@ -79,11 +80,6 @@ class CallArguments:
         if self.decode is not None:
             check_bool("decode", self.decode)
         check_bool("sow_weights", self.sow_weights)
-
-    @classmethod
-    def pick(cls, values: Mapping[str, Any]) -> CallArguments:
-        """The arguments named in ``values`` (a call's ``locals()``); the rest default."""
-        return cls(**{f.name: values[f.name] for f in dataclasses.fields(cls) if f.name in values})
 
     def decoding(self, config: ModuleConfig) -> bool:
         """Whether this call continues the cache (the module's ``decode`` unless the call says)."""

@@ -6,8 +6,8 @@ documentation of each. The NNX constructors and the Linen fields take them under
 this order, with these defaults and annotations (tests/test_modules.py fails where they drift
 apart), and :func:`document_options` writes each option's entry from :data:`OPTION_DOCS` into
 the public classes' docstrings at import (so ``help()`` and the API reference show them). An NNX
-constructor builds its options from its arguments in one line (:meth:`ModuleOptions.pick`), a
-Linen module from its fields. :func:`configure` checks them (a ValueError or TypeError naming the
+constructor builds its options from its arguments, each passed by name, a Linen module from its
+fields of these names. :func:`configure` checks them (a ValueError or TypeError naming the
 option, and for an option the kind does not take, the kinds that do) and resolves their defaults
 against the module's feature sizes into a :class:`ModuleConfig`, which the module call
 (:mod:`jattn._modules.call`) reads. Dimension key: :mod:`jattn._core`.
@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import textwrap
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import jax
@@ -163,7 +163,9 @@ class ModuleOptions:
 
     Each is documented in :data:`OPTION_DOCS`, which the public classes' docstrings show
     (:func:`document_options`). Cross-attention (:class:`jattn.nnx.CrossAttention`,
-    :class:`jattn.linen.CrossAttention`) takes all of them but :data:`SELF_ATTENTION_ONLY`.
+    :class:`jattn.linen.CrossAttention`) takes all of them but :data:`SELF_ATTENTION_ONLY`
+    (:meth:`cross`). Each constructor passes every option by name (a misspelt one is a
+    ``TypeError``; tests/test_modules.py fails on a missing one).
     """
 
     num_heads: int = 1
@@ -191,9 +193,10 @@ class ModuleOptions:
     sinks: bool = False
 
     @classmethod
-    def pick(cls, values: Mapping[str, Any]) -> ModuleOptions:
-        """The options named in ``values`` (a constructor's ``locals()``, a Linen module's fields); the rest default."""
-        return cls(**{f.name: values[f.name] for f in dataclasses.fields(ModuleOptions) if f.name in values})
+    def cross(cls, **options: Any) -> ModuleOptions:
+        """A cross-attention module's options: every option but :data:`SELF_ATTENTION_ONLY`, which keep their defaults."""
+        fixed = {f.name: f.default for f in dataclasses.fields(cls) if f.name in SELF_ATTENTION_ONLY}
+        return cls(**options, **fixed)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -357,7 +360,7 @@ def _check_linear(o: ModuleOptions) -> None:
         got = ", ".join(f"{name}={getattr(o, name)!r}" for name in names)
         raise ValueError(
             "kind='linear' (linear_attention) forms no attention weights and has one path: dropout_rate, "
-            f"implementation, block_size, score_mod, sinks and sequence_axis (ring attention) need kind='softmax'; "
+            f"implementation, block_size, sequence_axis (ring attention), score_mod and sinks need kind='softmax'; "
             f"got {got}"
         )
 
