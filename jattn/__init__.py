@@ -20,8 +20,7 @@ from jattn import _xla_flags
 _xla_flags.apply()  # before anything could start JAX's backend: XLA reads XLA_FLAGS once, then
 
 from jattn import masks, score_mods
-from jattn._blockwise import CHECKPOINT_NAMES
-from jattn._core import attention, attention_weights, choose_implementation
+from jattn._core import CHECKPOINT_NAMES, attention, attention_weights, choose_implementation
 from jattn._dot_product_attention import dot_product_attention
 from jattn._linear import RECURRENT_KINDS, LinearState, gated_linear_attention, linear_attention
 from jattn._paths import AUTO_BLOCKWISE_MIN, IMPLEMENTATIONS, SUPPORT, TRANSFORMS

@@ -9,6 +9,7 @@ jattn; the checks here build on the masks (:mod:`jattn._masks`).
 from __future__ import annotations
 
 import inspect
+import math
 import numbers
 from typing import Any, NamedTuple
 
@@ -22,7 +23,6 @@ from jattn._masks import (
     ArrayMask,
     Mask,
     array_leaves,
-    as_rows,
     check_lengths,
     example_lead,
     is_mask_function,
@@ -35,7 +35,6 @@ __all__ = [
     "as_mask",
     "broadcast_all",
     "call_lead",
-    "call_rows",
     "check_bias",
     "check_block_size",
     "check_dropout",
@@ -47,6 +46,7 @@ __all__ = [
     "check_scale",
     "check_score_mod",
     "check_sinks",
+    "default_scale",
     "layout_hint",
 ]
 
@@ -272,6 +272,11 @@ def check_scale(scale: float | ArrayLike | None) -> None:
         )
 
 
+def default_scale(scale: float | ArrayLike | None, D: int) -> float | ArrayLike:
+    """``scale``, or the article's ``1/√D`` where it is None (the one place that default is written)."""
+    return 1.0 / math.sqrt(D) if scale is None else scale
+
+
 def check_bias(bias: ArrayLike | None) -> jax.Array | None:
     """``bias`` as a floating array of at least 2 dims ``(..., T|1, S|1)``, or a TypeError; None stays None."""
     if bias is None:
@@ -282,8 +287,12 @@ def check_bias(bias: ArrayLike | None) -> jax.Array | None:
     return bias.reshape((1,) * max(0, 2 - bias.ndim) + bias.shape)  # NumPy broadcasting: (S,) is (1, S)
 
 
-def as_mask(mask: ArrayLike | Mask | None, bias: ArrayLike | None, q: jax.Array, k: jax.Array) -> Mask | None:
-    """A boolean array mask as :class:`~jattn.masks.ArrayMask` (1-D and 0-D included), else unchanged.
+def as_mask(
+    mask: ArrayLike | Mask | None, bias: ArrayLike | None, q: jax.Array, k: jax.Array
+) -> tuple[Mask | None, jax.Array | None]:
+    """``(mask, bias)`` checked: an array mask as :class:`~jattn.masks.ArrayMask`, bias as :func:`check_bias`'s.
+
+    A boolean array mask (1-D and 0-D included) becomes an ``ArrayMask``; a Mask or None stays.
 
     Checks first that ``mask`` is no function (:func:`check_mask`), and that an array mask and
     ``bias`` broadcast to ``(..., T, S)`` (T, S: axis -2 of q ``(..., T, D)`` and k
@@ -291,13 +300,13 @@ def as_mask(mask: ArrayLike | Mask | None, bias: ArrayLike | None, q: jax.Array,
     """
     check_mask(mask)
     if bias is not None:
-        check_bias(bias)  # its dtype first
-        check_grid("bias", jnp.shape(bias), q.shape, k.shape)
+        shape, bias = jnp.shape(bias), check_bias(bias)  # its dtype first
+        check_grid("bias", shape, q.shape, k.shape)
     if mask is None or isinstance(mask, Mask):
-        return mask
+        return mask, bias
     masked = mask_of_array(mask)
     check_grid("mask", jnp.shape(mask), q.shape, k.shape)
-    return masked
+    return masked, bias
 
 
 def check_offsets(mask: Mask | None, q_offset: ArrayLike | None, kv_offset: ArrayLike) -> None:
@@ -325,21 +334,27 @@ def check_dropout(rate: float, rng: jax.Array | None) -> float:
 
 
 class Operands(NamedTuple):
-    """One call's checked operands, as every path of :func:`jattn.attention` takes them.
+    """One call's checked operands, resolved once for every path of :func:`jattn.attention`.
 
     q ``(..., T, D)``, k ``(..., S, D)`` and v ``(..., S, E)`` (None for
-    :func:`jattn.attention_weights`) as arrays, the mask as a :class:`~jattn.masks.Mask` (or
-    None), and ``bias``, ``scale``, ``q_offset``, ``kv_offset`` as the caller gave them.
+    :func:`jattn.attention_weights`) as arrays; the mask as a :class:`~jattn.masks.Mask` (or None);
+    ``bias`` a floating array of at least 2 dims ``(..., T|1, S|1)`` (:func:`check_bias`) or None;
+    ``scale`` a value (the default ``1/√D`` where the caller gave None); ``q_offset`` and ``kv_offset``
+    as the caller gave them (None: the default, the last query on the last key); ``lead`` the call's
+    leading shape ``...`` (q, k, v, bias, the mask's arrays and a per-example mask's batch
+    broadcast) and ``axis`` the axis of it where q's first axis, a per-example mask's batch, lands.
     """
 
     q: jax.Array
     k: jax.Array
     v: jax.Array | None
     mask: Mask | None
-    bias: ArrayLike | None
-    scale: float | ArrayLike | None
+    bias: jax.Array | None
+    scale: float | jax.Array
     q_offset: ArrayLike | None
     kv_offset: ArrayLike
+    lead: tuple[int, ...]
+    axis: int
 
 
 def check_operands(
@@ -354,30 +369,38 @@ def check_operands(
     kv_offset: ArrayLike,
     offsets: bool = True,
 ) -> Operands:
-    """The :class:`Operands` of a call, checked in this order (the first error raises).
+    """The :class:`Operands` of a call, checked in this order (the first error raises), and resolved.
 
     q ``(..., T, D)``, k ``(..., S, D)``, v ``(..., S, E)`` (:func:`check_qkv`), ``scale``,
     ``mask`` and ``bias`` (:func:`as_mask`), then the offsets (:func:`check_offsets`) unless
-    ``offsets`` is False (:func:`jattn.choose_implementation` leaves them unchecked).
+    ``offsets`` is False (:func:`jattn.choose_implementation` leaves them unchecked), then the
+    leading shape (:func:`call_lead`).
     """
     q, k, v = jnp.asarray(q), jnp.asarray(k), None if v is None else jnp.asarray(v)
     check_qkv(q, k, v)
     check_scale(scale)
-    mask = as_mask(mask, bias, q, k)
+    mask, bias = as_mask(mask, bias, q, k)
     if offsets:
         check_offsets(mask, q_offset, kv_offset)
-    return Operands(q, k, v, mask, bias, scale, q_offset, kv_offset)
+    lead, axis = call_lead(mask, q, k, v, bias)
+    scale = default_scale(scale, q.shape[-1])
+    return Operands(q, k, v, mask, bias, scale, q_offset, kv_offset, lead, axis)
 
 
-def call_lead(mask: Mask, q: Array, k: Array, v: Array | None, bias: Array | None) -> tuple[tuple[int, ...], int]:
+def call_lead(
+    mask: Mask | None, q: Array, k: Array, v: Array | None, bias: Array | None
+) -> tuple[tuple[int, ...], int]:
     """``(lead, axis)``: the call's leading shape and the axis of it where q's first axis lands.
 
     ``lead`` broadcasts q, k, v, bias, the mask's arrays (each checked against q and k) and a
-    per-example mask's batch, which lies on ``lead[axis]``.
+    per-example mask's batch, which lies on ``lead[axis]`` (a per-example mask needs q of rank 3
+    or more: a ``ValueError`` says so).
     """
     T, S = q.shape[-2], k.shape[-2]
-    check_lengths(mask, T, S)
     lead = broadcast_all(q=q, k=k, v=v, bias=bias)
+    if mask is None:
+        return lead, len(lead) - (q.ndim - 2)
+    check_lengths(mask, T, S)
     leads = [broadcast_all(q=q, k=k, v=v, mask=a.array) for a in array_leaves(mask)]
     batch = example_lead(mask, q.ndim)
     try:
@@ -391,9 +414,3 @@ def call_lead(mask: Mask, q: Array, k: Array, v: Array | None, bias: Array | Non
             + (f", the mask's batch {batch} (a per-example mask's B on q's first axis)" if batch else "")
         ) from None
     return lead, len(lead) - (q.ndim - 2)
-
-
-def call_rows(mask: Mask, q: Array, k: Array, v: Array | None, bias: Array | None) -> tuple[tuple[int, ...], Mask]:
-    """``(lead, rows)``: the call's leading shape (:func:`call_lead`) and ``mask`` as rows of it flattened."""
-    lead, axis = call_lead(mask, q, k, v, bias)
-    return lead, as_rows(mask, lead, axis)

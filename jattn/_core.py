@@ -16,7 +16,6 @@ values.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import jax
@@ -25,9 +24,10 @@ from jax import Array
 from jax.ad_checkpoint import checkpoint_name
 from jax.typing import ArrayLike
 
-from jattn._blockwise import CHECKPOINT_NAMES, blockwise_attention, choose_tiles
-from jattn._checks import Operands, check_bias, check_block_size, check_dropout, check_operands, check_score_mod
+from jattn._blockwise import blockwise_attention, choose_tiles
+from jattn._checks import Operands, check_block_size, check_dropout, check_operands, check_score_mod
 from jattn._masks import Mask
+from jattn._online import CHECKPOINT_NAMES
 from jattn._paths import (
     choose_path,
     dense_attention,
@@ -39,7 +39,7 @@ from jattn._paths import (
 )
 
 # The table and constants live in jattn._paths.choice; named here too for the modules that import them from the core.
-__all__ = ["attention", "attention_weights", "choose_implementation"]
+__all__ = ["CHECKPOINT_NAMES", "attention", "attention_weights", "choose_implementation"]
 
 
 def _blockwise(
@@ -55,27 +55,29 @@ def _blockwise(
 
     Returns ``out (..., T, E)``, ``lse (..., T)`` and ``max_logit (..., T)``.
     """
-    q, k, v, mask, bias, scale, q_offset, kv_offset = ops
+    q, k, v, mask, bias = ops.q, ops.k, ops.v, ops.mask, ops.bias
     split = bias is None and score_mod is None and not dropout_rate
-    (bq, bk), back = choose_tiles(mask, q.shape[-2], k.shape[-2], q_offset, kv_offset, blocks, split)
+    (bq, bk), back = choose_tiles(mask, q.shape[-2], k.shape[-2], ops.q_offset, ops.kv_offset, blocks, split)
     return blockwise_attention(
         q,
         k,
         v,
         mask=mask,
-        scale=1.0 / math.sqrt(q.shape[-1]) if scale is None else scale,
-        q_offset=q_offset,
-        kv_offset=kv_offset,
+        scale=ops.scale,
+        q_offset=ops.q_offset,
+        kv_offset=ops.kv_offset,
         block_q=bq,
         block_kv=bk,
         precision=precision,
         score_mod=score_mod,
         sinks=sinks,  # checked against the call's leading dims, mask arrays included, there
-        bias=check_bias(bias),
+        bias=bias,
         dropout_rate=dropout_rate,
         dropout_rng=dropout_rng,
         backward_block=back,
         fused=blocks is None,
+        lead=ops.lead,
+        axis=ops.axis,
     )
 
 
@@ -228,10 +230,18 @@ def attention(
     used = features_used(ops, dropout_rate, precision, return_lse, block_size, score_mod, sinks, return_max_logit)
     path = choose_path(implementation, ops.q, ops.k, used)
     if path == "pallas":
-        q, k, v, mask, _, scale, q_offset, kv_offset = ops
         with refusals(path):
             out = pallas_attention(
-                q, k, v, mask=mask, scale=scale, q_offset=q_offset, kv_offset=kv_offset, blocks=blocks
+                ops.q,
+                ops.k,
+                ops.v,
+                mask=ops.mask,
+                scale=ops.scale,
+                q_offset=ops.q_offset,
+                kv_offset=ops.kv_offset,
+                blocks=blocks,
+                lead=ops.lead,
+                axis=ops.axis,
             )
         return checkpoint_name(out, CHECKPOINT_NAMES[0])
     if path in ("xla", "cudnn"):

@@ -22,7 +22,7 @@ from jattn._core import attention
 from jattn._layouts import from_grouped, heads_grid, to_grouped
 from jattn._masks import Mask
 from jattn._masks import mask_of_array as array_mask
-from jattn._paths import IMPLEMENTATIONS
+from jattn._paths import check_implementation
 from jattn._scalars import check_bool, check_int, int_array
 
 __all__ = ["dot_product_attention"]
@@ -217,8 +217,7 @@ def dot_product_attention(
     q, k, v, batched = _batched(q, k, v)
     B, T, N, _ = q.shape
     _, S, K, _ = k.shape
-    if implementation is not None and implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation must be None or one of {IMPLEMENTATIONS}, got {implementation!r}")
+    check_implementation(implementation)
     is_causal = check_bool("is_causal", is_causal)
     return_residual = check_bool("return_residual", return_residual)
     qj, kj, vj = to_grouped(q, k, v, K)  # (B, K, G, T, H), (B, K, 1, S, H), (B, K, 1, S, E)

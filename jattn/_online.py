@@ -40,10 +40,7 @@ from jattn._softmax import exp_below_one
 Tree = TypeVar("Tree")  # a pytree of arrays
 
 __all__ = [
-    "LOWER",
-    "SPLIT_AREA",
-    "STAIRS",
-    "TOP_EMPTY",
+    "CHECKPOINT_NAMES",
     "Tree",
     "accumulate",
     "backward_rows",
@@ -65,6 +62,12 @@ __all__ = [
     "transposed",
     "vary",
 ]
+
+
+#: The names (:func:`jax.ad_checkpoint.checkpoint_name`) of attention's output and log-sum-exp, on the
+#: residuals the backward reads and on :func:`jattn.attention`'s results: a ``jax.checkpoint`` policy
+#: ``save_only_these_names(*CHECKPOINT_NAMES)`` keeps them, so its backward recomputes no forward.
+CHECKPOINT_NAMES = ("jattn_out", "jattn_lse")
 
 
 def compute_dtype(dtype) -> jnp.dtype:
@@ -105,24 +108,6 @@ def scaled_scores(qb: Array, kb: Array, scale: float, compute, precision) -> Arr
     return s if isinstance(scale, float) and scale == 1.0 else s * jnp.asarray(scale, compute)
 
 
-#: The kind of a PARTIAL tile whose top-right quarter (first half of its query rows, last half of
-#: its keys) is empty, as on the diagonal of causal attention: computed as its two non-empty parts
-#: (top rows against the first half of the keys, bottom rows against all of them), 3/4 of the tile.
-LOWER = 3
-
-#: The kinds of a PARTIAL tile whose first 1, 2 or 3 quarters of query rows are empty, as on the
-#: causal diagonal of a tall tile (1024 x 128): only its last 3, 2 or 1 quarters are computed.
-TOP_EMPTY = (4, 5, 6)
-
-#: The kind of a PARTIAL tile whose quarters of query rows see only the first 1, 2, 3 and 4
-#: quarters of its keys, as on the diagonal of big square tiles of causal attention (2048²): each
-#: quarter of rows computed against its own keys, a staircase, 10/16 of the tile.
-STAIRS = 7
-
-#: The kinds computed in parts (the codes from LOWER up), and the share of the tile's area each computes.
-SPLIT_AREA = {LOWER: 0.75, TOP_EMPTY[0]: 0.75, TOP_EMPTY[1]: 0.5, TOP_EMPTY[2]: 0.25, STAIRS: 0.625}
-
-
 def per_block(
     kind: Array | int, update, carry, uniform: int | None = None, kinds: tuple[int, ...] | None = None, split=None
 ):
@@ -130,7 +115,7 @@ def per_block(
 
     ``kind`` is the tile's kind, traced (a branch on it) or an int (that kind's code alone).
 
-    ``split`` (optional) maps kinds of :data:`SPLIT_AREA` to the functions ``f(carry)`` that take
+    ``split`` (optional) maps kinds of :data:`jattn._masks.kinds.SPLIT_AREA` to the functions ``f(carry)`` that take
     their tiles, which only occur when given. ``uniform`` (a kind) says statically that every tile
     has that kind: no branch; else ``kinds`` (optional) lists the kinds that occur, and only their
     branches are compiled: it must hold every value ``kind`` can take (any other would run the

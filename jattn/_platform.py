@@ -38,14 +38,14 @@ __all__ = [
 TILE_BYTES = 2**22
 
 
-#: The smallest tile side (query rows and keys) whose LOWER tiles (:data:`jattn._online.LOWER`:
+#: The smallest tile side (query rows and keys) whose LOWER tiles (:data:`jattn._masks.kinds.LOWER`:
 #: partial, top-right quarter empty, as on the causal diagonal) are computed as their two non-empty
-#: parts, 3/4 of the tile, and whose TOP_EMPTY tiles (:data:`jattn._online.TOP_EMPTY`: the first
+#: parts, 3/4 of the tile, and whose TOP_EMPTY tiles (:data:`jattn._masks.kinds.TOP_EMPTY`: the first
 #: quarters of rows empty) as their other rows; smaller tiles are computed whole. Only without a
 #: score modification, bias or dropout, whose tile-shaped arrays would have to be cut too.
 SPLIT_MIN = 128
 
-#: The smallest tile side whose STAIRS tiles (:data:`jattn._online.STAIRS`) are computed as four
+#: The smallest tile side whose STAIRS tiles (:data:`jattn._masks.kinds.STAIRS`) are computed as four
 #: parts, below it as LOWER's two: causal forward on 2 threads, T=2048, 512² tiles 146 ms as LOWER
 #: and 148 ms as STAIRS, 1024² ones 137-141 ms as STAIRS (docs: design notes, "Blockwise tiles").
 STAIRS_MIN = 1024

@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import Array
 
+from jattn._online import compute_dtype
 from jattn._scalars import check_real, int_array
 
 __all__ = ["rope"]
@@ -47,7 +48,7 @@ def rope(x: Array, positions: Array, base: float = 10000.0) -> Array:
             f"rope positions of shape {positions.shape} do not broadcast to x.shape[:-1] = {x.shape[:-1]}"
         ) from None
     base = check_real("rope base", base, low=0.0, open_low=True)
-    ct = jnp.float64 if x.dtype == jnp.float64 else jnp.float32
+    ct = compute_dtype(x.dtype)
     half = x.shape[-1] // 2
     freq = jnp.asarray(base, ct) ** (-jnp.arange(half, dtype=ct) * (2.0 / x.shape[-1]))  # (D/2,)
     angle = positions.astype(ct)[..., None] * freq.reshape((1,) * positions.ndim + (half,))  # (..., D/2)

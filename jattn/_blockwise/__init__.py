@@ -3,7 +3,7 @@
 ``attention`` is the entry (:func:`blockwise_attention`); ``plan`` a call's frozen plan, ``tiles``
 the tiles a mask leaves and their size, ``tile_loops`` and ``tile_ops`` the loops and one tile;
 ``forward``, ``backward`` and ``tangent`` the sweeps of one group of rows, ``kernels`` one plan's
-kernels group by group, ``rules`` the derivatives at every order (and ``CHECKPOINT_NAMES``);
+kernels group by group, ``rules`` the derivatives at every order;
 ``fused_cpu`` (with its C++ source ``fused_cpu.cc``, package data) and ``fused_rows`` the fused CPU
 kernels.
 
@@ -13,5 +13,4 @@ below, and nothing else. Its files import each other directly, never through the
 """
 
 from jattn._blockwise.attention import blockwise_attention
-from jattn._blockwise.rules import CHECKPOINT_NAMES
 from jattn._blockwise.tiles import choose_tiles

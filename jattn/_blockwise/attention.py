@@ -71,9 +71,9 @@ from jattn._blockwise import fused_cpu as _fused_cpu
 from jattn._blockwise.fused_rows import fused_window
 from jattn._blockwise.plan import OWN, SHARED, Plan
 from jattn._blockwise.rules import flash
-from jattn._checks import broadcast_all, call_rows, check_sinks
+from jattn._checks import check_sinks
 from jattn._dropout import row_seeds
-from jattn._masks import Mask, query_offset, split_arrays
+from jattn._masks import Mask, as_rows, query_offset, split_arrays
 from jattn._online import compute_dtype, convert_mod, flat_lead, head_rows
 
 __all__ = [
@@ -111,8 +111,13 @@ def blockwise_attention(
     dropout_rng: Array | None = None,
     backward_block: tuple[int, int] | None = None,
     fused: bool = False,
+    lead: tuple[int, ...],
+    axis: int,
 ) -> tuple[Array, Array, Array]:
     """Blockwise attention of validated ``q (..., T, D)``, ``k (..., S, D)``, ``v (..., S, E)``.
+
+    ``lead`` is the call's leading shape ``...`` and ``axis`` the axis of it where q's first axis
+    lands (:class:`jattn._checks.Operands`).
 
     ``mask`` is a position predicate, possibly with array leaves ``(..., T, S)`` that broadcast
     against the leading dimensions. ``score_mod`` and ``sinks`` (broadcastable to the leading
@@ -126,9 +131,8 @@ def blockwise_attention(
     forward may be the fused kernel (:func:`fused_forward`), its tiles its own.
     """
     T, S = q.shape[-2], k.shape[-2]
-    lead = broadcast_all(q=q, k=k, v=v, bias=bias)
     if mask is not None:
-        lead, mask = call_rows(mask, q, k, v, bias)  # every array leaf as rows (B|1, ...) of lead flattened
+        mask = as_rows(mask, lead, axis)  # every array leaf as rows (B|1, ...) of lead flattened
     skeleton, arrays = (None, ()) if mask is None else split_arrays(mask)
     compute = compute_dtype(q.dtype)
     if isinstance(scale, jax.core.Tracer):  # traced (a jit argument, differentiated): into q here, the plan's is 1

@@ -3,7 +3,7 @@
 A mask the fused kernels serve is a key interval (:func:`jattn._masks.positions.key_interval`: none,
 causal, sliding windows) ``&`` at most one :func:`jattn.masks.padding` and at most one
 :func:`jattn.masks.segment_ids`, as rows of the call's leading dimensions flattened to ``B``
-(:func:`jattn._checks.call_rows`; their arrays ``(B|1, ...)``, :func:`jattn._masks.skeleton.split_arrays`).
+(:func:`jattn._masks.as_rows` of :class:`jattn._checks.Operands`' leading shape; their arrays ``(B|1, ...)``, :func:`jattn._masks.skeleton.split_arrays`).
 The kernels take, besides the static interval, ``lo (R, T)`` and ``hi (R, T)`` int32 (R = B or 1):
 query row t sees only keys ``lo <= s < hi``; with segment ids also ``q_ids (R, T)`` and ``kv_ids (R, S)``,
 and a key inside the bounds counts only where its id is the row's. The bounds of a row with segment

@@ -27,8 +27,8 @@ from jattn._blockwise.fused_rows import row_bounds
 from jattn._blockwise.plan import Plan
 from jattn._blockwise.tangent import tangent as group_tangent
 from jattn._blockwise.tile_loops import Rows, by_group
-from jattn._masks import EMPTY, reduce_kinds
-from jattn._online import LOWER, backward_rows, vary
+from jattn._masks import EMPTY, LOWER, reduce_kinds
+from jattn._online import backward_rows, vary
 
 __all__ = [
     "backward_kernel",

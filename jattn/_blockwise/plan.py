@@ -23,8 +23,7 @@ from jax import Array
 
 from jattn import _platform
 from jattn._blockwise.tiles import Schedule, static_kinds
-from jattn._masks import EMPTY, KeyBelow, Mask, fill_arrays, row_kinds, shared_arrays
-from jattn._online import LOWER
+from jattn._masks import EMPTY, LOWER, KeyBelow, Mask, fill_arrays, row_kinds, shared_arrays
 
 __all__ = ["OWN", "SHARED", "Plan", "Run"]
 

@@ -40,14 +40,9 @@ from jattn._blockwise.kernels import (
     ungrouped,
 )
 from jattn._blockwise.plan import Plan, Run
-from jattn._online import backward_rows, sink_grads, sum_to, vary
+from jattn._online import CHECKPOINT_NAMES, backward_rows, sink_grads, sum_to, vary
 
-__all__ = ["CHECKPOINT_NAMES", "flash"]
-
-#: The names (:func:`jax.ad_checkpoint.checkpoint_name`) of attention's output and log-sum-exp, on the
-#: residuals the backward reads and on :func:`jattn.attention`'s results: a ``jax.checkpoint`` policy
-#: ``save_only_these_names(*CHECKPOINT_NAMES)`` keeps them, so its backward recomputes no forward.
-CHECKPOINT_NAMES = ("jattn_out", "jattn_lse")
+__all__ = ["flash"]
 
 
 class Call(NamedTuple):

@@ -10,7 +10,7 @@ its rows (:class:`jattn._blockwise.tile_loops.Rows`). With the saved ``lse`` a t
 
 (``M`` dropout's factor, 1 without), and the finished rows give ``d lse = c + e^(sink - lse)·d sink``
 and ``d out = A - d lse · out``. Nothing of size T x S is kept: O(T) memory, like the forward.
-Split tiles (:data:`jattn._online.SPLIT_AREA`) are taken whole, masked. Rows with no key (lse
+Split tiles (:data:`jattn._masks.kinds.SPLIT_AREA`) are taken whole, masked. Rows with no key (lse
 ``-inf``) have tangents 0.
 """
 

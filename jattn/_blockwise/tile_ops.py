@@ -17,7 +17,8 @@ from jax import Array
 
 from jattn._blockwise.plan import Plan
 from jattn._dropout import keep_mask, keep_scale
-from jattn._online import LOWER, STAIRS, TOP_EMPTY, bind_mod, scaled_scores
+from jattn._masks import LOWER, STAIRS, TOP_EMPTY
+from jattn._online import bind_mod, scaled_scores
 
 __all__ = ["Tile", "parts", "prescale"]
 

@@ -2,7 +2,7 @@
 
 A tile is ``bq`` query rows against ``bk`` keys. :func:`static_kinds` classifies every tile of a
 call as EMPTY, PARTIAL or FULL (and marks the PARTIAL ones computed in parts: LOWER, TOP_EMPTY,
-STAIRS, :mod:`jattn._online`); :func:`schedule` lists each query block's non-empty key blocks,
+STAIRS, :mod:`jattn._masks.kinds`); :func:`schedule` lists each query block's non-empty key blocks,
 FULL ones first; :func:`auto_block` chooses the tile with the least work from the measured costs
 of :mod:`jattn._platform`, and :func:`choose_tiles` the forward's and the backward's tiles of a
 call. Everything here runs on NumPy at trace time.
@@ -15,8 +15,19 @@ from typing import NamedTuple
 import numpy as np
 
 from jattn import _platform
-from jattn._masks import EMPTY, FULL, PARTIAL, KeyBelow, Mask, box_kinds, query_offset
-from jattn._online import LOWER, SPLIT_AREA, STAIRS, TOP_EMPTY
+from jattn._masks import (
+    EMPTY,
+    FULL,
+    LOWER,
+    PARTIAL,
+    SPLIT_AREA,
+    STAIRS,
+    TOP_EMPTY,
+    KeyBelow,
+    Mask,
+    box_kinds,
+    query_offset,
+)
 
 __all__ = ["Schedule", "auto_block", "choose_tiles", "schedule", "static_kinds"]
 
@@ -27,11 +38,11 @@ def static_kinds(
     """``(nq, nk)`` int8 kinds of the tiles of ``bq`` x ``bk``, keys past S masked; split kinds marked when ``halve``.
 
     ``halve`` (tiles of :data:`SPLIT_MIN` and up) marks a PARTIAL tile whose top-right quarter is
-    empty (even sides) as LOWER (:data:`jattn._online.LOWER`), computed as its two non-empty parts,
+    empty (even sides) as LOWER (:data:`jattn._masks.kinds.LOWER`), computed as its two non-empty parts,
     and one whose first 1-3 quarters of rows are empty (``bq`` a multiple of 4) as TOP_EMPTY
-    (:data:`jattn._online.TOP_EMPTY`), computed as its other rows; the latter wins where both hold.
+    (:data:`jattn._masks.kinds.TOP_EMPTY`), computed as its other rows; the latter wins where both hold.
     A PARTIAL tile of :data:`STAIRS_MIN` and up (sides multiples of 4) whose every quarter of rows
-    sees only the keys up to its own quarter is STAIRS (:data:`jattn._online.STAIRS`), computed as
+    sees only the keys up to its own quarter is STAIRS (:data:`jattn._masks.kinds.STAIRS`), computed as
     four parts; TOP_EMPTY wins there too.
     """
     nq, nk = -(-T // bq), -(-S // bk)
@@ -88,7 +99,7 @@ class Schedule(NamedTuple):
     first) and their kinds, EMPTY where a row is padding; ``count (nq,)`` int32 its scheduled key
     blocks and ``full (nq,)`` its FULL ones. ``uniform``: the kind of every scheduled tile where
     they have one (no branch), else None; ``kinds`` the kinds that occur (EMPTY: padding);
-    ``splits`` the kinds computed in parts (:data:`jattn._online.SPLIT_AREA`). ``lead``: on CPU,
+    ``splits`` the kinds computed in parts (:data:`jattn._masks.kinds.SPLIT_AREA`). ``lead``: on CPU,
     with static kinds, a loop without a branch takes each query block's FULL tiles first (the
     blockwise sweep, :mod:`jattn._blockwise.tile_loops`).
     """

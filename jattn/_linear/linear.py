@@ -33,6 +33,7 @@ from jax.typing import ArrayLike
 
 from jattn._checks import check_qkv
 from jattn._masks import per_example_steps
+from jattn._online import compute_dtype
 from jattn._scalars import check_bool, check_int, check_real, is_traced
 
 __all__ = ["LinearState", "linear_attention"]
@@ -105,7 +106,7 @@ def linear_attention(
         raise ValueError(f"causal linear attention needs T == S, got q {q.shape} and k {k.shape}")
     chunk_size = check_int("chunk_size", chunk_size, min=1)
     eps = check_real("eps", eps, low=0.0, open_low=True)
-    compute = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
+    compute = compute_dtype(q.dtype)
     phi = feature_fn(feature_map)
     fq, fk = _apply(phi, feature_map, q, compute), _apply(phi, feature_map, k, compute)  # (..., T, F), (..., S, F)
     vc = v.astype(compute)

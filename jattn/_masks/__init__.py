@@ -26,7 +26,18 @@ from jattn._masks.constructors import (
     sliding_window,
     tile_kinds,
 )
-from jattn._masks.kinds import EMPTY, FULL, PARTIAL, box_kinds, reduce_kinds, row_kinds
+from jattn._masks.kinds import (
+    EMPTY,
+    FULL,
+    LOWER,
+    PARTIAL,
+    SPLIT_AREA,
+    STAIRS,
+    TOP_EMPTY,
+    box_kinds,
+    reduce_kinds,
+    row_kinds,
+)
 from jattn._masks.per_example import Padding, RowPadding, RowSegments, SegmentIds, on_batch_axis, per_example_steps
 from jattn._masks.positions import Causal, KeyBelow, SlidingWindow, key_interval
 from jattn._masks.predicates import lead_rows

@@ -1,5 +1,8 @@
 """Tile kinds: the EMPTY / PARTIAL / FULL codes and the classification of a mask's boxes and tiles.
 
+The blockwise path computes some PARTIAL tiles in parts, each kind a code of its own beside these
+(:data:`LOWER`, :data:`TOP_EMPTY`, :data:`STAIRS`: every tile code in one place).
+
 A box of query positions ``[i0, i1]`` x key positions ``[j0, j1]`` (inclusive) is EMPTY where the
 mask allows no pair in it, FULL where it allows every pair, PARTIAL otherwise (or where it cannot
 tell). :func:`box_kinds` classifies boxes statically, from positions alone (what
@@ -19,9 +22,38 @@ from jax import Array
 if TYPE_CHECKING:
     from jattn._masks.base import Mask
 
-__all__ = ["EMPTY", "FULL", "PARTIAL", "box_kinds", "grid_boxes", "reduce_kinds", "row_kinds"]
+__all__ = [
+    "EMPTY",
+    "FULL",
+    "LOWER",
+    "PARTIAL",
+    "SPLIT_AREA",
+    "STAIRS",
+    "TOP_EMPTY",
+    "box_kinds",
+    "grid_boxes",
+    "reduce_kinds",
+    "row_kinds",
+]
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
+
+#: The kind of a PARTIAL tile whose top-right quarter (first half of its query rows, last half of
+#: its keys) is empty, as on the diagonal of causal attention: computed as its two non-empty parts
+#: (top rows against the first half of the keys, bottom rows against all of them), 3/4 of the tile.
+LOWER = 3
+
+#: The kinds of a PARTIAL tile whose first 1, 2 or 3 quarters of query rows are empty, as on the
+#: causal diagonal of a tall tile (1024 x 128): only its last 3, 2 or 1 quarters are computed.
+TOP_EMPTY = (4, 5, 6)
+
+#: The kind of a PARTIAL tile whose quarters of query rows see only the first 1, 2, 3 and 4
+#: quarters of its keys, as on the diagonal of big square tiles of causal attention (2048²): each
+#: quarter of rows computed against its own keys, a staircase, 10/16 of the tile.
+STAIRS = 7
+
+#: The kinds computed in parts (the codes from LOWER up), and the share of the tile's area each computes.
+SPLIT_AREA = {LOWER: 0.75, TOP_EMPTY[0]: 0.75, TOP_EMPTY[1]: 0.5, TOP_EMPTY[2]: 0.25, STAIRS: 0.625}
 
 
 def grid_boxes(

@@ -3,7 +3,7 @@
 A call's leading shape ``lead`` (:func:`jattn._checks.call_lead`) broadcasts q, k, v, bias, the
 mask's explicit arrays and a per-example mask's batch: :func:`array_leaves` and
 :func:`example_lead` find what of the mask adds to it. The blockwise and kernel paths read the
-mask per row of ``lead`` flattened (:func:`as_rows`; :func:`jattn._checks.call_rows`).
+mask per row of ``lead`` flattened (:func:`as_rows`).
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from jax import Array
 
 from jattn._checks import check_block_size, check_score_mod
 from jattn._linear import RECURRENT_KINDS, feature_fn
-from jattn._paths import IMPLEMENTATIONS
+from jattn._paths import check_implementation
 from jattn._scalars import check_bool, check_dtype, check_int, check_real
 from jattn.score_mods import ScoreMod
 
@@ -287,8 +287,7 @@ def check_kind(kind: str, feature_map: object, *, cross: bool = False) -> None:
 
 def check_path(implementation: str | None, block_size: int | tuple[int, int] | None) -> None:
     """Validates a module's ``implementation`` and ``block_size`` (as :func:`jattn.attention` takes them)."""
-    if implementation is not None and implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
+    check_implementation(implementation)
     check_block_size(block_size)
 
 

@@ -10,7 +10,14 @@ rest of jattn imports this subpackage through this face only: the names imported
 else. Its files import each other directly, never through the face.
 """
 
-from jattn._paths.choice import AUTO_BLOCKWISE_MIN, IMPLEMENTATIONS, SUPPORT, choose_path, features_used
+from jattn._paths.choice import (
+    AUTO_BLOCKWISE_MIN,
+    IMPLEMENTATIONS,
+    SUPPORT,
+    check_implementation,
+    choose_path,
+    features_used,
+)
 from jattn._paths.dense import dense_attention, dense_weights
 from jattn._paths.pallas import pallas_attention
 from jattn._paths.transforms import TRANSFORMS, refusals

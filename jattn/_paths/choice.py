@@ -22,7 +22,15 @@ from jattn import _platform
 from jattn._checks import Operands
 from jattn._masks import ArrayMask, Mask
 
-__all__ = ["AUTO_BLOCKWISE_MIN", "IMPLEMENTATIONS", "SUPPORT", "choose_path", "features_used", "refusal"]
+__all__ = [
+    "AUTO_BLOCKWISE_MIN",
+    "IMPLEMENTATIONS",
+    "SUPPORT",
+    "check_implementation",
+    "choose_path",
+    "features_used",
+    "refusal",
+]
 
 AUTO_BLOCKWISE_MIN = 1024 * 1024  # T·S from which 'auto' prefers blockwise on CPU (docs: design notes)
 IMPLEMENTATIONS = ("dense", "blockwise", "xla", "cudnn", "pallas")
@@ -144,10 +152,15 @@ def refusal(path: str, used: list[str], *, partly: bool = True) -> str | None:
     return None
 
 
-def choose_path(implementation: str | None, q: Array, k: Array, used: list[str]) -> str:
-    """The path for this call (q ``(..., T, D)``, k ``(..., S, D)``); an explicit choice that cannot honour an argument raises a ``ValueError``."""
+def check_implementation(implementation: str | None) -> None:
+    """Raises a ``ValueError`` unless ``implementation`` is None or one of :data:`IMPLEMENTATIONS` (the one check of it)."""
     if implementation is not None and implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
+
+
+def choose_path(implementation: str | None, q: Array, k: Array, used: list[str]) -> str:
+    """The path for this call (q ``(..., T, D)``, k ``(..., S, D)``); an explicit choice that cannot honour an argument raises a ``ValueError``."""
+    check_implementation(implementation)
     if implementation is not None:
         why = refusal(implementation, used)
         if why:

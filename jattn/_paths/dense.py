@@ -18,9 +18,9 @@ import jax.numpy as jnp
 from jax import Array
 from jax.typing import ArrayLike
 
-from jattn._checks import Operands, broadcast_all, call_rows, check_bias, check_sinks
+from jattn._checks import Operands, check_sinks
 from jattn._dropout import keep_mask, keep_scale, row_seeds
-from jattn._masks import Mask, query_offset
+from jattn._masks import Mask, as_rows, query_offset
 from jattn._online import compute_dtype, lead_index
 from jattn._softmax import SoftmaxParts, softmax_parts
 
@@ -33,45 +33,38 @@ def dense_mask(
     k: Array,
     q_offset: ArrayLike | None,
     kv_offset: ArrayLike,
-    v: Array | None = None,
-    bias: ArrayLike | None = None,
+    lead: tuple[int, ...],
+    axis: int,
 ) -> Array | None:
-    """The boolean ``(..., T, S)`` of a mask (a per-example one puts the batch on the first axis of q)."""
+    """The boolean ``(..., T, S)`` of a mask in a call of leading shape ``lead`` (:class:`jattn._checks.Operands`).
+
+    A per-example mask puts its batch on ``lead[axis]``, the first axis of q.
+    """
     if mask is None:
         return None
     T, S = q.shape[-2], k.shape[-2]
     if mask.per_row:
-        return _dense_rows(mask, q, k, v, bias, q_offset, kv_offset)
+        return _dense_rows(mask, T, S, q_offset, kv_offset, lead, axis)
     dense = mask.dense(T, S, q_offset=q_offset, kv_offset=kv_offset)
-    if mask.per_example and dense.ndim == 4:  # (B, 1, T, S): batch first
-        if q.ndim < 3:
-            raise ValueError(f"a per-example mask needs a batch axis in q, got q of shape {q.shape}")
+    if mask.per_example and dense.ndim == 4:  # (B, 1, T, S): batch first (q has a batch axis: check_operands)
         dense = dense.reshape(dense.shape[0], *(1,) * (q.ndim - 3), T, S)
     return dense
 
 
 def _dense_rows(
-    mask: Mask,
-    q: Array,
-    k: Array,
-    v: Array | None,
-    bias: ArrayLike | None,
-    q_offset: ArrayLike | None,
-    kv_offset: ArrayLike,
+    mask: Mask, T: int, S: int, q_offset: ArrayLike | None, kv_offset: ArrayLike, lead: tuple[int, ...], axis: int
 ) -> Array:
     """A mask that reads the batch and head (:func:`jattn.masks.predicate`), evaluated per row of the call: ``(..., T, S)``.
 
     As the blockwise path reads it: every leaf as rows of the leading shape flattened
     (:func:`jattn._masks.rows.as_rows`), at static offsets.
     """
-    T, S = q.shape[-2], k.shape[-2]
     if not all(isinstance(o, numbers.Integral) for o in (0 if q_offset is None else q_offset, kv_offset)):
         raise ValueError(
             f"a masks.predicate takes static int offsets, got q_offset={q_offset!r}, kv_offset={kv_offset!r}"
         )
-    lead, rows = call_rows(mask, q, k, v, check_bias(bias))
     q0 = query_offset(q_offset, kv_offset, T, S)
-    rows = rows._bind(q0, kv_offset)
+    rows = as_rows(mask, lead, axis)._bind(q0, kv_offset)
     m = rows.allowed(q0 + jnp.arange(T, dtype=jnp.int32)[:, None], kv_offset + jnp.arange(S, dtype=jnp.int32)[None])
     return jnp.broadcast_to(m, (math.prod(lead), T, S)).reshape(*lead, T, S)
 
@@ -83,9 +76,8 @@ def _pad_rank(x: Array | None, ndim: int) -> Array | None:
 
 def _operands(ops: Operands) -> tuple[tuple[int, ...], Array, Array, Array | None, Array | None, Array | None]:
     """The leading shape ``...`` of the call and q, k, v, the dense mask ``(..., T, S)`` and bias, all at its rank."""
-    q, k, v = ops.q, ops.k, ops.v
-    mask, bias = dense_mask(ops.mask, q, k, ops.q_offset, ops.kv_offset, v, ops.bias), check_bias(ops.bias)
-    lead = broadcast_all(q=q, k=k, v=v, mask=mask, bias=bias)
+    q, k, v, bias, lead = ops.q, ops.k, ops.v, ops.bias, ops.lead
+    mask = dense_mask(ops.mask, q, k, ops.q_offset, ops.kv_offset, lead, ops.axis)
     ndim = len(lead) + 2
     q, k, v, mask, bias = (_pad_rank(x, ndim) for x in (q, k, v, mask, bias))
     return lead, q, k, v, mask, bias
@@ -115,7 +107,7 @@ def _logits(
     k: Array,
     mask: Array | None,
     bias: Array | None,
-    scale: float | ArrayLike | None,
+    scale: float | ArrayLike,
     precision: jax.lax.PrecisionLike,
     score_mod: Callable[..., Array] | None = None,
     mod_index: tuple = (),
@@ -129,8 +121,6 @@ def _logits(
     with none), sinks left out.
     """
     compute = compute_dtype(q.dtype)
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1])
     # The scale goes into q, not onto the scores: a product of scores and scale can be fused into
     # one multiply-add with the max subtraction (XLA on CPU does), leaving the row maximum's own
     # exponent at minus half an ulp of the logit instead of 0 (exp(-1e25) for logits near 1e32).

@@ -41,7 +41,6 @@ import numpy as np
 from jax import Array
 
 from jattn import _platform
-from jattn._checks import broadcast_all, call_lead
 from jattn._masks import Causal, Mask, Padding, conjuncts, on_batch_axis, query_offset
 from jattn._paths.splash import splash_attention
 from jattn._softmax import zero_empty_rows
@@ -80,10 +79,8 @@ def _terms(mask: Mask | None) -> tuple[bool, Padding | None]:
     return causal, pad
 
 
-def _static_scale(scale, D: int) -> float | None:
+def _static_scale(scale) -> float | None:
     """The scale as a Python float, or None when it is traced (then it is folded into q)."""
-    if scale is None:
-        return 1.0 / math.sqrt(D)
     if isinstance(scale, jax.core.Tracer):
         return None
     return float(np.asarray(scale))
@@ -196,15 +193,6 @@ def _zero_unseen(out: Array, pad: Padding, lead: tuple[int, ...], axis: int, dro
     return out
 
 
-def _lead_and_axis(mask: Mask | None, pad: Padding | None, q: Array, k: Array, v: Array):
-    """``(lead, axis)``: the call's leading shape and, with ``padding()``, the axis of it where q's first axis lands."""
-    if pad is None:
-        return broadcast_all(q=q, k=k, v=v), None
-    if q.ndim < 3:
-        raise ValueError(f"a per-example mask needs a batch axis in q, got q of shape {q.shape}")
-    return call_lead(mask, q, k, v, None)  # with the batch on lead[axis], where q's first axis lands
-
-
 def pallas_attention(
     q: Array,
     k: Array,
@@ -215,8 +203,13 @@ def pallas_attention(
     q_offset: int | None,
     kv_offset: int,
     blocks: tuple[int, int] | None,
+    lead: tuple[int, ...],
+    axis: int,
 ) -> Array:
     """Attention through the platform's Pallas kernel; q ``(..., T, D)``, k ``(..., S, D)``, v ``(..., S, E)``.
+
+    ``scale`` is a value, ``lead`` the call's leading shape and ``axis`` the axis of it where q's
+    first axis (a per-example mask's batch) lands (:class:`jattn._checks.Operands`).
 
     Returns ``(..., T, E)`` in the dtype of q. ``mask`` is None or a conjunction of ``causal()``
     and ``padding()`` (anything else raises a ``ValueError``); ``q_offset``/``kv_offset`` are
@@ -226,14 +219,13 @@ def pallas_attention(
     """
     kernel, interpret = kernel_platform()
     if kernel == "tpu":
-        return splash_attention(q, k, v, mask, scale, q_offset, kv_offset, blocks, interpret)
+        return splash_attention(q, k, v, mask, scale, q_offset, kv_offset, blocks, interpret, lead, axis)
     T, S, D, E = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
     causal, pad = _terms(mask)
-    lead, axis = _lead_and_axis(mask, pad, q, k, v)
     grid = _grid(T, S, D, E, causal, pad, query_offset(q_offset, kv_offset, T, S) - kv_offset, blocks, interpret)
     if grid.rows == 0:
         return jnp.zeros((*lead, T, E), q.dtype)
-    sm = _static_scale(scale, D)
+    sm = _static_scale(scale)
     if sm is None:  # traced scale: into q (in the compute dtype, rounded once to q's dtype)
         q = (q.astype(jnp.float32) * jnp.asarray(scale, jnp.float32)).astype(q.dtype)
         sm = 1.0

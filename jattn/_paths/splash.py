@@ -26,7 +26,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
-from jattn._checks import broadcast_all
 from jattn._masks import Causal, Mask, Padding, SegmentIds, SlidingWindow, conjuncts, query_offset
 from jattn._softmax import zero_empty_rows
 
@@ -74,19 +73,6 @@ def _terms(mask: Mask | None) -> tuple[Mask | None, list[Mask], Padding | None, 
             static = term if static is None else static & term
             natives.append(term)
     return static, natives, pad, seg
-
-
-def _lead(q: Array, k: Array, v: Array, pad: Padding | None, seg: SegmentIds | None) -> tuple[int, ...]:
-    """The call's leading shape: q, k, v broadcast, with a per-example mask's batch B on the first axis."""
-    lead = broadcast_all(q=q, k=k, v=v)
-    if pad is None and seg is None:
-        return lead
-    if q.ndim < 3:
-        raise ValueError(f"a per-example mask needs a batch axis in q, got q of shape {q.shape}")
-    arrays = [] if pad is None else [pad.q_lengths, pad.kv_lengths]
-    arrays += [] if seg is None else [seg.q_segments, seg.kv_segments]
-    B = max(jnp.shape(x)[0] for x in arrays if x is not None)
-    return jnp.broadcast_shapes(lead, (B, *(1,) * (len(lead) - 1)))
 
 
 def _native_mask(natives: list[Mask], T: int, S: int, Tp: int, Sp: int, d: int, segments: bool):
@@ -213,18 +199,34 @@ def _heads(x: Array, lead: tuple[int, ...], Bk: int, H: int, Lp: int) -> Array:
 
 
 def splash_attention(
-    q: Array, k: Array, v: Array, mask: Mask | None, scale, q_offset, kv_offset, blocks, interpret: bool
+    q: Array,
+    k: Array,
+    v: Array,
+    mask: Mask | None,
+    scale,
+    q_offset,
+    kv_offset,
+    blocks,
+    interpret: bool,
+    lead: tuple[int, ...],
+    axis: int,
 ) -> Array:
     """Splash attention for jattn's arguments: q ``(..., T, D)``, k ``(..., S, D)``, v ``(..., S, E)`` -> ``(..., T, E)``.
 
     ``mask`` is a conjunction of position predicates, ``padding()`` and ``segment_ids()``; the
-    translation is the module docstring's. Offsets are static; ``blocks`` ``(block_q, block_kv)``
-    (rounded up to multiples of 128) defaults to square ``min(SPLASH_BLOCK, max(T, S))``.
+    translation is the module docstring's. ``scale`` is a value; offsets are static; ``blocks``
+    ``(block_q, block_kv)`` (rounded up to multiples of 128) defaults to square
+    ``min(SPLASH_BLOCK, max(T, S))``. ``lead`` is the call's leading shape, a per-example mask's
+    batch on ``lead[axis]`` (:class:`jattn._checks.Operands`), which must be its first axis here.
     """
-    T, S, D, E = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
+    T, S, E = q.shape[-2], k.shape[-2], v.shape[-1]
     static, natives, pad, seg = _terms(mask)
-    lead = _lead(q, k, v, pad, seg)
     per_example = pad is not None or seg is not None
+    if per_example and axis != 0:
+        raise ValueError(
+            f"implementation='pallas' on TPU puts a per-example mask's batch on the call's first axis: q {q.shape} "
+            f"has fewer leading axes than the call's {lead}; give q every leading axis, or use 'blockwise'"
+        )
     q0 = query_offset(q_offset, kv_offset, T, S)
     if blocks is None:
         b = min(SPLASH_BLOCK, -(-max(T, S) // 128) * 128)
@@ -236,8 +238,7 @@ def splash_attention(
     n_lead = len(lead)
     Bk = lead[0] if per_example else 1
     H = math.prod(lead) // Bk
-    sc = 1.0 / math.sqrt(D) if scale is None else scale
-    q = (q.astype(jnp.float32) * jnp.asarray(sc, jnp.float32)).astype(q.dtype)  # splash takes q pre-scaled
+    q = (q.astype(jnp.float32) * jnp.asarray(scale, jnp.float32)).astype(q.dtype)  # splash takes q pre-scaled
     qf, kf, vf = _heads(q, lead, Bk, H, Tp), _heads(k, lead, Bk, H, Sp), _heads(v, lead, Bk, H, Sp)
     seen, kv_valid, q_ids, kv_ids = _seen_and_ids(first, dense, pad, seg, T, S)
     use_ids = per_example or Sp > S

@@ -14,10 +14,9 @@ import functools
 import jax
 import jax.extend
 import jax.numpy as jnp
-import numpy as np
 from jax import Array
 
-from jattn._checks import Operands, broadcast_all, call_lead, check_bias
+from jattn._checks import Operands
 from jattn._masks import Causal, Mask, Padding, SlidingWindow, conjuncts, on_batch_axis, query_offset
 from jattn._paths.dense import dense_lse, dense_mask
 from jattn._softmax import zero_empty_rows
@@ -162,29 +161,18 @@ def _flat_grid(x: Array, lead: tuple[int, ...], T: int, S: int) -> Array:
     return jnp.broadcast_to(x, (*lead, T, S)).reshape(-1, 1, T, S)
 
 
-def _call_lead(q: Array, k: Array, v: Array, bias: Array | None, dense: Array | None, lead: tuple[int, ...]) -> tuple:
-    """``lead`` broadcast with the leading shape ``...`` of q, k, v, bias and a dense mask ``(..., T, S)``."""
-    return tuple(np.broadcast_shapes(lead, broadcast_all(q=q, k=k, v=v, bias=bias, mask=dense)))
-
-
 def jax_nn_attention(ops: Operands, path: str, return_lse: bool) -> Array | tuple[Array, Array]:
     """Hands the call to ``jax.nn.dot_product_attention`` with its own arguments (see :data:`jattn._paths.choice.SUPPORT`).
 
     ``out (..., T, E)``, with ``lse (..., T)`` when ``return_lse``.
     """
-    q, k, v, mask, _, scale, q_offset, kv_offset = ops
+    q, k, v, mask, bias, scale, q_offset, kv_offset, lead, axis = ops
     T, S = q.shape[-2], k.shape[-2]
-    bias = check_bias(ops.bias)
-    lead, axis = broadcast_all(q=q, k=k, v=v, bias=bias), 0
-    if mask is not None and q.ndim > 2:
-        lead, axis = call_lead(mask, q, k, v, bias)  # with a per-example mask's batch, on q's first axis
     if T == 0 or S == 0:  # no key (or no query): every row is empty, 0 with lse -inf; jax.nn cannot reshape it
-        lead = _call_lead(q, k, v, bias, dense_mask(mask, q, k, q_offset, kv_offset, v, bias), lead)
         out = jnp.zeros((*lead, T, v.shape[-1]), v.dtype)
         return (out, jnp.full((*lead, T), -jnp.inf, jnp.float32)) if return_lse else out
     kwargs = _jax_nn_args(mask, path, T, S, q_offset, kv_offset, lead or (1,), axis)  # jax.nn needs a batch axis
-    dense = dense_mask(kwargs.pop("mask", None), q, k, q_offset, kv_offset, v, bias)
-    lead = _call_lead(q, k, v, bias, dense, lead)
+    dense = dense_mask(kwargs.pop("mask", None), q, k, q_offset, kv_offset, lead, axis)
     with jax.numpy_dtype_promotion("standard"):  # jax.nn promotes bf16/f16 internally; callers may run strict
         out = jax.nn.dot_product_attention(
             _flat(q, lead),
@@ -199,10 +187,10 @@ def jax_nn_attention(ops: Operands, path: str, return_lse: bool) -> Array | tupl
         )
     out, lse = out if return_lse else (out, None)
     if lse is not None:  # jax.nn stops the residual's gradient: take it from the dense logits'
-        lse = _lse_grad(lse, ops._replace(bias=bias))
+        lse = _lse_grad(lse, ops)
     out = out.reshape(*lead, T, v.shape[-1])
     if mask is not None:  # jax.nn averages v over a fully masked row; the contract is 0 (and lse -inf)
-        dense = dense_mask(mask, q, k, q_offset, kv_offset, v, bias)  # (..., T, S): reduced before it is broadcast
+        dense = dense_mask(mask, q, k, q_offset, kv_offset, lead, axis)  # (..., T, S): reduced before it is broadcast
         seen = jnp.broadcast_to(jnp.any(jnp.broadcast_to(dense, (*dense.shape[:-2], T, S)), axis=-1), (*lead, T))
         out, lse = zero_empty_rows(out, seen, None if lse is None else lse.reshape(*lead, T))
     elif lse is not None:

@@ -39,7 +39,7 @@ import numpy as np
 from jax import Array
 from jax.typing import ArrayLike
 
-from jattn._checks import broadcast_all, check_mask, check_qkv, check_score_mod, check_sinks
+from jattn._checks import broadcast_all, check_mask, check_qkv, check_score_mod, check_sinks, default_scale
 from jattn._masks import FULL, PARTIAL, KeyBelow, Mask
 from jattn._online import compute_dtype, convert_mod, flat_lead, head_rows, vary
 from jattn._ring.rules import ring as ring_rule
@@ -205,7 +205,7 @@ def ring_attention(
         tc=T // c,
         sc=S // c,
         q_offset=q_offset,
-        scale=1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale),
+        scale=float(default_scale(scale, q.shape[-1])),
         segments=segment_ids is not None,
         compute=compute,
         mod=mod,

@@ -20,7 +20,7 @@ from jax import Array
 from jax.ad_checkpoint import checkpoint_name
 
 from jattn._autodiff import LinearPair
-from jattn._blockwise import CHECKPOINT_NAMES
+from jattn._online import CHECKPOINT_NAMES
 from jattn._ring.sweeps import Ring, backward, forward, tangent
 
 __all__ = ["ring"]
