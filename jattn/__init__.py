@@ -9,7 +9,10 @@ layout (top-left causal alignment); :mod:`jattn.flax` has an ``attention_fn`` fo
 
 ``jattn.nnx``, ``jattn.linen`` and ``jattn.flax`` are imported on first access (PEP 562), so
 ``import jattn`` does not import Flax; they are left out of ``__all__`` for the same reason (a
-``from jattn import *`` would import them).
+``from jattn import *`` would import them). The linear family (``linear_attention``,
+``gated_linear_attention``, ``LinearState``, ``RECURRENT_KINDS``) and ring attention are in
+``__all__`` but load their subpackages on first access too, so a softmax-only program never
+imports them.
 """
 
 import importlib
@@ -22,9 +25,7 @@ _xla_flags.apply()  # before anything could start JAX's backend: XLA reads XLA_F
 from jattn import masks, score_mods
 from jattn._core import CHECKPOINT_NAMES, attention, attention_weights, choose_implementation
 from jattn._dot_product_attention import dot_product_attention
-from jattn._linear import RECURRENT_KINDS, LinearState, gated_linear_attention, linear_attention
 from jattn._paths import AUTO_BLOCKWISE_MIN, IMPLEMENTATIONS, SUPPORT, TRANSFORMS
-from jattn._ring import ring_attention, sequence_parallel_attention, unzigzag, zigzag
 from jattn._rope import rope
 from jattn._softmax import SoftmaxParts, softmax, softmax_parts
 
@@ -55,21 +56,39 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
-if TYPE_CHECKING:  # the lazy submodules, for type checkers (explicit re-exports)
+if TYPE_CHECKING:  # the lazy names, for type checkers (explicit re-exports)
     from jattn import flax as flax
     from jattn import linen as linen
     from jattn import nnx as nnx
+    from jattn._linear import RECURRENT_KINDS as RECURRENT_KINDS
+    from jattn._linear import LinearState as LinearState
+    from jattn._linear import gated_linear_attention as gated_linear_attention
+    from jattn._linear import linear_attention as linear_attention
+    from jattn._ring import ring_attention as ring_attention
+    from jattn._ring import sequence_parallel_attention as sequence_parallel_attention
+    from jattn._ring import unzigzag as unzigzag
+    from jattn._ring import zigzag as zigzag
 
 _LAZY_SUBMODULES = ("flax", "linen", "nnx")  # they import Flax
+#: Names whose subpackage loads on first access: the linear family and ring attention (13 modules
+#: that a softmax-only user never runs; ``import jattn`` loads 47 of its modules, not 58).
+_LAZY_NAMES = {
+    **dict.fromkeys(("RECURRENT_KINDS", "LinearState", "gated_linear_attention", "linear_attention"), "_linear"),
+    **dict.fromkeys(("ring_attention", "sequence_parallel_attention", "unzigzag", "zigzag"), "_ring"),
+}
 
 
 def __getattr__(name: str) -> Any:
-    """Imports the Flax submodules ``jattn.nnx``, ``jattn.linen`` and ``jattn.flax`` on first access."""
+    """Imports ``jattn.nnx``, ``jattn.linen``, ``jattn.flax`` and the subpackages of :data:`_LAZY_NAMES` on first access."""
     if name in _LAZY_SUBMODULES:
         return importlib.import_module(f"{__name__}.{name}")  # the import also binds it here
+    if name in _LAZY_NAMES:
+        value = getattr(importlib.import_module(f"{__name__}.{_LAZY_NAMES[name]}"), name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    """The module's names with the lazy submodules."""
-    return sorted({*globals(), *_LAZY_SUBMODULES})
+    """The module's names with the lazy ones."""
+    return sorted({*globals(), *_LAZY_SUBMODULES, *_LAZY_NAMES})
