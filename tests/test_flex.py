@@ -358,7 +358,9 @@ def test_blockwise_bias_memory_is_the_bias_and_its_gradient(monkeypatch):
 
     bias_bytes, scores_bytes = t * t * 4, n * t * t * 4
     extra = temp("blockwise", True) - temp("blockwise", False)
-    assert extra <= 2.5 * bias_bytes
+    # 2.46 biases with XLA:CPU's YNNPACK fusions, 3.33 with the flag jattn sets against their miscompile
+    # (docs: transformations): XLA's own fusions keep one more (4, 512, 512) tile of the backward live
+    assert extra <= 3.5 * bias_bytes
     assert temp("dense", True) >= scores_bytes  # the check can fail: dense holds the scores
 
 
