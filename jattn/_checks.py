@@ -31,6 +31,7 @@ from jattn._masks import (
 from jattn._scalars import check_int, check_real
 
 __all__ = [
+    "KernelRefusalError",
     "Operands",
     "as_mask",
     "broadcast_all",
@@ -49,6 +50,15 @@ __all__ = [
     "default_scale",
     "layout_hint",
 ]
+
+
+class KernelRefusalError(ValueError):
+    """A fused kernel cannot take this call (a "partly" cell of :data:`jattn.SUPPORT`, decided per call).
+
+    Raised by a kernel's translation before it builds anything; with ``implementation=None`` the
+    automatic choice catches it and tries the platform's next path, with the kernel named it reaches
+    the caller as the ``ValueError`` it is, naming the argument and the paths that take it.
+    """
 
 
 _FLOATS = tuple(map(jnp.dtype, (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64)))
