@@ -15,10 +15,39 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_the_table_has_a_row_a_model_and_a_column_a_number_of_pairs():
-    results = {"attention": {16: 1.0, 8: 0.99}, "linear": {8: 0.4321, 16: 0.25}}
+    results = {"attention": {16: {None: 1.0}, 8: {None: 0.99}}, "linear": {8: {None: 0.4321}, 16: {None: 0.25}}}
     assert family.table(results) == (
         "| model | 8 pairs | 16 pairs |\n|---|---|---|\n| attention | 99.0 | 100.0 |\n| linear | 43.2 | 25.0 |\n"
     )
+
+
+def test_a_sweep_reports_the_best_finished_rate_beside_its_accuracy():
+    results = {"deltanet": {8: {1e-3: 0.5, 3e-3: 0.91, 1e-2: None}, 64: {1e-3: None, 3e-3: None}}}
+    assert family.table(results) == "| model | 8 pairs | 64 pairs |\n|---|---|---|\n| deltanet | 91.0 (0.003) | - |\n"
+    assert family.best({1e-3: 0.2, 3e-3: 0.2}) == (1e-3, 0.2)  # a tie: the first rate tried
+    assert family.best({1e-3: None}) is None
+
+
+def test_every_recurrent_kind_of_jattn_is_in_the_comparison():
+    import jattn
+
+    assert set(family.MIXERS) == {"attention", "linear", *jattn.RECURRENT_KINDS}
+
+
+def test_a_rate_of_the_sweep_is_its_own_run(tmp_path: Path):
+    default = family.config("gla", 16, tmp_path)
+    swept = family.config("gla", 16, tmp_path, lr=3e-3)
+    assert (default.workdir, swept.workdir) == (str(tmp_path / "gla-16"), str(tmp_path / "gla-16-lr0.003"))
+    assert swept.learning_rate == 3e-3 and default.learning_rate != 3e-3
+
+
+def test_no_train_reads_back_finished_runs_only(tmp_path: Path):
+    """A rate that never ran is "-" and nothing is trained: the run directories stay absent."""
+    assert family.main(["--mixers", "linear", "--pairs", "8", "--learning-rates", "1e-3", "3e-3", "--no-train",
+                        "--out", str(tmp_path), "--steps", "10"]) == 0  # fmt: skip
+    assert json.loads((tmp_path / "family.json").read_text()) == {"linear": {"8": {"0.001": None, "0.003": None}}}
+    assert "| linear | - |" in (tmp_path / "family.md").read_text()
+    assert not (tmp_path / "linear-8-lr0.001").exists()
 
 
 @pytest.mark.parametrize("pairs, symbols", [(8, 32), (32, 32), (64, 64)])
@@ -47,6 +76,6 @@ def test_tiny_mqar_ranks_softmax_above_the_delta_rule_above_plain_linear(tmp_pat
     cmd += ["--steps", "1000", "--out", str(tmp_path)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr
-    acc = {m: row["8"] for m, row in json.loads((tmp_path / "family.json").read_text()).items()}
+    acc = {m: row["8"]["config"] for m, row in json.loads((tmp_path / "family.json").read_text()).items()}
     assert acc["attention"] > acc["deltanet"] > acc["linear"] + 0.1, acc
     assert (tmp_path / "family.png").is_file()

@@ -60,8 +60,9 @@ KEYS: dict[str, str] = {
     "task.size": "sort, reverse, induction: tokens in the first half; the second half is them sorted, "
     "reversed or repeated",
     "task.vocab": "sort, reverse, induction: symbols the tokens are drawn from (chance is 1/vocab)",
-    "model.mixer": "'attention' (softmax), 'linear', a recurrent kind of jattn.gated_linear_attention ('retention', "
-    "'ssd', 'gla', 'deltanet', 'gated_deltanet'), or 'none' (the token-local control)",
+    "model.mixer": "'attention' (softmax), 'linear', a recurrent kind of jattn.gated_linear_attention ("
+    + ", ".join(map(repr, jattn.RECURRENT_KINDS))
+    + "), or 'none' (the token-local control)",
     "model.positions": "'learned' (an absolute table) or 'alibi' (no table; softmax attention only)",
     "model.d_model": "width of the residual stream",
     "model.num_heads": "attention heads (a divisor of d_model)",
