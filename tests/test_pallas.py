@@ -292,3 +292,21 @@ def test_splash_grouped_heads_make_no_copy_of_k_and_v_per_query_head(monkeypatch
     assert any(math.prod(s[:-2]) == kv_heads for s in keyed)  # the kernel's k and v (the test sees them)
     too_many = [s for s in keyed if math.prod(s[:-2]) > kv_heads]
     assert not too_many, f"k or v repeated over the {math.prod(lead_q)} query heads: {too_many}"
+
+
+def test_splash_grouped_heads_under_jit_and_vmap_equal_eager_and_a_loop(monkeypatch):
+    """jit equals the eager call; vmap over a new leading axis equals a loop over it (grouped heads, softcap)."""
+    monkeypatch.setattr(platform_facts, "platform", lambda: "tpu")
+    (q, k, v), _, _, _ = _gqa_call("causal-gqa-softcap")
+    mask, kw, *_, cap = GQA_CASES["causal-gqa-softcap"]
+
+    def f(q, k, v):
+        mod = jattn.score_mods.softcap(cap)
+        return jattn.attention(q, k, v, mask=mask, score_mod=mod, implementation="pallas", **kw)
+
+    eager = f(q, k, v)
+    np.testing.assert_allclose(jax.jit(f)(q, k, v), eager, **ref.tol(jnp.float32))
+    mapped = jax.vmap(f)(q, k, v)  # over B: each call is then (K, G) against (K, 1)
+    for b in range(q.shape[0]):
+        np.testing.assert_allclose(mapped[b], f(q[b], k[b], v[b]), **ref.tol(jnp.float32))
+    np.testing.assert_allclose(mapped, eager, **ref.tol(jnp.float32))

@@ -1,20 +1,35 @@
 """``implementation='pallas'`` on TPU: jattn's arguments translated to splash attention.
 
-The kernel is JAX's :mod:`jax.experimental.pallas.ops.tpu.splash_attention` (layout
-``(H, L, D)`` per example, vmapped over the batch; blocks multiples of 128, its lanes). On CPU it
-runs in Pallas *interpret* mode, which is how jattn tests this translation (dimension key in
-:mod:`jattn._core`):
+The kernel is JAX's :mod:`jax.experimental.pallas.ops.tpu.splash_attention`, its MHA kernel with
+grouped kv heads (q ``(K·G, L, D)``, k and v ``(K, L, ·)`` per example, vmapped over the batch;
+blocks multiples of 128, its lanes). Compiled on a TPU; elsewhere :func:`jax.lax.platform_dependent`
+runs it in Pallas *interpret* mode, so the CPU tests the translation while a program lowered for
+TPU on the same CPU holds the Mosaic kernel (``tpu_custom_call``). The translation (dimension key
+in :mod:`jattn._core`):
 
-* Leading dimensions ``...`` are broadcast and split into the kernel's batch ``Bk`` (B of a
-  per-example mask, else 1) and heads ``H``; lengths are padded to multiples of the blocks.
+* Leading dimensions ``...``: the axes k and v both broadcast over (size 1 in both, e.g. G of
+  q ``(B, K, G, T, D)`` against k ``(B, K, 1, S, D)``) become the G query heads of each kv head,
+  which splash reads without a copy of k or v (query head h reads kv head ``h // G``); the others
+  are the kv heads K, after the batch ``Bk`` of a per-example mask (else ``Bk = 1``). Lengths are
+  padded to multiples of the blocks.
 * Static predicates become splash masks: ``causal()`` and ``sliding_window()`` their native
   ``CausalMask``/``LocalMask`` (placed by ``offset = q_offset - kv_offset``, combined by
   ``LogicalAnd``), any other static predicate one ``NumpyMask`` evaluated on the host.
 * ``padding()`` and ``segment_ids()`` (and the keys padded to the block) become splash's segment
   ids: queries get ``2·id`` (0 without ids), visible keys ``2·id``, hidden keys 1, so a hidden
   key matches no query.
+* ``score_mod=jattn.score_mods.softcap(c)`` is splash's ``attn_logits_soft_cap=c`` (read from the
+  function's ``.softcap``).
 * Rows that see no key return 0 (splash leaves NaN or the mean of v there); q is scaled before
   the kernel.
+
+Where the rest goes. Raised here, per call, as :class:`jattn._checks.KernelRefusalError` before
+anything is built (``implementation=None`` then tries the platform's next path, XLA's tiles;
+named, the caller gets it as the ``ValueError`` it is): any other ``score_mod``; a mask term with
+arrays, of the batch and head (``masks.predicate``), or per example outside the top ``&`` (e.g.
+``padding() | causal()``); a per-example mask where q lacks the call's first (batch) axis; traced
+offsets. Refused by :data:`jattn.SUPPORT` before this module is reached: array masks, ``bias``,
+``dropout_rate``, ``sinks``, ``precision``, ``return_lse``, ``return_max_logit``, float64.
 """
 
 from __future__ import annotations
