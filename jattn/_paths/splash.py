@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Callable
 
 import jax
@@ -330,7 +331,7 @@ def splash_attention(
             "mask (per-example predicate: padding, segment_ids)",
             f"on TPU its batch goes on the call's first axis, and q {q.shape} has fewer leading axes than the call's {lead}",
         )
-    if not all(isinstance(o, int) for o in (0 if q_offset is None else q_offset, kv_offset)):
+    if not all(isinstance(o, numbers.Integral) for o in (0 if q_offset is None else q_offset, kv_offset)):
         raise kernel_refusal("pallas", "q_offset / kv_offset (arrays, per example)", "on TPU splash's masks are static")
     q0 = query_offset(q_offset, kv_offset, T, S)
     if blocks is None:
