@@ -242,6 +242,7 @@ def attention(
                 blocks=blocks,
                 lead=ops.lead,
                 axis=ops.axis,
+                score_mod=score_mod,
             )
         return checkpoint_name(out, CHECKPOINT_NAMES[0])
     if path in ("xla", "cudnn"):

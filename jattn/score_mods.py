@@ -29,13 +29,18 @@ ScoreMod = Callable[[Array, Array, Array, Array, Array], Array]
 
 
 def softcap(cap: float) -> ScoreMod:
-    """Logit soft-capping (Gemma 2, Grok): ``cap · tanh(score / cap)``, keeping every logit in ``(-cap, cap)``."""
+    """Logit soft-capping (Gemma 2, Grok): ``cap · tanh(score / cap)``, keeping every logit in ``(-cap, cap)``.
+
+    The returned function's ``.softcap`` is ``cap``: ``implementation='pallas'`` on TPU passes it to
+    splash attention's own soft-cap.
+    """
     cap = check_real("cap", cap, low=0.0, open_low=True)
 
     def mod(score, batch, head, q_pos, kv_pos):
         c = jnp.asarray(cap, score.dtype)
         return c * jnp.tanh(score / c)
 
+    mod.softcap = cap  # the cap, for kernels with a soft-cap of their own (splash's attn_logits_soft_cap)
     return mod
 
 

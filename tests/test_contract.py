@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 import jattn
 from jattn import masks
+from jattn._checks import KernelRefusalError
 from tests import reference as ref
 
 FUZZ_EXAMPLES = int(os.environ.get("JATTN_FUZZ_EXAMPLES", 5000 if os.environ.get("JATTN_SLOW") else 200))
@@ -262,7 +263,11 @@ def test_every_cell_of_the_support_table(row, impl):
             return
         if impl == "cudnn":
             pytest.skip("cuDNN needs an NVIDIA GPU; its translations are tested by their refusals and on 'xla'")
-        got = jattn.attention(q, k, v, implementation=impl, **kw)
+        try:
+            got = jattn.attention(q, k, v, implementation=impl, **kw)
+        except KernelRefusalError as err:  # "partly": this platform's kernel refuses this call, naming the row
+            assert cell.startswith("partly") and f"implementation='{impl}' cannot take {row.split(' (')[0]}" in str(err)
+            return
         out = got[0] if kw.get("return_lse") or kw.get("return_max_logit") else got
         bias = kw.get("bias")
         extra = dict(  # the reference's own softcap and sinks

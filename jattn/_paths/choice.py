@@ -19,7 +19,7 @@ from jax import Array
 from jax.typing import ArrayLike
 
 from jattn import _platform
-from jattn._checks import Operands
+from jattn._checks import KernelRefusalError, Operands
 from jattn._masks import ArrayMask, Mask
 
 __all__ = [
@@ -29,6 +29,7 @@ __all__ = [
     "check_implementation",
     "choose_path",
     "features_used",
+    "kernel_refusal",
     "refusal",
 ]
 
@@ -75,7 +76,8 @@ SUPPORT: dict[str, dict[str, str]] = {
     "return_lse": _row(pallas="no: the kernel's log-sum-exp cannot be differentiated"),
     "return_max_logit": _row(jax_nn="no: jax.nn returns no max logit", pallas="no: the kernel returns no max logit"),
     "score_mod": _row(
-        jax_nn="no: jax.nn takes no score modification", pallas="no: the kernel takes no score modification"
+        jax_nn="no: jax.nn takes no score modification",
+        pallas="partly: GPU none; TPU score_mods.softcap() (splash's soft-cap)",
     ),
     "sinks": _row(jax_nn="no: jax.nn takes no sinks", pallas="no: the kernel takes no sinks"),
     "block_size": _row(dense=_NO_BLOCKS, jax_nn=_NO_BLOCKS),
@@ -150,6 +152,12 @@ def refusal(path: str, used: list[str], *, partly: bool = True) -> str | None:
             takes = [p for p in IMPLEMENTATIONS if SUPPORT[row][p] == _YES]
             return f"implementation={path!r} cannot take {row}: {cell.removeprefix('no: ')}; use one of {takes}"
     return None
+
+
+def kernel_refusal(path: str, row: str, why: str) -> KernelRefusalError:
+    """A kernel's refusal of one call's ``row`` (a "partly" cell of :data:`SUPPORT`): why, and the paths that take it."""
+    takes = [p for p in IMPLEMENTATIONS if SUPPORT[row][p] == _YES]
+    return KernelRefusalError(f"implementation={path!r} cannot take {row}: {why}; use one of {takes}")
 
 
 def check_implementation(implementation: str | None) -> None:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +43,7 @@ from jax import Array
 
 from jattn import _platform
 from jattn._masks import Causal, Mask, Padding, conjuncts, on_batch_axis, query_offset
+from jattn._paths.choice import kernel_refusal
 from jattn._paths.splash import splash_attention
 from jattn._softmax import zero_empty_rows
 
@@ -205,6 +207,7 @@ def pallas_attention(
     blocks: tuple[int, int] | None,
     lead: tuple[int, ...],
     axis: int,
+    score_mod: Callable[..., Array] | None = None,
 ) -> Array:
     """Attention through the platform's Pallas kernel; q ``(..., T, D)``, k ``(..., S, D)``, v ``(..., S, E)``.
 
@@ -215,11 +218,15 @@ def pallas_attention(
     and ``padding()`` (anything else raises a ``ValueError``); ``q_offset``/``kv_offset`` are
     static ints; ``blocks`` is the kernel's ``(block_q, block_kv)``, default square
     ``min(KERNEL_BLOCK, next power of two of the padded length)``; compiled for a GPU (not
-    interpreted) each is rounded up to a power of two of at least 16, as Triton needs.
+    interpreted) each is rounded up to a power of two of at least 16, as Triton needs. ``score_mod``:
+    on TPU :func:`jattn.score_mods.softcap` (splash's soft-cap), on GPU none; others raise a
+    :class:`jattn._checks.KernelRefusalError`.
     """
     kernel, interpret = kernel_platform()
     if kernel == "tpu":
-        return splash_attention(q, k, v, mask, scale, q_offset, kv_offset, blocks, interpret, lead, axis)
+        return splash_attention(q, k, v, mask, scale, q_offset, kv_offset, blocks, interpret, lead, axis, score_mod)
+    if score_mod is not None:
+        raise kernel_refusal("pallas", "score_mod", "the GPU kernel takes no score modification")
     T, S, D, E = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
     causal, pad = _terms(mask)
     grid = _grid(T, S, D, E, causal, pad, query_offset(q_offset, kv_offset, T, S) - kv_offset, blocks, interpret)

@@ -1,25 +1,43 @@
 """``implementation='pallas'`` on TPU: jattn's arguments translated to splash attention.
 
-The kernel is JAX's :mod:`jax.experimental.pallas.ops.tpu.splash_attention` (layout
-``(H, L, D)`` per example, vmapped over the batch; blocks multiples of 128, its lanes). On CPU it
-runs in Pallas *interpret* mode, which is how jattn tests this translation (dimension key in
-:mod:`jattn._core`):
+The kernel is JAX's :mod:`jax.experimental.pallas.ops.tpu.splash_attention`, its MHA kernel with
+grouped kv heads (q ``(K·G, L, D)``, k and v ``(K, L, ·)`` per example, vmapped over the batch;
+blocks multiples of 128, its lanes). Compiled on a TPU; elsewhere :func:`jax.lax.platform_dependent`
+runs it in Pallas *interpret* mode, so the CPU tests the translation while a program lowered for
+TPU on the same CPU holds the Mosaic kernel (``tpu_custom_call``). The translation (dimension key
+in :mod:`jattn._core`):
 
-* Leading dimensions ``...`` are broadcast and split into the kernel's batch ``Bk`` (B of a
-  per-example mask, else 1) and heads ``H``; lengths are padded to multiples of the blocks.
+* Leading dimensions ``...``: the axes k and v both broadcast over (size 1 in both, e.g. G of
+  q ``(B, K, G, T, D)`` against k ``(B, K, 1, S, D)``) become the G query heads of each kv head,
+  which splash reads without a copy of k or v (query head h reads kv head ``h // G``); the others
+  are the kv heads K, after the batch ``Bk`` of a per-example mask (else ``Bk = 1``). Lengths are
+  padded to multiples of the blocks.
 * Static predicates become splash masks: ``causal()`` and ``sliding_window()`` their native
   ``CausalMask``/``LocalMask`` (placed by ``offset = q_offset - kv_offset``, combined by
   ``LogicalAnd``), any other static predicate one ``NumpyMask`` evaluated on the host.
 * ``padding()`` and ``segment_ids()`` (and the keys padded to the block) become splash's segment
   ids: queries get ``2·id`` (0 without ids), visible keys ``2·id``, hidden keys 1, so a hidden
   key matches no query.
+* ``score_mod=jattn.score_mods.softcap(c)`` is splash's ``attn_logits_soft_cap=c`` (read from the
+  function's ``.softcap``).
 * Rows that see no key return 0 (splash leaves NaN or the mean of v there); q is scaled before
   the kernel.
+
+Where the rest goes. Raised here, per call, as :class:`jattn._checks.KernelRefusalError` before
+anything is built (``implementation=None`` then tries the platform's next path, XLA's tiles;
+named, the caller gets it as the ``ValueError`` it is): any other ``score_mod``; a mask term with
+arrays, of the batch and head (``masks.predicate``), or per example outside the top ``&`` (e.g.
+``padding() | causal()``); a per-example mask where q lacks the call's first (batch) axis; traced
+offsets. Refused by :data:`jattn.SUPPORT` before this module is reached: array masks, ``bias``,
+``dropout_rate``, ``sinks``, ``precision``, ``return_lse``, ``return_max_logit``, float64.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import numbers
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -27,11 +45,20 @@ import numpy as np
 from jax import Array
 
 from jattn._masks import Causal, Mask, Padding, SegmentIds, SlidingWindow, conjuncts, query_offset
+from jattn._paths.choice import kernel_refusal
 from jattn._softmax import zero_empty_rows
 
 __all__ = ["SPLASH_BLOCK", "splash_attention"]
 
 SPLASH_BLOCK = 512  # largest block of the splash kernel; blocks are multiples of 128 (its lanes)
+
+# The SUPPORT row of a mask term splash cannot take, by (has arrays, of the batch and head).
+_MASK_ROWS = {
+    (True, False): "mask (array, any leading dims, 1-D)",
+    (True, True): "mask (array, any leading dims, 1-D)",
+    (False, True): "mask (predicate of batch and head: masks.predicate)",
+    (False, False): "mask (per-example predicate: padding, segment_ids)",
+}
 
 
 def _host_rows(mask: Mask | None, T: int, S: int, q0: int, k0: int, rows: int = 1024):
@@ -64,10 +91,11 @@ def _terms(mask: Mask | None) -> tuple[Mask | None, list[Mask], Padding | None, 
             pad = term
         elif isinstance(term, SegmentIds) and seg is None:
             seg = term
-        elif term.per_example or term.has_arrays:
-            raise ValueError(
-                f"implementation='pallas' on TPU expresses position predicates, padding(), segment_ids() and their '&', "
-                f"got {term!r} in {mask!r}; use 'dense' or 'blockwise'"
+        elif term.per_example or term.has_arrays or term.per_row:
+            raise kernel_refusal(
+                "pallas",
+                _MASK_ROWS[term.has_arrays, term.per_row],
+                f"on TPU splash takes position predicates, padding(), segment_ids() and their '&', got {term!r} in {mask!r}",
             )
         else:
             static = term if static is None else static & term
@@ -145,57 +173,128 @@ def _seen_and_ids(
     return seen, kv_valid, q_ids, kv_ids
 
 
-def _splash_kernel(mask, H: int, bq: int, bk: int, interpret: bool):
-    """The splash MHA kernel of ``mask`` (the same for each of the ``H`` heads) with blocks ``bq`` x ``bk``."""
+@dataclasses.dataclass(frozen=True)
+class _Heads:
+    """How the call's leading shape ``lead`` becomes the kernel's ``(Bk, K·G)`` query and ``(Bk, K)`` kv heads.
+
+    ``perm`` orders lead's axes as (the per-example batch, the kv-head axes, the group axes); the
+    group axes are those k and v broadcast over (size 1 in both), the kernel's G query heads per kv
+    head, which splash reads without a copy of k or v. ``kv_lead`` is ``lead`` with the group axes 1.
+    """
+
+    perm: tuple[int, ...]
+    kv_lead: tuple[int, ...]
+    Bk: int  # the kernel's batch, vmapped: a per-example mask's B, else 1
+    K: int  # kv heads a kernel call reads
+    G: int  # query heads per kv head
+
+
+def _grouped_heads(lead: tuple[int, ...], k_lead: tuple[int, ...], v_lead: tuple[int, ...], per_example: bool):
+    """The :class:`_Heads` of a call of leading shape ``lead`` whose k and v have leading shapes ``k_lead``, ``v_lead``."""
+    n = len(lead)
+    k_lead, v_lead = (1,) * (n - len(k_lead)) + k_lead, (1,) * (n - len(v_lead)) + v_lead
+    batch = [0] if per_example else []
+    group = [i for i in range(n) if k_lead[i] == v_lead[i] == 1 < lead[i] and i not in batch]
+    heads = [i for i in range(n) if i not in group and i not in batch]
+    kv_lead = tuple(1 if i in group else lead[i] for i in range(n))
+    size = lambda axes: math.prod(lead[i] for i in axes)  # noqa: E731
+    return _Heads(tuple(batch + heads + group), kv_lead, size(batch), size(heads), size(group))
+
+
+def _to_kernel(x: Array, lead: tuple[int, ...], heads: _Heads, h: int, L: int) -> Array:
+    """``(..., n, e) -> (Bk, h, L, e)``: broadcast to ``lead``, its axes in ``heads.perm`` order, zero rows to L."""
+    r, (n, e) = len(lead), x.shape[-2:]
+    x = jnp.broadcast_to(x, (*lead, n, e))
+    x = jnp.transpose(x, (*heads.perm, r, r + 1)).reshape(heads.Bk, h, n, e)
+    return jnp.pad(x, ((0, 0), (0, 0), (0, L - n), (0, 0)))
+
+
+def _from_kernel(out: Array, lead: tuple[int, ...], heads: _Heads, T: int) -> Array:
+    """``(Bk, K·G, Lp, E) -> (*lead, T, E)``: the inverse of :func:`_to_kernel` for the queries."""
+    n = len(lead)
+    out = out[:, :, :T].reshape(*(lead[i] for i in heads.perm), T, out.shape[-1])
+    return jnp.transpose(out, (*np.argsort(heads.perm).tolist(), n, n + 1))
+
+
+def _kernel(mask, heads: int, bq: int, bk: int, cap: float | None):
+    """The compiled (Mosaic) splash kernel of ``mask`` for ``heads`` query heads, blocks ``bq`` x ``bk``, soft-cap ``cap``.
+
+    Splash's MHA kernel: k and v may carry fewer heads K (a divisor of ``heads``), query head h
+    reading kv head ``h // G`` (grouped-query attention without copies; K = 1 is its MQA).
+    """
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
+    sizes = sk.BlockSizes(
+        block_q=bq,
+        block_kv=bk,
+        block_kv_compute=bk,
+        block_q_dkv=bq,
+        block_kv_dkv=bk,
+        block_kv_dkv_compute=bk,
+        block_q_dq=bq,
+        block_kv_dq=bk,
+    )
     return sk.make_splash_mha(
-        sm.MultiHeadMask([mask] * H),
+        sm.MultiHeadMask([mask] * heads),
         head_shards=1,
         q_seq_shards=1,
-        block_sizes=sk.BlockSizes(
-            block_q=bq,
-            block_kv=bk,
-            block_kv_compute=bk,
-            block_q_dkv=bq,
-            block_kv_dkv=bk,
-            block_kv_dkv_compute=bk,
-            block_q_dq=bq,
-            block_kv_dq=bk,
-        ),
-        interpret=interpret,
+        block_sizes=sizes,
+        attn_logits_soft_cap=cap,
+        interpret=False,
     )
 
 
-def _run(kernel_args: tuple, qf: Array, kf: Array, vf: Array, ids: tuple[Array, Array, Array] | None) -> Array:
-    """The kernel (:func:`_splash_kernel` of ``kernel_args``) on ``(Bk, H, Lp, ·)`` inputs, vmapped over Bk.
+def _interpreted(kernel):
+    """``kernel`` in Pallas interpret mode, sharing its processed mask."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
 
-    ``ids`` is ``(q_ids (B|1, T), kv_ids (B|1, S), kv_valid (B|1, S))`` (:func:`_seen_and_ids`) to
-    pass as splash's segment ids, hidden and padded keys with id 1; None for none.
+    masks = (kernel.fwd_mask_info, kernel.dq_mask_info, kernel.dkv_mask_info)
+    return sk.SplashAttentionKernel(*masks, **{**kernel.kwargs, "interpret": True})
+
+
+def _kernel_ids(q_ids: Array, kv_ids: Array, kv_valid: Array, Bk: int, Tp: int, Sp: int) -> tuple[Array, Array]:
+    """Splash's segment ids ``(Bk, Tp)``, ``(Bk, Sp)`` from :func:`_seen_and_ids`': hidden and padded keys get 1."""
+    T, S = q_ids.shape[-1], kv_ids.shape[-1]
+    kv_ids = jnp.where(kv_valid, kv_ids, 1)
+    q_ids = jnp.pad(jnp.broadcast_to(q_ids, (Bk, T)), ((0, 0), (0, Tp - T)))
+    kv_ids = jnp.pad(jnp.broadcast_to(kv_ids, (Bk, S)), ((0, 0), (0, Sp - S)), constant_values=1)
+    return q_ids, kv_ids
+
+
+def _run(kernel, interpret: bool, qf: Array, kf: Array, vf: Array, ids: tuple[Array, Array] | None) -> Array:
+    """``kernel`` on qf ``(Bk, K·G, Tp, D)``, kf ``(Bk, K, Sp, D)``, vf ``(Bk, K, Sp, E)``, vmapped over Bk.
+
+    ``ids`` are :func:`_kernel_ids` (None for none). Compiled (``interpret=False``) the kernel alone;
+    else :func:`jax.lax.platform_dependent` picks it where the program is lowered for TPU and its
+    interpreted twin elsewhere, so a TPU program lowered on a CPU holds the Mosaic kernel.
     """
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
 
-    with jax.numpy_dtype_promotion("standard"):  # the kernel mixes dtypes internally; callers may run strict
-        kernel = _splash_kernel(*kernel_args)
+    def apply(kern):
         if ids is None:
-            return jax.vmap(kernel)(qf, kf, vf)
-        q_ids, kv_ids, kv_valid = ids
-        (Bk, _, Tp, _), Sp = qf.shape, kf.shape[2]
-        T, S = q_ids.shape[-1], kv_ids.shape[-1]
-        kv_ids = jnp.where(kv_valid, kv_ids, 1)
-        q_ids = jnp.pad(jnp.broadcast_to(q_ids, (Bk, T)), ((0, 0), (0, Tp - T)))
-        kv_ids = jnp.pad(jnp.broadcast_to(kv_ids, (Bk, S)), ((0, 0), (0, Sp - S)), constant_values=1)
-        return jax.vmap(lambda q, k, v, qi, ki: kernel(q, k, v, segment_ids=sk.SegmentIds(qi, ki)))(
-            qf, kf, vf, q_ids, kv_ids
+            return lambda q, k, v: jax.vmap(kern)(q, k, v)
+        return lambda q, k, v, qi, ki: jax.vmap(lambda *a: kern(*a[:3], segment_ids=sk.SegmentIds(*a[3:])))(
+            q, k, v, qi, ki
         )
 
+    args = (qf, kf, vf) if ids is None else (qf, kf, vf, *ids)
+    with jax.numpy_dtype_promotion("standard"):  # the kernel mixes dtypes internally; callers may run strict
+        if not interpret:
+            return apply(kernel)(*args)
+        return jax.lax.platform_dependent(*args, tpu=apply(kernel), default=apply(_interpreted(kernel)))
 
-def _heads(x: Array, lead: tuple[int, ...], Bk: int, H: int, Lp: int) -> Array:
-    """``(..., L, h) -> (Bk, H, Lp, h)``: broadcast to ``lead``, split into batch and heads, padded with zero rows."""
-    L = x.shape[-2]
-    x = jnp.broadcast_to(x, (*lead, L, x.shape[-1])).reshape(Bk, H, L, x.shape[-1])
-    return jnp.pad(x, ((0, 0), (0, 0), (0, Lp - L), (0, 0)))
+
+def _soft_cap(score_mod: Callable[..., Array] | None) -> float | None:
+    """Splash's ``attn_logits_soft_cap`` for ``score_mod``: its cap for :func:`jattn.score_mods.softcap`, else refused."""
+    if score_mod is None:
+        return None
+    cap = getattr(score_mod, "softcap", None)
+    if cap is None:
+        raise kernel_refusal(
+            "pallas", "score_mod", f"on TPU splash takes jattn.score_mods.softcap(cap) only, got {score_mod!r}"
+        )
+    return float(cap)
 
 
 def splash_attention(
@@ -210,23 +309,30 @@ def splash_attention(
     interpret: bool,
     lead: tuple[int, ...],
     axis: int,
+    score_mod: Callable[..., Array] | None = None,
 ) -> Array:
     """Splash attention for jattn's arguments: q ``(..., T, D)``, k ``(..., S, D)``, v ``(..., S, E)`` -> ``(..., T, E)``.
 
-    ``mask`` is a conjunction of position predicates, ``padding()`` and ``segment_ids()``; the
-    translation is the module docstring's. ``scale`` is a value; offsets are static; ``blocks``
-    ``(block_q, block_kv)`` (rounded up to multiples of 128) defaults to square
-    ``min(SPLASH_BLOCK, max(T, S))``. ``lead`` is the call's leading shape, a per-example mask's
-    batch on ``lead[axis]`` (:class:`jattn._checks.Operands`), which must be its first axis here.
+    ``mask`` is a conjunction of position predicates, ``padding()`` and ``segment_ids()``;
+    ``score_mod`` None or :func:`jattn.score_mods.softcap`; the translation is the module
+    docstring's, whose other cases raise :class:`jattn._checks.KernelRefusalError` before anything
+    is built. ``scale`` is a value; offsets static ints; ``blocks`` ``(block_q, block_kv)``
+    (rounded up to multiples of 128) defaults to square ``min(SPLASH_BLOCK, max(T, S))``. ``lead``
+    is the call's leading shape, a per-example mask's batch on ``lead[axis]``
+    (:class:`jattn._checks.Operands`), which must be its first axis here. ``interpret``: see :func:`_run`.
     """
-    T, S, E = q.shape[-2], k.shape[-2], v.shape[-1]
+    T, S = q.shape[-2], k.shape[-2]
+    cap = _soft_cap(score_mod)
     static, natives, pad, seg = _terms(mask)
     per_example = pad is not None or seg is not None
     if per_example and axis != 0:
-        raise ValueError(
-            f"implementation='pallas' on TPU puts a per-example mask's batch on the call's first axis: q {q.shape} "
-            f"has fewer leading axes than the call's {lead}; give q every leading axis, or use 'blockwise'"
+        raise kernel_refusal(
+            "pallas",
+            "mask (per-example predicate: padding, segment_ids)",
+            f"on TPU its batch goes on the call's first axis, and q {q.shape} has fewer leading axes than the call's {lead}",
         )
+    if not all(isinstance(o, numbers.Integral) for o in (0 if q_offset is None else q_offset, kv_offset)):
+        raise kernel_refusal("pallas", "q_offset / kv_offset (arrays, per example)", "on TPU splash's masks are static")
     q0 = query_offset(q_offset, kv_offset, T, S)
     if blocks is None:
         b = min(SPLASH_BLOCK, -(-max(T, S) // 128) * 128)
@@ -235,15 +341,14 @@ def splash_attention(
     Tp, Sp = -(-T // bq) * bq, -(-S // bk) * bk
     splash_mask, dense, first = _static_mask(static, natives, T, S, Tp, Sp, q0, kv_offset, seg is not None)
 
-    n_lead = len(lead)
-    Bk = lead[0] if per_example else 1
-    H = math.prod(lead) // Bk
+    heads = _grouped_heads(lead, k.shape[:-2], v.shape[:-2], per_example)
     q = (q.astype(jnp.float32) * jnp.asarray(scale, jnp.float32)).astype(q.dtype)  # splash takes q pre-scaled
-    qf, kf, vf = _heads(q, lead, Bk, H, Tp), _heads(k, lead, Bk, H, Sp), _heads(v, lead, Bk, H, Sp)
+    qf = _to_kernel(q, lead, heads, heads.K * heads.G, Tp)
+    kf, vf = (_to_kernel(x, heads.kv_lead, heads, heads.K, Sp) for x in (k, v))
     seen, kv_valid, q_ids, kv_ids = _seen_and_ids(first, dense, pad, seg, T, S)
-    use_ids = per_example or Sp > S
-    out = _run((splash_mask, H, bq, bk, interpret), qf, kf, vf, (q_ids, kv_ids, kv_valid) if use_ids else None)
-    out = out[:, :, :T].reshape(*lead, T, E).astype(q.dtype)
-    seen = jnp.asarray(seen)  # (B|1, T)
+    ids = _kernel_ids(q_ids, kv_ids, kv_valid, heads.Bk, Tp, Sp) if per_example or Sp > S else None
+    out = _run(_kernel(splash_mask, heads.K * heads.G, bq, bk, cap), interpret, qf, kf, vf, ids)
+    out = _from_kernel(out, lead, heads, T).astype(q.dtype)
+    n_lead, seen = len(lead), jnp.asarray(seen)  # (B|1, T)
     seen = jnp.broadcast_to(seen.reshape(-1, *(1,) * (n_lead - 1), T) if n_lead else seen.reshape(T), (*lead, T))
     return zero_empty_rows(out, seen)[0]
