@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
+from jattn._checks import KernelRefusalError
 from jattn._masks import Causal, Mask, Padding, SegmentIds, SlidingWindow, conjuncts, query_offset
 from jattn._softmax import zero_empty_rows
 
@@ -65,7 +66,7 @@ def _terms(mask: Mask | None) -> tuple[Mask | None, list[Mask], Padding | None, 
         elif isinstance(term, SegmentIds) and seg is None:
             seg = term
         elif term.per_example or term.has_arrays:
-            raise ValueError(
+            raise KernelRefusalError(
                 f"implementation='pallas' on TPU expresses position predicates, padding(), segment_ids() and their '&', "
                 f"got {term!r} in {mask!r}; use 'dense' or 'blockwise'"
             )
@@ -223,7 +224,7 @@ def splash_attention(
     static, natives, pad, seg = _terms(mask)
     per_example = pad is not None or seg is not None
     if per_example and axis != 0:
-        raise ValueError(
+        raise KernelRefusalError(
             f"implementation='pallas' on TPU puts a per-example mask's batch on the call's first axis: q {q.shape} "
             f"has fewer leading axes than the call's {lead}; give q every leading axis, or use 'blockwise'"
         )
