@@ -25,12 +25,13 @@ _xla_flags.apply()  # before anything could start JAX's backend: XLA reads XLA_F
 from jattn import masks, score_mods
 from jattn._core import CHECKPOINT_NAMES, attention, attention_weights, choose_implementation
 from jattn._dot_product_attention import dot_product_attention
-from jattn._paths import AUTO_BLOCKWISE_MIN, IMPLEMENTATIONS, SUPPORT, TRANSFORMS
+from jattn._paths import AUTO_BLOCKWISE_MIN, AUTO_ORDER, IMPLEMENTATIONS, SUPPORT, TRANSFORMS
 from jattn._rope import rope
 from jattn._softmax import SoftmaxParts, softmax, softmax_parts
 
 __all__ = [
     "AUTO_BLOCKWISE_MIN",
+    "AUTO_ORDER",
     "CHECKPOINT_NAMES",
     "IMPLEMENTATIONS",
     "RECURRENT_KINDS",

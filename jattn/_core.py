@@ -17,6 +17,7 @@ values.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -25,11 +26,18 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.typing import ArrayLike
 
 from jattn._blockwise import blockwise_attention, choose_tiles
-from jattn._checks import Operands, check_block_size, check_dropout, check_operands, check_score_mod
+from jattn._checks import (
+    KernelRefusalError,
+    Operands,
+    check_block_size,
+    check_dropout,
+    check_operands,
+    check_score_mod,
+)
 from jattn._masks import Mask
 from jattn._online import CHECKPOINT_NAMES
 from jattn._paths import (
-    choose_path,
+    candidate_paths,
     dense_attention,
     dense_weights,
     features_used,
@@ -40,6 +48,19 @@ from jattn._paths import (
 
 # The table and constants live in jattn._paths.choice; named here too for the modules that import them from the core.
 __all__ = ["CHECKPOINT_NAMES", "attention", "attention_weights", "choose_implementation"]
+
+
+class _Options(NamedTuple):
+    """The checked arguments of one call besides its :class:`jattn._checks.Operands` (what a path reads)."""
+
+    blocks: tuple[int, int] | None
+    precision: jax.lax.PrecisionLike
+    score_mod: Callable[..., Array] | None
+    sinks: Array | None
+    dropout_rate: float
+    dropout_rng: Array | None
+    return_lse: bool
+    return_max_logit: bool
 
 
 def _blockwise(
@@ -198,9 +219,12 @@ def attention(
         (causal() at any static offsets, padding()), on CPU that same kernel in Pallas
         interpret mode (exact but slow, meant for tests), splash attention on TPU (any static
         predicate, padding(), segment_ids()); lengths and head dims are padded by jattn; ``None``
-        chooses: on GPU and TPU 'pallas' where every argument's cell is "yes", then blockwise where it
-        applies and the scores would have at least ``AUTO_BLOCKWISE_MIN`` entries per head,
-        dense otherwise.
+        chooses (:func:`jattn.choose_implementation` says which): the platform's fused paths of
+        :data:`jattn.AUTO_ORDER` in order (GPU: 'pallas', then 'cudnn'; TPU: 'pallas'), each
+        taking the call or refusing it by itself (a ``KernelRefusalError``, caught: the next path
+        runs), then blockwise where it applies and the scores would have at least
+        ``AUTO_BLOCKWISE_MIN`` entries per head, dense otherwise. A path named here that cannot
+        take the call raises a ``ValueError`` naming the argument and the paths that take it.
       block_size: ``(block_q, block_kv)`` (or one int for both) of the blockwise path;
         ``None`` chooses the tile from the mask, the platform and the CPU threads (:func:`jattn._blockwise.tiles.auto_block`;
         on several CPU threads a causal or windowed backward's at 512, :data:`BACKWARD_SIDE`),
@@ -228,7 +252,26 @@ def attention(
     check_score_mod(score_mod)
     sinks = None if sinks is None else jnp.asarray(sinks)
     used = features_used(ops, dropout_rate, precision, return_lse, block_size, score_mod, sinks, return_max_logit)
-    path = choose_path(implementation, ops.q, ops.k, used)
+    opts = _Options(blocks, precision, score_mod, sinks, dropout_rate, dropout_rng, return_lse, return_max_logit)
+    return _first_taker(candidate_paths(implementation, ops.q, ops.k, used), ops, opts)[1]
+
+
+def _first_taker(candidates: tuple[str, ...], ops: Operands, opts: _Options) -> tuple[str, Array | tuple[Array, ...]]:
+    """The first of ``candidates`` that takes the call, and its result (as :func:`attention` returns it).
+
+    A candidate that cannot take this call raises :class:`jattn._checks.KernelRefusalError` and the
+    next one runs; the last candidate's refusal (an explicit ``implementation``'s) reaches the caller.
+    """
+    for path in candidates[:-1]:
+        try:
+            return path, _run(path, ops, opts)
+        except KernelRefusalError:
+            continue
+    return candidates[-1], _run(candidates[-1], ops, opts)
+
+
+def _run(path: str, ops: Operands, opts: _Options) -> Array | tuple[Array, ...]:
+    """``path`` on checked operands: ``out (..., T, E)``, then ``lse (..., T)`` and ``max_logit (..., T)`` where asked for."""
     if path == "pallas":
         with refusals(path):
             out = pallas_attention(
@@ -239,30 +282,32 @@ def attention(
                 scale=ops.scale,
                 q_offset=ops.q_offset,
                 kv_offset=ops.kv_offset,
-                blocks=blocks,
+                blocks=opts.blocks,
                 lead=ops.lead,
                 axis=ops.axis,
-                score_mod=score_mod,
+                score_mod=opts.score_mod,
             )
         return checkpoint_name(out, CHECKPOINT_NAMES[0])
     if path in ("xla", "cudnn"):
         with refusals(path):
-            out = jax_nn_attention(ops, path, return_lse)
-        names = CHECKPOINT_NAMES[: 1 + return_lse]
-        return tuple(map(checkpoint_name, out, names)) if return_lse else checkpoint_name(out, names[0])
+            out = jax_nn_attention(ops, path, opts.return_lse)
+        names = CHECKPOINT_NAMES[: 1 + opts.return_lse]
+        return tuple(map(checkpoint_name, out, names)) if opts.return_lse else checkpoint_name(out, names[0])
     if path == "blockwise":
-        out, lse, top = _blockwise(ops, blocks, precision, score_mod, sinks, dropout_rate, dropout_rng)
+        out, lse, top = _blockwise(
+            ops, opts.blocks, opts.precision, opts.score_mod, opts.sinks, opts.dropout_rate, opts.dropout_rng
+        )
     else:
         out, lse, top = dense_attention(
             ops,
-            dropout_rate=dropout_rate,
-            dropout_rng=dropout_rng,
-            precision=precision,
-            score_mod=score_mod,
-            sinks=sinks,
+            dropout_rate=opts.dropout_rate,
+            dropout_rng=opts.dropout_rng,
+            precision=opts.precision,
+            score_mod=opts.score_mod,
+            sinks=opts.sinks,
         )
     out, lse = (checkpoint_name(x, name) for x, name in zip((out, lse), CHECKPOINT_NAMES, strict=True))
-    extra = ((lse,) if return_lse else ()) + ((top,) if return_max_logit else ())
+    extra = ((lse,) if opts.return_lse else ()) + ((top,) if opts.return_max_logit else ())
     return (out, *extra) if extra else out
 
 
@@ -285,18 +330,30 @@ def choose_implementation(
 ) -> str:
     """The path :func:`attention` with ``implementation=None`` takes for these arguments.
 
-    One of :data:`jattn.IMPLEMENTATIONS`: on GPU and TPU, 'pallas' where it honours every argument (every cell
-    "yes": no mask, or only static offsets, block_size, E != D); then blockwise where it honours
-    every argument and the scores
-    would have at least ``AUTO_BLOCKWISE_MIN`` entries per head (or ``block_size`` is given),
-    dense otherwise (the dense path honours every argument; see :data:`jattn.SUPPORT`). Shapes as
-    for :func:`attention`; nothing is computed.
+    One of :data:`jattn.IMPLEMENTATIONS`: the platform's fused paths of :data:`jattn.AUTO_ORDER`
+    (GPU: 'pallas', then 'cudnn'; TPU: 'pallas') whose :data:`jattn.SUPPORT` cells for the
+    arguments used are not "no", each taking the call or refusing it by itself (a "partly" cell:
+    e.g. the GPU kernel takes ``causal()`` and ``padding()``, not a window); then blockwise where it
+    honours every argument and the scores would have at least ``AUTO_BLOCKWISE_MIN`` entries per
+    head (or ``block_size`` is given), dense otherwise. Shapes as for :func:`attention`. Where a
+    fused path is a candidate, the call is traced abstractly (:func:`jax.eval_shape`) through the
+    same candidates :func:`attention` tries, so the answer is the path it runs; nothing is computed.
     """
     ops = check_operands(
         q, k, v, mask=mask, bias=bias, scale=None, q_offset=q_offset, kv_offset=kv_offset, offsets=False
     )
     used = features_used(ops, dropout_rate, precision, return_lse, block_size, score_mod, sinks, return_max_logit)
-    return choose_path(None, ops.q, ops.k, used)
+    candidates = candidate_paths(None, ops.q, ops.k, used)
+    if len(candidates) == 1:
+        return candidates[0]
+    sinks = None if sinks is None else jnp.asarray(sinks)
+    rng = jax.random.key(0) if dropout_rate else None
+    opts = _Options(
+        check_block_size(block_size), precision, score_mod, sinks, dropout_rate, rng, return_lse, return_max_logit
+    )
+    taken: list[str] = []
+    jax.eval_shape(lambda: taken.append(_first_taker(candidates, ops, opts)[0]))
+    return taken[0]
 
 
 def attention_weights(

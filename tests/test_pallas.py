@@ -4,8 +4,9 @@ Pallas interpret mode.
 Every translation (causal placed by offsets, windows, other predicates as a NumPy mask, padding,
 segment ids, GQA broadcasting, odd lengths padded to the blocks, T != S, E != D, scale) against
 the float64 reference, values and gradients, at small sizes: interpret mode runs the kernel's
-grid as loops (splash needs blocks of 128, so its cases are T, S ~ 100-160). The TPU kernel and
-the automatic choice are selected by setting the platform switch, as the blockwise tests do.
+grid as loops (splash needs blocks of 128, so its cases are T, S ~ 100-160). The TPU kernel is
+selected by setting the platform switch, as the blockwise tests do (the automatic choice:
+tests/test_automatic_choice.py).
 """
 
 from __future__ import annotations
@@ -122,19 +123,6 @@ def test_the_kernels_refuse_per_call_naming_the_argument_and_the_paths_that_take
     where = "on TPU" if platform == "tpu" else "the GPU kernel"
     with pytest.raises(KernelRefusalError, match=f"implementation='pallas' cannot take {row}.*{where}.*'blockwise'"):
         jattn.attention(q, kv, kv, implementation="pallas", **kw)
-
-
-@pytest.mark.parametrize("platform", ["cpu", "gpu", "tpu"])
-def test_automatic_choice_prefers_pallas_on_gpu_and_tpu_where_every_cell_is_yes(monkeypatch, platform):
-    """On GPU and TPU: 'pallas' for what it fully honours; a "partly"/"no" cell falls back to the CPU order."""
-    monkeypatch.setattr(platform_facts, "platform", lambda: platform)
-    q = jnp.zeros((2, 3, 6, 5))
-    on_gpu = "dense" if platform == "cpu" else "pallas"
-    assert jattn.choose_implementation(q, q, q) == on_gpu
-    assert jattn.choose_implementation(q, q, q, mask=masks.causal(), q_offset=1) == "dense"  # partly: a mask
-    assert jattn.choose_implementation(q, q, q, return_lse=True) == "dense"
-    assert jattn.choose_implementation(q, q, q, bias=jnp.zeros((6, 6))) == "dense"
-    assert jattn.choose_implementation(q, q, q, block_size=4) == ("blockwise" if platform == "cpu" else "pallas")
 
 
 SPLASH_CASES = {

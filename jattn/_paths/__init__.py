@@ -12,10 +12,11 @@ else. Its files import each other directly, never through the face.
 
 from jattn._paths.choice import (
     AUTO_BLOCKWISE_MIN,
+    AUTO_ORDER,
     IMPLEMENTATIONS,
     SUPPORT,
+    candidate_paths,
     check_implementation,
-    choose_path,
     features_used,
 )
 from jattn._paths.dense import dense_attention, dense_weights

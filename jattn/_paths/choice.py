@@ -1,10 +1,12 @@
-"""The paths of :func:`jattn.attention`, what each honours, and which one a call takes.
+"""The paths of :func:`jattn.attention`, what each honours, and which ones a call may take.
 
 :data:`IMPLEMENTATIONS` names the paths; :data:`SUPPORT` says what each does with each argument
 (the docs' support table is this dict); :func:`features_used` lists the rows of it a call uses,
-:func:`refusal` says why a path cannot honour them, and :func:`choose_path` picks the path
-(``implementation=None``: on GPU and TPU 'pallas' where it honours everything, then blockwise for
-scores of at least :data:`AUTO_BLOCKWISE_MIN` entries per head, dense otherwise). Nothing here
+:func:`refusal` says why a path cannot honour them, and :func:`candidate_paths` lists the paths
+to try in order (``implementation=None``: the platform's fused paths of :data:`AUTO_ORDER` whose
+cells are not "no", then blockwise for scores of at least :data:`AUTO_BLOCKWISE_MIN` entries per
+head, dense otherwise). A "partly" cell is decided by the path itself, per call: it raises
+:class:`jattn._checks.KernelRefusalError` and the core tries the next candidate. Nothing here
 computes attention; shapes follow the dimension key of :mod:`jattn._core`.
 """
 
@@ -24,10 +26,11 @@ from jattn._masks import ArrayMask, Mask
 
 __all__ = [
     "AUTO_BLOCKWISE_MIN",
+    "AUTO_ORDER",
     "IMPLEMENTATIONS",
     "SUPPORT",
+    "candidate_paths",
     "check_implementation",
-    "choose_path",
     "features_used",
     "kernel_refusal",
     "refusal",
@@ -49,10 +52,11 @@ def _row(
 
 
 #: What each implementation does with each argument: "yes" (honoured); "partly: ..." (honoured
-#: where jax.nn has an argument for it, otherwise a ``ValueError`` that names the mask); or
+#: where the path can express it, otherwise a ``ValueError``, :class:`jattn._checks.KernelRefusalError`,
+#: that names the mask); or
 #: "no: ..." (a ``ValueError`` that names the argument, the path and the paths that take it).
-#: The support table of the README and the docs is this dict; ``implementation=None`` picks a
-#: path whose cells are all "yes".
+#: The support table of the README and the docs is this dict; ``implementation=None`` tries the
+#: paths whose cells are not "no" (:func:`candidate_paths`), a "partly" cell decided per call.
 #: The 'pallas' column is JAX's GPU flash kernel (interpreted on CPU) and splash attention on TPU.
 SUPPORT: dict[str, dict[str, str]] = {
     "mask (array, any leading dims, 1-D)": _row(pallas="no: the kernel takes no mask array"),
@@ -88,6 +92,31 @@ SUPPORT: dict[str, dict[str, str]] = {
     ),
     "value depth E != D": _row(jax_nn="no: jax.nn needs E == D"),
 }
+
+
+AUTO_ORDER: dict[str, tuple[str, ...]] = {"gpu": ("pallas", "cudnn"), "tpu": ("pallas",), "cpu": ()}
+"""The fused paths ``implementation=None`` tries first, by platform, in order; each takes the call or
+refuses it (a "no" cell of :data:`SUPPORT` for a row the call uses, or its own per-call refusal of
+a "partly" cell), and after them comes the blockwise/dense rule (:data:`AUTO_BLOCKWISE_MIN`).
+No GPU or TPU figure has been measured yet: this order is reasoned, not timed, and is to be
+replaced by the measured one when an H200 is at hand (docs/design/pallas.md). Why this order:
+
+* GPU: 'pallas' first: it takes float32 as well as bf16/f16, any head dim (padded), ``E != D``,
+  and its masks (today causal() and padding()) at any static offsets; cuDNN takes bf16/f16 only,
+  head dims that are multiples of 8 up to 128 (256 from Hopper on), ``E == D``, and causal() or
+  sliding_window(l, 0) only when aligned with the keys' end. 'cudnn' second, for what the kernel
+  refuses and cuDNN takes (its own per-call refusal says where not: float32, such a head dim, no
+  CUDA GPU under JAX), except what :data:`AUTO_AVOIDS` keeps from it.
+* TPU: 'pallas' (splash attention): it takes every static predicate, padding() and
+  segment_ids(); cuDNN is NVIDIA's, and jax.nn's 'xla' path forms the dense scores.
+* CPU: none: the blockwise/dense rule alone, as measured there (docs: design notes); jax.nn's
+  'xla' path forms the dense scores as 'dense' does.
+"""
+
+AUTO_AVOIDS: dict[str, tuple[str, ...]] = {"cudnn": ("mask (array, any leading dims, 1-D)", "bias")}
+"""Rows of :data:`SUPPORT` a path takes when named but the automatic choice does not try it for:
+jattn hands cuDNN an array mask or a bias broadcast to ``(B·N, 1, T, S)`` (jax.nn's layout), the
+memory of the dense scores, where the blockwise path reads them a tile at a time."""
 
 
 def _mask_rows(mask: Mask | None) -> list[str]:
@@ -166,16 +195,28 @@ def check_implementation(implementation: str | None) -> None:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
 
 
-def choose_path(implementation: str | None, q: Array, k: Array, used: list[str]) -> str:
-    """The path for this call (q ``(..., T, D)``, k ``(..., S, D)``); an explicit choice that cannot honour an argument raises a ``ValueError``."""
+def candidate_paths(implementation: str | None, q: Array, k: Array, used: list[str]) -> tuple[str, ...]:
+    """The paths to try for this call, in order (q ``(..., T, D)``, k ``(..., S, D)``; ``used``: rows of :data:`SUPPORT`).
+
+    An explicit ``implementation`` is the one candidate (a ``ValueError`` where its cell for a used
+    row is "no"; a "partly" cell is decided by the path, which raises
+    :class:`jattn._checks.KernelRefusalError`). ``None``: the fused paths of :data:`AUTO_ORDER` for
+    the platform whose cells are not "no" (nor avoided, :data:`AUTO_AVOIDS`), then blockwise where it
+    applies and the scores have at least :data:`AUTO_BLOCKWISE_MIN` entries per head, dense
+    otherwise; the last candidate takes every call its cells allow.
+    """
     check_implementation(implementation)
     if implementation is not None:
         why = refusal(implementation, used)
         if why:
             raise ValueError(why)
-        return implementation
+        return (implementation,)
+    fused = [
+        p
+        for p in AUTO_ORDER.get(_platform.platform(), ())
+        if refusal(p, used) is None and not set(AUTO_AVOIDS.get(p, ())) & set(used)
+    ]
     big = q.shape[-2] * k.shape[-2] >= AUTO_BLOCKWISE_MIN
     order = ("blockwise", "dense") if big else ("dense", "blockwise")
-    if _platform.platform() in ("gpu", "tpu"):  # the fused kernel first, where it honours everything
-        order = ("pallas", *order)
-    return next((p for p in order if refusal(p, used, partly=False) is None), "dense")
+    last = next((p for p in order if refusal(p, used, partly=False) is None), "dense")
+    return (*fused, last)

@@ -42,6 +42,7 @@ import numpy as np
 from jax import Array
 
 from jattn import _platform
+from jattn._checks import KernelRefusalError
 from jattn._masks import Causal, Mask, Padding, conjuncts, on_batch_axis, query_offset
 from jattn._paths.choice import kernel_refusal
 from jattn._paths.splash import splash_attention
@@ -74,7 +75,7 @@ def _terms(mask: Mask | None) -> tuple[bool, Padding | None]:
         elif isinstance(term, Padding) and pad is None:
             pad = term
         else:
-            raise ValueError(
+            raise KernelRefusalError(
                 f"implementation='pallas' expresses causal(), padding() and their '&' only, got {term!r} in {mask!r}; "
                 "use 'dense' or 'blockwise'"
             )

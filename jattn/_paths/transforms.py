@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+from jattn._checks import KernelRefusalError
+
 __all__ = ["PATHS", "TRANSFORMS", "refusals"]
 
 #: The columns of :data:`TRANSFORMS`.
@@ -69,12 +71,14 @@ def refusals(path: str) -> Iterator[None]:
 
     Where the transformation reaches jattn's call: not where JAX meets the kernel after the call has
     returned (grad of grad, ``linearize``, or a function traced under ``jit`` before it is transformed);
-    the table's cells say which.
+    the table's cells say which. The error is a :class:`jattn._checks.KernelRefusalError`, so with
+    ``implementation=None`` the automatic choice tries its next path (under ``jvp`` the kernel's
+    translation has been traced by then: dead code under ``jit``).
     """
     try:
         yield
     except (TypeError, ValueError, NotImplementedError) as e:
         for says, (what, cell) in _JAX_SAYS.items():
             if says in str(e):
-                raise ValueError(f"{what} of implementation={path!r}: {cell.removeprefix('no: ')}") from e
+                raise KernelRefusalError(f"{what} of implementation={path!r}: {cell.removeprefix('no: ')}") from e
         raise

@@ -2,8 +2,9 @@
 
 :func:`jax_nn_attention` translates jattn's arguments into jax.nn's (``is_causal``,
 ``local_window_size``, sequence lengths, a ``(B, 1, T, S)`` mask, q, k, v as ``(B, T|S, 1, D|E)``),
-refuses what cuDNN cannot express, zeroes the rows with no key (jax.nn averages v there) and
-gives jax.nn's log-sum-exp residual the dense path's gradient (jax.nn stops it). What each path
+refuses what cuDNN cannot take (a :class:`jattn._checks.KernelRefusalError`, before anything is
+built: the automatic choice then tries its next path), zeroes the rows with no key (jax.nn averages
+v there) and gives jax.nn's log-sum-exp residual the dense path's gradient (jax.nn stops it). What each path
 takes is :data:`jattn._paths.choice.SUPPORT`. Dimension key: :mod:`jattn._core`.
 """
 
@@ -16,7 +17,7 @@ import jax.extend
 import jax.numpy as jnp
 from jax import Array
 
-from jattn._checks import Operands
+from jattn._checks import KernelRefusalError, Operands
 from jattn._masks import Causal, Mask, Padding, SlidingWindow, conjuncts, on_batch_axis, query_offset
 from jattn._paths.dense import dense_lse, dense_mask
 from jattn._softmax import zero_empty_rows
@@ -57,44 +58,65 @@ def _lengths(paddings: list[Padding], T: int, S: int, lead: tuple[int, ...], bat
     return kwargs
 
 
-def _jax_nn_args(
-    mask: Mask | None,
-    path: str,
-    T: int,
-    S: int,
-    q_offset: int | None,
-    kv_offset: int,
-    lead: tuple[int, ...],
-    batch_axis: int,
-) -> dict:
+def _refuse_cudnn_mask(mask: Mask | None, band: tuple, T: int, S: int, q_offset: int, kv_offset: int) -> None:
+    """Raises :class:`jattn._checks.KernelRefusalError` for mask terms cuDNN has no argument for.
+
+    ``band`` is :func:`_band`'s ``(left, right, rest, paddings)``; ``q_offset`` is resolved.
+    """
+    _, right, rest, _ = band
+    if right is not None and right != 0:
+        raise KernelRefusalError(
+            f"implementation='cudnn' expresses causal() and sliding_window(l, 0) only with queries aligned to the "
+            f"keys' end (q_offset - kv_offset == S - T == 0), got {mask!r} with T={T}, S={S}, q_offset={q_offset}, "
+            f"kv_offset={kv_offset}; use 'xla', 'dense' or 'blockwise'"
+        )
+    if rest is not None and not rest.has_arrays:
+        raise KernelRefusalError(
+            f"implementation='cudnn' expresses causal(), sliding_window(l, 0), padding() and arrays only, got "
+            f"{rest!r}; use 'xla', 'dense' or 'blockwise'"
+        )
+
+
+def _refuse_cudnn_inputs(ops: Operands) -> None:
+    """Raises :class:`jattn._checks.KernelRefusalError` where cuDNN has no kernel for q ``(..., T, D)``, k, bias.
+
+    What :func:`jax.nn.dot_product_attention` checks while tracing (its ``NotImplementedError`` or
+    ``RuntimeError``), checked before anything is built: bf16/f16 inputs, a head dim that is a
+    multiple of 8 and at most 128 (256 from Hopper on), even lengths with a bias, a CUDA GPU.
+    """
+    q, T, S, D = ops.q, ops.q.shape[-2], ops.k.shape[-2], ops.q.shape[-1]
+    if q.dtype not in (jnp.bfloat16, jnp.float16):
+        why = f"bfloat16 or float16 inputs only, got {q.dtype}"
+    elif ops.bias is not None and (T % 2 or S % 2):
+        why = f"a bias with even T and S only, got T={T}, S={S}"
+    elif jax.default_backend() != "gpu" or "cuda" not in jax.extend.backend.get_backend().platform_version.lower():
+        why = f"a CUDA GPU only; JAX's backend is {jax.default_backend()!r}"
+    else:
+        capability = tuple(int(x) for x in jax.devices()[0].compute_capability.split("."))
+        top = 256 if capability >= (9, 0) else 128
+        why = None if D % 8 == 0 and top >= D else f"a head dim D that is a multiple of 8 up to {top} only, got D={D}"
+    if why:
+        raise KernelRefusalError(f"implementation='cudnn' takes {why}; use 'pallas', 'xla', 'dense' or 'blockwise'")
+
+
+def _jax_nn_args(band: tuple, T: int, S: int, lead: tuple[int, ...], batch_axis: int, path: str) -> dict:
     """jax.nn's own arguments for a jattn mask: ``is_causal``, ``local_window_size``, sequence lengths, ``mask``.
 
     jax.nn aligns queries top-left (query t sees key s <= t); jattn places query t at position
     ``q_offset + t`` and key s at ``kv_offset + s``, so a band ``i - L <= j <= i + R`` becomes
-    ``local_window_size = (L - d, R + d)`` with ``d = q_offset - kv_offset``. Terms jax.nn has no
-    argument for are materialised into its ``mask`` (xla) or refused (cudnn). Padding lengths
+    ``local_window_size = (L - d, R + d)`` with ``d = q_offset - kv_offset`` (``band`` is
+    :func:`_band`'s, in jax.nn's frame already). Terms jax.nn has no argument for are materialised
+    into its ``mask`` (cudnn refuses those first: :func:`_refuse_cudnn_mask`). Padding lengths
     ``(B,)`` lie along ``lead``'s axis ``batch_axis``, where q's first axis lands (as for every path).
     """
-    q_offset = query_offset(q_offset, kv_offset, T, S)
-    left, right, rest, paddings = _band(mask, q_offset - kv_offset)
+    left, right, rest, paddings = band
     kwargs = _lengths(paddings, T, S, lead, batch_axis)
     if right is not None or left is not None:
-        if path == "cudnn" and right != 0:
-            raise ValueError(
-                f"implementation='cudnn' expresses causal() and sliding_window(l, 0) only with queries aligned to the "
-                f"keys' end (q_offset - kv_offset == S - T == 0), got {mask!r} with T={T}, S={S}, q_offset={q_offset}, "
-                f"kv_offset={kv_offset}; use 'xla', 'dense' or 'blockwise'"
-            )
         if right == 0 and (path == "cudnn" or left is None):
             kwargs["is_causal"] = True
         if left is not None or right != 0:
             kwargs["local_window_size"] = (T + S if left is None else left, T + S if right is None else right)
     if rest is not None:
-        if path == "cudnn" and not rest.has_arrays:
-            raise ValueError(
-                f"implementation='cudnn' expresses causal(), sliding_window(l, 0), padding() and arrays only, got "
-                f"{rest!r}; use 'xla', 'dense' or 'blockwise'"
-            )
         kwargs["mask"] = rest
     return kwargs
 
@@ -171,7 +193,12 @@ def jax_nn_attention(ops: Operands, path: str, return_lse: bool) -> Array | tupl
     if T == 0 or S == 0:  # no key (or no query): every row is empty, 0 with lse -inf; jax.nn cannot reshape it
         out = jnp.zeros((*lead, T, v.shape[-1]), v.dtype)
         return (out, jnp.full((*lead, T), -jnp.inf, jnp.float32)) if return_lse else out
-    kwargs = _jax_nn_args(mask, path, T, S, q_offset, kv_offset, lead or (1,), axis)  # jax.nn needs a batch axis
+    q0 = query_offset(q_offset, kv_offset, T, S)
+    band = _band(mask, q0 - kv_offset)
+    if path == "cudnn":  # what cuDNN cannot take, refused before anything is built
+        _refuse_cudnn_mask(mask, band, T, S, q0, kv_offset)
+        _refuse_cudnn_inputs(ops)
+    kwargs = _jax_nn_args(band, T, S, lead or (1,), axis, path)  # jax.nn needs a batch axis
     dense = dense_mask(kwargs.pop("mask", None), q, k, q_offset, kv_offset, lead, axis)
     with jax.numpy_dtype_promotion("standard"):  # jax.nn promotes bf16/f16 internally; callers may run strict
         out = jax.nn.dot_product_attention(
