@@ -181,3 +181,81 @@ def test_bad_arguments_are_named(kw, match):
     args = dict(q=np.zeros((2, 3, 5)), k=np.zeros((2, 6, 5)), v=np.zeros((2, 6, 4)), beta=np.full((2, 6), 0.5))
     with pytest.raises(ValueError, match=match):
         jattn.gated_linear_attention(**(args | {"num_householder": 2} | kw))
+
+
+# -- the modules' kinds 'deltaproduct' and 'gated_deltaproduct' ---------------------------------------------
+
+F_MODEL, HEADS, LENGTH = 24, 3, 11  # head depth 8
+
+
+def _written_out(m, x, kind, nh):
+    """The module in float64 NumPy from its parameters: projections ((n h d) layout), SiLU + L2 norm, gates, loop."""
+    p = {name: ref.f64(getattr(m, name)[...]) for name in m.gate_names}
+    x = ref.f64(x)
+    silu_l2 = lambda y: (y / (1 + np.exp(-y))) / np.sqrt(np.sum((y / (1 + np.exp(-y))) ** 2, -1, keepdims=True) + 1e-6)  # noqa: E731
+    b, t = x.shape[:2]
+    q = silu_l2((x @ ref.f64(m.wq.kernel[...])).reshape(b, t, HEADS, -1).transpose(0, 2, 1, 3))
+    k, v = ((x @ ref.f64(getattr(m, w).kernel[...])).reshape(b, t, nh, HEADS, -1) for w in ("wk", "wv"))
+    k, v = (y.transpose(0, 3, 1, 2, 4).reshape(b, HEADS, t * nh, -1) for y in (k, v))  # token t's j-th at t·nh + j
+    beta = (1 / (1 + np.exp(-(x @ p["w_beta"])))).reshape(b, t, nh, HEADS).transpose(0, 3, 1, 2).reshape(b, HEADS, -1)
+    g = None
+    if kind == "gated_deltaproduct":
+        g = (-np.exp(p["a_log"]) * np.log1p(np.exp(x @ p["w_dt"] + p["dt_bias"]))).transpose(0, 2, 1)
+    out, _ = ref.delta_product(q, silu_l2(k), v, beta, nh, g=g)
+    return out.transpose(0, 2, 1, 3).reshape(b, t, -1) @ ref.f64(m.wo.kernel[...])
+
+
+@pytest.mark.parametrize("kind, nh", [("deltaproduct", None), ("gated_deltaproduct", 3)])
+def test_each_module_kind_equals_its_householder_products_written_out(kind, nh):
+    """NNX (float64, to 1e-12) and Linen: (n h d) projections, SiLU + L2 keys, sigmoid betas, SSD gate, the loop."""
+    from flax import nnx
+
+    with jax.enable_x64(True):
+        m = jattn.nnx.SelfAttention(
+            F_MODEL, num_heads=HEADS, kind=kind, num_householder=nh, param_dtype=jnp.float64, rngs=nnx.Rngs(0)
+        )
+        x = jax.random.normal(jax.random.key(1), (2, LENGTH, F_MODEL), jnp.float64)
+        n = 2 if nh is None else nh
+        assert m.options.num_householder == n and m.wk.kernel.shape == (F_MODEL, n * F_MODEL)
+        got = m(x)
+        assert got.dtype == jnp.float64
+        np.testing.assert_allclose(got, _written_out(m, x, kind, n), **ref.tol(jnp.float64))
+        linen = jattn.linen.SelfAttention(
+            F_MODEL, num_heads=HEADS, kind=kind, num_householder=nh, param_dtype=jnp.float64
+        )
+        np.testing.assert_allclose(linen.apply({"params": ref.linen_params(m)}, x), got, **ref.tol(jnp.float64))
+
+
+def test_module_decoding_from_the_cache_equals_the_full_pass():
+    from flax import nnx
+
+    kw = dict(num_heads=HEADS, kind="gated_deltaproduct", num_householder=3)
+    m = jattn.nnx.SelfAttention(F_MODEL, **kw, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (2, LENGTH, F_MODEL))
+    full = m(x)
+    m.init_cache(2, LENGTH)
+    pieces = [m(x[:, :4], decode=True)] + [m(x[:, t : t + 1], decode=True) for t in range(4, LENGTH)]
+    np.testing.assert_allclose(jnp.concatenate(pieces, axis=1), full, **ref.tol(jnp.float32))
+    linen = jattn.linen.SelfAttention(F_MODEL, **kw)
+    cache = linen.init(jax.random.key(0), 2, LENGTH, method="init_cache")["cache"]
+    outs = []
+    for t in range(LENGTH):
+        y, state = linen.apply(
+            {"params": ref.linen_params(m), "cache": cache}, x[:, t : t + 1], decode=True, mutable=["cache"]
+        )
+        outs.append(y)
+        cache = state["cache"]
+    np.testing.assert_allclose(jnp.concatenate(outs, axis=1), full, **ref.tol(jnp.float32))
+
+
+def test_num_householder_is_the_deltaproduct_kinds_own():
+    from flax import nnx
+
+    with pytest.raises(
+        ValueError, match=r"num_householder is DeltaProduct's.*kind='gated_deltanet'.*num_householder=2"
+    ):
+        jattn.nnx.SelfAttention(F_MODEL, num_heads=HEADS, kind="gated_deltanet", num_householder=2, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"num_householder"):
+        jattn.nnx.SelfAttention(F_MODEL, num_heads=HEADS, kind="deltaproduct", num_householder=0, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"kind='deltaproduct' is causal self-attention"):
+        jattn.nnx.CrossAttention(F_MODEL, 7, num_heads=HEADS, kind="deltaproduct", rngs=nnx.Rngs(0))
