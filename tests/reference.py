@@ -418,6 +418,9 @@ def delta_product(
     ``jax.numpy`` (float64 under x64, for exact derivatives); functional, no in-place writes.
     """
     n = num_householder
+    if xp is np:  # float64 whatever the inputs' dtype
+        q, k, v, beta = f64(q), f64(k), f64(v), f64(beta)
+        g, state = (None if x is None else f64(x) for x in (g, state))
     lead = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
     T, D, E = q.shape[-2], q.shape[-1], v.shape[-1]
     scale = 1 / np.sqrt(D) if scale is None else scale
