@@ -22,20 +22,30 @@ def gated_candidates(T: int, B: int, N: int, D: int) -> dict:
     g = -jax.nn.softplus(jax.random.normal(keys[3], (B, N, T)))
     beta = jax.nn.sigmoid(jax.random.normal(keys[4], (B, N, T)))
     gk = jnp.broadcast_to(g[..., None] / D, (B, N, T, D))
+    n = 2  # DeltaProduct's Householder steps a token: its k, v, beta have T·n sub-steps
+    k2, v2 = (jax.random.normal(x, (B, N, n * T, D)) for x in jax.random.split(keys[0], 2))
+    k2 = k2 / jnp.linalg.norm(k2, axis=-1, keepdims=True)
+    beta2 = jax.nn.sigmoid(jax.random.normal(keys[1], (B, N, n * T)))
 
     def timed(f, *args):
         grad = jax.jit(jax.grad(lambda *a: jnp.sum(f(*a)), argnums=tuple(range(len(args)))))
         return lambda: jax.block_until_ready(grad(*args))
 
-    def gated(mode, **kw):
+    def gated(mode, num_householder=1, **kw):
         return lambda q, k, v, *gates: jattn.gated_linear_attention(
-            q, k, v, mode=mode, **dict(zip(kw, gates, strict=True))
+            q, k, v, mode=mode, num_householder=num_householder, **dict(zip(kw, gates, strict=True))
         )
 
     return {
         "gated deltanet, chunkwise": timed(gated("chunk", g=0, beta=0), q, k, v, g, beta),
         "gated deltanet, recurrent": timed(gated("recurrent", g=0, beta=0), q, k, v, g, beta),
         "gla, chunkwise": timed(gated("chunk", gk=0), q, k, v, gk),
+        "gated deltaproduct n_h=2, chunkwise": timed(
+            gated("chunk", g=0, beta=0, num_householder=2), q, k2, v2, g, beta2
+        ),
+        "gated deltaproduct n_h=2, recurrent": timed(
+            gated("recurrent", g=0, beta=0, num_householder=2), q, k2, v2, g, beta2
+        ),
         "softmax causal, blockwise": timed(
             lambda q, k, v: jattn.attention(q, k, v, mask=jattn.masks.causal(), implementation="blockwise"), q, k, v
         ),

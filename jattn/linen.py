@@ -104,7 +104,7 @@ class _Attention(nn.Module):
         def norm(name: str) -> nn.LayerNorm:  # Flax's QK norm: LayerNorm over D without bias, epsilon 1e-6
             return nn.LayerNorm(use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype, name=name)
 
-        kv = o.num_kv_heads * o.head_depth
+        kv = o.num_householder * o.num_kv_heads * o.head_depth  # DeltaProduct: n_h keys and values a token
         return Layers(
             self._dense(o.qkv_features, "wq"),
             self._dense(kv, "wk"),
@@ -115,7 +115,9 @@ class _Attention(nn.Module):
             self.param("sinks", nn.initializers.zeros_init(), (o.num_heads,), self.param_dtype) if o.sinks else None,
             {
                 name: self.param(name, init, shape, self.param_dtype)
-                for name, (shape, init) in gate_params(o.kind, o.d_model, o.num_heads, o.head_depth).items()
+                for name, (shape, init) in gate_params(
+                    o.kind, o.d_model, o.num_heads, o.head_depth, o.num_householder
+                ).items()
             }
             or None,
         )
@@ -166,6 +168,7 @@ class SelfAttention(_Attention):
     rope_base: float = 10000.0
     decode: bool = False
     causal: bool = False
+    num_householder: int | None = None
 
     @nn.compact
     def __call__(

@@ -68,14 +68,15 @@ class _Attention(nnx.Module):
         self.num_kv_heads, self.head_depth, self.kind = o.num_kv_heads, o.head_depth, o.kind
         init = dict(kernel_init=kernel_init, bias_init=bias_init, rngs=rngs)
         self.wq = self._linear(o.d_model, o.qkv_features, **init)
-        self.wk = self._linear(o.kv_features, o.num_kv_heads * o.head_depth, **init)
-        self.wv = self._linear(o.kv_features, o.num_kv_heads * o.head_depth, **init)
+        kv = o.num_householder * o.num_kv_heads * o.head_depth  # DeltaProduct: n_h keys and values a token
+        self.wk = self._linear(o.kv_features, kv, **init)
+        self.wv = self._linear(o.kv_features, kv, **init)
         self.wo = self._linear(o.qkv_features, o.out_features, **init) if o.out_proj else nnx.data(None)
         self.query_ln = self._norm(rngs) if o.normalize_qk else nnx.data(None)
         self.key_ln = self._norm(rngs) if o.normalize_qk else nnx.data(None)
         self.sinks = nnx.Param(jnp.zeros((o.num_heads,), o.param_dtype)) if o.sinks else nnx.data(None)
         # a recurrent kind's (jattn._linear.module_gates)
-        gates = gate_params(o.kind, o.d_model, o.num_heads, o.head_depth)
+        gates = gate_params(o.kind, o.d_model, o.num_heads, o.head_depth, o.num_householder)
         self.gate_names = tuple(gates)
         for name, (shape, init) in gates.items():
             setattr(self, name, nnx.Param(init(rngs.params(), shape, o.param_dtype)))
@@ -187,6 +188,7 @@ class SelfAttention(_Attention):
         causal: bool = False,
         score_mod: ScoreMod | None = None,
         sinks: bool = False,
+        num_householder: int | None = None,
         kernel_init: nnx.Initializer = _KERNEL_INIT,
         bias_init: nnx.Initializer = _BIAS_INIT,
         rngs: nnx.Rngs,
@@ -215,6 +217,7 @@ class SelfAttention(_Attention):
             causal=causal,
             score_mod=score_mod,
             sinks=sinks,
+            num_householder=num_householder,
         )
         super().__init__(
             d_model, d_model, options, cross=False, kernel_init=kernel_init, bias_init=bias_init, rngs=rngs

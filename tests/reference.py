@@ -404,3 +404,53 @@ def gated_linear(q, k, v, g=None, gk=None, beta=None, scale=None, segment_ids=No
             out[i][t] = scale * S.T @ q[i][t]
         final[i] = S
     return out, final
+
+
+def delta_product(
+    q, k, v, beta, num_householder, g=None, scale=None, segment_ids=None, kv_mask=None, state=None, xp=np
+):
+    """DeltaProduct token by token with each token's transition an explicit product of Householder matrices.
+
+    q ``(..., T, D)``; k ``(..., T·n, D)``, v ``(..., T·n, E)``, ``beta (..., T·n)`` (token t's j-th at
+    ``t·n + j``); ``g``, ``segment_ids``, ``kv_mask`` broadcast to ``(..., T)``, ``state`` to ``(..., D, E)``.
+    Per token: ``S <- A_t S + W_t`` with ``A_t = H_n ... H_1 exp(g_t)``, ``H_j = I - β_j k_j k_jᵀ`` and
+    ``W_t = Σ_j H_n ... H_{j+1} β_j k_j v_jᵀ``; ``o_t = scale · Sᵀ q_t``. ``xp``: ``np`` (float64 NumPy) or
+    ``jax.numpy`` (float64 under x64, for exact derivatives); functional, no in-place writes.
+    """
+    n = num_householder
+    if xp is np:  # float64 whatever the inputs' dtype
+        q, k, v, beta = f64(q), f64(k), f64(v), f64(beta)
+        g, state = (None if x is None else f64(x) for x in (g, state))
+    lead = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    T, D, E = q.shape[-2], q.shape[-1], v.shape[-1]
+    scale = 1 / np.sqrt(D) if scale is None else scale
+
+    def full(x, tail, fill):
+        return xp.broadcast_to(xp.full((1,) * (len(lead) + 1), fill) if x is None else xp.asarray(x), (*lead, *tail))
+
+    q, k, v = (xp.broadcast_to(x, (*lead, *x.shape[-2:])) for x in (q, k, v))
+    g, b = full(g, (T,), 0.0), full(beta, (T * n,), 0.0)
+    ids, keep = (
+        np.broadcast_to(np.asarray(0 if segment_ids is None else segment_ids), (*lead, T)),
+        np.broadcast_to(np.asarray(True if kv_mask is None else kv_mask), (*lead, T)),
+    )
+    S0 = xp.zeros((*lead, D, E)) if state is None else xp.broadcast_to(xp.asarray(state), (*lead, D, E))
+    outs, finals = [], []
+    for i in np.ndindex(*lead):
+        S, rows = S0[i], []
+        for t in range(T):
+            if t and ids[i][t] != ids[i][t - 1]:
+                S = xp.zeros((D, E))
+            if not keep[i][t]:
+                rows.append(xp.zeros(E))
+                continue
+            A, W = xp.exp(g[i][t]) * xp.eye(D), xp.zeros((D, E))
+            for j in range(n):
+                kj, bj = k[i][t * n + j], b[i][t * n + j]
+                H = xp.eye(D) - bj * xp.outer(kj, kj)
+                A, W = H @ A, H @ W + bj * xp.outer(kj, v[i][t * n + j])
+            S = A @ S + W
+            rows.append(scale * S.T @ q[i][t])
+        outs.append(xp.stack(rows))
+        finals.append(S)
+    return xp.stack(outs).reshape(*lead, T, E), xp.stack(finals).reshape(*lead, D, E)

@@ -591,6 +591,7 @@ _OPTION_VALUES = {
     "causal": (True, {}),
     "score_mod": (jattn.score_mods.softcap(5.0), {}),
     "sinks": (True, {}),
+    "num_householder": (3, {"kind": "deltaproduct"}),
 }
 
 
@@ -605,7 +606,7 @@ def test_every_option_reaches_the_module_by_its_name(cls):
         p for p in params if params[p].kind is params[p].KEYWORD_ONLY and p not in ("kernel_init", "bias_init", "rngs")
     ]
     assert sorted(options) == sorted(
-        n for n in _OPTION_VALUES if not (cross and n in ("rope", "rope_base", "decode", "causal"))
+        n for n in _OPTION_VALUES if not (cross and n in ("rope", "rope_base", "decode", "causal", "num_householder"))
     )
     shape = (12, 10) if cross else (12,)
     for name in options:

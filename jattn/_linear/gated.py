@@ -65,6 +65,7 @@ from jax.typing import ArrayLike
 from jattn._linear.gated_forms import run_steps
 from jattn._linear.gated_inputs import poison, prepare
 from jattn._linear.gated_parallel import first_resets, run_sharded
+from jattn._linear.householder import interleave, last_substeps
 from jattn._scalars import check_bool, check_int
 
 __all__ = ["MODES", "gated_linear_attention"]
@@ -80,6 +81,7 @@ def gated_linear_attention(
     g: ArrayLike | None = None,
     gk: ArrayLike | None = None,
     beta: ArrayLike | None = None,
+    num_householder: int = 1,
     scale: float | ArrayLike | None = None,
     segment_ids: ArrayLike | None = None,
     kv_mask: ArrayLike | None = None,
@@ -103,6 +105,14 @@ def gated_linear_attention(
       beta: the delta rule's write strength in ``[0, 1]`` (a sigmoid's range), broadcasting to ``(..., T)``;
         None: no delta rule. It needs L2-normalised keys: with ``β ‖k‖² > 2`` the state grows each step and
         overflows to inf and NaN, unchecked (module docstring).
+      num_householder: ``n_h``, the delta steps a token (DeltaProduct, :mod:`jattn._linear.householder`): k
+        ``(..., T·n_h, D)``, v ``(..., T·n_h, E)`` and ``beta (..., T·n_h)`` hold each token's ``n_h`` keys,
+        values and betas one after the other (token ``t``'s step ``j`` at ``t·n_h + j``), q, ``g``,
+        ``segment_ids`` and ``kv_mask`` one per token ``(..., T)``; ``g`` decays once a token, before its first
+        step, and q reads after its last. Not with ``gk``; needs ``beta``. This is flash-linear-attention's
+        layout (``chunk_gated_delta_product(..., num_householder=n_h)``, k ``(B, T·n_h, H, D)``): weights and
+        activations port as they are, and the sub-steps are the sequence the delta rule runs, with no new axis
+        for q, k, v to disagree on. The default 1 is the delta rule itself.
       scale: multiplies q: a finite real number or a 0-d float array (a traced one is not checked); default
         ``1/sqrt(D)``.
       segment_ids: integer ``(T,)``, ``(B, T)`` (per example: batch first, shared by the heads, as
@@ -113,7 +123,7 @@ def gated_linear_attention(
       initial_state: ``(..., D, E)``, the state before the first step (default zeros).
       return_state: also return the state after the last step, ``(..., D, E)`` in the compute dtype.
       mode: ``'chunk'`` (training; O(T) memory forward and backward) or ``'recurrent'`` (step by step).
-      chunk_size: steps of a chunk (``mode='chunk'``); T need not be a multiple. None: 16 with ``gk`` (its decays
+      chunk_size: steps of a chunk (``mode='chunk'``; sub-steps with ``num_householder``); T need not be a multiple. None: 16 with ``gk`` (its decays
         inside a chunk cost ``C² D``), else 32: the faster of 16, 32 and 64 in the docs' measurements.
       axis_name: inside ``jax.shard_map`` with the sequence split over this mesh axis (device i of the axis
         holds the i-th block of steps): the state passes from shard to shard (:mod:`jattn._linear.gated_parallel`);
@@ -130,6 +140,10 @@ def gated_linear_attention(
     mode = _check_mode(mode)
     chunk_size = (16 if gk is not None else 32) if chunk_size is None else check_int("chunk_size", chunk_size, min=1)
     return_state = check_bool("return_state", return_state)
+    num_householder = check_int("num_householder", num_householder, min=1)
+    if num_householder > 1:
+        q, g, segment_ids, kv_mask = interleave(q, k, v, num_householder=num_householder, g=g, gk=gk, beta=beta,
+                                                segment_ids=segment_ids, kv_mask=kv_mask)  # fmt: skip
     first = None if axis_name is None else (lambda ids, lead: first_resets(ids, lead, axis_name))
     steps, state = prepare(q, k, v, g=g, gk=gk, beta=beta, scale=scale, segment_ids=segment_ids, kv_mask=kv_mask,
                            initial_state=initial_state, first=first)  # fmt: skip
@@ -140,7 +154,7 @@ def gated_linear_attention(
             steps, state, axis_name=axis_name, mode=mode, chunk_size=chunk_size, precision=precision
         )
     out, state = poison(steps, out, state, axis_name)
-    out = out.astype(steps.out_dtype)
+    out = last_substeps(out, num_householder).astype(steps.out_dtype)
     return (out, state) if return_state else out
 
 

@@ -12,6 +12,12 @@ run :func:`jattn.gated_linear_attention` over the heads. What each kind computes
   ``gk = log sigmoid(x w_gk_down w_gk_up + b_gk) / 16`` (``w_gk_down (F, 16)``, ``w_gk_up (16, N·D)``).
 - ``'deltanet'``: the delta rule's ``beta = sigmoid(x w_beta)`` (``w_beta (F, N)``), no decay.
 - ``'gated_deltanet'``: ``beta`` as DeltaNet and ``g`` as SSD.
+- ``'deltaproduct'`` (DeltaProduct, Siems et al. 2025) and ``'gated_deltaproduct'`` (with ``g`` as SSD): ``n_h``
+  delta steps a token (the module option ``num_householder``, default 2): k and v projected to ``n_h·N·D``
+  features, ``beta = sigmoid(x w_beta)`` with ``w_beta (F, n_h·N)``, laid out as flash-linear-attention's
+  (``(n h d)`` and ``(n h)``: sub-step outermost). ``beta`` stays in [0, 1]: flash-linear-attention's default
+  ``allow_neg_eigval`` (``2·sigmoid``, Householder eigenvalues down to -1) is not offered, as
+  :func:`jattn.gated_linear_attention` checks ``beta`` in [0, 1].
 
 The delta kinds take q and k through SiLU and an L2 norm over D (DeltaNet's choice, which keeps the
 delta rule stable); the others take them as projected. No kind has the short causal convolution some
@@ -31,10 +37,12 @@ from jax import Array
 
 from jattn._online import compute_dtype
 
-__all__ = ["DELTA_KINDS", "RECURRENT_KINDS", "gate_params", "gates", "qk_features"]
+__all__ = ["DELTAPRODUCT_KINDS", "DELTA_KINDS", "RECURRENT_KINDS", "gate_params", "gates", "qk_features"]
 
-RECURRENT_KINDS = ("retention", "ssd", "gla", "deltanet", "gated_deltanet")
-DELTA_KINDS = ("deltanet", "gated_deltanet")
+DELTAPRODUCT_KINDS = ("deltaproduct", "gated_deltaproduct")
+RECURRENT_KINDS = ("retention", "ssd", "gla", "deltanet", "gated_deltanet", *DELTAPRODUCT_KINDS)
+DELTA_KINDS = ("deltanet", "gated_deltanet", *DELTAPRODUCT_KINDS)
+SSD_GATED = ("ssd", "gated_deltanet", "gated_deltaproduct")  # the kinds with SSD's decay per step and head
 GLA_RANK, GLA_TEMPERATURE = 16, 16.0
 
 Init = Callable[[Array, tuple[int, ...], jnp.dtype], Array]
@@ -51,23 +59,30 @@ def _dt_bias(key: Array, shape: tuple[int, ...], dtype: jnp.dtype) -> Array:
     return dt + jnp.log(-jnp.expm1(-dt))
 
 
-def gate_params(kind: str, features: int, heads: int, depth: int) -> dict[str, tuple[tuple[int, ...], Init]]:
-    """The gate parameters of ``kind`` for input ``features`` F, N = ``heads``, D = ``depth``: name -> (shape, init)."""
+def gate_params(
+    kind: str, features: int, heads: int, depth: int, householder: int = 1
+) -> dict[str, tuple[tuple[int, ...], Init]]:
+    """The gate parameters of ``kind`` for input ``features`` F, N = ``heads``, D = ``depth``: name -> (shape, init).
+
+    ``householder``: the DeltaProduct kinds' ``n_h`` (a beta per sub-step and head).
+    """
     dense = jax.nn.initializers.lecun_normal()
     params: dict[str, tuple[tuple[int, ...], Init]] = {}
-    if kind in ("ssd", "gated_deltanet"):
+    if kind in SSD_GATED:
         params |= {"a_log": ((heads,), _uniform_log(1.0, 16.0)), "w_dt": ((features, heads), dense)}
         params["dt_bias"] = ((heads,), _dt_bias)
     if kind == "gla":
         params |= {"w_gk_down": ((features, GLA_RANK), dense), "w_gk_up": ((GLA_RANK, heads * depth), dense)}
         params["b_gk"] = ((heads * depth,), jax.nn.initializers.zeros)
     if kind in DELTA_KINDS:
-        params["w_beta"] = ((features, heads), dense)
+        params["w_beta"] = ((features, householder * heads), dense)
     return params
 
 
 def gates(kind: str, params: dict[str, Array], x: Array, heads: int, depth: int, dtype: Any = None) -> dict[str, Array]:
     """``g``, ``gk`` and ``beta`` of ``kind`` for ``x (B, T, F)`` in the heads layout ``(B, N, 1, T[, D])``.
+
+    The DeltaProduct kinds' ``beta`` is per sub-step, ``(B, N, 1, T·n_h)`` (token t's j-th at ``t·n_h + j``).
 
     Computed in the module's compute dtype (:func:`jattn._online.compute_dtype` of its ``dtype``, or without one
     of x's and the parameters' promoted dtype, as its projections infer theirs): float64 in a float64 module,
@@ -88,7 +103,7 @@ def gates(kind: str, params: dict[str, Array], x: Array, heads: int, depth: int,
     out: dict[str, Array] = {}
     if kind == "retention":
         out["g"] = jnp.log1p(-(2.0 ** -(5.0 + jnp.arange(heads, dtype=compute))))[None, :, None, None]
-    if kind in ("ssd", "gated_deltanet"):
+    if kind in SSD_GATED:
         dt = jax.nn.softplus(x @ param("w_dt") + param("dt_bias"))
         out["g"] = per_head(-jnp.exp(param("a_log")) * dt)
     if kind == "gla":
@@ -97,7 +112,9 @@ def gates(kind: str, params: dict[str, Array], x: Array, heads: int, depth: int,
         )  # (B, T, N*D)
         out["gk"] = gk.reshape(b, t, heads, depth).transpose(0, 2, 1, 3)[:, :, None]
     if kind in DELTA_KINDS:
-        out["beta"] = per_head(jax.nn.sigmoid(x @ param("w_beta")))
+        n = params["w_beta"].shape[-1] // heads  # DeltaProduct's n_h sub-steps a token ((n h): sub-step outermost)
+        beta = jax.nn.sigmoid(x @ param("w_beta")).reshape(b, t, n, heads)
+        out["beta"] = beta.transpose(0, 3, 1, 2).reshape(b, heads, 1, t * n)  # (B, N, 1, T·n_h)
     return out
 
 

@@ -151,7 +151,8 @@ def _qk(config: ModuleConfig, layers: Layers, q: Array, k: Array, q_pos: Array, 
 
     if not (config.normalize_qk or config.rope):
         return q, k
-    return per_head(q, config.num_heads, layers.query_ln, q_pos), per_head(k, config.num_kv_heads, layers.key_ln, k_pos)
+    keys = config.num_kv_heads * config.num_householder  # DeltaProduct: n_h keys a token, at its position
+    return per_head(q, config.num_heads, layers.query_ln, q_pos), per_head(k, keys, layers.key_ln, k_pos)
 
 
 def _full_pass(
@@ -275,6 +276,7 @@ def forward(
         implementation=implementation,
         block_size=block_size,
         sinks=None if layers.sinks is None else jnp.asarray(layers.sinks),
+        num_householder=config.num_householder,
     )
     if config.kind in RECURRENT_KINDS:
         attend["gates"] = gates(config.kind, layers.gates or {}, xs, config.num_heads, config.head_depth, config.dtype)

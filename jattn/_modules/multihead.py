@@ -143,8 +143,11 @@ def _recurrent_heads(
     state: Array | None,
     precision: jax.lax.PrecisionLike,
     return_weights: bool,
+    num_householder: int,
 ) -> tuple[Array, Array]:
     """A recurrent kind over the heads ``(B, N, 1, T, D)`` (K = N); ``valid (B, 1, 1, T)``; the gates ``(B, N, 1, T[, D])``.
+
+    DeltaProduct (``num_householder`` n_h > 1): k, v and ``beta`` have ``T·n_h`` sub-steps.
 
     Returns ``out (B, N, 1, T, E)`` and the state after the last step ``(B, N, 1, D, E)``.
     """
@@ -158,6 +161,7 @@ def _recurrent_heads(
         qk_features(kind, kh),
         vh,
         **gates,
+        num_householder=num_householder,
         kv_mask=valid,
         initial_state=state,
         return_state=True,
@@ -240,6 +244,7 @@ def multihead(
     block_size: int | tuple[int, int] | None = None,
     score_mod: ScoreMod | None = None,
     sinks: Array | None = None,
+    num_householder: int = 1,
 ) -> tuple[Array, Array | None, LinearState | None]:
     """Attention over heads of projected ``q (B, T, N*D)``, ``k, v (B, S, K*D)``.
 
@@ -251,6 +256,7 @@ def multihead(
     be None or ``causal()`` and ``linear_state`` continues a causal sequence. ``score_mod`` goes to
     the core as it is (its ``head`` is the query head n = k·G + g) and ``sinks (N,)`` as ``(K, G)``
     (softmax kind, not over a ring). ``causal`` ands ``masks.causal()`` into ``mask`` (None included).
+    ``num_householder``: the DeltaProduct kinds' ``n_h``, k and v then ``(B, S, n_h·K·D)`` (sub-step outermost).
 
     Returns ``out (B, T, N*E)``, the weights ``(B, N, T, S)`` (before dropout) if asked, and
     the linear state after the last key (linear kind only).
@@ -260,10 +266,12 @@ def multihead(
     (:func:`jattn.sequence_parallel_attention`); elsewhere it is the plain core.
     """
     groups = num_heads // num_kv_heads
-    qh = _split(q, num_kv_heads, groups)  # (B, K, G, T, D)
-    kh = _split(k, num_kv_heads, 1)  # (B, K, 1, S, D)
-    vh = _split(v, num_kv_heads, 1)  # (B, K, 1, S, E)
     b, t, s = q.shape[0], q.shape[1], k.shape[1]
+    if num_householder > 1:  # (B, S, n·K·D) -> (B, S·n, K·D): token s's j-th key at s·n + j (layout (n h d))
+        k, v = (x.reshape(b, s * num_householder, x.shape[-1] // num_householder) for x in (k, v))
+    qh = _split(q, num_kv_heads, groups)  # (B, K, G, T, D)
+    kh = _split(k, num_kv_heads, 1)  # (B, K, 1, S, D); S·n_h sub-steps for DeltaProduct
+    vh = _split(v, num_kv_heads, 1)  # (B, K, 1, S, E)
     valid = None if kv_mask is None else jnp.asarray(kv_mask).reshape(b, 1, 1, s)  # (B, 1, 1, S)
     state, weights = None, None
     sinks = None if sinks is None else sinks.reshape(num_kv_heads, groups)  # (N,) -> (K, G): head n = k·G + g
@@ -277,7 +285,7 @@ def multihead(
     elif kind in RECURRENT_KINDS:
         out, state = _recurrent_heads(
             qh, kh, vh, kind=kind, gates=gates or {}, mask=mask, valid=valid, state=linear_state, precision=precision,
-            return_weights=return_weights,
+            return_weights=return_weights, num_householder=num_householder,
         )  # fmt: skip
     elif _ring_size(sequence_axis) > 1:
         out, weights = _ring_heads(

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax import Array
 
 from jattn._checks import check_block_size, check_score_mod
-from jattn._linear import RECURRENT_KINDS, feature_fn
+from jattn._linear import DELTAPRODUCT_KINDS, RECURRENT_KINDS, feature_fn
 from jattn._paths import check_implementation
 from jattn._scalars import check_bool, check_dtype, check_int, check_real
 from jattn.score_mods import ScoreMod
@@ -48,7 +48,7 @@ __all__ = [
 
 KINDS = ("softmax", "linear", *RECURRENT_KINDS)
 CROSS_KINDS = ("softmax", "linear")  # the recurrent kinds are causal recurrences over x's own sequence
-SELF_ATTENTION_ONLY = ("rope", "rope_base", "decode", "causal")  # the options cross-attention does not take
+SELF_ATTENTION_ONLY = ("rope", "rope_base", "decode", "causal", "num_householder")  # cross-attention takes none
 SOFTMAX_ONLY = (
     "dropout_rate",
     "implementation",
@@ -78,7 +78,7 @@ OPTION_DOCS: dict[str, str | dict[str, str]] = {
         "``'softmax'`` (default, :func:`jattn.attention`), ``'linear'`` (:func:`jattn.linear_attention`, whose "
         "only masks are None and ``masks.causal()``), or a recurrent kind of :func:`jattn.gated_linear_attention` "
         "(:data:`jattn.RECURRENT_KINDS`: ``'retention'``, ``'ssd'``, ``'gla'``, ``'deltanet'``, "
-        "``'gated_deltanet'``; causal self-attention with N = K and the papers' gate parameters, listed in the "
+        "``'gated_deltanet'``, ``'deltaproduct'``, ``'gated_deltaproduct'``; causal self-attention with N = K and the papers' gate parameters, listed in the "
         "linear-attention guide). Only the softmax kind forms scores: the others refuse ``dropout_rate``, "
         "``implementation``, ``block_size``, ``score_mod`` and ``sinks``, and the recurrent kinds "
         "``num_kv_heads != num_heads`` and ``sequence_axis``. Cross-attention takes ``'softmax'`` and "
@@ -154,6 +154,11 @@ OPTION_DOCS: dict[str, str | dict[str, str]] = {
         "n = k·(N/K) + g as the heads are split), passed as :func:`jattn.attention`'s ``sinks``: each row's "
         "softmax denominator gains ``e^sink`` (softmax kind)."
     ),
+    "num_householder": (
+        "``n_h``, the delta (Householder) steps a token of ``kind='deltaproduct'`` and ``'gated_deltaproduct'`` "
+        "(:func:`jattn.gated_linear_attention`'s ``num_householder``; default None: 2): ``wk`` and ``wv`` project "
+        "to ``n_h·N·D`` features, ``n_h`` keys and values a token. The other kinds take none (leave it None)."
+    ),
 }
 
 
@@ -191,6 +196,7 @@ class ModuleOptions:
     causal: bool = False
     score_mod: ScoreMod | None = None
     sinks: bool = False
+    num_householder: int | None = None
 
     @classmethod
     def cross(cls, **options: Any) -> ModuleOptions:
@@ -364,6 +370,18 @@ def _check_linear(o: ModuleOptions) -> None:
         )
 
 
+def _householder(o: ModuleOptions) -> int:
+    """The DeltaProduct kinds' ``n_h`` (default 2), 1 for the other kinds, which refuse any but None."""
+    if o.kind in DELTAPRODUCT_KINDS:
+        return 2 if o.num_householder is None else check_int("num_householder", o.num_householder, min=1)
+    if o.num_householder is not None:
+        raise ValueError(
+            f"num_householder is DeltaProduct's (kind='deltaproduct' or 'gated_deltaproduct'): kind={o.kind!r} takes "
+            f"none (leave it None), got num_householder={o.num_householder!r}"
+        )
+    return 1
+
+
 def configure(d_model: int, kv_features: int, options: ModuleOptions, *, cross: bool = False) -> ModuleConfig:
     """Checks ``options`` (a ValueError or TypeError naming the option) and resolves their defaults.
 
@@ -379,6 +397,7 @@ def configure(d_model: int, kv_features: int, options: ModuleOptions, *, cross: 
         _check_recurrent(o, kv_heads)
     if o.kind == "linear":
         _check_linear(o)
+    householder = _householder(o)
     rope_base = check_real("rope_base", o.rope_base, low=0.0, open_low=True)
     if o.rope and depth % 2:
         raise ValueError(f"rope=True needs an even head depth D = qkv_features / num_heads, got D={depth}")
@@ -397,6 +416,7 @@ def configure(d_model: int, kv_features: int, options: ModuleOptions, *, cross: 
         dropout_rate=float(o.dropout_rate),
         block_size=tuple(o.block_size) if isinstance(o.block_size, list) else o.block_size,
         rope_base=rope_base,
+        num_householder=householder,
         **{
             flag: bool(getattr(o, flag))
             for flag in ("use_bias", "deterministic", "normalize_qk", "rope", "decode", "causal", "sinks")

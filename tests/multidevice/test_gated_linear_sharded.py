@@ -77,3 +77,51 @@ def test_the_sequence_over_4_devices_equals_one_device(variant, mode):
     want_grads = jax.grad(loss(call), argnums=(0, 1, 2, 3, 4))(q, k, v, gates, state)
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
         ref.assert_grad_close(got, want, jnp.float32)
+
+
+@pytest.mark.parametrize("mode", ["chunk", "recurrent"])
+def test_deltaproduct_over_4_devices_equals_one_device(mode):
+    """DeltaProduct (3 sub-steps a token): each shard holds its tokens' sub-steps; documents cross shards."""
+    nh = 3
+    (q, _, _), gates, ids, state = _inputs("gated deltanet")
+    r = np.random.default_rng(2)
+    k = jnp.asarray(r.standard_normal((B, N, T * nh, D)), jnp.float32)
+    k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+    v = jnp.asarray(r.standard_normal((B, N, T * nh, E)), jnp.float32)
+    gates = {"g": gates["g"], "beta": jnp.asarray(r.uniform(0.1, 0.9, (B, N, T * nh)), jnp.float32)}
+    mesh = jax.make_mesh((SHARDS,), ("seq",), axis_types=(AxisType.Auto,), devices=jax.devices()[:SHARDS])
+    seq, rows = PartitionSpec(None, None, "seq"), PartitionSpec(None, None, "seq", None)
+
+    def call(q, k, v, gates, ids, state, axis_name=None):
+        return jattn.gated_linear_attention(
+            q, k, v, **gates, num_householder=nh, segment_ids=ids, initial_state=state, return_state=True,
+            chunk_size=8, mode=mode, axis_name=axis_name,
+        )  # fmt: skip
+
+    sharded = jax.shard_map(
+        lambda *a: call(*a, axis_name="seq"),
+        mesh=mesh,
+        in_specs=(rows,) * 3 + ({"g": seq, "beta": seq}, seq, PartitionSpec()),
+        out_specs=(rows, PartitionSpec()),
+    )
+    args = (q, k, v, gates, ids, state)
+    out, final = jax.jit(sharded)(*args)
+    want, want_final = call(*args)
+    np.testing.assert_allclose(out, want, **ref.tol(jnp.float32))
+    np.testing.assert_allclose(final, want_final, **ref.tol(jnp.float32))
+    np.testing.assert_allclose(
+        want, ref.delta_product(q, k, v, gates["beta"], nh, g=gates["g"], segment_ids=ids, state=state)[0],
+        **ref.tol(jnp.float32),
+    )  # fmt: skip
+
+    w = jnp.asarray(np.random.default_rng(1).standard_normal(out.shape), jnp.float32)
+
+    def loss(f):
+        return lambda q, k, v, gates, state: (
+            jnp.sum(w * f(q, k, v, gates, ids, state)[0]) + jnp.sum(f(q, k, v, gates, ids, state)[1])
+        )
+
+    grads = jax.jit(jax.grad(loss(sharded), argnums=(0, 1, 2, 3, 4)))(q, k, v, gates, state)
+    want_grads = jax.grad(loss(call), argnums=(0, 1, 2, 3, 4))(q, k, v, gates, state)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
+        ref.assert_grad_close(got, want, jnp.float32)
