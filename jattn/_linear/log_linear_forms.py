@@ -40,8 +40,10 @@ def _einsum(spec: str, *xs: Array, precision) -> Array:
 def recurrent(
     steps: Steps, lam: Array, state: Array, start: Array, precision: jax.lax.PrecisionLike
 ) -> tuple[Array, Array, Array]:
-    """Step by step: ``out (*lead, T, E)``, the level states after the last kept step ``(*lead, L, D, E)``, and
-    ``overflow (*lead,)`` (a kept step at a position that needs more than L levels).
+    """Step by step: ``out (*lead, T, E)``, the level states ``(*lead, L, D, E)`` and ``overflow (*lead,)``.
+
+    The states are those after the last kept step; ``overflow``: a kept step at a position that needs more
+    than L levels.
 
     ``state``: the level states before the first step, relative to position ``start - 1``; ``start (*lead,)`` int32.
     At a kept step at position ``p``, after the last kept one at ``p0``, levels ``0 .. h-1`` merge into level
@@ -50,7 +52,7 @@ def recurrent(
     nothing but a reset (which zeroes every level).
     """
     L = state.shape[-3]
-    levels = jnp.arange(L, dtype=jnp.int32)
+    levels = jnp.arange(L, dtype=jnp.int32).reshape((1,) * (state.ndim - 3) + (L,))  # (1.., L)
 
     def step(carry, x):
         S, last = carry  # (*lead, L, D, E), (*lead,)
@@ -58,7 +60,7 @@ def recurrent(
         S = jnp.where(reset[..., None, None, None], 0.0, S)
         p = start + t
         h = jnp.where(last >= 0, _bit_length(jnp.bitwise_xor(jnp.maximum(last, 0), p)), 0)[..., None]  # (*lead, 1)
-        merged = jnp.sum(jnp.where((levels <= h)[..., None, None], S, 0.0), axis=-3, keepdims=True)
+        merged = jnp.sum(jnp.where((levels <= h)[..., None, None], S, 0.0), axis=-3, keepdims=True)  # (*lead, 1, D, E)
         new = jnp.where((levels < h)[..., None, None], 0.0, jnp.where((levels == h)[..., None, None], merged, S))
         if beta is not None:  # a (I - β k kᵀ) on every level
             kS = _einsum("...d,...lde->...le", k, new, precision=precision)
@@ -76,14 +78,15 @@ def recurrent(
     xs = tuple(None if x is None else jnp.moveaxis(x, lead_axes, 0) for x in parts)
     T = steps.keep.shape[-1]
     (state, _), out = jax.lax.scan(step, (state, start - 1), (*xs, jnp.arange(T, dtype=jnp.int32)))
-    positions = start[..., None] + jnp.arange(T, dtype=jnp.int32)
+    positions = start[..., None] + jnp.arange(T, dtype=jnp.int32).reshape((1,) * start.ndim + (T,))
     overflow = jnp.any(steps.keep & (_bit_length(positions) >= L), axis=-1)
     return jnp.moveaxis(out, 0, -2), state, overflow
 
 
 def chunked(steps: Steps, lam: Array, chunk_size: int, precision: jax.lax.PrecisionLike) -> Array:
-    """The chunkwise form (:mod:`jattn._linear.log_linear`): ``out (*lead, T, E)`` from position 0, ``lam (*lead,
-    T, L)`` with at least :func:`levels_needed` ``(T)`` levels; ``chunk_size`` a power of 2.
+    """The chunkwise form (:mod:`jattn._linear.log_linear`): ``out (*lead, T, E)`` from position 0.
+
+    ``lam (*lead, T, L)`` with at least :func:`levels_needed` ``(T)`` levels; ``chunk_size`` a power of 2.
     """
     *lead, T, E = steps.v.shape
     c = min(chunk_size, 1 << max(T - 1, 0).bit_length())  # a power of 2, no longer than T needs
@@ -149,7 +152,7 @@ def _across_chunks(parts: dict, lam: Array, outer: int, precision) -> Array:
     *lead, n, c, D = parts["reads"].shape
     E = parts["own"].shape[-1]
     tops = jnp.asarray(level(np.arange(n), np.arange(n) + 1), jnp.int32)  # j* of each chunk
-    levels = jnp.arange(1, outer + 1, dtype=jnp.int32)
+    levels = jnp.arange(1, outer + 1, dtype=jnp.int32).reshape((1,) * len(lead) + (outer, 1, 1))
     names = ("reads", "own", "keep_in", "kr", "w")
     xs = {x: None if parts[x] is None else jnp.moveaxis(parts[x], len(lead), 0) for x in names}
     xs["lam"], xs["top"] = jnp.moveaxis(lam, len(lead), 0), tops
@@ -161,9 +164,9 @@ def _across_chunks(parts: dict, lam: Array, outer: int, precision) -> Array:
         if x["w"] is not None:
             wZ = _einsum("...sf,...jfe->...jse", x["w"], Z, precision=precision)
             moved = moved - _einsum("...sf,...jse->...jfe", x["kr"], wZ, precision=precision)
-        below = (levels <= x["top"])[:, None, None]
+        below = levels <= x["top"]
         merged = x["own"] + jnp.sum(jnp.where(below, moved, 0.0), axis=-3)
-        Z = jnp.where(levels[:, None, None] == x["top"], merged[..., None, :, :], jnp.where(below, 0.0, moved))
+        Z = jnp.where(levels == x["top"], merged[..., None, :, :], jnp.where(below, 0.0, moved))
         return Z, out
 
     Z = jnp.zeros((*lead, outer, D, E), parts["own"].dtype)
