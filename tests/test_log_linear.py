@@ -203,3 +203,65 @@ def test_bad_arguments_are_named():
         jattn.log_linear_attention(**x | {"level_weights": np.ones((T, L), np.int32)})
     with pytest.raises(ValueError, match="g is a log decay"):
         jattn.log_linear_attention(**x | {"g": np.ones((B, N, T), np.float32)})
+
+
+# -- the modules' log kinds ------------------------------------------------------------------------------------
+
+F_MODEL, HEADS = 24, 3  # head depth 8
+
+
+def _module_reference(kind, m, x):
+    """The module's output in float64 NumPy: projections, the kind's gates from its parameters, :func:`quadratic`."""
+    p = {name: np.asarray(getattr(m, name)[...], np.float64) for name in m.gate_names}
+    x = np.asarray(x, np.float64)
+    b, t = x.shape[:2]
+    softplus = lambda z: np.logaddexp(0.0, z)  # noqa: E731
+    split = lambda y: y.reshape(b, t, HEADS, -1).transpose(0, 2, 1, 3)  # noqa: E731  (B, T, N·X) -> (B, N, T, X)
+    q, k, v = (split(x @ np.asarray(getattr(m, w).kernel[...], np.float64)) for w in ("wq", "wk", "wv"))
+    if kind == "log_gated_deltanet":  # SiLU, then an L2 norm over the head depth
+        q, k = (y / (1 + np.exp(-y)) for y in (q, k))
+        q, k = (y / np.sqrt(np.sum(y**2, -1, keepdims=True) + 1e-6) for y in (q, k))
+    g = np.moveaxis(-np.exp(p["a_log"]) * softplus(x @ p["w_dt"] + p["dt_bias"]), -1, -2)
+    beta = np.moveaxis(1 / (1 + np.exp(-(x @ p["w_beta"]))), -1, -2) if kind == "log_gated_deltanet" else None
+    lam = split(softplus((x @ p["w_level"]).reshape(b, t, HEADS, -1) * p["level_scale"]).reshape(b, t, -1))
+    out = quadratic(q, k, v, lam, g, beta)
+    return out.transpose(0, 2, 1, 3).reshape(b, t, -1) @ np.asarray(m.wo.kernel[...], np.float64)
+
+
+@pytest.mark.parametrize("kind", ["log_ssd", "log_gated_deltanet"])
+def test_each_log_kind_equals_its_gates_written_out(kind):
+    """A float64 NNX module against NumPy (its parameters, the paper's level weights, the quadratic reference), to
+    1e-12; Linen with the same parameters equals it."""
+    from flax import nnx
+
+    with jax.enable_x64(True):
+        m = jattn.nnx.SelfAttention(F_MODEL, num_heads=HEADS, kind=kind, param_dtype=jnp.float64, rngs=nnx.Rngs(0))
+        x = jax.random.normal(jax.random.key(1), (2, 11, F_MODEL), jnp.float64)
+        got = m(x)
+        np.testing.assert_allclose(got, _module_reference(kind, m, x), **ref.tol(jnp.float64))
+        linen = jattn.linen.SelfAttention(F_MODEL, num_heads=HEADS, kind=kind, param_dtype=jnp.float64)
+        np.testing.assert_allclose(linen.apply({"params": ref.linen_params(m)}, x), got, **ref.tol(jnp.float64))
+
+
+@pytest.mark.parametrize("kind", ["log_ssd", "log_gated_deltanet"])
+def test_log_kind_decoding_from_the_cache_equals_the_full_pass(kind):
+    """NNX: a prompt of 5 then token by token; Linen: token by token; the cache holds the level states."""
+    from flax import nnx
+
+    m = jattn.nnx.SelfAttention(F_MODEL, num_heads=HEADS, kind=kind, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (2, 13, F_MODEL))
+    full = m(x)
+    m.init_cache(2, 13)
+    assert m.cache["state"][...].shape == (2, HEADS, 1, 5, 8, 8)  # bit_length(12) + 1 = 5 levels
+    pieces = [m(x[:, :5], decode=True)] + [m(x[:, t : t + 1], decode=True) for t in range(5, 13)]
+    np.testing.assert_allclose(jnp.concatenate(pieces, axis=1), full, **ref.tol(jnp.float32))
+    linen = jattn.linen.SelfAttention(F_MODEL, num_heads=HEADS, kind=kind)
+    cache = linen.init(jax.random.key(0), 2, 13, method="init_cache")["cache"]
+    outs = []
+    for t in range(13):
+        y, state = linen.apply(
+            {"params": ref.linen_params(m), "cache": cache}, x[:, t : t + 1], decode=True, mutable=["cache"]
+        )
+        outs.append(y)
+        cache = state["cache"]
+    np.testing.assert_allclose(jnp.concatenate(outs, axis=1), full, **ref.tol(jnp.float32))

@@ -15,4 +15,5 @@ other directly, never through the face.
 from jattn._linear.gated import gated_linear_attention
 from jattn._linear.linear import LinearState, feature_fn, linear_attention
 from jattn._linear.log_linear import log_linear_attention
-from jattn._linear.module_gates import RECURRENT_KINDS, gate_params, gates, qk_features
+from jattn._linear.log_linear_forms import levels_needed
+from jattn._linear.module_gates import LOG_KINDS, LOG_LEVELS, RECURRENT_KINDS, gate_params, gates, qk_features

@@ -12,6 +12,11 @@ run :func:`jattn.gated_linear_attention` over the heads. What each kind computes
   ``gk = log sigmoid(x w_gk_down w_gk_up + b_gk) / 16`` (``w_gk_down (F, 16)``, ``w_gk_up (16, N·D)``).
 - ``'deltanet'``: the delta rule's ``beta = sigmoid(x w_beta)`` (``w_beta (F, N)``), no decay.
 - ``'gated_deltanet'``: ``beta`` as DeltaNet and ``g`` as SSD.
+- ``'log_ssd'``, ``'log_gated_deltanet'``: log-linear attention (:func:`jattn.log_linear_attention`) over SSD
+  and Gated DeltaNet, their gates as those kinds', with the level weights of the paper's Mamba-2 model
+  (its ``lambda_mode='positive'``): ``λ = softplus(level_scale ⊙ (x w_level))`` per head and level
+  (``w_level (F, N·LOG_LEVELS)``, ``level_scale (N, LOG_LEVELS)`` initialised to ones), for positions below
+  ``2^(LOG_LEVELS - 1)``.
 
 The delta kinds take q and k through SiLU and an L2 norm over D (DeltaNet's choice, which keeps the
 delta rule stable); the others take them as projected. No kind has the short causal convolution some
@@ -31,10 +36,13 @@ from jax import Array
 
 from jattn._online import compute_dtype
 
-__all__ = ["DELTA_KINDS", "RECURRENT_KINDS", "gate_params", "gates", "qk_features"]
+__all__ = ["DELTA_KINDS", "LOG_KINDS", "LOG_LEVELS", "RECURRENT_KINDS", "gate_params", "gates", "qk_features"]
 
-RECURRENT_KINDS = ("retention", "ssd", "gla", "deltanet", "gated_deltanet")
-DELTA_KINDS = ("deltanet", "gated_deltanet")
+LOG_KINDS = ("log_ssd", "log_gated_deltanet")  # log-linear attention over SSD and Gated DeltaNet
+RECURRENT_KINDS = ("retention", "ssd", "gla", "deltanet", "gated_deltanet", *LOG_KINDS)
+DELTA_KINDS = ("deltanet", "gated_deltanet", "log_gated_deltanet")
+SSD_KINDS = ("ssd", "gated_deltanet", *LOG_KINDS)  # Mamba-2's decay per step and head
+LOG_LEVELS = 20  # the log kinds' levels: positions below 2^19
 GLA_RANK, GLA_TEMPERATURE = 16, 16.0
 
 Init = Callable[[Array, tuple[int, ...], jnp.dtype], Array]
@@ -55,7 +63,7 @@ def gate_params(kind: str, features: int, heads: int, depth: int) -> dict[str, t
     """The gate parameters of ``kind`` for input ``features`` F, N = ``heads``, D = ``depth``: name -> (shape, init)."""
     dense = jax.nn.initializers.lecun_normal()
     params: dict[str, tuple[tuple[int, ...], Init]] = {}
-    if kind in ("ssd", "gated_deltanet"):
+    if kind in SSD_KINDS:
         params |= {"a_log": ((heads,), _uniform_log(1.0, 16.0)), "w_dt": ((features, heads), dense)}
         params["dt_bias"] = ((heads,), _dt_bias)
     if kind == "gla":
@@ -63,11 +71,16 @@ def gate_params(kind: str, features: int, heads: int, depth: int) -> dict[str, t
         params["b_gk"] = ((heads * depth,), jax.nn.initializers.zeros)
     if kind in DELTA_KINDS:
         params["w_beta"] = ((features, heads), dense)
+    if kind in LOG_KINDS:
+        params["w_level"] = ((features, heads * LOG_LEVELS), dense)
+        params["level_scale"] = ((heads, LOG_LEVELS), jax.nn.initializers.ones)
     return params
 
 
 def gates(kind: str, params: dict[str, Array], x: Array, heads: int, depth: int, dtype: Any = None) -> dict[str, Array]:
-    """``g``, ``gk`` and ``beta`` of ``kind`` for ``x (B, T, F)`` in the heads layout ``(B, N, 1, T[, D])``.
+    """``g``, ``gk``, ``beta`` and ``level_weights`` of ``kind`` for ``x (B, T, F)`` in the heads layout ``(B, N, 1, T[, D])``.
+
+    ``level_weights`` (the log kinds): ``(B, N, 1, T, LOG_LEVELS)``.
 
     Computed in the module's compute dtype (:func:`jattn._online.compute_dtype` of its ``dtype``, or without one
     of x's and the parameters' promoted dtype, as its projections infer theirs): float64 in a float64 module,
@@ -88,7 +101,7 @@ def gates(kind: str, params: dict[str, Array], x: Array, heads: int, depth: int,
     out: dict[str, Array] = {}
     if kind == "retention":
         out["g"] = jnp.log1p(-(2.0 ** -(5.0 + jnp.arange(heads, dtype=compute))))[None, :, None, None]
-    if kind in ("ssd", "gated_deltanet"):
+    if kind in SSD_KINDS:
         dt = jax.nn.softplus(x @ param("w_dt") + param("dt_bias"))
         out["g"] = per_head(-jnp.exp(param("a_log")) * dt)
     if kind == "gla":
@@ -98,6 +111,11 @@ def gates(kind: str, params: dict[str, Array], x: Array, heads: int, depth: int,
         out["gk"] = gk.reshape(b, t, heads, depth).transpose(0, 2, 1, 3)[:, :, None]
     if kind in DELTA_KINDS:
         out["beta"] = per_head(jax.nn.sigmoid(x @ param("w_beta")))
+    if kind in LOG_KINDS:
+        levels = (x @ param("w_level")).reshape(b, t, heads, LOG_LEVELS) * params["level_scale"].astype(compute)[
+            None, None
+        ]
+        out["level_weights"] = jax.nn.softplus(levels).transpose(0, 2, 1, 3)[:, :, None]  # (B, N, 1, T, L)
     return out
 
 
