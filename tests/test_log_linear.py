@@ -265,3 +265,26 @@ def test_log_kind_decoding_from_the_cache_equals_the_full_pass(kind):
         outs.append(y)
         cache = state["cache"]
     np.testing.assert_allclose(jnp.concatenate(outs, axis=1), full, **ref.tol(jnp.float32))
+
+
+def test_positions_past_the_levels_raise_or_give_nan():
+    """Eager: a start whose positions need more levels than given raises; traced (jit): that sequence is NaN."""
+    x = {n: a[..., :3, :] if a.ndim == 4 else a[..., :3] for n, a in _args("ssd", _inputs(dtype=np.float32)).items()}
+    x["level_weights"] = x["level_weights"][..., :4]  # positions below 8
+    with pytest.raises(ValueError, match=r"L >= 5 levels"):
+        jattn.log_linear_attention(**x, mode="recurrent", start=6)
+    run = jax.jit(lambda s: jattn.log_linear_attention(**x, mode="recurrent", start=s))
+    out = run(jnp.asarray([[5], [4]], jnp.int32))  # positions up to 7 and 6: 4 levels hold them
+    assert np.all(np.isfinite(out))
+    out = run(jnp.asarray([[5], [6]], jnp.int32))  # example 1 reaches position 8: needs a fifth level
+    assert np.all(np.isfinite(out[0])) and np.all(np.isnan(out[1]))
+
+
+def test_a_log_kind_cache_refuses_positions_past_its_levels():
+    from flax import nnx
+
+    m = jattn.nnx.SelfAttention(F_MODEL, num_heads=HEADS, kind="log_ssd", rngs=nnx.Rngs(0))
+    m.init_cache(2, 4)  # positions below 4: 3 levels
+    x = jax.random.normal(jax.random.key(1), (2, 5, F_MODEL))
+    with pytest.raises(ValueError, match="decoding past the log kind's cache levels"):
+        m(x, decode=True)
