@@ -1,5 +1,6 @@
 """``python -m bench --gated``: the chunkwise form of :func:`jattn.gated_linear_attention` against its step-by-step
-recurrence and against softmax causal attention (the blockwise path) at the same sizes, forward + backward.
+recurrence and against softmax causal attention (the blockwise path) at the same sizes, forward + backward; and
+:func:`jattn.log_linear_attention`'s chunkwise form against its linear base (SSD, Gated DeltaNet).
 
 Each candidate is ``jax.grad`` of the sum of its output with respect to q, k, v (and the gates), jitted, timed
 alternated in one process (medians). The recurrence's backward keeps a state a step (B N T D E floats).
@@ -12,6 +13,8 @@ import jax.numpy as jnp
 
 import jattn
 from bench.suite import alternated_ms
+
+LOG_CHUNK = 64  # log-linear's chunk: the levels above it cost T·D·E each, those below it C² per chunk
 
 
 def gated_candidates(T: int, B: int, N: int, D: int) -> dict:
@@ -26,6 +29,7 @@ def gated_candidates(T: int, B: int, N: int, D: int) -> dict:
     k2, v2 = (jax.random.normal(x, (B, N, n * T, D)) for x in jax.random.split(keys[0], 2))
     k2 = k2 / jnp.linalg.norm(k2, axis=-1, keepdims=True)
     beta2 = jax.nn.sigmoid(jax.random.normal(keys[1], (B, N, n * T)))
+    levels = jax.nn.softplus(jax.random.normal(keys[4], (B, N, T, max(T - 1, 0).bit_length() + 1)))
 
     def timed(f, *args):
         grad = jax.jit(jax.grad(lambda *a: jnp.sum(f(*a)), argnums=tuple(range(len(args)))))
@@ -36,8 +40,16 @@ def gated_candidates(T: int, B: int, N: int, D: int) -> dict:
             q, k, v, mode=mode, num_householder=num_householder, **dict(zip(kw, gates, strict=True))
         )
 
+    def log_linear(**kw):
+        return lambda q, k, v, lam, *gates: jattn.log_linear_attention(
+            q, k, v, level_weights=lam, chunk_size=LOG_CHUNK, **dict(zip(kw, gates, strict=True))
+        )
+
     return {
         "gated deltanet, chunkwise": timed(gated("chunk", g=0, beta=0), q, k, v, g, beta),
+        "log-linear gated deltanet, chunkwise": timed(log_linear(g=0, beta=0), q, k, v, levels, g, beta),
+        "ssd, chunkwise": timed(gated("chunk", g=0), q, k, v, g),
+        "log-linear ssd, chunkwise": timed(log_linear(g=0), q, k, v, levels, g),
         "gated deltanet, recurrent": timed(gated("recurrent", g=0, beta=0), q, k, v, g, beta),
         "gla, chunkwise": timed(gated("chunk", gk=0), q, k, v, gk),
         "gated deltaproduct n_h=2, chunkwise": timed(

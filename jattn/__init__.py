@@ -10,7 +10,7 @@ layout (top-left causal alignment); :mod:`jattn.flax` has an ``attention_fn`` fo
 ``jattn.nnx``, ``jattn.linen`` and ``jattn.flax`` are imported on first access (PEP 562), so
 ``import jattn`` does not import Flax; they are left out of ``__all__`` for the same reason (a
 ``from jattn import *`` would import them). The linear family (``linear_attention``,
-``gated_linear_attention``, ``LinearState``, ``RECURRENT_KINDS``) and ring attention are in
+``gated_linear_attention``, ``log_linear_attention``, ``LinearState``, ``RECURRENT_KINDS``) and ring attention are in
 ``__all__`` but load their subpackages on first access too, so a softmax-only program never
 imports them.
 """
@@ -45,6 +45,7 @@ __all__ = [
     "dot_product_attention",
     "gated_linear_attention",
     "linear_attention",
+    "log_linear_attention",
     "masks",
     "ring_attention",
     "rope",
@@ -65,6 +66,7 @@ if TYPE_CHECKING:  # the lazy names, for type checkers (explicit re-exports)
     from jattn._linear import LinearState as LinearState
     from jattn._linear import gated_linear_attention as gated_linear_attention
     from jattn._linear import linear_attention as linear_attention
+    from jattn._linear import log_linear_attention as log_linear_attention
     from jattn._ring import ring_attention as ring_attention
     from jattn._ring import sequence_parallel_attention as sequence_parallel_attention
     from jattn._ring import unzigzag as unzigzag
@@ -74,7 +76,10 @@ _LAZY_SUBMODULES = ("flax", "linen", "nnx")  # they import Flax
 #: Names whose subpackage loads on first access: the linear family and ring attention (13 modules
 #: that a softmax-only user never runs; ``import jattn`` loads 47 of its modules, not 58).
 _LAZY_NAMES = {
-    **dict.fromkeys(("RECURRENT_KINDS", "LinearState", "gated_linear_attention", "linear_attention"), "_linear"),
+    **dict.fromkeys(
+        ("RECURRENT_KINDS", "LinearState", "gated_linear_attention", "linear_attention", "log_linear_attention"),
+        "_linear",
+    ),
     **dict.fromkeys(("ring_attention", "sequence_parallel_attention", "unzigzag", "zigzag"), "_ring"),
 }
 

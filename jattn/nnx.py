@@ -304,7 +304,8 @@ class SelfAttention(_Attention):
           max_length: positive int, the most positions the full softmax cache holds. Decoding
             past it raises a ValueError or, traced (under ``jit``), gives NaN outputs for the
             positions past it (which are not cached). The window and linear caches have no
-            such limit.
+            such limit; the log kinds' (``'log_ssd'``, ``'log_gated_deltanet'``) holds one state per
+            Fenwick level of the positions below it and has the full cache's limit.
           window: None or a positive int (softmax kind only).
           pinned: distinct non-negative int positions kept beside the window (needs ``window``).
           dtype: floating dtype of the cached keys and values (or state).

@@ -3,7 +3,9 @@
 ``linear`` holds :func:`jattn.linear_attention` and its state; ``gated``
 :func:`jattn.gated_linear_attention`, ``gated_inputs`` its checked inputs, ``gated_forms`` its
 chunkwise and recurrent forms, ``gated_parallel`` its sequence-parallel form, ``householder``
-DeltaProduct's sub-steps; ``module_gates`` the modules' recurrent kinds and their gates.
+DeltaProduct's sub-steps; ``log_linear`` :func:`jattn.log_linear_attention` (Fenwick-level states over the
+scalar-gate kinds), ``log_linear_forms`` its chunkwise and recurrent forms; ``module_gates`` the modules'
+recurrent kinds and their gates.
 
 May import: ``_checks``, ``_scalars``, ``_masks``, ``_online``. The rest of jattn imports this
 subpackage through this face only: the names imported below, and nothing else. Its files import each
@@ -12,4 +14,14 @@ other directly, never through the face.
 
 from jattn._linear.gated import gated_linear_attention
 from jattn._linear.linear import LinearState, feature_fn, linear_attention
-from jattn._linear.module_gates import DELTAPRODUCT_KINDS, RECURRENT_KINDS, gate_params, gates, qk_features
+from jattn._linear.log_linear import log_linear_attention
+from jattn._linear.log_linear_forms import levels_needed
+from jattn._linear.module_gates import (
+    DELTAPRODUCT_KINDS,
+    LOG_KINDS,
+    LOG_LEVELS,
+    RECURRENT_KINDS,
+    gate_params,
+    gates,
+    qk_features,
+)

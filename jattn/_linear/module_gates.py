@@ -18,6 +18,11 @@ run :func:`jattn.gated_linear_attention` over the heads. What each kind computes
   (``(n h d)`` and ``(n h)``: sub-step outermost). ``beta`` stays in [0, 1]: flash-linear-attention's default
   ``allow_neg_eigval`` (``2·sigmoid``, Householder eigenvalues down to -1) is not offered, as
   :func:`jattn.gated_linear_attention` checks ``beta`` in [0, 1].
+- ``'log_ssd'``, ``'log_gated_deltanet'``: log-linear attention (:func:`jattn.log_linear_attention`) over SSD
+  and Gated DeltaNet, their gates as those kinds', with the level weights of the paper's Mamba-2 model
+  (its ``lambda_mode='positive'``): ``λ = softplus(level_scale ⊙ (x w_level))`` per head and level
+  (``w_level (F, N·LOG_LEVELS)``, ``level_scale (N, LOG_LEVELS)`` initialised to ones), for positions below
+  ``2^(LOG_LEVELS - 1)``.
 
 The delta kinds take q and k through SiLU and an L2 norm over D (DeltaNet's choice, which keeps the
 delta rule stable); the others take them as projected. No kind has the short causal convolution some
@@ -37,12 +42,23 @@ from jax import Array
 
 from jattn._online import compute_dtype
 
-__all__ = ["DELTAPRODUCT_KINDS", "DELTA_KINDS", "RECURRENT_KINDS", "gate_params", "gates", "qk_features"]
+__all__ = [
+    "DELTAPRODUCT_KINDS",
+    "DELTA_KINDS",
+    "LOG_KINDS",
+    "LOG_LEVELS",
+    "RECURRENT_KINDS",
+    "gate_params",
+    "gates",
+    "qk_features",
+]
 
 DELTAPRODUCT_KINDS = ("deltaproduct", "gated_deltaproduct")
-RECURRENT_KINDS = ("retention", "ssd", "gla", "deltanet", "gated_deltanet", *DELTAPRODUCT_KINDS)
-DELTA_KINDS = ("deltanet", "gated_deltanet", *DELTAPRODUCT_KINDS)
-SSD_GATED = ("ssd", "gated_deltanet", "gated_deltaproduct")  # the kinds with SSD's decay per step and head
+LOG_KINDS = ("log_ssd", "log_gated_deltanet")  # log-linear attention over SSD and Gated DeltaNet
+RECURRENT_KINDS = ("retention", "ssd", "gla", "deltanet", "gated_deltanet", *DELTAPRODUCT_KINDS, *LOG_KINDS)
+DELTA_KINDS = ("deltanet", "gated_deltanet", *DELTAPRODUCT_KINDS, "log_gated_deltanet")
+SSD_KINDS = ("ssd", "gated_deltanet", "gated_deltaproduct", *LOG_KINDS)  # Mamba-2's decay per step and head
+LOG_LEVELS = 20  # the log kinds' levels: positions below 2^19
 GLA_RANK, GLA_TEMPERATURE = 16, 16.0
 
 Init = Callable[[Array, tuple[int, ...], jnp.dtype], Array]
@@ -68,7 +84,7 @@ def gate_params(
     """
     dense = jax.nn.initializers.lecun_normal()
     params: dict[str, tuple[tuple[int, ...], Init]] = {}
-    if kind in SSD_GATED:
+    if kind in SSD_KINDS:
         params |= {"a_log": ((heads,), _uniform_log(1.0, 16.0)), "w_dt": ((features, heads), dense)}
         params["dt_bias"] = ((heads,), _dt_bias)
     if kind == "gla":
@@ -76,11 +92,16 @@ def gate_params(
         params["b_gk"] = ((heads * depth,), jax.nn.initializers.zeros)
     if kind in DELTA_KINDS:
         params["w_beta"] = ((features, householder * heads), dense)
+    if kind in LOG_KINDS:
+        params["w_level"] = ((features, heads * LOG_LEVELS), dense)
+        params["level_scale"] = ((heads, LOG_LEVELS), jax.nn.initializers.ones)
     return params
 
 
 def gates(kind: str, params: dict[str, Array], x: Array, heads: int, depth: int, dtype: Any = None) -> dict[str, Array]:
-    """``g``, ``gk`` and ``beta`` of ``kind`` for ``x (B, T, F)`` in the heads layout ``(B, N, 1, T[, D])``.
+    """``g``, ``gk``, ``beta`` and ``level_weights`` of ``kind`` for ``x (B, T, F)`` in the heads layout ``(B, N, 1, T[, D])``.
+
+    ``level_weights`` (the log kinds): ``(B, N, 1, T, LOG_LEVELS)``.
 
     The DeltaProduct kinds' ``beta`` is per sub-step, ``(B, N, 1, T·n_h)`` (token t's j-th at ``t·n_h + j``).
 
@@ -103,7 +124,7 @@ def gates(kind: str, params: dict[str, Array], x: Array, heads: int, depth: int,
     out: dict[str, Array] = {}
     if kind == "retention":
         out["g"] = jnp.log1p(-(2.0 ** -(5.0 + jnp.arange(heads, dtype=compute))))[None, :, None, None]
-    if kind in SSD_GATED:
+    if kind in SSD_KINDS:
         dt = jax.nn.softplus(x @ param("w_dt") + param("dt_bias"))
         out["g"] = per_head(-jnp.exp(param("a_log")) * dt)
     if kind == "gla":
@@ -115,6 +136,11 @@ def gates(kind: str, params: dict[str, Array], x: Array, heads: int, depth: int,
         n = params["w_beta"].shape[-1] // heads  # DeltaProduct's n_h sub-steps a token ((n h): sub-step outermost)
         beta = jax.nn.sigmoid(x @ param("w_beta")).reshape(b, t, n, heads)
         out["beta"] = beta.transpose(0, 3, 1, 2).reshape(b, heads, 1, t * n)  # (B, N, 1, T·n_h)
+    if kind in LOG_KINDS:
+        levels = (x @ param("w_level")).reshape(b, t, heads, LOG_LEVELS) * params["level_scale"].astype(compute)[
+            None, None
+        ]
+        out["level_weights"] = jax.nn.softplus(levels).transpose(0, 2, 1, 3)[:, :, None]  # (B, N, 1, T, L)
     return out
 
 

@@ -10,7 +10,9 @@ the same functions here. The dict describes its own layout (its keys are static)
   ``pinned (P,)`` (global positions kept in slots ``0..P-1``; the newest ``window`` tokens
   rotate through the other slots);
 - linear cache: ``next (B,)`` and the recurrent state ``kv (B, K, G, F, D)``, ``z (B, K, G, F)``;
-- the recurrent kinds' cache (:data:`jattn._linear.module_gates.RECURRENT_KINDS`): ``next (B,)`` and ``state (B, N, 1, D, D)``.
+- the recurrent kinds' cache (:data:`jattn._linear.module_gates.RECURRENT_KINDS`): ``next (B,)`` and ``state (B, N, 1, D, D)``;
+  the log kinds' (``LOG_KINDS``) ``state (B, N, 1, L, D, D)``: a state per Fenwick level, L = ``bit_length(max_length - 1)
+  + 1`` (positions below ``max_length`` rounded up to a power of 2).
 
 Keys are cached after QK normalisation and rotary embedding (at their absolute positions).
 Dimension key: :mod:`jattn._core`.
@@ -26,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
-from jattn._linear import RECURRENT_KINDS, LinearState, feature_fn
+from jattn._linear import LOG_KINDS, LOG_LEVELS, RECURRENT_KINDS, LinearState, feature_fn, levels_needed
 from jattn._masks import Mask
 from jattn._scalars import check_dtype, check_int, int_array, is_traced
 
@@ -60,6 +62,15 @@ def init(
         raise ValueError(f"window={window} applies to the softmax kind; the {kind} cache is a recurrent state")
     num_heads, kv, d = heads
     cache: Cache = {"next": jnp.zeros((b,), jnp.int32)}
+    if kind in LOG_KINDS:  # one state per level of the positions up to max_length
+        levels = levels_needed(max_length)
+        if levels > LOG_LEVELS:
+            raise ValueError(
+                f"max_length={max_length} needs {levels} levels; kind={kind!r} has {LOG_LEVELS} (positions below "
+                f"{2 ** (LOG_LEVELS - 1)})"
+            )
+        state = jnp.zeros((b, num_heads, 1, levels, d, d), jnp.promote_types(dtype, jnp.float32))
+        return cache | {"state": state}
     if kind in RECURRENT_KINDS:  # float32 (float64 for float64): gated_linear_attention's state
         return cache | {"state": jnp.zeros((b, num_heads, 1, d, d), jnp.promote_types(dtype, jnp.float32))}
     if kind == "linear":
@@ -106,6 +117,15 @@ def positions(cache: Cache, t: int, lengths: Array | None) -> tuple[Array, Array
             raise ValueError(
                 f"decoding past init_cache(max_length={capacity}): positions up to "
                 f"{np.asarray(cache['next'] + lengths).tolist()} (per example) do not fit; allocate a longer cache"
+            )
+        bad = bad | past
+    if "state" in cache and cache["state"].ndim == 6:  # a log kind's levels hold positions below 2^(L-1)
+        capacity = 2 ** (cache["state"].shape[3] - 1)
+        past = valid & (pos >= capacity)
+        if not is_traced(past) and bool(jnp.any(past)):
+            raise ValueError(
+                f"decoding past the log kind's cache levels (positions below {capacity}, from init_cache's "
+                f"max_length): positions up to {np.asarray(cache['next'] + lengths).tolist()}; allocate a longer cache"
             )
         bad = bad | past
     return pos, valid, lengths, bad

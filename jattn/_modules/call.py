@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax import Array
 
 from jattn._checks import check_mask
-from jattn._linear import RECURRENT_KINDS, gates
+from jattn._linear import LOG_KINDS, RECURRENT_KINDS, gates
 from jattn._masks import Causal, Mask
 from jattn._modules import cache as _cache
 from jattn._modules.multihead import at_positions, multihead, with_causal
@@ -222,6 +222,8 @@ def _decode_step(
         state = _cache.linear_state(cache)
         out, weights, state = multihead(q, k, v, mask=mask, kv_mask=valid, linear_state=state, **attend)
         return out, weights, _cache.write_linear(cache, state, lengths), bad
+    if config.kind in LOG_KINDS:  # the level states sit at the cache's position
+        attend = attend | {"gates": attend["gates"] | {"start": cache["next"][:, None, None]}}
     if config.kind in RECURRENT_KINDS:
         out, weights, state = multihead(q, k, v, mask=mask, kv_mask=valid, linear_state=cache["state"], **attend)
         return out, weights, _cache.write_state(cache, state, lengths), bad

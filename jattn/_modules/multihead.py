@@ -16,7 +16,15 @@ import jax.numpy as jnp
 from jax import Array
 
 from jattn._core import attention, attention_weights
-from jattn._linear import RECURRENT_KINDS, LinearState, gated_linear_attention, linear_attention, qk_features
+from jattn._linear import (
+    LOG_KINDS,
+    RECURRENT_KINDS,
+    LinearState,
+    gated_linear_attention,
+    linear_attention,
+    log_linear_attention,
+    qk_features,
+)
 from jattn._masks import Causal, Mask
 from jattn._ring import sequence_parallel_attention
 from jattn.score_mods import ScoreMod
@@ -155,6 +163,8 @@ def _recurrent_heads(
         raise ValueError(f"kind={kind!r} is causal: it takes mask=None or masks.causal(), got {mask!r}")
     if return_weights:
         raise ValueError(f"return_weights needs kind='softmax'; kind={kind!r} forms no weights")
+    if kind in LOG_KINDS:
+        return _log_heads(qk_features(kind, qh), qk_features(kind, kh), vh, gates, valid, state, precision)
     one_step = qh.shape[-2] == 1
     return gated_linear_attention(
         qk_features(kind, qh),
@@ -168,6 +178,23 @@ def _recurrent_heads(
         mode="recurrent" if one_step else "chunk",
         precision=precision,
     )
+
+
+def _log_heads(
+    qh: Array, kh: Array, vh: Array, gates: dict[str, Array], valid: Array | None, state: Array | None, precision
+) -> tuple[Array, Array | None]:
+    """A log kind over the heads ``(B, N, 1, T, D)``: ``out`` and the level states (None without a cache).
+
+    Without a cache the chunk form over the whole sequence; with one the recurrent form from the cache's level
+    states ``(B, N, 1, L, D, E)`` at position ``gates['start'] (B, 1, 1)``, the level weights cut to its L.
+    """
+    if state is None:
+        return log_linear_attention(qh, kh, vh, **gates, kv_mask=valid, precision=precision), None
+    gates = gates | {"level_weights": gates["level_weights"][..., : state.shape[-3]]}
+    return log_linear_attention(
+        qh, kh, vh, **gates, kv_mask=valid, initial_state=state, return_state=True, mode="recurrent",
+        precision=precision,
+    )  # fmt: skip
 
 
 def _ring_heads(
