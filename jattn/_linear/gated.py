@@ -62,6 +62,8 @@ import jax
 from jax import Array
 from jax.typing import ArrayLike
 
+from jattn._linear.dplr_forms import run_low_rank
+from jattn._linear.dplr_inputs import prepare_low_rank
 from jattn._linear.gated_forms import run_steps
 from jattn._linear.gated_inputs import poison, prepare
 from jattn._linear.gated_parallel import first_resets, run_sharded
@@ -80,6 +82,8 @@ def gated_linear_attention(
     g: ArrayLike | None = None,
     gk: ArrayLike | None = None,
     beta: ArrayLike | None = None,
+    a: ArrayLike | None = None,
+    b: ArrayLike | None = None,
     scale: float | ArrayLike | None = None,
     segment_ids: ArrayLike | None = None,
     kv_mask: ArrayLike | None = None,
@@ -128,17 +132,24 @@ def gated_linear_attention(
       dropped step they are not read, eager or traced.
     """
     mode = _check_mode(mode)
-    chunk_size = (16 if gk is not None else 32) if chunk_size is None else check_int("chunk_size", chunk_size, min=1)
+    low_rank = a is not None or b is not None
+    if chunk_size is None:
+        chunk_size = 16 if gk is not None or low_rank else 32
+    chunk_size = check_int("chunk_size", chunk_size, min=1)
     return_state = check_bool("return_state", return_state)
     first = None if axis_name is None else (lambda ids, lead: first_resets(ids, lead, axis_name))
-    steps, state = prepare(q, k, v, g=g, gk=gk, beta=beta, scale=scale, segment_ids=segment_ids, kv_mask=kv_mask,
-                           initial_state=initial_state, first=first)  # fmt: skip
-    if axis_name is None:
-        out, state = run_steps(steps, state, mode=mode, chunk_size=chunk_size, precision=precision)
+    rest = dict(scale=scale, segment_ids=segment_ids, kv_mask=kv_mask, initial_state=initial_state, first=first)
+    if low_rank:
+        steps, prepared, state = prepare_low_rank(q, k, v, a=a, b=b, g=g, gk=gk, beta=beta, **rest)
+        run = run_low_rank
     else:
-        out, state = run_sharded(
-            steps, state, axis_name=axis_name, mode=mode, chunk_size=chunk_size, precision=precision
-        )
+        steps, state = prepare(q, k, v, g=g, gk=gk, beta=beta, **rest)
+        prepared, run = steps, run_steps
+    forms = dict(mode=mode, chunk_size=chunk_size, precision=precision)
+    if axis_name is None:
+        out, state = run(prepared, state, **forms)
+    else:
+        out, state = run_sharded(prepared, state, axis_name=axis_name, run=run, **forms)
     out, state = poison(steps, out, state, axis_name)
     out = out.astype(steps.out_dtype)
     return (out, state) if return_state else out

@@ -15,7 +15,7 @@ from jax import Array
 from jattn._linear.gated_inputs import Steps
 from jattn._online import vary
 
-__all__ = ["run_steps"]
+__all__ = ["documents", "lower_triangle", "run_steps", "running_sums", "unit_lower_inverse"]
 
 
 def run_steps(
@@ -81,14 +81,14 @@ def _chunks(steps: Steps, state: Array, chunk_size: int, precision) -> tuple[Arr
     return out, state
 
 
-def _documents(runs: Array) -> tuple[Array, Array, Array]:
+def documents(runs: Array) -> tuple[Array, Array, Array]:
     """The pairs and steps that documents allow, from each step's document in its chunk ``runs (..., C)``.
 
     ``seen (..., C, C)`` (s <= t in t's document), the steps that see the chunk's incoming state
     (``first``) and those whose writes reach its last (``last``).
     """
     same = runs[..., :, None] == runs[..., None, :]
-    return same & _lower(same.shape, 0), runs == 0, runs == runs[..., -1:]
+    return same & lower_triangle(same.shape, 0), runs == 0, runs == runs[..., -1:]
 
 
 def _scalar_parts(q, k, v, g, beta, runs, precision) -> tuple[Array, ...]:
@@ -97,8 +97,8 @@ def _scalar_parts(q, k, v, g, beta, runs, precision) -> tuple[Array, ...]:
     ``(q, k, scores Γ ∘ q kᵀ, into exp(b_t), reach Γ_Cs, u, w)``; the writes are ``u - w S_0`` (``w`` None
     without the delta rule, whose ``u`` is v).
     """
-    seen, first, last = _documents(runs)
-    hi, lo = (x[..., 0] for x in _running_sums(jnp.zeros(q.shape[:-1], q.dtype) if g is None else g, axis=-1))
+    seen, first, last = documents(runs)
+    hi, lo = (x[..., 0] for x in running_sums(jnp.zeros(q.shape[:-1], q.dtype) if g is None else g, axis=-1))
     gaps = (hi[..., :, None] - hi[..., None, :]) + (lo[..., :, None] - lo[..., None, :])  # b_t - b_s
     decay = jnp.exp(jnp.where(seen, gaps, -jnp.inf))  # Γ (..., C, C)
     into = jnp.where(first, jnp.exp(hi + lo), 0.0)
@@ -107,7 +107,7 @@ def _scalar_parts(q, k, v, g, beta, runs, precision) -> tuple[Array, ...]:
     u, w = v, None
     if beta is not None:  # the UT transform: (I + A)^-1 diag(β) [V | diag(into) K]
         a = beta[..., :, None] * decay * _einsum("...tf,...sf->...ts", k, k, precision=precision)
-        inverse = _unit_lower_inverse(jnp.where(_lower(a.shape, -1), a, 0.0))
+        inverse = unit_lower_inverse(jnp.where(lower_triangle(a.shape, -1), a, 0.0))
         rhs = beta[..., None] * jnp.concatenate([v, into[..., None] * k], axis=-1)  # (..., C, E + D)
         solved = _einsum("...ts,...sx->...tx", inverse, rhs, precision=precision)
         u, w = solved[..., : v.shape[-1]], solved[..., v.shape[-1] :]
@@ -128,7 +128,7 @@ def _carry_step(precision) -> Callable:
     return step
 
 
-def _running_sums(g: Array, axis: int) -> tuple[Array, Array]:
+def running_sums(g: Array, axis: int) -> tuple[Array, Array]:
     """The running sums ``b`` of the log decays ``g`` along ``axis`` (-1 or -2) as ``hi + lo``, to twice the precision.
 
     Returned with a trailing axis ``(..., C, X)`` (X = 1 for ``axis=-1``). ``hi`` is the cumulative sum, ``lo``
@@ -147,13 +147,13 @@ def _running_sums(g: Array, axis: int) -> tuple[Array, Array]:
     return hi, jnp.cumsum(g - step, axis=-2)
 
 
-def _lower(shape: tuple[int, ...], diagonal: int) -> Array:
+def lower_triangle(shape: tuple[int, ...], diagonal: int) -> Array:
     """Boolean ``shape (..., C, C)``: True on and below ``diagonal`` (0: the main one, -1: strictly below)."""
     return jnp.broadcast_to(jnp.tril(jnp.ones(shape[-2:], bool), diagonal), shape)
 
 
 @jax.custom_jvp
-def _unit_lower_inverse(a: Array) -> Array:
+def unit_lower_inverse(a: Array) -> Array:
     """``(I + a)^-1`` for a strictly lower triangular ``a (..., C, C)``, by forward substitution (C steps).
 
     Not ``lax.linalg.triangular_solve``: on CPU its LAPACK call splits a batch over XLA's thread pool and waits
@@ -171,25 +171,25 @@ def _unit_lower_inverse(a: Array) -> Array:
     return jax.lax.fori_loop(0, a.shape[-1], row, jnp.zeros_like(a))
 
 
-@_unit_lower_inverse.defjvp
+@unit_lower_inverse.defjvp
 def _unit_lower_inverse_jvp(primals, tangents):
     (a,), (da,) = primals, tangents
-    x = _unit_lower_inverse(a)
-    da = jnp.where(_lower(da.shape, -1), da, 0.0)  # the map reads a's strictly lower part only
+    x = unit_lower_inverse(a)
+    da = jnp.where(lower_triangle(da.shape, -1), da, 0.0)  # the map reads a's strictly lower part only
     return x, -jnp.einsum("...ts,...sr,...rx->...tx", x, da, x)
 
 
 def _per_feature(precision) -> Callable:
     """The scan body with a decay per key feature (GLA): the exponents kept per feature (..., C, C, D).
 
-    The exponents ``b_t - b_s`` (:func:`_running_sums`) are ``(hi_t - hi_s) + (lo_t - lo_s)``; the ``lo`` parts
+    The exponents ``b_t - b_s`` (:func:`running_sums`) are ``(hi_t - hi_s) + (lo_t - lo_s)``; the ``lo`` parts
     go into q and k (``e^lo_t q_t``, ``e^-lo_s k_s``), so the ``(C, C, D)`` exponents are formed from ``hi`` alone.
     """
 
     def step(S, x):
         q, k, v, g, gk, runs = x
-        seen, first, last = _documents(runs)
-        hi, lo = _running_sums(gk if g is None else gk + g[..., None], axis=-2)  # (..., C, D)
+        seen, first, last = documents(runs)
+        hi, lo = running_sums(gk if g is None else gk + g[..., None], axis=-2)  # (..., C, D)
         up, down = jnp.exp(lo), jnp.exp(-lo)
         gap = jnp.where(seen[..., None], hi[..., :, None, :] - hi[..., None, :, :], -jnp.inf)
         scores = _einsum("...tf,...sf,...tsf->...ts", q * up, k * down, jnp.exp(gap), precision=precision)
