@@ -5,6 +5,7 @@ state ``S_t (D, E)`` that every key updates in turn, per leading index (batch, h
 
     decay       S_t = a_t ⊙ S_{t-1} + k_t v_tᵀ
     delta rule  S_t = a_t (I - β_t k_t k_tᵀ) S_{t-1} + β_t k_t v_tᵀ
+    low rank    S_t = (diag(w_t) + b_t a_tᵀ) S_{t-1} + k_t v_tᵀ       (given ``a``, ``b``)
     output      o_t = scale · S_tᵀ q_t
 
 with ``a_t = exp(g_t)`` (a scalar per step and head: ``g (..., T)``; retention is a constant per
@@ -14,6 +15,17 @@ feature (``gk (..., T, D)``, gated linear attention: ``a_t ⊙ S`` scales row ``
 rule on (DeltaNet; with ``g``, Gated DeltaNet). The names follow flash-linear-attention's
 (``g``, ``gk``, ``beta``, ``scale``, ``initial_state``); its ``(B, T, H, D)`` layout is jattn's
 ``(B, H, T, D)``.
+
+**Diagonal plus low rank** (``a`` and ``b``, RWKV-7's transition; flash-linear-attention's ``dplr`` /
+``generalized_delta_rule`` with its names): ``w_t = exp(gk_t)`` per key feature (``g`` adds, none: ``w = 1``),
+``a_t (D,)`` reads the state and ``b_t (D,)`` writes what it read, both from ``S_{t-1}``, beside the decay.
+It holds the others: GLA (``a = b = 0``); DeltaNet (``a = k``, ``b = -β k``, v replaced by ``β v``); Gated
+DeltaNet (as DeltaNet with ``a = exp(g) k`` and the decay ``g``); KDA (as DeltaNet with ``a = exp(gk) ⊙ k`` and
+the decay ``gk``). Its chunkwise and recurrent forms are in
+:mod:`jattn._linear.dplr_forms`. Whether the transition is contracting is the caller's to ensure, as the
+delta rule's short keys are: RWKV-7's ``a = -κ̂``, ``b = κ̂ ⊙ α`` with ``‖κ̂‖ = 1`` and ``α`` in [0, 1] has
+eigenvalues in [0, 1] at ``w = 1`` (``1 - Σ α_f κ̂_f²`` and 1), and with one ``α`` for all features it is
+symmetric with eigenvalues in ``[min w - α, max w]``: never expanding. Not checked (it depends on every step).
 
 **The delta rule needs short keys.** A step scales the state's component along ``k_t`` by
 ``a_t (1 - β_t ‖k_t‖²)``: with ``‖k_t‖ <= 1`` (and β in [0, 1]) it never grows, but where
@@ -103,10 +115,15 @@ def gated_linear_attention(
       g: log decay per step, ``<= 0``, broadcasting (as NumPy, from the right) to ``(..., T)``: a constant per
         head (retention, e.g. shape ``(N, 1)``) or one per step (Mamba-2 / SSD style, Gated DeltaNet).
       gk: log decay per step and key feature, ``<= 0``, broadcasting to ``(..., T, D)`` (gated linear
-        attention, GLA). With ``g`` too, the two add. Not with ``beta``.
+        attention, GLA). With ``g`` too, the two add. Not with ``beta``. With ``a``, ``b``: the diagonal's.
       beta: the delta rule's write strength in ``[0, 1]`` (a sigmoid's range), broadcasting to ``(..., T)``;
         None: no delta rule. It needs L2-normalised keys: with ``β ‖k‖² > 2`` the state grows each step and
         overflows to inf and NaN, unchecked (module docstring).
+      a, b: the low-rank part of a diagonal-plus-low-rank transition (RWKV-7), broadcasting to ``(..., T, D)``,
+        together: every step is ``S_t = (diag(exp(gk_t)) + b_t a_tᵀ) S_{t-1} + k_t v_tᵀ`` (module docstring),
+        ``gk`` and ``g`` (adding) the diagonal's log decays, default 0. Not with ``beta`` (the delta rule is
+        ``a = k``, ``b = -beta k`` with ``beta v``). Their leading axes broadcast with q, k, v's. Contractivity
+        is not checked (module docstring).
       scale: multiplies q: a finite real number or a 0-d float array (a traced one is not checked); default
         ``1/sqrt(D)``.
       segment_ids: integer ``(T,)``, ``(B, T)`` (per example: batch first, shared by the heads, as
@@ -118,7 +135,7 @@ def gated_linear_attention(
       return_state: also return the state after the last step, ``(..., D, E)`` in the compute dtype.
       mode: ``'chunk'`` (training; O(T) memory forward and backward) or ``'recurrent'`` (step by step).
       chunk_size: steps of a chunk (``mode='chunk'``); T need not be a multiple. None: 16 with ``gk`` (its decays
-        inside a chunk cost ``C² D``), else 32: the faster of 16, 32 and 64 in the docs' measurements.
+        inside a chunk cost ``C² D``) or ``a``, ``b``, else 32: the faster of 16, 32 and 64 in the docs' measurements.
       axis_name: inside ``jax.shard_map`` with the sequence split over this mesh axis (device i of the axis
         holds the i-th block of steps): the state passes from shard to shard (:mod:`jattn._linear.gated_parallel`);
         ``initial_state`` is the first shard's, and the state returned is the last step's, on every device.
