@@ -1,5 +1,6 @@
 """``python -m bench --gated``: the chunkwise form of :func:`jattn.gated_linear_attention` against its step-by-step
-recurrence and against softmax causal attention (the blockwise path) at the same sizes, forward + backward.
+recurrence and against softmax causal attention (the blockwise path) at the same sizes, forward + backward;
+Gated DeltaNet, GLA and RWKV-7's diagonal-plus-low-rank transition (``a``, ``b``).
 
 Each candidate is ``jax.grad`` of the sum of its output with respect to q, k, v (and the gates), jitted, timed
 alternated in one process (medians). The recurrence's backward keeps a state a step (B N T D E floats).
@@ -22,6 +23,7 @@ def gated_candidates(T: int, B: int, N: int, D: int) -> dict:
     g = -jax.nn.softplus(jax.random.normal(keys[3], (B, N, T)))
     beta = jax.nn.sigmoid(jax.random.normal(keys[4], (B, N, T)))
     gk = jnp.broadcast_to(g[..., None] / D, (B, N, T, D))
+    kappa, rate, decay = _rwkv7_transition(keys[4], (B, N, T, D))
 
     def timed(f, *args):
         grad = jax.jit(jax.grad(lambda *a: jnp.sum(f(*a)), argnums=tuple(range(len(args)))))
@@ -32,14 +34,30 @@ def gated_candidates(T: int, B: int, N: int, D: int) -> dict:
             q, k, v, mode=mode, **dict(zip(kw, gates, strict=True))
         )
 
+    def rwkv7(mode):  # RWKV-7's transition diag(exp(gk)) - (rate ⊙ κ̂) κ̂ᵀ
+        return lambda q, k, v, gk, kappa, rate: jattn.gated_linear_attention(
+            q, k, v, gk=gk, a=-kappa, b=kappa * rate, mode=mode
+        )
+
     return {
         "gated deltanet, chunkwise": timed(gated("chunk", g=0, beta=0), q, k, v, g, beta),
         "gated deltanet, recurrent": timed(gated("recurrent", g=0, beta=0), q, k, v, g, beta),
         "gla, chunkwise": timed(gated("chunk", gk=0), q, k, v, gk),
+        "rwkv7, chunkwise": timed(rwkv7("chunk"), q, k, v, decay, kappa, rate),
+        "rwkv7, recurrent": timed(rwkv7("recurrent"), q, k, v, decay, kappa, rate),
         "softmax causal, blockwise": timed(
             lambda q, k, v: jattn.attention(q, k, v, mask=jattn.masks.causal(), implementation="blockwise"), q, k, v
         ),
     }
+
+
+def _rwkv7_transition(key: jax.Array, shape: tuple[int, ...]) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """RWKV-7's removal key κ̂ (unit), in-context learning rate α in (0, 1) and log decays in (-e^-1/2, 0)."""
+    keys = jax.random.split(key, 3)
+    kappa = jax.random.normal(keys[0], shape)
+    kappa = kappa / jnp.linalg.norm(kappa, axis=-1, keepdims=True)
+    rate = jax.nn.sigmoid(jax.random.normal(keys[1], shape))
+    return kappa, rate, -jnp.exp(-0.5) * jax.nn.sigmoid(jax.random.normal(keys[2], shape))
 
 
 def gated_case(T: int, B: int = 1, N: int = 4, D: int = 64, repeats: int = 5) -> dict[str, float]:

@@ -195,3 +195,60 @@ def test_bad_arguments_are_named(kw, error, match):
     (q, k, v), _ = _inputs(dtype=jnp.float32)
     with pytest.raises(error, match=match):
         jattn.gated_linear_attention(q, k, v, **kw)
+
+
+# -- the modules' 'rwkv7' kind ---------------------------------------------------------------------------------
+
+F_MODEL, HEADS, DEPTH = 24, 3, 8
+
+
+def _np_rwkv7(m, x):
+    """The 'rwkv7' kind written out in float64 NumPy from the module's parameters (jattn._linear.module_gates)."""
+    p = {name: ref.f64(getattr(m, name)[...]) for name in m.gate_names}
+    x = ref.f64(x)
+    sigmoid = lambda z: 1 / (1 + np.exp(-z))  # noqa: E731
+    heads = lambda y: y.reshape(*x.shape[:2], HEADS, -1).transpose(0, 2, 1, 3)  # noqa: E731  (B, N, T, D)
+    q, k, v = (heads(x @ ref.f64(getattr(m, w).kernel[...])) for w in ("wq", "wk", "wv"))
+    gk = -np.exp(-0.5) * sigmoid(np.tanh(x @ p["w_decay_down"]) @ p["w_decay_up"] + p["b_decay"])
+    rate = heads(sigmoid(x @ p["w_iclr_down"] @ p["w_iclr_up"] + p["b_iclr"]))
+    k_k, k_a = (p[n].reshape(HEADS, 1, DEPTH) for n in ("k_k", "k_a"))
+    kappa = k * k_k / np.sqrt(np.sum((k * k_k) ** 2, -1, keepdims=True))
+    out, _ = ref.dplr(q, k * (1 + (rate - 1) * k_a), v, a=-kappa, b=kappa * rate, gk=heads(gk))
+    return out.transpose(0, 2, 1, 3).reshape(*x.shape[:2], -1) @ ref.f64(m.wo.kernel[...])
+
+
+def test_the_rwkv7_kind_equals_its_gates_written_out():
+    """NNX (float32 and float64) and Linen: projections, RWKV-7's gates and transition, the float64 recurrence."""
+    from flax import nnx
+
+    m = jattn.nnx.SelfAttention(F_MODEL, num_heads=HEADS, kind="rwkv7", rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (2, 11, F_MODEL))
+    np.testing.assert_allclose(m(x), _np_rwkv7(m, x), rtol=1e-4, atol=1e-5)
+    linen = jattn.linen.SelfAttention(F_MODEL, num_heads=HEADS, kind="rwkv7")
+    np.testing.assert_allclose(linen.apply({"params": ref.linen_params(m)}, x), m(x), **ref.tol(jnp.float32))
+    with jax.enable_x64(True):
+        m = jattn.nnx.SelfAttention(F_MODEL, num_heads=HEADS, kind="rwkv7", param_dtype=jnp.float64, rngs=nnx.Rngs(0))
+        x = jax.random.normal(jax.random.key(1), (2, 11, F_MODEL), jnp.float64)
+        got = m(x)
+        assert got.dtype == jnp.float64
+        np.testing.assert_allclose(got, _np_rwkv7(m, x), **ref.tol(jnp.float64))
+
+
+def test_rwkv7_decoding_from_the_cache_equals_the_full_pass():
+    from flax import nnx
+
+    m = jattn.nnx.SelfAttention(F_MODEL, num_heads=HEADS, kind="rwkv7", rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (2, 11, F_MODEL))
+    m.init_cache(2, 11)
+    pieces = [m(x[:, :4], decode=True)] + [m(x[:, t : t + 1], decode=True) for t in range(4, 11)]
+    np.testing.assert_allclose(jnp.concatenate(pieces, axis=1), m(x), **ref.tol(jnp.float32))
+    linen = jattn.linen.SelfAttention(F_MODEL, num_heads=HEADS, kind="rwkv7")
+    cache = linen.init(jax.random.key(0), 2, 11, method="init_cache")["cache"]
+    outs = []
+    for t in range(11):
+        y, state = linen.apply(
+            {"params": ref.linen_params(m), "cache": cache}, x[:, t : t + 1], decode=True, mutable=["cache"]
+        )
+        outs.append(y)
+        cache = state["cache"]
+    np.testing.assert_allclose(jnp.concatenate(outs, axis=1), m(x), **ref.tol(jnp.float32))

@@ -2,7 +2,8 @@
 
 ``linear`` holds :func:`jattn.linear_attention` and its state; ``gated``
 :func:`jattn.gated_linear_attention`, ``gated_inputs`` its checked inputs, ``gated_forms`` its
-chunkwise and recurrent forms, ``gated_parallel`` its sequence-parallel form; ``module_gates`` the
+chunkwise and recurrent forms, ``dplr_inputs`` and ``dplr_forms`` the same for its diagonal-plus-low-rank
+(RWKV-7) transition, ``gated_parallel`` its sequence-parallel form; ``module_gates`` the
 modules' recurrent kinds and their gates.
 
 May import: ``_checks``, ``_scalars``, ``_masks``, ``_online``. The rest of jattn imports this
@@ -12,4 +13,4 @@ other directly, never through the face.
 
 from jattn._linear.gated import gated_linear_attention
 from jattn._linear.linear import LinearState, feature_fn, linear_attention
-from jattn._linear.module_gates import RECURRENT_KINDS, gate_params, gates, qk_features
+from jattn._linear.module_gates import RECURRENT_KINDS, gate_params, gates, head_inputs

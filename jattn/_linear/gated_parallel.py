@@ -6,7 +6,8 @@ linear in the state, so running it from ``[I | 0]`` with values ``[0 | v]`` give
 start inside the shard zeroes ``M``). The shards' maps are gathered (``D (D + E)`` numbers a head each,
 small beside the sequence), every device composes the ones before it into its incoming state, and runs
 its steps again from there. The work is about three times a shard's own (the first pass carries D + E
-columns), in parallel over the devices, with one all-gather of the maps.
+columns), in parallel over the devices, with one all-gather of the maps. The diagonal-plus-low-rank
+transition (``a``, ``b``) composes the same way: ``M`` is the product of its shard's transitions, ``(D, D)``.
 """
 
 from __future__ import annotations

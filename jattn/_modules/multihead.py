@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax import Array
 
 from jattn._core import attention, attention_weights
-from jattn._linear import RECURRENT_KINDS, LinearState, gated_linear_attention, linear_attention, qk_features
+from jattn._linear import RECURRENT_KINDS, LinearState, gated_linear_attention, head_inputs, linear_attention
 from jattn._masks import Causal, Mask
 from jattn._ring import sequence_parallel_attention
 from jattn.score_mods import ScoreMod
@@ -153,9 +153,10 @@ def _recurrent_heads(
     if return_weights:
         raise ValueError(f"return_weights needs kind='softmax'; kind={kind!r} forms no weights")
     one_step = qh.shape[-2] == 1
+    qh, kh, gates = head_inputs(kind, qh, kh, gates)
     return gated_linear_attention(
-        qk_features(kind, qh),
-        qk_features(kind, kh),
+        qh,
+        kh,
         vh,
         **gates,
         kv_mask=valid,
