@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax import Array
 
 from jattn._linear.dplr_inputs import LowRankSteps
-from jattn._linear.gated_forms import documents, lower_triangle, running_sums, unit_lower_inverse
+from jattn._linear.gated_forms import documents, lower_triangle, running_sums
 from jattn._online import vary
 
 __all__ = ["run_low_rank"]
@@ -85,16 +85,33 @@ def _chunks(steps: LowRankSteps, state: Array, chunk_size: int, precision) -> tu
     return out, state
 
 
-def _shifted(x: Array) -> Array:
-    """``x (..., C, D)`` one step later: row t holds row t - 1, row 0 zeros."""
-    return jnp.concatenate([jnp.zeros_like(x[..., :1, :]), x[..., :-1, :]], axis=-2)
+def _shifted(x: Array, fill: float = 0.0) -> Array:
+    """``x (..., C, D)`` one step later: row t holds row t - 1, row 0 ``fill``."""
+    return jnp.concatenate([jnp.full_like(x[..., :1, :], fill), x[..., :-1, :]], axis=-2)
+
+
+def _unit_lower_inverse(lower: Array) -> Array:
+    """``(I - L)^-1`` for a strictly lower triangular ``L (..., C, C)``: ``Σ_j L^j = (I + L)(I + L²)(I + L⁴)...``.
+
+    L is nilpotent (``L^C = 0``), so ``ceil(log2 C)`` factors hold every power below C: a few ``C x C`` products,
+    where forward substitution (:func:`jattn._linear.gated_forms.unit_lower_inverse`) would take C dependent steps
+    a chunk (in a scan over the chunks, as many steps as the recurrence). Derivatives by autodiff of the products.
+    """
+    eye = jnp.broadcast_to(jnp.eye(lower.shape[-1], dtype=lower.dtype), lower.shape)
+    inverse, power, reached = eye + lower, lower, 2
+    while reached < lower.shape[-1]:
+        power = jnp.matmul(power, power)
+        inverse = inverse + jnp.matmul(inverse, power)
+        reached *= 2
+    return inverse
 
 
 def _chunk_step(precision):
     """The scan body: ``(S_0, a chunk's steps) -> (S_C, out (..., C, E))``.
 
     The exponents ``c_t - c_s`` are ``(hi_t - hi_s) + (lo_t - lo_s)`` (:func:`running_sums`); the ``lo`` parts go
-    into the vectors (``e^lo_t q_t``, ``e^-lo_s k_s``), the ``(C, C, D)`` exponents are formed from ``hi`` alone.
+    into the vectors (``e^lo_t q_t``, ``e^-lo_s k_s``), the ``(C, C, D)`` exponents are formed from ``hi`` alone,
+    once: ``e^{c_{t-1} - c_s}`` is row t - 1 of ``e^{c_t - c_s}``.
     """
 
     def step(S, x):
@@ -102,18 +119,23 @@ def _chunk_step(precision):
         seen, first, last = documents(runs)
         before = seen & lower_triangle(seen.shape, -1)
         hi, lo = running_sums(gk, axis=-2)  # (..., C, D)
-        hi0, lo0 = _shifted(hi), _shifted(lo)  # c_{t-1}
-        up, down = jnp.exp(lo), jnp.exp(-lo)
+        up, down, up0 = jnp.exp(lo), jnp.exp(-lo), jnp.exp(_shifted(lo))
         at = jnp.exp(jnp.where(seen[..., None], hi[..., :, None, :] - hi[..., None, :, :], -jnp.inf))
-        after = jnp.exp(jnp.where(before[..., None], hi0[..., :, None, :] - hi[..., None, :, :], -jnp.inf))
-        qu, ad, kd, bd = q * up, a * jnp.exp(lo0), k * down, b * down
-        qk, qb = (_einsum("...tf,...sf,...tsf->...ts", qu, y, at, precision=precision) for y in (kd, bd))
-        ak, ab = (_einsum("...tf,...sf,...tsf->...ts", ad, y, after, precision=precision) for y in (kd, bd))
+        after = jnp.where(
+            before[..., None], jnp.concatenate([jnp.zeros_like(at[..., :1, :, :]), at[..., :-1, :, :]], axis=-3), 0.0
+        )
+        kb = jnp.stack([k * down, b * down], axis=-3)  # (..., 2, C, D)
+        qk, qb = jnp.moveaxis(
+            _einsum("...tsf,...xsf->...xts", (q * up)[..., :, None, :] * at, kb, precision=precision), -3, 0
+        )
+        ak, ab = jnp.moveaxis(
+            _einsum("...tsf,...xsf->...xts", (a * up0)[..., :, None, :] * after, kb, precision=precision), -3, 0
+        )
         into = jnp.where(first[..., None], jnp.exp(hi) * up, 0.0)  # e^{c_t} for the first document's steps
-        into0 = jnp.where(first[..., None], jnp.exp(hi0 + lo0), 0.0)  # e^{c_{t-1}}
+        into0 = jnp.where(first[..., None], _shifted(into, 1.0), 0.0)  # e^{c_{t-1}}, 1 at the chunk's first step
         rhs = _einsum("...ts,...se->...te", ak, v, precision=precision)
         rhs = rhs + _einsum("...tf,...fe->...te", a * into0, S, precision=precision)
-        reads = _einsum("...ts,...se->...te", unit_lower_inverse(-ab), rhs, precision=precision)  # U
+        reads = _einsum("...ts,...se->...te", _unit_lower_inverse(ab), rhs, precision=precision)  # U
         out = _einsum("...tf,...fe->...te", q * into, S, precision=precision)
         out = out + _einsum("...ts,...se->...te", qk, v, precision=precision)
         out = out + _einsum("...ts,...se->...te", qb, reads, precision=precision)

@@ -134,8 +134,8 @@ def gated_linear_attention(
       initial_state: ``(..., D, E)``, the state before the first step (default zeros).
       return_state: also return the state after the last step, ``(..., D, E)`` in the compute dtype.
       mode: ``'chunk'`` (training; O(T) memory forward and backward) or ``'recurrent'`` (step by step).
-      chunk_size: steps of a chunk (``mode='chunk'``); T need not be a multiple. None: 16 with ``gk`` (its decays
-        inside a chunk cost ``C² D``) or ``a``, ``b``, else 32: the faster of 16, 32 and 64 in the docs' measurements.
+      chunk_size: steps of a chunk (``mode='chunk'``); T need not be a multiple. None: 8 with ``a``, ``b``, 16 with
+        ``gk`` (their decays inside a chunk cost ``C² D``), else 32: the fastest in the docs' measurements.
       axis_name: inside ``jax.shard_map`` with the sequence split over this mesh axis (device i of the axis
         holds the i-th block of steps): the state passes from shard to shard (:mod:`jattn._linear.gated_parallel`);
         ``initial_state`` is the first shard's, and the state returned is the last step's, on every device.
@@ -151,7 +151,7 @@ def gated_linear_attention(
     mode = _check_mode(mode)
     low_rank = a is not None or b is not None
     if chunk_size is None:
-        chunk_size = 16 if gk is not None or low_rank else 32
+        chunk_size = 8 if low_rank else 16 if gk is not None else 32
     chunk_size = check_int("chunk_size", chunk_size, min=1)
     return_state = check_bool("return_state", return_state)
     first = None if axis_name is None else (lambda ids, lead: first_resets(ids, lead, axis_name))
