@@ -15,7 +15,7 @@ from jax import Array
 from jattn._linear.gated_inputs import Steps
 from jattn._online import vary
 
-__all__ = ["documents", "lower_triangle", "run_steps", "running_sums", "unit_lower_inverse"]
+__all__ = ["documents", "lower_triangle", "run_steps", "running_sums"]
 
 
 def run_steps(
@@ -107,7 +107,7 @@ def _scalar_parts(q, k, v, g, beta, runs, precision) -> tuple[Array, ...]:
     u, w = v, None
     if beta is not None:  # the UT transform: (I + A)^-1 diag(β) [V | diag(into) K]
         a = beta[..., :, None] * decay * _einsum("...tf,...sf->...ts", k, k, precision=precision)
-        inverse = unit_lower_inverse(jnp.where(lower_triangle(a.shape, -1), a, 0.0))
+        inverse = _unit_lower_inverse(jnp.where(lower_triangle(a.shape, -1), a, 0.0))
         rhs = beta[..., None] * jnp.concatenate([v, into[..., None] * k], axis=-1)  # (..., C, E + D)
         solved = _einsum("...ts,...sx->...tx", inverse, rhs, precision=precision)
         u, w = solved[..., : v.shape[-1]], solved[..., v.shape[-1] :]
@@ -153,7 +153,7 @@ def lower_triangle(shape: tuple[int, ...], diagonal: int) -> Array:
 
 
 @jax.custom_jvp
-def unit_lower_inverse(a: Array) -> Array:
+def _unit_lower_inverse(a: Array) -> Array:
     """``(I + a)^-1`` for a strictly lower triangular ``a (..., C, C)``, by forward substitution (C steps).
 
     Not ``lax.linalg.triangular_solve``: on CPU its LAPACK call splits a batch over XLA's thread pool and waits
@@ -171,10 +171,10 @@ def unit_lower_inverse(a: Array) -> Array:
     return jax.lax.fori_loop(0, a.shape[-1], row, jnp.zeros_like(a))
 
 
-@unit_lower_inverse.defjvp
+@_unit_lower_inverse.defjvp
 def _unit_lower_inverse_jvp(primals, tangents):
     (a,), (da,) = primals, tangents
-    x = unit_lower_inverse(a)
+    x = _unit_lower_inverse(a)
     da = jnp.where(lower_triangle(da.shape, -1), da, 0.0)  # the map reads a's strictly lower part only
     return x, -jnp.einsum("...ts,...sr,...rx->...tx", x, da, x)
 
