@@ -1,5 +1,6 @@
 """``python -m bench --gated``: the chunkwise form of :func:`jattn.gated_linear_attention` against its step-by-step
-recurrence and against softmax causal attention (the blockwise path) at the same sizes, forward + backward; and
+recurrence and against softmax causal attention (the blockwise path) at the same sizes, forward + backward
+(Gated DeltaNet, GLA, RWKV-7's diagonal-plus-low-rank transition ``a``, ``b``, Gated DeltaProduct); and
 :func:`jattn.log_linear_attention`'s chunkwise form against its linear base (SSD, Gated DeltaNet).
 
 Each candidate is ``jax.grad`` of the sum of its output with respect to q, k, v (and the gates), jitted, timed
@@ -30,6 +31,7 @@ def gated_candidates(T: int, B: int, N: int, D: int) -> dict:
     k2 = k2 / jnp.linalg.norm(k2, axis=-1, keepdims=True)
     beta2 = jax.nn.sigmoid(jax.random.normal(keys[1], (B, N, n * T)))
     levels = jax.nn.softplus(jax.random.normal(keys[4], (B, N, T, max(T - 1, 0).bit_length() + 1)))
+    kappa, rate, decay = _rwkv7_transition(keys[4], (B, N, T, D))
 
     def timed(f, *args):
         grad = jax.jit(jax.grad(lambda *a: jnp.sum(f(*a)), argnums=tuple(range(len(args)))))
@@ -45,6 +47,11 @@ def gated_candidates(T: int, B: int, N: int, D: int) -> dict:
             q, k, v, level_weights=lam, chunk_size=LOG_CHUNK, **dict(zip(kw, gates, strict=True))
         )
 
+    def rwkv7(mode):  # RWKV-7's transition diag(exp(gk)) - (rate ⊙ κ̂) κ̂ᵀ
+        return lambda q, k, v, gk, kappa, rate: jattn.gated_linear_attention(
+            q, k, v, gk=gk, a=-kappa, b=kappa * rate, mode=mode
+        )
+
     return {
         "gated deltanet, chunkwise": timed(gated("chunk", g=0, beta=0), q, k, v, g, beta),
         "log-linear gated deltanet, chunkwise": timed(log_linear(g=0, beta=0), q, k, v, levels, g, beta),
@@ -58,10 +65,21 @@ def gated_candidates(T: int, B: int, N: int, D: int) -> dict:
         "gated deltaproduct n_h=2, recurrent": timed(
             gated("recurrent", g=0, beta=0, num_householder=2), q, k2, v2, g, beta2
         ),
+        "rwkv7, chunkwise": timed(rwkv7("chunk"), q, k, v, decay, kappa, rate),
+        "rwkv7, recurrent": timed(rwkv7("recurrent"), q, k, v, decay, kappa, rate),
         "softmax causal, blockwise": timed(
             lambda q, k, v: jattn.attention(q, k, v, mask=jattn.masks.causal(), implementation="blockwise"), q, k, v
         ),
     }
+
+
+def _rwkv7_transition(key: jax.Array, shape: tuple[int, ...]) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """RWKV-7's removal key κ̂ (unit), in-context learning rate α in (0, 1) and log decays in (-e^-1/2, 0)."""
+    keys = jax.random.split(key, 3)
+    kappa = jax.random.normal(keys[0], shape)
+    kappa = kappa / jnp.linalg.norm(kappa, axis=-1, keepdims=True)
+    rate = jax.nn.sigmoid(jax.random.normal(keys[1], shape))
+    return kappa, rate, -jnp.exp(-0.5) * jax.nn.sigmoid(jax.random.normal(keys[2], shape))
 
 
 def gated_case(T: int, B: int = 1, N: int = 4, D: int = 64, repeats: int = 5) -> dict[str, float]:

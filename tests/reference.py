@@ -454,3 +454,64 @@ def delta_product(
         outs.append(xp.stack(rows))
         finals.append(S)
     return xp.stack(outs).reshape(*lead, T, E), xp.stack(finals).reshape(*lead, D, E)
+
+
+def _dplr_steps(q, k, v, a, b, gk, g, segment_ids, kv_mask, state):
+    """The DPLR reference's inputs as float64 arrays of full shape ``(*lead, T, ...)``."""
+    q, k, v, a, b = f64(q), f64(k), f64(v), f64(a), f64(b)
+    lead = np.broadcast_shapes(*(x.shape[:-2] for x in (q, k, v, a, b)))
+    T, D, E = q.shape[-2], q.shape[-1], v.shape[-1]
+    q, k, a, b = (np.broadcast_to(x, (*lead, T, D)) for x in (q, k, a, b))
+    v = np.broadcast_to(v, (*lead, T, E))
+    decay = np.broadcast_to(0.0 if gk is None else f64(gk), (*lead, T, D))
+    decay = decay + (0.0 if g is None else np.broadcast_to(f64(g), (*lead, T))[..., None])
+    ids = np.broadcast_to(0 if segment_ids is None else np.asarray(segment_ids), (*lead, T))
+    keep = np.broadcast_to(True if kv_mask is None else np.asarray(kv_mask), (*lead, T))
+    S0 = np.zeros((*lead, D, E)) if state is None else np.broadcast_to(f64(state), (*lead, D, E))
+    return lead, (q, k, v, a, b, decay, ids, keep, S0)
+
+
+def dplr(q, k, v, a, b, gk=None, g=None, scale=None, segment_ids=None, kv_mask=None, state=None, grads_of=None):
+    """The diagonal-plus-low-rank recurrence ``S_t = (diag(exp(gk_t + g_t)) + b_t a_tᵀ) S_{t-1} + k_t v_tᵀ``, step by step.
+
+    float64 NumPy, one leading index at a time; ``o_t = scale S_tᵀ q_t``; resets and dropped steps as
+    :func:`gated_linear`. Returns ``out (*lead, T, E)`` and the final state. With ``grads_of=(dout, dfinal)`` it
+    returns instead the gradients (full shapes, by the recurrence's adjoint, written out by hand) of
+    ``Σ dout·out + Σ dfinal·final``: a dict over q, k, v, a, b, gk (of the summed log decay; g's is its sum over D)
+    and state.
+    """
+    lead, (q, k, v, a, b, decay, ids, keep, S0) = _dplr_steps(q, k, v, a, b, gk, g, segment_ids, kv_mask, state)
+    T, D, E = q.shape[-2], q.shape[-1], v.shape[-1]
+    scale = 1 / np.sqrt(D) if scale is None else scale
+    out, final = np.zeros((*lead, T, E)), np.zeros((*lead, D, E))
+    grads = {n: np.zeros(x.shape) for n, x in (("q", q), ("k", k), ("v", v), ("a", a), ("b", b), ("gk", decay))}
+    grads["state"] = np.zeros(S0.shape)
+    for i in np.ndindex(*lead):
+        S, before = S0[i].copy(), []
+        for t in range(T):
+            if t and ids[i][t] != ids[i][t - 1]:
+                S = np.zeros_like(S)
+            before.append(S)
+            if keep[i][t]:
+                S = (np.diag(np.exp(decay[i][t])) + np.outer(b[i][t], a[i][t])) @ S + np.outer(k[i][t], v[i][t])
+                out[i][t] = scale * S.T @ q[i][t]
+        final[i] = S
+        if grads_of is None:
+            continue
+        dS = np.array(np.broadcast_to(grads_of[1], final.shape)[i])
+        for t in reversed(range(T)):
+            if keep[i][t]:
+                do = np.broadcast_to(grads_of[0], out.shape)[i][t]
+                after = (np.diag(np.exp(decay[i][t])) + np.outer(b[i][t], a[i][t])) @ before[t]
+                after = after + np.outer(k[i][t], v[i][t])
+                grads["q"][i][t] = scale * after @ do
+                dS = dS + scale * np.outer(q[i][t], do)
+                grads["k"][i][t], grads["v"][i][t] = dS @ v[i][t], dS.T @ k[i][t]
+                dW = dS @ before[t].T
+                grads["gk"][i][t] = np.diag(dW) * np.exp(decay[i][t])
+                grads["b"][i][t], grads["a"][i][t] = dW @ a[i][t], dW.T @ b[i][t]
+                dS = (np.diag(np.exp(decay[i][t])) + np.outer(b[i][t], a[i][t])).T @ dS
+            if t and ids[i][t] != ids[i][t - 1]:
+                dS = np.zeros_like(dS)
+        grads["state"][i] = dS
+    return (out, final) if grads_of is None else grads

@@ -2,10 +2,11 @@
 
 ``linear`` holds :func:`jattn.linear_attention` and its state; ``gated``
 :func:`jattn.gated_linear_attention`, ``gated_inputs`` its checked inputs, ``gated_forms`` its
-chunkwise and recurrent forms, ``gated_parallel`` its sequence-parallel form, ``householder``
-DeltaProduct's sub-steps; ``log_linear`` :func:`jattn.log_linear_attention` (Fenwick-level states over the
-scalar-gate kinds), ``log_linear_forms`` its chunkwise and recurrent forms; ``module_gates`` the modules'
-recurrent kinds and their gates.
+chunkwise and recurrent forms, ``dplr_inputs`` and ``dplr_forms`` the same for its diagonal-plus-low-rank
+(RWKV-7) transition, ``gated_parallel`` its sequence-parallel form, ``householder`` DeltaProduct's sub-steps;
+``log_linear`` :func:`jattn.log_linear_attention` (Fenwick-level states over the scalar-gate kinds),
+``log_linear_forms`` its chunkwise and recurrent forms; ``module_gates`` the modules' recurrent kinds and their
+gates.
 
 May import: ``_checks``, ``_scalars``, ``_masks``, ``_online``. The rest of jattn imports this
 subpackage through this face only: the names imported below, and nothing else. Its files import each
@@ -23,5 +24,5 @@ from jattn._linear.module_gates import (
     RECURRENT_KINDS,
     gate_params,
     gates,
-    qk_features,
+    head_inputs,
 )

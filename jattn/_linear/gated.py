@@ -5,6 +5,7 @@ state ``S_t (D, E)`` that every key updates in turn, per leading index (batch, h
 
     decay       S_t = a_t ⊙ S_{t-1} + k_t v_tᵀ
     delta rule  S_t = a_t (I - β_t k_t k_tᵀ) S_{t-1} + β_t k_t v_tᵀ
+    low rank    S_t = (diag(w_t) + b_t a_tᵀ) S_{t-1} + k_t v_tᵀ       (given ``a``, ``b``)
     output      o_t = scale · S_tᵀ q_t
 
 with ``a_t = exp(g_t)`` (a scalar per step and head: ``g (..., T)``; retention is a constant per
@@ -14,6 +15,17 @@ feature (``gk (..., T, D)``, gated linear attention: ``a_t ⊙ S`` scales row ``
 rule on (DeltaNet; with ``g``, Gated DeltaNet). The names follow flash-linear-attention's
 (``g``, ``gk``, ``beta``, ``scale``, ``initial_state``); its ``(B, T, H, D)`` layout is jattn's
 ``(B, H, T, D)``.
+
+**Diagonal plus low rank** (``a`` and ``b``, RWKV-7's transition; flash-linear-attention's ``dplr`` /
+``generalized_delta_rule`` with its names): ``w_t = exp(gk_t)`` per key feature (``g`` adds, none: ``w = 1``),
+``a_t (D,)`` reads the state and ``b_t (D,)`` writes what it read, both from ``S_{t-1}``, beside the decay.
+It holds the others: GLA (``a = b = 0``); DeltaNet (``a = k``, ``b = -β k``, v replaced by ``β v``); Gated
+DeltaNet (as DeltaNet with ``a = exp(g) k`` and the decay ``g``); KDA (as DeltaNet with ``a = exp(gk) ⊙ k`` and
+the decay ``gk``). Its chunkwise and recurrent forms are in
+:mod:`jattn._linear.dplr_forms`. Whether the transition is contracting is the caller's to ensure, as the
+delta rule's short keys are: RWKV-7's ``a = -κ̂``, ``b = κ̂ ⊙ α`` with ``‖κ̂‖ = 1`` and ``α`` in [0, 1] has
+eigenvalues in [0, 1] at ``w = 1`` (``1 - Σ α_f κ̂_f²`` and 1), and with one ``α`` for all features it is
+symmetric with eigenvalues in ``[min w - α, max w]``: never expanding. Not checked (it depends on every step).
 
 **The delta rule needs short keys.** A step scales the state's component along ``k_t`` by
 ``a_t (1 - β_t ‖k_t‖²)``: with ``‖k_t‖ <= 1`` (and β in [0, 1]) it never grows, but where
@@ -62,6 +74,8 @@ import jax
 from jax import Array
 from jax.typing import ArrayLike
 
+from jattn._linear.dplr_forms import run_low_rank
+from jattn._linear.dplr_inputs import prepare_low_rank
 from jattn._linear.gated_forms import run_steps
 from jattn._linear.gated_inputs import poison, prepare
 from jattn._linear.gated_parallel import first_resets, run_sharded
@@ -82,6 +96,8 @@ def gated_linear_attention(
     gk: ArrayLike | None = None,
     beta: ArrayLike | None = None,
     num_householder: int = 1,
+    a: ArrayLike | None = None,
+    b: ArrayLike | None = None,
     scale: float | ArrayLike | None = None,
     segment_ids: ArrayLike | None = None,
     kv_mask: ArrayLike | None = None,
@@ -101,7 +117,7 @@ def gated_linear_attention(
       g: log decay per step, ``<= 0``, broadcasting (as NumPy, from the right) to ``(..., T)``: a constant per
         head (retention, e.g. shape ``(N, 1)``) or one per step (Mamba-2 / SSD style, Gated DeltaNet).
       gk: log decay per step and key feature, ``<= 0``, broadcasting to ``(..., T, D)`` (gated linear
-        attention, GLA). With ``g`` too, the two add. Not with ``beta``.
+        attention, GLA). With ``g`` too, the two add. Not with ``beta``. With ``a``, ``b``: the diagonal's.
       beta: the delta rule's write strength in ``[0, 1]`` (a sigmoid's range), broadcasting to ``(..., T)``;
         None: no delta rule. It needs L2-normalised keys: with ``β ‖k‖² > 2`` the state grows each step and
         overflows to inf and NaN, unchecked (module docstring).
@@ -113,6 +129,11 @@ def gated_linear_attention(
         layout (``chunk_gated_delta_product(..., num_householder=n_h)``, k ``(B, T·n_h, H, D)``): weights and
         activations port as they are, and the sub-steps are the sequence the delta rule runs, with no new axis
         for q, k, v to disagree on. The default 1 is the delta rule itself.
+      a, b: the low-rank part of a diagonal-plus-low-rank transition (RWKV-7), broadcasting to ``(..., T, D)``,
+        together: every step is ``S_t = (diag(exp(gk_t)) + b_t a_tᵀ) S_{t-1} + k_t v_tᵀ`` (module docstring),
+        ``gk`` and ``g`` (adding) the diagonal's log decays, default 0. Not with ``beta`` (the delta rule is
+        ``a = k``, ``b = -beta k`` with ``beta v``). Their leading axes broadcast with q, k, v's. Contractivity
+        is not checked (module docstring).
       scale: multiplies q: a finite real number or a 0-d float array (a traced one is not checked); default
         ``1/sqrt(D)``.
       segment_ids: integer ``(T,)``, ``(B, T)`` (per example: batch first, shared by the heads, as
@@ -123,8 +144,9 @@ def gated_linear_attention(
       initial_state: ``(..., D, E)``, the state before the first step (default zeros).
       return_state: also return the state after the last step, ``(..., D, E)`` in the compute dtype.
       mode: ``'chunk'`` (training; O(T) memory forward and backward) or ``'recurrent'`` (step by step).
-      chunk_size: steps of a chunk (``mode='chunk'``; sub-steps with ``num_householder``); T need not be a multiple. None: 16 with ``gk`` (its decays
-        inside a chunk cost ``C² D``), else 32: the faster of 16, 32 and 64 in the docs' measurements.
+      chunk_size: steps of a chunk (``mode='chunk'``; sub-steps with ``num_householder``); T need not be a
+        multiple. None: 8 with ``a``, ``b``, 16 with ``gk`` (their decays inside a chunk cost ``C² D``), else 32:
+        the fastest in the docs' measurements.
       axis_name: inside ``jax.shard_map`` with the sequence split over this mesh axis (device i of the axis
         holds the i-th block of steps): the state passes from shard to shard (:mod:`jattn._linear.gated_parallel`);
         ``initial_state`` is the first shard's, and the state returned is the last step's, on every device.
@@ -138,21 +160,28 @@ def gated_linear_attention(
       dropped step they are not read, eager or traced.
     """
     mode = _check_mode(mode)
-    chunk_size = (16 if gk is not None else 32) if chunk_size is None else check_int("chunk_size", chunk_size, min=1)
+    low_rank = a is not None or b is not None
+    if chunk_size is None:
+        chunk_size = 8 if low_rank else 16 if gk is not None else 32
+    chunk_size = check_int("chunk_size", chunk_size, min=1)
     return_state = check_bool("return_state", return_state)
     num_householder = check_int("num_householder", num_householder, min=1)
     if num_householder > 1:
         q, g, segment_ids, kv_mask = interleave(q, k, v, num_householder=num_householder, g=g, gk=gk, beta=beta,
                                                 segment_ids=segment_ids, kv_mask=kv_mask)  # fmt: skip
     first = None if axis_name is None else (lambda ids, lead: first_resets(ids, lead, axis_name))
-    steps, state = prepare(q, k, v, g=g, gk=gk, beta=beta, scale=scale, segment_ids=segment_ids, kv_mask=kv_mask,
-                           initial_state=initial_state, first=first)  # fmt: skip
-    if axis_name is None:
-        out, state = run_steps(steps, state, mode=mode, chunk_size=chunk_size, precision=precision)
+    rest = dict(scale=scale, segment_ids=segment_ids, kv_mask=kv_mask, initial_state=initial_state, first=first)
+    if low_rank:
+        steps, prepared, state = prepare_low_rank(q, k, v, a=a, b=b, g=g, gk=gk, beta=beta, **rest)
+        run = run_low_rank
     else:
-        out, state = run_sharded(
-            steps, state, axis_name=axis_name, mode=mode, chunk_size=chunk_size, precision=precision
-        )
+        steps, state = prepare(q, k, v, g=g, gk=gk, beta=beta, **rest)
+        prepared, run = steps, run_steps
+    forms = dict(mode=mode, chunk_size=chunk_size, precision=precision)
+    if axis_name is None:
+        out, state = run(prepared, state, **forms)
+    else:
+        out, state = run_sharded(prepared, state, axis_name=axis_name, run=run, **forms)
     out, state = poison(steps, out, state, axis_name)
     out = last_substeps(out, num_householder).astype(steps.out_dtype)
     return (out, state) if return_state else out

@@ -15,7 +15,7 @@ from jax import Array
 from jattn._linear.gated_inputs import Steps
 from jattn._online import vary
 
-__all__ = ["documents", "lower", "run_steps", "running_sums", "unit_lower_inverse"]
+__all__ = ["documents", "lower_triangle", "run_steps", "running_sums", "unit_lower_inverse"]
 
 
 def run_steps(
@@ -88,7 +88,7 @@ def documents(runs: Array) -> tuple[Array, Array, Array]:
     (``first``) and those whose writes reach its last (``last``).
     """
     same = runs[..., :, None] == runs[..., None, :]
-    return same & lower(same.shape, 0), runs == 0, runs == runs[..., -1:]
+    return same & lower_triangle(same.shape, 0), runs == 0, runs == runs[..., -1:]
 
 
 def _scalar_parts(q, k, v, g, beta, runs, precision) -> tuple[Array, ...]:
@@ -107,7 +107,7 @@ def _scalar_parts(q, k, v, g, beta, runs, precision) -> tuple[Array, ...]:
     u, w = v, None
     if beta is not None:  # the UT transform: (I + A)^-1 diag(β) [V | diag(into) K]
         a = beta[..., :, None] * decay * _einsum("...tf,...sf->...ts", k, k, precision=precision)
-        inverse = unit_lower_inverse(jnp.where(lower(a.shape, -1), a, 0.0))
+        inverse = unit_lower_inverse(jnp.where(lower_triangle(a.shape, -1), a, 0.0))
         rhs = beta[..., None] * jnp.concatenate([v, into[..., None] * k], axis=-1)  # (..., C, E + D)
         solved = _einsum("...ts,...sx->...tx", inverse, rhs, precision=precision)
         u, w = solved[..., : v.shape[-1]], solved[..., v.shape[-1] :]
@@ -147,7 +147,7 @@ def running_sums(g: Array, axis: int) -> tuple[Array, Array]:
     return hi, jnp.cumsum(g - step, axis=-2)
 
 
-def lower(shape: tuple[int, ...], diagonal: int) -> Array:
+def lower_triangle(shape: tuple[int, ...], diagonal: int) -> Array:
     """Boolean ``shape (..., C, C)``: True on and below ``diagonal`` (0: the main one, -1: strictly below)."""
     return jnp.broadcast_to(jnp.tril(jnp.ones(shape[-2:], bool), diagonal), shape)
 
@@ -175,7 +175,7 @@ def unit_lower_inverse(a: Array) -> Array:
 def _unit_lower_inverse_jvp(primals, tangents):
     (a,), (da,) = primals, tangents
     x = unit_lower_inverse(a)
-    da = jnp.where(lower(da.shape, -1), da, 0.0)  # the map reads a's strictly lower part only
+    da = jnp.where(lower_triangle(da.shape, -1), da, 0.0)  # the map reads a's strictly lower part only
     return x, -jnp.einsum("...ts,...sr,...rx->...tx", x, da, x)
 
 

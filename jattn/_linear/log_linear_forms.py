@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
-from jattn._linear.gated_forms import documents, lower, running_sums, unit_lower_inverse
+from jattn._linear.gated_forms import documents, lower_triangle, running_sums, unit_lower_inverse
 from jattn._linear.gated_inputs import Steps
 
 __all__ = ["chunked", "level", "levels_needed", "recurrent"]
@@ -132,7 +132,7 @@ def _chunk_parts(q, k, v, g, beta, runs, precision) -> dict[str, Array | None]:
     reads, mix, u, w = into[..., None] * q, scores, v, None
     if beta is not None:
         a = beta[..., :, None] * decay * _einsum("...tf,...sf->...ts", k, k, precision=precision)
-        transform = unit_lower_inverse(jnp.where(lower(a.shape, -1), a, 0.0)) * beta[..., None, :]
+        transform = unit_lower_inverse(jnp.where(lower_triangle(a.shape, -1), a, 0.0)) * beta[..., None, :]
         mix = _einsum("...tr,...rs->...ts", scores, transform, precision=precision)
         u = _einsum("...ts,...se->...te", transform, v, precision=precision)
         w = _einsum("...ts,...sf->...tf", transform, into[..., None] * k, precision=precision)

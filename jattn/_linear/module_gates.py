@@ -24,6 +24,19 @@ run :func:`jattn.gated_linear_attention` over the heads. What each kind computes
   (``w_level (F, N·LOG_LEVELS)``, ``level_scale (N, LOG_LEVELS)`` initialised to ones), for positions below
   ``2^(LOG_LEVELS - 1)``.
 
+- ``'rwkv7'`` (RWKV-7 "Goose"'s attention core, the diagonal-plus-low-rank transition of
+  :func:`jattn.gated_linear_attention`'s ``a``, ``b``): a decay per step and key feature through a tanh LoRA,
+  ``gk = -exp(-1/2) · sigmoid(tanh(x w_decay_down) w_decay_up + b_decay)`` (RWKV-7's ``w = exp(-e^{-1/2}
+  sigmoid(·))``, so ``gk`` in (-0.607, 0); ``b_decay`` from -5.5 to 0.5 over each head's features); the in-context
+  learning rate ``α = sigmoid(x w_iclr_down w_iclr_up + b_iclr)`` per key feature; the removal key
+  ``κ̂ = L2-normalise(k ⊙ k_k)`` over D (``k_k (N·D,)``, 0.85 at first); the key written
+  ``k ⊙ (1 + (α - 1) ⊙ k_a)`` (``k_a``, 1 at first: the written key is ``α ⊙ k``); the transition
+  ``a = -κ̂``, ``b = κ̂ ⊙ α`` (``diag(w) - (α ⊙ κ̂) κ̂ᵀ``). LoRA ranks 16. Kept out (the rest of RWKV-7's
+  time mixing): the token shift (each projection's lerp with the previous token: it would need the last token
+  in the decoding cache), the value residual from the first layer (``v_first``), the output gate, the bonus
+  ``(r · (k ⊙ r_k)) v`` and the per-head group norm; q (RWKV's ``r``) is scaled by ``1/sqrt(D)`` (RWKV-7 by 1,
+  before its group norm).
+
 The delta kinds take q and k through SiLU and an L2 norm over D (DeltaNet's choice, which keeps the
 delta rule stable); the others take them as projected. No kind has the short causal convolution some
 papers put before q, k and v: decoding then needs no convolution cache.
@@ -50,16 +63,18 @@ __all__ = [
     "RECURRENT_KINDS",
     "gate_params",
     "gates",
+    "head_inputs",
     "qk_features",
 ]
 
 DELTAPRODUCT_KINDS = ("deltaproduct", "gated_deltaproduct")
 LOG_KINDS = ("log_ssd", "log_gated_deltanet")  # log-linear attention over SSD and Gated DeltaNet
-RECURRENT_KINDS = ("retention", "ssd", "gla", "deltanet", "gated_deltanet", *DELTAPRODUCT_KINDS, *LOG_KINDS)
+RECURRENT_KINDS = ("retention", "ssd", "gla", "deltanet", "gated_deltanet", "rwkv7", *DELTAPRODUCT_KINDS, *LOG_KINDS)
 DELTA_KINDS = ("deltanet", "gated_deltanet", *DELTAPRODUCT_KINDS, "log_gated_deltanet")
 SSD_KINDS = ("ssd", "gated_deltanet", "gated_deltaproduct", *LOG_KINDS)  # Mamba-2's decay per step and head
 LOG_LEVELS = 20  # the log kinds' levels: positions below 2^19
 GLA_RANK, GLA_TEMPERATURE = 16, 16.0
+RWKV7_RANK, RWKV7_DECAY = 16, float(np.exp(-0.5))  # LoRA rank; the largest log decay -e^(-1/2)
 
 Init = Callable[[Array, tuple[int, ...], jnp.dtype], Array]
 
@@ -95,7 +110,32 @@ def gate_params(
     if kind in LOG_KINDS:
         params["w_level"] = ((features, heads * LOG_LEVELS), dense)
         params["level_scale"] = ((heads, LOG_LEVELS), jax.nn.initializers.ones)
+    if kind == "rwkv7":
+        params |= _rwkv7_params(features, heads, depth)
     return params
+
+
+def _rwkv7_params(features: int, heads: int, depth: int) -> dict[str, tuple[tuple[int, ...], Init]]:
+    """RWKV-7's decay and in-context learning rate LoRAs and its ``k_k``, ``k_a`` (module docstring)."""
+    dense, width = jax.nn.initializers.lecun_normal(), heads * depth
+    small = jax.nn.initializers.variance_scaling(0.1, "fan_in", "normal")
+
+    def constant(value: float) -> Init:
+        return lambda key, shape, dtype: jnp.full(shape, value, dtype)
+
+    def spread(key: Array, shape: tuple[int, ...], dtype: jnp.dtype) -> Array:  # -5.5 .. 0.5 over each head's D
+        return jnp.tile(jnp.linspace(-5.5, 0.5, depth, dtype=dtype), heads)
+
+    return {
+        "w_decay_down": ((features, RWKV7_RANK), dense),
+        "w_decay_up": ((RWKV7_RANK, width), small),
+        "b_decay": ((width,), spread),
+        "w_iclr_down": ((features, RWKV7_RANK), dense),
+        "w_iclr_up": ((RWKV7_RANK, width), small),
+        "b_iclr": ((width,), jax.nn.initializers.zeros),
+        "k_k": ((width,), constant(0.85)),
+        "k_a": ((width,), constant(1.0)),
+    }
 
 
 def gates(kind: str, params: dict[str, Array], x: Array, heads: int, depth: int, dtype: Any = None) -> dict[str, Array]:
@@ -141,7 +181,31 @@ def gates(kind: str, params: dict[str, Array], x: Array, heads: int, depth: int,
             None, None
         ]
         out["level_weights"] = jax.nn.softplus(levels).transpose(0, 2, 1, 3)[:, :, None]  # (B, N, 1, T, L)
+    if kind == "rwkv7":
+
+        def features(y: Array) -> Array:  # (B, T, N*D) -> (B, N, 1, T, D)
+            return y.reshape(*y.shape[:2], heads, depth).transpose(0, 2, 1, 3)[:, :, None]
+
+        lora = jnp.tanh(x @ param("w_decay_down")) @ param("w_decay_up") + param("b_decay")
+        out["gk"] = features(-RWKV7_DECAY * jax.nn.sigmoid(lora))
+        out["iclr"] = features(jax.nn.sigmoid(x @ param("w_iclr_down") @ param("w_iclr_up") + param("b_iclr")))
+        out |= {n: params[n].astype(compute).reshape(1, heads, 1, 1, depth) for n in ("k_k", "k_a")}
     return out
+
+
+def head_inputs(kind: str, q: Array, k: Array, gates: dict[str, Array]) -> tuple[Array, Array, dict[str, Array]]:
+    """The q, k ``(..., T, D)`` and keyword arguments a kind passes :func:`jattn.gated_linear_attention`.
+
+    From the projected q, k and :func:`gates`: :func:`qk_features` and the gates as they are, or for ``'rwkv7'``
+    the written key and the transition ``a``, ``b`` (module docstring), in the gates' compute dtype.
+    """
+    if kind != "rwkv7":
+        return qk_features(kind, q), qk_features(kind, k), gates
+    rate, k_k, k_a = gates["iclr"], gates["k_k"], gates["k_a"]
+    removal = k.astype(rate.dtype) * k_k
+    removal = removal * jax.lax.rsqrt(jnp.sum(removal * removal, axis=-1, keepdims=True) + 1e-12)
+    written = (k.astype(rate.dtype) * (1.0 + (rate - 1.0) * k_a)).astype(k.dtype)
+    return q, written, {"gk": gates["gk"], "a": -removal, "b": removal * rate}
 
 
 def qk_features(kind: str, x: Array) -> Array:

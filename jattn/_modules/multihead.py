@@ -21,9 +21,9 @@ from jattn._linear import (
     RECURRENT_KINDS,
     LinearState,
     gated_linear_attention,
+    head_inputs,
     linear_attention,
     log_linear_attention,
-    qk_features,
 )
 from jattn._masks import Causal, Mask
 from jattn._ring import sequence_parallel_attention
@@ -163,12 +163,13 @@ def _recurrent_heads(
         raise ValueError(f"kind={kind!r} is causal: it takes mask=None or masks.causal(), got {mask!r}")
     if return_weights:
         raise ValueError(f"return_weights needs kind='softmax'; kind={kind!r} forms no weights")
+    qh, kh, gates = head_inputs(kind, qh, kh, gates)
     if kind in LOG_KINDS:
-        return _log_heads(qk_features(kind, qh), qk_features(kind, kh), vh, gates, valid, state, precision)
+        return _log_heads(qh, kh, vh, gates, valid, state, precision)
     one_step = qh.shape[-2] == 1
     return gated_linear_attention(
-        qk_features(kind, qh),
-        qk_features(kind, kh),
+        qh,
+        kh,
         vh,
         **gates,
         num_householder=num_householder,

@@ -125,3 +125,56 @@ def test_deltaproduct_over_4_devices_equals_one_device(mode):
     want_grads = jax.grad(loss(call), argnums=(0, 1, 2, 3, 4))(q, k, v, gates, state)
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
         ref.assert_grad_close(got, want, jnp.float32)
+
+
+@pytest.mark.parametrize("mode", ["chunk", "recurrent"])
+def test_the_low_rank_transition_over_4_devices_equals_one_device(mode):
+    """RWKV-7's diagonal-plus-low-rank transition (a, b): each shard's map is ``[M | H]`` with ``M (D, D)``.
+
+    float64: the sharded call equals the one-device call and the NumPy loop to 1e-12, values, state and gradients.
+    """
+    with jax.enable_x64(True):
+        (q, k, v), _, ids, state = _inputs("gla")
+        q, k, v, state = (x.astype(jnp.float64) for x in (q, k, v, state))
+        r = np.random.default_rng(2)
+        kappa = r.standard_normal((B, N, T, D))
+        kappa /= np.linalg.norm(kappa, axis=-1, keepdims=True)
+        gates = {
+            "gk": jnp.asarray(-r.uniform(0, 0.5, (B, N, T, D))),
+            "a": jnp.asarray(-kappa),
+            "b": jnp.asarray(kappa * r.uniform(0, 1, (B, N, T, D))),
+        }
+        mesh = jax.make_mesh((SHARDS,), ("seq",), axis_types=(AxisType.Auto,), devices=jax.devices()[:SHARDS])
+        seq, rows = PartitionSpec(None, None, "seq"), PartitionSpec(None, None, "seq", None)
+
+        def call(q, k, v, gates, ids, state, axis_name=None):
+            return jattn.gated_linear_attention(
+                q, k, v, **gates, segment_ids=ids, initial_state=state, return_state=True, chunk_size=8, mode=mode,
+                axis_name=axis_name,
+            )  # fmt: skip
+
+        sharded = jax.shard_map(
+            lambda *a: call(*a, axis_name="seq"),
+            mesh=mesh,
+            in_specs=(rows,) * 3 + ({n: rows for n in gates}, seq, PartitionSpec()),
+            out_specs=(rows, PartitionSpec()),
+        )
+        args = (q, k, v, gates, ids, state)
+        out, final = jax.jit(sharded)(*args)
+        want, want_final = ref.dplr(q, k, v, **gates, segment_ids=ids, state=state)
+        np.testing.assert_allclose(out, want, **ref.tol(jnp.float64))
+        np.testing.assert_allclose(final, want_final, **ref.tol(jnp.float64))
+
+        w = jnp.asarray(np.random.default_rng(1).standard_normal(out.shape))
+
+        def loss(f):
+            def total(q, k, v, gates, state):
+                out, final = f(q, k, v, gates, ids, state)
+                return jnp.sum(w * out) + jnp.sum(final)
+
+            return total
+
+        grads = jax.jit(jax.grad(loss(sharded), argnums=(0, 1, 2, 3, 4)))(q, k, v, gates, state)
+        want_grads = jax.grad(loss(call), argnums=(0, 1, 2, 3, 4))(q, k, v, gates, state)
+        for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
+            ref.assert_grad_close(got, want, jnp.float64)
