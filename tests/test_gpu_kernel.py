@@ -306,3 +306,14 @@ def test_tpu_kernel_refuses_score_mod_sinks_and_lse(monkeypatch):
     ):
         with pytest.raises(ValueError, match=rf"cannot take {name} \(SUPPORT"):
             jattn.attention(q, q, q, implementation="pallas", **kw)
+
+
+def test_second_order_is_a_named_refusal():
+    """grad of grad differentiates the backward kernels: a ValueError naming the path, not a Pallas internal error."""
+    q = _rand((2, 5, 8), 0, jnp.float32)
+
+    def loss(q):
+        return jnp.sum(jattn.attention(q, q, q, mask=masks.causal(), implementation="pallas", block_size=8) ** 2)
+
+    with pytest.raises(ValueError, match=r"grad of grad\) of implementation='pallas'"):
+        jax.grad(lambda q: jnp.sum(jax.grad(loss)(q) ** 2))(q)

@@ -156,8 +156,7 @@ def _attend_bwd(spec, res, cts):
     kinds, fb, tb, masks = ints
     do = do.astype(q.dtype)
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1) - dlse
-    dq_, dcs = dq(spec, q, k, v, do, lse, delta, kinds, fb, sinks, masks, consts)
-    dk, dv = dkdv(spec, q, k, v, do, lse, delta, kinds, tb, sinks, masks, consts)
+    dq_, dcs, dk, dv = _backward(spec, q, k, v, do, lse, delta, kinds, fb, tb, sinks, masks, consts)
     dsinks = jnp.zeros_like(sinks)
     if spec.sinks:  # d sink = -sum_t e^(sink - lse_t) delta_t over the rows that see something
         finite = lse > -jnp.inf
@@ -172,3 +171,20 @@ def _attend_bwd(spec, res, cts):
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _backward(spec, q, k, v, do, lse, delta, kinds, fb, tb, sinks, masks, consts):
+    """The dq and dk/dv kernels: ``(dq, dvalues, dk, dv)``; they have no derivative (:func:`_no_second_order`)."""
+    dq_, dcs = dq(spec, q, k, v, do, lse, delta, kinds, fb, sinks, masks, consts)
+    dk, dv = dkdv(spec, q, k, v, do, lse, delta, kinds, tb, sinks, masks, consts)
+    return dq_, dcs, dk, dv
+
+
+@_backward.defjvp
+def _no_second_order(spec, primals, tangents):
+    """Differentiating the backward kernels (grad of grad) is refused by name, not by a Pallas internal error."""
+    raise ValueError(
+        "second-order reverse mode (grad of grad) of implementation='pallas': the kernel's backward has no "
+        "derivative; use 'blockwise' or 'dense'"
+    )
