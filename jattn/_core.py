@@ -214,11 +214,12 @@ def attention(
         ``'blockwise'`` runs an online softmax over blocks (:mod:`jattn._blockwise.attention`): O(T)
         memory, empty blocks of a mask predicate skipped, same contract; ``'xla'`` /
         ``'cudnn'`` hand the call to :func:`jax.nn.dot_product_attention` and raise a
-        ``ValueError`` for arguments it cannot express; ``'pallas'`` runs JAX's fused Pallas
-        kernel of the platform (:mod:`jattn._paths.pallas`): the flash-attention kernel for GPU
-        (causal() at any static offsets, padding()), on CPU that same kernel in Pallas
-        interpret mode (exact but slow, meant for tests), splash attention on TPU (any static
-        predicate, padding(), segment_ids()); lengths and head dims are padded by jattn; ``None``
+        ``ValueError`` for arguments it cannot express; ``'pallas'`` runs a fused Pallas
+        kernel of the platform (:mod:`jattn._paths.pallas`): on GPU jattn's own (:mod:`jattn._gpu`:
+        any static predicate, padding() and segment_ids() as per-tile kinds, score_mod, sinks,
+        return_lse, grouped heads unrepeated), on CPU that same kernel in Pallas interpret mode
+        (exact but slow, meant for tests), splash attention on TPU (any static predicate,
+        padding(), segment_ids()); lengths and head dims are padded by jattn; ``None``
         chooses (:func:`jattn.choose_implementation` says which): the platform's fused paths of
         :data:`jattn.AUTO_ORDER` in order (GPU: 'pallas', then 'cudnn'; TPU: 'pallas'), each
         taking the call or refusing it by itself (a ``KernelRefusalError``, caught: the next path
@@ -229,7 +230,7 @@ def attention(
         ``None`` chooses the tile from the mask, the platform and the CPU threads (:func:`jattn._blockwise.tiles.auto_block`;
         on several CPU threads a causal or windowed backward's at 512, :data:`BACKWARD_SIDE`),
         so results may differ in the last bits between machines; pass it to fix them. On
-        'pallas' the kernel's blocks (default: 128, or the padded length's power of two).
+        'pallas' the kernel's blocks (GPU default 64 x 64, 64 x 32 beyond D 128, cut to the lengths).
       score_mod: ``(score, batch, head, q_pos, kv_pos) -> score``, see above.
       sinks: floating sink logits, broadcastable to the leading dimensions ``...``.
       return_max_logit: also return the ``(..., T)`` row max logit (QK-clip monitoring),
@@ -286,8 +287,16 @@ def _run(path: str, ops: Operands, opts: _Options) -> Array | tuple[Array, ...]:
                 lead=ops.lead,
                 axis=ops.axis,
                 score_mod=opts.score_mod,
+                sinks=opts.sinks,
+                return_lse=opts.return_lse,
             )
-        return checkpoint_name(out, CHECKPOINT_NAMES[0])
+        out, lse = out
+        names = CHECKPOINT_NAMES[: 1 + opts.return_lse]
+        return (
+            (checkpoint_name(out, names[0]), checkpoint_name(lse, names[1]))
+            if opts.return_lse
+            else checkpoint_name(out, names[0])
+        )
     if path in ("xla", "cudnn"):
         with refusals(path):
             out = jax_nn_attention(ops, path, opts.return_lse)

@@ -1,13 +1,22 @@
 """The fused kernels lower for the hardware they are written for, checked on a CPU (issue #45).
 
 ``jax.jit(f).trace(*args).lower(lowering_platforms=(...,))`` builds the program the accelerator would
-compile: a kernel that cannot be lowered for its hardware fails here, in CI, without one. TPU:
-splash attention is a Mosaic ``tpu_custom_call`` (forward one, backward two: dK/dV and dQ); the
+compile: a kernel that cannot be lowered for its hardware fails here, in CI, without one.
+
+TPU: splash attention is a Mosaic ``tpu_custom_call`` (forward one, backward two: dK/dV and dQ); the
 same call lowered for the CPU runs the kernel in interpret mode and holds none. The platform switch
 selects the TPU translation, as in tests/test_pallas.py.
+
+GPU: jattn's kernel must reach Triton in every derivative it takes; the platform facts are switched
+to a GPU (jattn's platform switch, and the backend the kernel asks whether to interpret on), so the
+kernel is lowered rather than interpreted. The forward is one ``__gpu$xla.gpu.triton`` call, the
+gradient three (forward, dq, dk/dv); neither program holds a ``(T, S)``-shaped array (nor one of
+the padded lengths).
 """
 
 from __future__ import annotations
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +25,7 @@ import pytest
 
 import jattn
 import jattn._platform as platform_facts
-from jattn import masks
+from jattn import masks, score_mods
 
 TPU_CASES = {
     # name: (mask, score_mod, q lead, kv lead): grouped heads B=2, K=3, G=4 (q_offset 6: T=131, S=97)
@@ -28,6 +37,21 @@ TPU_CASES = {
         jattn.score_mods.softcap(3.0),
         (2, 3),
         (2, 1),
+    ),
+}
+
+B, K, G, T, S, D = 2, 2, 2, 40, 72, 64
+TP, SP = 64, 128  # T and S padded to the default blocks (64 x 64)
+
+CASES = {
+    "causal": dict(mask=masks.causal()),
+    "sliding-window": dict(mask=masks.sliding_window(16)),
+    "segment-ids": dict(
+        mask=masks.segment_ids(np.arange(B * T).reshape(B, T) // 9, np.arange(B * S).reshape(B, S) // 16)
+    ),
+    "softcap-causal": dict(mask=masks.causal(), score_mod=score_mods.softcap(30.0)),
+    "alibi-padding": dict(
+        mask=masks.padding(kv_lengths=np.array([30, 72])), score_mod=score_mods.alibi(jnp.ones((K * G,)))
     ),
 }
 
@@ -56,3 +80,34 @@ def test_splash_lowers_to_mosaic_for_tpu_and_to_interpret_mode_for_cpu(monkeypat
         tpu = traced.lower(lowering_platforms=("tpu",)).as_text()
         assert tpu.count("@tpu_custom_call") == kernels, (fn, tpu.count("@tpu_custom_call"))
         assert "@tpu_custom_call" not in traced.lower(lowering_platforms=("cpu",)).as_text()
+
+
+@pytest.fixture
+def on_gpu(monkeypatch):
+    monkeypatch.setattr(platform_facts, "platform", lambda: "gpu")
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # the kernel is lowered, not interpreted
+
+
+def _cuda_text(fn, *args) -> str:
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("implementation", ["pallas", None])
+@pytest.mark.parametrize("case", list(CASES))
+def test_forward_and_grad_lower_to_triton_without_a_score_matrix(on_gpu, case, implementation):
+    """Named, and by the automatic choice: on a GPU these calls reach jattn's kernel by default."""
+    kw = CASES[case]
+    q = jnp.zeros((B, K, G, T, D), jnp.bfloat16)
+    k, v = jnp.zeros((B, K, 1, S, D), jnp.bfloat16), jnp.zeros((B, K, 1, S, D), jnp.bfloat16)
+
+    def f(q, k, v):
+        return jattn.attention(q, k, v, implementation=implementation, **kw)
+
+    def loss(q, k, v):
+        return jnp.sum(f(q, k, v).astype(jnp.float32))
+
+    for fn, calls in ((f, 1), (jax.grad(loss, argnums=(0, 1, 2)), 3)):
+        text = _cuda_text(fn, q, k, v)
+        assert text.count("__gpu$xla.gpu.triton") == calls, case
+        for t, s in ((T, S), (TP, SP)):
+            assert not re.search(rf"\b{t}x{s}x", text), f"a ({t}, {s}) array in the {case} program"

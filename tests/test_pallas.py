@@ -1,5 +1,6 @@
-"""implementation='pallas' (issue #15): JAX's GPU flash kernel and TPU splash attention, run here in
-Pallas interpret mode.
+"""implementation='pallas' (issues #15, #45): jattn's GPU kernel and TPU splash attention, run here in
+Pallas interpret mode (the GPU kernel's own tests, every mask kind, score mods, sinks and lse, are
+in tests/test_gpu_kernel.py).
 
 Every translation (causal placed by offsets, windows, other predicates as a NumPy mask, padding,
 segment ids, GQA broadcasting, odd lengths padded to the blocks, T != S, E != D, scale) against
@@ -87,16 +88,6 @@ def test_pallas_traced_scale_and_default_blocks():
     out = jax.jit(lambda s: jattn.attention(q, k, v, mask=masks.causal(), scale=s, implementation="pallas"))(0.7)
     want, _, _ = ref.attention(q, k, v, np.asarray(masks.causal().dense(7, 19)), None, 0.7)
     np.testing.assert_allclose(ref.f64(out), want, **ref.tol(jnp.float32))
-
-
-@pytest.mark.parametrize(
-    "mask",
-    [masks.sliding_window(2), masks.segment_ids(np.zeros((1, 6), int)), masks.causal() | masks.chunked(2)],
-)
-def test_pallas_refuses_what_the_kernel_cannot_express(mask):
-    q = jnp.ones((1, 6, 4))
-    with pytest.raises(ValueError, match=r"implementation='pallas' expresses causal\(\), padding\(\)"):
-        jattn.attention(q, q, q, mask=mask, implementation="pallas")
 
 
 @pytest.mark.parametrize("mask", [masks.padding(kv_lengths=np.array([2])) | masks.causal(), np.eye(6, dtype=bool)])

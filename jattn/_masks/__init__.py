@@ -42,4 +42,4 @@ from jattn._masks.per_example import Padding, RowPadding, RowSegments, SegmentId
 from jattn._masks.positions import Causal, KeyBelow, SlidingWindow, key_interval
 from jattn._masks.predicates import lead_rows
 from jattn._masks.rows import array_leaves, as_rows, example_lead
-from jattn._masks.skeleton import fill_arrays, is_slot, shared_arrays, split_arrays
+from jattn._masks.skeleton import fill_arrays, is_slot, map_slots, shared_arrays, split_arrays

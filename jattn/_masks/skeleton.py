@@ -8,7 +8,7 @@ by rows in between; :func:`fill_arrays` rebuilds the mask inside.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from jax import Array
@@ -16,7 +16,7 @@ from jax import Array
 from jattn._masks.base import Combination, Leaf, Mask
 from jattn._masks.predicates import PredicateKind
 
-__all__ = ["fill_arrays", "is_slot", "shared_arrays", "split_arrays"]
+__all__ = ["fill_arrays", "is_slot", "map_slots", "shared_arrays", "split_arrays"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,10 +50,15 @@ def split_arrays(mask: Mask) -> tuple[Mask, tuple[Array, ...]]:
 
 def fill_arrays(skeleton: Mask, arrays: Sequence[Array]) -> Mask:
     """The inverse of :func:`split_arrays` (arrays may be reshaped, e.g. split by rows, in between)."""
+    return map_slots(skeleton, lambda slot: slot.kind(*arrays[slot.index : slot.index + len(slot.shapes)]))
+
+
+def map_slots(skeleton: Mask, fn: Callable[[Mask], Mask]) -> Mask:
+    """The skeleton with each slot (:func:`is_slot`) replaced by ``fn(slot)``: e.g. a kernel's tile-local form of the leaf."""
     if isinstance(skeleton, _Slot):
-        return skeleton.kind(*arrays[skeleton.index : skeleton.index + len(skeleton.shapes)])
+        return fn(skeleton)
     if isinstance(skeleton, Combination):
-        return skeleton._with_parts([fill_arrays(p, arrays) for p in skeleton._parts()])
+        return skeleton._with_parts([map_slots(p, fn) for p in skeleton._parts()])
     return skeleton
 
 

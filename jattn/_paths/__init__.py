@@ -2,10 +2,10 @@
 
 ``choice`` holds ``IMPLEMENTATIONS``, ``SUPPORT`` and the choice of path, ``transforms`` the
 ``TRANSFORMS`` table and the kernels' refusals; ``dense`` the dense path (the reference of the
-others), ``xla`` the hand-over to ``jax.nn.dot_product_attention``, ``pallas`` the Pallas GPU kernel
-and ``splash`` TPU's splash attention.
+others), ``xla`` the hand-over to ``jax.nn.dot_product_attention``, ``pallas`` the platform's Pallas
+kernel (jattn's own GPU kernel, :mod:`jattn._gpu`) and ``splash`` TPU's splash attention.
 
-May import: ``_checks``, ``_masks``, ``_online``, ``_dropout``, ``_softmax``, ``_platform``. The
+May import: ``_checks``, ``_gpu``, ``_masks``, ``_online``, ``_dropout``, ``_softmax``, ``_platform``. The
 rest of jattn imports this subpackage through this face only: the names imported below, and nothing
 else. Its files import each other directly, never through the face.
 """

@@ -57,16 +57,16 @@ def _row(
 #: "no: ..." (a ``ValueError`` that names the argument, the path and the paths that take it).
 #: The support table of the README and the docs is this dict; ``implementation=None`` tries the
 #: paths whose cells are not "no" (:func:`candidate_paths`), a "partly" cell decided per call.
-#: The 'pallas' column is JAX's GPU flash kernel (interpreted on CPU) and splash attention on TPU.
+#: The 'pallas' column is jattn's own GPU kernel (:mod:`jattn._gpu`, interpreted on CPU) and splash attention on TPU.
 SUPPORT: dict[str, dict[str, str]] = {
     "mask (array, any leading dims, 1-D)": _row(pallas="no: the kernel takes no mask array"),
     "mask (position predicate)": _row(
         cudnn="partly: causal() and sliding_window(l, 0) aligned with the keys' end, and arrays",
-        pallas="partly: GPU causal() (any static offsets); TPU any (splash masks)",
+        pallas="partly: GPU any (static offsets; per-tile kinds, empty tiles skipped); TPU any (splash masks)",
     ),
     "mask (per-example predicate: padding, segment_ids)": _row(
         cudnn="partly: padding() (as sequence lengths)",
-        pallas="partly: GPU padding(); TPU padding(), segment_ids(), in an '&'",
+        pallas="partly: GPU padding(), segment_ids(), in any '&', '|', '~'; TPU padding(), segment_ids(), in an '&'",
     ),
     "mask (predicate of batch and head: masks.predicate)": _row(
         cudnn="no: cuDNN takes no mask of the batch and head",
@@ -77,13 +77,13 @@ SUPPORT: dict[str, dict[str, str]] = {
     "bias": _row(pallas="no: the kernel takes no bias"),
     "dropout_rate": _row(jax_nn="no: jax.nn has no dropout", pallas="no: the kernel has no dropout"),
     "precision": _row(jax_nn="no: jax.nn takes no precision", pallas="no: the kernel fixes its own precision"),
-    "return_lse": _row(pallas="no: the kernel's log-sum-exp cannot be differentiated"),
+    "return_lse": _row(pallas="partly: GPU yes (differentiable); TPU no: splash's log-sum-exp is not returned"),
     "return_max_logit": _row(jax_nn="no: jax.nn returns no max logit", pallas="no: the kernel returns no max logit"),
     "score_mod": _row(
         jax_nn="no: jax.nn takes no score modification",
-        pallas="partly: GPU none; TPU score_mods.softcap() (splash's soft-cap)",
+        pallas="partly: GPU in the kernel (the arrays it closes over get gradients); TPU score_mods.softcap() (splash's soft-cap)",
     ),
-    "sinks": _row(jax_nn="no: jax.nn takes no sinks", pallas="no: the kernel takes no sinks"),
+    "sinks": _row(jax_nn="no: jax.nn takes no sinks", pallas="partly: GPU yes; TPU no: splash takes none"),
     "block_size": _row(dense=_NO_BLOCKS, jax_nn=_NO_BLOCKS),
     "float64 inputs": _row(
         xla="no: jax.nn computes in float32",

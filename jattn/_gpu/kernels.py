@@ -1,0 +1,328 @@
+"""The GPU kernel's three ``pallas_call`` bodies: the forward, dq, and dk/dv (flash attention 2).
+
+Operands (dimension key in :mod:`jattn._core`; ``b`` rows of q, ``b / G`` rows of k and v):
+q ``(b, Tp, Dp)``, k ``(b/G, Sp, Dp)``, v ``(b/G, Sp, Ep)``, padded with zeros to the blocks and to
+head dims that are powers of two of at least 16 (zero columns change no score). Query row ``r``
+reads kv row ``r // G``: grouped heads are never repeated. Tile kinds, the loop bounds, the rows'
+(batch, head), the sinks and the mask's arrays are whole operands read by index
+(:mod:`jattn._gpu.tiles`); the arrays a score modification closes over follow them.
+
+* forward, grid ``(b, nq)``: each query block runs an online softmax over its non-empty key
+  blocks (EMPTY skipped, FULL unmasked, PARTIAL masked by the predicate), saving ``lse (b, Tp)``
+  float32 (``-inf`` for a row that sees no key; the sink joins it);
+* dq, grid ``(b, nq)``: recomputes each tile's weights from ``lse`` and accumulates ``dq`` (and
+  the gradients of a score modification's arrays, per row and query block);
+* dk/dv, grid ``(b/G, nk)``: each key block loops over the G query rows it serves and their
+  non-empty query blocks, accumulating ``dk`` and ``dv``.
+
+Dots take the inputs' dtype and accumulate in float32 (float32 inputs at full precision).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import Array, lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jattn._gpu.score_mod import TileMod
+from jattn._gpu.tiles import Grid, tile_mask
+
+__all__ = ["Spec", "dkdv", "dq", "forward"]
+
+_NEG = -float("inf")
+_COMPILER = plgpu.CompilerParams(num_warps=4, num_stages=2)  # the Triton lowering (not Mosaic GPU)
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """Static facts of one kernel call (hashable): the tiles, head dims, grouping, scale and what it reads."""
+
+    grid: Grid
+    Dp: int
+    Ep: int
+    G: int
+    scale: float
+    mod: TileMod | None
+    sinks: bool
+    interpret: bool
+    mask_rows: tuple[int, ...]  # the leading extent (R or 1) of each mask array
+
+    @property
+    def mod_count(self) -> int:
+        """How many arrays the score modification closes over."""
+        return 0 if self.mod is None else self.mod.count
+
+    @property
+    def n_mask(self) -> int:
+        """How many mask arrays the kernels read."""
+        return len(self.mask_rows)
+
+
+def _dot(a: Array, b: Array, ca: int, cb: int) -> Array:
+    """``a`` contracted with ``b`` over ``a``'s axis ``ca`` and ``b``'s ``cb``, float32 (full precision for float32)."""
+    exact = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return lax.dot_general(a, b, (((ca,), (cb,)), ((), ())), precision=exact, preferred_element_type=jnp.float32)
+
+
+def _iota(n: int) -> Array:
+    return lax.broadcasted_iota(jnp.int32, (n,), 0)
+
+
+def _at(ref, r):
+    """Row ``r`` of a whole operand, or its row 0 where it has one row (broadcast)."""
+    return r if ref.shape[0] > 1 else 0
+
+
+class _Tile:
+    """What the kernels compute on tile (query block ``i``, key block ``j``) of kernel row ``r``."""
+
+    def __init__(self, spec: Spec, r, mask_refs, values, i, j):
+        self.spec, self.r, self.i, self.j = spec, r, i, j
+        self.mask_refs, self.values = mask_refs, values
+        g = spec.grid
+        self.t, self.s = i * g.bq + _iota(g.bq), j * g.bk + _iota(g.bk)
+
+    def _read(self, n: int, window):
+        ref, g = self.mask_refs[n], self.spec.grid
+        row = self.r if self.spec.mask_rows[n] > 1 else 0
+        if window is None:
+            return ref[row]
+        return ref[row, pl.ds(self.i * g.bq, g.bq)] if window == "q" else ref[row, pl.ds(self.j * g.bk, g.bk)]
+
+    def keep(self) -> Array:
+        """``(bq, bk)`` bool: the mask on this tile."""
+        return tile_mask(self.spec.grid, self._read, self.t, self.s)
+
+    def _where(self):
+        g = self.spec.grid
+        return g.q_offset + self.t, g.kv_offset + self.s
+
+    def logits(self, qb: Array, kb: Array, masked: bool) -> Array:
+        """Scaled, modified and masked scores ``(bq, bk)`` float32 (masked: ``-inf``)."""
+        x = _dot(qb, kb, 1, 1) * self.spec.scale
+        if self.spec.mod is not None:
+            x = self.spec.mod.apply(x, *self._where(), self.values)
+        return jnp.where(self.keep(), x, _NEG) if masked else x
+
+    def logits_vjp(self, qb: Array, kb: Array, masked: bool):
+        """``(x, pull)``: :meth:`logits` and ``pull(dx) -> (ds, dconsts)``, ``ds`` the scaled scores' gradient."""
+        s = _dot(qb, kb, 1, 1) * self.spec.scale
+        if self.spec.mod is None:
+            x, pull = s, lambda dx: (dx, ())
+        else:
+            x, pull = self.spec.mod.pullback(s, *self._where(), self.values)
+        return (jnp.where(self.keep(), x, _NEG) if masked else x), pull
+
+
+def _kinds_loop(kinds_ref, bounds_ref, kr, fixed, tile, init, by_rows: bool):
+    """Loops over the non-empty blocks of one query block (``by_rows``) or key block; ``tile(n, carry, masked)``."""
+
+    def body(n, carry):
+        kind = kinds_ref[kr, fixed, n] if by_rows else kinds_ref[kr, n, fixed]
+        branches = (lambda c: c, functools.partial(tile, n, masked=True), functools.partial(tile, n, masked=False))
+        return lax.switch(kind, branches, carry)
+
+    return lax.fori_loop(bounds_ref[kr, fixed, 0], bounds_ref[kr, fixed, 1], body, init)
+
+
+def _forward_kernel(spec: Spec, q_ref, k_ref, v_ref, kinds_ref, bounds_ref, sinks_ref, *refs):
+    """One query block: online softmax over its key blocks; writes ``o (bq, Ep)`` and ``lse (bq,)``."""
+    masks, consts = refs[: spec.n_mask], refs[spec.n_mask : spec.n_mask + spec.mod_count]
+    o_ref, lse_ref = refs[-2:]
+    g, r, i = spec.grid, pl.program_id(0), pl.program_id(1)
+    q, kr = q_ref[...], _at(kinds_ref, r)
+    values = tuple(c[r] for c in consts)  # the score modification's values of this row
+
+    def tile(j, carry, masked):
+        m, den, acc = carry
+        kb, vb = k_ref[pl.ds(j * g.bk, g.bk), :], v_ref[pl.ds(j * g.bk, g.bk), :]
+        x = _Tile(spec, r, masks, values, i, j).logits(q, kb, masked)
+        top = jnp.maximum(m, jnp.max(x, axis=1))
+        safe = jnp.where(top == _NEG, 0.0, top)  # a row masked so far: its weights are 0, not NaN
+        p, alpha = jnp.exp(x - safe[:, None]), jnp.exp(m - safe)
+        return top, alpha * den + jnp.sum(p, axis=1), alpha[:, None] * acc + _dot(p.astype(vb.dtype), vb, 1, 0)
+
+    init = (
+        jnp.full((g.bq,), _NEG, jnp.float32),
+        jnp.zeros((g.bq,), jnp.float32),
+        jnp.zeros((g.bq, spec.Ep), jnp.float32),
+    )
+    m, den, acc = _kinds_loop(kinds_ref, bounds_ref, kr, i, tile, init, by_rows=True)
+    seen = den > 0
+    lse = jnp.where(seen, m + jnp.log(jnp.where(seen, den, 1.0)), _NEG)
+    if spec.sinks:  # the sink joins every row's denominator: lse = log(e^lse + e^sink)
+        sink = jnp.full((g.bq,), sinks_ref[r], jnp.float32)
+        top = jnp.maximum(lse, sink)
+        lse = top + jnp.log(jnp.exp(lse - top) + jnp.exp(sink - top))
+    weight = jnp.where(seen, jnp.exp(m - jnp.where(seen, lse, 0.0)), 0.0)
+    o_ref[...] = (acc * weight[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = lse
+
+
+def _whole(x: Array) -> pl.BlockSpec:
+    """The whole operand in every program (read by index)."""
+    return pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
+
+
+def _common(kinds, bounds, sinks, masks, consts) -> tuple[list, list]:
+    """Operands after q, k, v (and their specs), as every kernel reads them whole."""
+    ops = [kinds, bounds, sinks, *masks, *consts]
+    return ops, [_whole(x) for x in ops]
+
+
+def forward(spec: Spec, q, k, v, kinds, bounds, sinks, masks, consts) -> tuple[Array, Array]:
+    """``(o (b, Tp, Ep), lse (b, Tp) float32)``; ``bounds`` from :func:`jattn._gpu.tiles.bounds` over key blocks."""
+    g, G = spec.grid, spec.G
+    b = q.shape[0]
+    ops, specs = _common(kinds, bounds, sinks, masks, consts)
+    return pl.pallas_call(
+        functools.partial(_forward_kernel, spec),
+        grid=(b, g.nq),
+        in_specs=[
+            pl.BlockSpec((None, g.bq, spec.Dp), lambda r, i: (r, i, 0)),
+            pl.BlockSpec((None, g.s_pad, spec.Dp), lambda r, i: (r // G, 0, 0)),
+            pl.BlockSpec((None, g.s_pad, spec.Ep), lambda r, i: (r // G, 0, 0)),
+            *specs,
+        ],
+        out_specs=[
+            pl.BlockSpec((None, g.bq, spec.Ep), lambda r, i: (r, i, 0)),
+            pl.BlockSpec((None, g.bq), lambda r, i: (r, i)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((b, g.t_pad, spec.Ep), v.dtype),
+            jax.ShapeDtypeStruct((b, g.t_pad), jnp.float32),
+        ],
+        interpret=spec.interpret,
+        compiler_params=_COMPILER,
+        name="jattn_gpu_forward",
+    )(q, k, v, *ops)
+
+
+def _dq_kernel(spec: Spec, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kinds_ref, bounds_ref, sinks_ref, *refs):
+    """One query block: ``dq (bq, Dp)`` and its share of the score modification's arrays' gradients."""
+    del sinks_ref
+    masks, consts = refs[: spec.n_mask], refs[spec.n_mask : spec.n_mask + spec.mod_count]
+    dq_ref, dc_refs = refs[spec.n_mask + spec.mod_count], refs[spec.n_mask + spec.mod_count + 1 :]
+    g, r, i = spec.grid, pl.program_id(0), pl.program_id(1)
+    q, do, kr = q_ref[...], do_ref[...], _at(kinds_ref, r)
+    lse, delta = lse_ref[...], delta_ref[...]
+    lse = jnp.where(lse == _NEG, jnp.inf, lse)  # a row that sees no key: weights 0
+    values = tuple(c[r] for c in consts)
+
+    def tile(j, carry, masked):
+        dq, dcs = carry
+        kb, vb = k_ref[pl.ds(j * g.bk, g.bk), :], v_ref[pl.ds(j * g.bk, g.bk), :]
+        x, pull = _Tile(spec, r, masks, values, i, j).logits_vjp(q, kb, masked)
+        p = jnp.exp(x - lse[:, None])
+        dx = p * (_dot(do, vb, 1, 1) - delta[:, None])
+        ds, dc = pull(dx)
+        dcs = tuple(a + b.astype(a.dtype) for a, b in zip(dcs, dc, strict=True))
+        return dq + _dot((ds * spec.scale).astype(kb.dtype), kb, 1, 0), dcs
+
+    floats = () if spec.mod is None else tuple(c for c, f in zip(values, spec.mod.floats, strict=True) if f)
+    init = (jnp.zeros((g.bq, spec.Dp), jnp.float32), tuple(jnp.zeros(c.shape, jnp.float32) for c in floats))
+    dq, dcs = _kinds_loop(kinds_ref, bounds_ref, kr, i, tile, init, by_rows=True)
+    dq_ref[...] = dq.astype(dq_ref.dtype)
+    for ref, d in zip(dc_refs, dcs, strict=True):
+        ref[...] = d
+
+
+def dq(spec: Spec, q, k, v, do, lse, delta, kinds, bounds, sinks, masks, consts) -> tuple[Array, tuple[Array, ...]]:
+    """``(dq (b, Tp, Dp), dvalues)``: each floating row value ``(b, ...)`` of the score modification's gradient ``(b, nq, ...)`` float32."""
+    g, G = spec.grid, spec.G
+    b = q.shape[0]
+    ops, specs = _common(kinds, bounds, sinks, masks, consts)
+    row = lambda r, i: (r, i)  # noqa: E731
+    floats = () if spec.mod is None else tuple(c for c, f in zip(consts, spec.mod.floats, strict=True) if f)
+    out = pl.pallas_call(
+        functools.partial(_dq_kernel, spec),
+        grid=(b, g.nq),
+        in_specs=[
+            pl.BlockSpec((None, g.bq, spec.Dp), lambda r, i: (r, i, 0)),
+            pl.BlockSpec((None, g.s_pad, spec.Dp), lambda r, i: (r // G, 0, 0)),
+            pl.BlockSpec((None, g.s_pad, spec.Ep), lambda r, i: (r // G, 0, 0)),
+            pl.BlockSpec((None, g.bq, spec.Ep), lambda r, i: (r, i, 0)),
+            pl.BlockSpec((None, g.bq), row),
+            pl.BlockSpec((None, g.bq), row),
+            *specs,
+        ],
+        out_specs=[
+            pl.BlockSpec((None, g.bq, spec.Dp), lambda r, i: (r, i, 0)),
+            *(pl.BlockSpec((None, None, *c.shape[1:]), lambda r, i, n=c.ndim - 1: (r, i, *(0,) * n)) for c in floats),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            *(jax.ShapeDtypeStruct((b, g.nq, *c.shape[1:]), jnp.float32) for c in floats),
+        ],
+        interpret=spec.interpret,
+        compiler_params=_COMPILER,
+        name="jattn_gpu_dq",
+    )(q, k, v, do, lse, delta, *ops)
+    return out[0], tuple(out[1:])
+
+
+def _dkdv_kernel(spec: Spec, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, kinds_ref, tbounds_ref, sinks_ref, *refs):
+    """One key block: ``dk (bk, Dp)`` and ``dv (bk, Ep)`` over the G query rows it serves."""
+    del sinks_ref
+    masks, consts = refs[: spec.n_mask], refs[spec.n_mask : spec.n_mask + spec.mod_count]
+    dk_ref, dv_ref = refs[-2:]
+    g, rk, j = spec.grid, pl.program_id(0), pl.program_id(1)
+    kb, vb = k_ref[...], v_ref[...]
+
+    def group(gi, carry):
+        r = rk * spec.G + gi  # the query row
+        kr = r if kinds_ref.shape[0] > 1 else 0
+        values = tuple(c[r] for c in consts)
+
+        def tile(i, carry, masked):
+            dk, dv = carry
+            qb, dob = q_ref[gi, pl.ds(i * g.bq, g.bq), :], do_ref[gi, pl.ds(i * g.bq, g.bq), :]
+            lse, delta = lse_ref[gi, pl.ds(i * g.bq, g.bq)], delta_ref[gi, pl.ds(i * g.bq, g.bq)]
+            lse = jnp.where(lse == _NEG, jnp.inf, lse)
+            x, pull = _Tile(spec, r, masks, values, i, j).logits_vjp(qb, kb, masked)
+            p = jnp.exp(x - lse[:, None])
+            dv = dv + _dot(p.astype(dob.dtype), dob, 0, 0)
+            ds, _ = pull(p * (_dot(dob, vb, 1, 1) - delta[:, None]))
+            return dk + _dot((ds * spec.scale).astype(qb.dtype), qb, 0, 0), dv
+
+        return _kinds_loop(kinds_ref, tbounds_ref, kr, j, tile, carry, by_rows=False)
+
+    init = (jnp.zeros((g.bk, spec.Dp), jnp.float32), jnp.zeros((g.bk, spec.Ep), jnp.float32))
+    dk, dv = lax.fori_loop(0, spec.G, group, init)
+    dk_ref[...] = dk.astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def dkdv(spec: Spec, q, k, v, do, lse, delta, kinds, tbounds, sinks, masks, consts) -> tuple[Array, Array]:
+    """``(dk (b/G, Sp, Dp), dv (b/G, Sp, Ep))``; ``tbounds`` from :func:`jattn._gpu.tiles.bounds` over query blocks."""
+    g, G = spec.grid, spec.G
+    bkv = k.shape[0]
+    grouped = (q.reshape(bkv, G, g.t_pad, spec.Dp), do.reshape(bkv, G, g.t_pad, spec.Ep))
+    rows_of = (lse.reshape(bkv, G, g.t_pad), delta.reshape(bkv, G, g.t_pad))
+    ops, specs = _common(kinds, tbounds, sinks, masks, consts)
+    return pl.pallas_call(
+        functools.partial(_dkdv_kernel, spec),
+        grid=(bkv, g.nk),
+        in_specs=[
+            pl.BlockSpec((None, G, g.t_pad, spec.Dp), lambda r, j: (r, 0, 0, 0)),
+            pl.BlockSpec((None, G, g.t_pad, spec.Ep), lambda r, j: (r, 0, 0, 0)),
+            pl.BlockSpec((None, G, g.t_pad), lambda r, j: (r, 0, 0)),
+            pl.BlockSpec((None, G, g.t_pad), lambda r, j: (r, 0, 0)),
+            pl.BlockSpec((None, g.bk, spec.Dp), lambda r, j: (r, j, 0)),
+            pl.BlockSpec((None, g.bk, spec.Ep), lambda r, j: (r, j, 0)),
+            *specs,
+        ],
+        out_specs=[
+            pl.BlockSpec((None, g.bk, spec.Dp), lambda r, j: (r, j, 0)),
+            pl.BlockSpec((None, g.bk, spec.Ep), lambda r, j: (r, j, 0)),
+        ],
+        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        interpret=spec.interpret,
+        compiler_params=_COMPILER,
+        name="jattn_gpu_dkdv",
+    )(*grouped, *rows_of, k, v, *ops)

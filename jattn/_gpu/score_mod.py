@@ -1,0 +1,121 @@
+"""A ``score_mod`` read inside the GPU kernel: split into what each row needs and what each tile computes.
+
+jattn's score modification is ``(score, batch, head, q_pos, kv_pos) -> score`` (:mod:`jattn.score_mods`).
+It is traced once (:func:`jax.make_jaxpr`, every array it closes over, concrete or traced, a const)
+and its equations are split in two (:func:`convert`):
+
+* the *row* part: what depends only on ``batch``, ``head`` and the closed-over arrays (ALiBi's
+  ``slopes[head]``, a learned per-head scale). It runs outside the kernel, once per row of the
+  flattened leading dims (``jax.vmap`` over :func:`jattn._online.head_rows`), and ordinary JAX
+  autodiff carries its gradients back to the arrays;
+* the *tile* part: the rest, evaluated in the kernel on ``score (bq, bk)`` float32, ``q_pos
+  (bq, 1)`` and ``kv_pos (1, bk)`` int32 absolute positions and the row's values, which the
+  kernels read by row index (a scalar per row for ALiBi: no gather in the kernel, as Triton wants).
+
+The dq kernel pulls each tile's ``dx`` back through the tile part to the scores and to the row
+values (accumulated per row and query block, summed outside).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import Array
+from jax.extend import core as jex
+
+__all__ = ["TileMod", "convert"]
+
+
+def _run(eqns, env: dict) -> None:
+    """Evaluates ``eqns`` in order, reading and writing variables in ``env``."""
+
+    def read(v):
+        return v.val if isinstance(v, jex.Literal) else env[v]
+
+    for eqn in eqns:
+        ans = eqn.primitive.bind(*map(read, eqn.invars), **eqn.primitive.get_bind_params(eqn.params))
+        env.update(zip(eqn.outvars, ans if eqn.primitive.multiple_results else [ans], strict=True))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TileMod:
+    """The tile part of a score modification: the kernel's ``apply`` and ``pullback`` (see the module docstring).
+
+    ``floats`` says which row values are floating (they get gradients); ``count`` how many there are.
+    """
+
+    eqns: tuple
+    score: object  # the variables of score, q_pos, kv_pos, the row values, and the result
+    q_pos: object
+    kv_pos: object
+    rows: tuple
+    out: object
+    floats: tuple[bool, ...]
+
+    @property
+    def count(self) -> int:
+        """How many row values the tile part reads."""
+        return len(self.rows)
+
+    def apply(self, s: Array, q_pos: Array, kv_pos: Array, values) -> Array:
+        """The modified scores ``(bq, bk)`` float32 of ``s (bq, bk)`` at ``q_pos (bq,)``, ``kv_pos (bk,)``, with the row's values."""
+        env = {self.score: s, self.q_pos: q_pos[:, None], self.kv_pos: kv_pos[None, :]}
+        env.update(zip(self.rows, values, strict=True))
+        _run(self.eqns, env)
+        x = self.out.val if isinstance(self.out, jex.Literal) else env[self.out]
+        return jnp.broadcast_to(jnp.asarray(x).astype(jnp.float32), s.shape)
+
+    def pullback(self, s: Array, q_pos: Array, kv_pos: Array, values) -> tuple:
+        """``(x, pull)``: the modified scores and ``pull(dx) -> (ds, dvalues)``, ``dvalues`` of the floating values."""
+        floats = tuple(c for c, f in zip(values, self.floats, strict=True) if f)
+
+        def at(s, fl):
+            it = iter(fl)
+            whole = tuple(next(it) if f else c for c, f in zip(values, self.floats, strict=True))
+            return self.apply(s, q_pos, kv_pos, whole)
+
+        return jax.vjp(at, s, floats)
+
+
+def convert(score_mod: Callable[..., Array] | None, bq: int, bk: int, rows: Array) -> tuple[TileMod | None, tuple]:
+    """``(TileMod, values)`` of ``score_mod`` for tiles ``(bq, bk)``: ``values`` each ``(b, ...)``, one per row of ``rows (b, 2)``.
+
+    ``(None, ())`` without a modification.
+    """
+    if score_mod is None:
+        return None, ()
+    index = jnp.zeros((), jnp.int32)
+    example = (
+        jnp.zeros((bq, bk), jnp.float32),
+        index,
+        index,
+        jnp.zeros((bq, 1), jnp.int32),
+        jnp.zeros((1, bk), jnp.int32),
+    )
+    closed = jax.make_jaxpr(score_mod)(*example)
+    jaxpr = closed.jaxpr
+    s, batch, head, q_pos, kv_pos = jaxpr.invars
+    row_level = {*jaxpr.constvars, batch, head}
+    row_eqns, tile_eqns = [], []
+    for eqn in jaxpr.eqns:
+        if all(isinstance(v, jex.Literal) or v in row_level for v in eqn.invars):
+            row_eqns.append(eqn)
+            row_level.update(eqn.outvars)
+        else:
+            tile_eqns.append(eqn)
+    used = [v for e in tile_eqns for v in e.invars if not isinstance(v, jex.Literal)] + list(jaxpr.outvars)
+    needed = tuple(dict.fromkeys(v for v in used if not isinstance(v, jex.Literal) and v in row_level))
+
+    def row_values(b, h):
+        env = dict(zip(jaxpr.constvars, closed.consts, strict=True))
+        env.update({batch: b, head: h})
+        _run(row_eqns, env)
+        return tuple(env[v] for v in needed)
+
+    values = jax.vmap(row_values)(rows[:, 0], rows[:, 1]) if needed else ()
+    floats = tuple(bool(jnp.issubdtype(x.dtype, jnp.floating)) for x in values)
+    mod = TileMod(tuple(tile_eqns), s, q_pos, kv_pos, needed, jaxpr.outvars[0], floats)
+    return mod, tuple(values)

@@ -1,0 +1,319 @@
+"""jattn's own GPU kernel (implementation='pallas' on GPU, jattn._gpu), run here in Pallas interpret mode.
+
+The platform is switched to 'gpu' (as the blockwise tests switch it); on a CPU the kernel is
+interpreted, on a GPU (bench/gpu.sh) it is compiled by Triton. Every mask kind the kernel takes
+as per-tile kinds, grouped heads, E != D, odd distinct sizes (B != N != T != S, T and S not
+multiples of the block), score mods, sinks and the log-sum-exp: values and gradients against
+the float64 references of tests/reference.py (NumPy; JAX in float64 for the gradients of arrays a
+score_mod closes over). Sizes are tiny: interpret mode runs the kernels' grids as loops.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jattn
+import jattn._platform as platform_facts
+from jattn import masks, score_mods
+from tests import reference as ref
+
+
+@pytest.fixture(autouse=True)
+def on_gpu(monkeypatch):
+    monkeypatch.setattr(platform_facts, "platform", lambda: "gpu")
+
+
+def _rand(shape, seed, dtype):
+    return jnp.asarray(np.random.default_rng(seed).normal(size=shape), dtype)
+
+
+_IDS_Q = np.array([[0] * 6 + [1] * 9 + [2] * 4, [0] * 19])  # (B=2, T=19): documents, one example a single one
+_IDS_KV = np.array([[0] * 8 + [1] * 10 + [2] * 5, [0] * 23])  # (B=2, S=23)
+
+CASES = {
+    # name: (mask, kw, q lead, kv lead, T, S, D, E, dtype, scale, block)
+    "causal-gqa": (masks.causal(), {}, (2, 3, 2), (2, 3, 1), 19, 23, 8, 6, jnp.float32, 0.3, 8),
+    "window-static-offsets-f16": (
+        masks.sliding_window(5) & masks.causal(),
+        dict(q_offset=7, kv_offset=2),
+        (3, 2),
+        (3, 2),
+        13,
+        29,
+        8,
+        8,
+        jnp.float16,
+        None,
+        8,
+    ),
+    "chunked-or-global-bf16": (
+        masks.chunked(6) | masks.global_tokens([0, 9]),
+        {},
+        (2, 3),
+        (2, 3),
+        21,
+        17,
+        16,
+        16,
+        jnp.bfloat16,
+        None,
+        8,
+    ),
+    "prefix-lm-depth-40": (masks.prefix_lm(5), {}, (3, 2), (3, 1), 17, 17, 40, 24, jnp.float32, None, 16),
+    "segments-and-padding-causal": (
+        masks.segment_ids(_IDS_Q, _IDS_KV) & masks.padding(kv_lengths=np.array([20, 0])) & masks.causal(),
+        {},
+        (2, 3),
+        (2, 1),
+        19,
+        23,
+        8,
+        5,
+        jnp.float32,
+        None,
+        8,
+    ),
+    "padding-or-window-queries-padded": (
+        masks.padding(q_lengths=np.array([4, 11]), kv_lengths=np.array([5, 9])) | masks.sliding_window(2),
+        {},
+        (2, 3),
+        (2, 3),
+        11,
+        13,
+        8,
+        8,
+        jnp.float32,
+        None,
+        8,
+    ),
+    "not-segments-full-blocks": (
+        ~masks.segment_ids(_IDS_Q[:, :16], _IDS_KV[:, :16]) | masks.causal(),
+        {},
+        (2, 3),
+        (2, 3),
+        16,
+        16,
+        8,
+        8,
+        jnp.float32,
+        None,
+        8,
+    ),
+}
+
+
+def _dense(mask, kw, lq, T, S):
+    """The mask as an explicit boolean array against q's leading dims (per example: (B, 1, ..., T, S))."""
+    if mask is None:
+        return None
+    dense = np.asarray(mask.dense(T, S, **kw))
+    if dense.ndim == 4:
+        dense = dense.reshape(dense.shape[0], *(1,) * (len(lq) - 1), T, S)
+    return dense
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_values_and_gradients_equal_the_reference(case):
+    """Out and dq, dk, dv (k, v unrepeated under GQA: their gradients sum the group) against float64 NumPy."""
+    mask, kw, lq, lkv, T, S, D, E, dtype, scale, block = CASES[case]
+    q, k, v = _rand((*lq, T, D), 0, dtype), _rand((*lkv, S, D), 1, dtype), _rand((*lkv, S, E), 2, dtype)
+    g = np.random.default_rng(3).normal(size=(*np.broadcast_shapes(lq, lkv), T, E))
+    dense = _dense(mask, kw, lq, T, S)
+
+    def loss(q, k, v):
+        out = jattn.attention(q, k, v, mask=mask, scale=scale, implementation="pallas", block_size=block, **kw)
+        return jnp.sum(out.astype(jnp.float32) * jnp.asarray(g, jnp.float32)), out
+
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    want, _, _ = ref.attention(q, k, v, dense, None, scale, q_offset=kw.get("q_offset"))
+    assert out.dtype == dtype and out.shape == want.shape
+    np.testing.assert_allclose(ref.f64(out), want, **ref.tol(dtype))
+    for got, w in zip(grads, ref.attention_grads(q, k, v, g, dense, None, scale)[:3], strict=True):
+        assert got.shape == w.shape
+        ref.assert_grad_close(got, w, dtype)
+
+
+def test_eager_equals_jit_and_vmap_equals_a_loop():
+    """The kernel eagerly, under jit, and vmapped over an extra axis against a Python loop over it."""
+    mask = masks.causal() & masks.padding(kv_lengths=np.array([9, 4]))
+    q, k, v = (
+        _rand((3, 2, 2, 9, 8), 0, jnp.float32),
+        _rand((3, 2, 2, 11, 8), 1, jnp.float32),
+        _rand((3, 2, 2, 11, 8), 2, jnp.float32),
+    )
+
+    def f(q, k, v):
+        return jattn.attention(q, k, v, mask=mask, implementation="pallas", block_size=8)
+
+    eager = f(q[0], k[0], v[0])
+    np.testing.assert_array_equal(eager, jax.jit(f)(q[0], k[0], v[0]))
+    mapped = jax.vmap(f)(q, k, v)
+    for n in range(3):
+        np.testing.assert_allclose(mapped[n], f(q[n], k[n], v[n]), **ref.tol(jnp.float32))
+
+
+def test_softcap_and_sinks():
+    """A soft cap applied in the kernel and sinks in every row's denominator: values, dq, dk, dv and d sinks."""
+    q, k, v = (
+        _rand((2, 3, 13, 8), 0, jnp.float32),
+        _rand((2, 3, 17, 8), 1, jnp.float32),
+        _rand((2, 3, 17, 8), 2, jnp.float32),
+    )
+    q = q * 4  # logits beyond the cap
+    sinks = _rand((3,), 4, jnp.float32)
+    g = np.random.default_rng(3).normal(size=(2, 3, 13, 8))
+    mask = masks.sliding_window(6)
+
+    def loss(q, k, v, sinks):
+        out = jattn.attention(
+            q, k, v, mask=mask, score_mod=score_mods.softcap(2.5), sinks=sinks, implementation="pallas", block_size=8
+        )
+        return jnp.sum(out * jnp.asarray(g, jnp.float32)), out
+
+    (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, sinks)
+    dense = np.asarray(mask.dense(13, 17))
+    cap = lambda s, *_: 2.5 * np.tanh(s / 2.5)  # noqa: E731
+    want, _, _ = ref.attention(q, k, v, dense, score_mod=cap, sinks=sinks)
+    np.testing.assert_allclose(ref.f64(out), want, **ref.tol(jnp.float32))
+    wants = ref.attention_grads(q, k, v, g, dense, sinks=sinks, softcap=2.5)
+    for got, w in zip(grads, (*wants[:3], wants[4]), strict=True):
+        ref.assert_grad_close(got, w, jnp.float32)
+
+
+def test_lse_values_and_gradients():
+    """return_lse: the log-sum-exp (-inf for a row that sees no key) and its gradients (through out and lse)."""
+    q, k, v = (
+        _rand((2, 3, 11, 8), 0, jnp.float32),
+        _rand((2, 3, 14, 8), 1, jnp.float32),
+        _rand((2, 3, 14, 8), 2, jnp.float32),
+    )
+    mask = masks.causal()
+    kw = dict(q_offset=-2)  # the first two queries see no key
+    dense = np.asarray(mask.dense(11, 14, **kw))
+    gl = np.random.default_rng(5).normal(size=(2, 3, 11))
+
+    def loss(q, k, v):
+        _, lse = jattn.attention(q, k, v, mask=mask, return_lse=True, implementation="pallas", block_size=8, **kw)
+        return jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * jnp.asarray(gl, jnp.float32)), lse
+
+    (_, lse), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    _, _, want = ref.attention(q, k, v, dense, q_offset=-2)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want))
+    np.testing.assert_allclose(
+        np.where(np.isneginf(want), 0, ref.f64(lse)), np.where(np.isneginf(want), 0, want), **ref.tol(jnp.float32)
+    )
+    dq, dk, _ = ref.lse_grads(q, k, gl, dense)
+    ref.assert_grad_close(grads[0], dq, jnp.float32)
+    ref.assert_grad_close(grads[1], dk, jnp.float32)
+    np.testing.assert_array_equal(grads[2], 0)  # lse does not read v
+
+
+def _dense_jax64(q, k, v, keep, scale, score_mod, lead):
+    """Float64 JAX attention with a score modification (written from the definition): JAX differentiates it."""
+    s = jnp.einsum("...td,...sd->...ts", q, k) * scale
+    T, S = s.shape[-2:]
+    batch, head = (jnp.asarray(x) for x in ref.lead_indices(lead))
+    unit = (1,) * len(lead)
+    s = score_mod(s, batch, head, jnp.arange(S - T, S).reshape(*unit, T, 1), jnp.arange(S).reshape(*unit, 1, S))
+    s = jnp.where(keep, s, -jnp.inf)
+    w = jnp.exp(s - jnp.max(s, -1, keepdims=True))
+    return jnp.einsum("...ts,...se->...te", w / jnp.sum(w, -1, keepdims=True), v)
+
+
+@pytest.mark.parametrize("which", ["alibi", "user-fn-of-a-table"])
+def test_score_mods_closing_over_arrays_and_their_gradients(which):
+    """ALiBi's slopes and a user function's per-head table get gradients from the kernel (float64 JAX reference)."""
+    B, K, G, T, S, D = 2, 3, 2, 13, 15, 8
+    q, k, v = (
+        _rand((B, K, G, T, D), 0, jnp.float32),
+        _rand((B, K, 1, S, D), 1, jnp.float32),
+        _rand((B, K, 1, S, D), 2, jnp.float32),
+    )
+    table = _rand((K * G,), 4, jnp.float32) ** 2
+    if which == "alibi":
+        make = score_mods.alibi
+    else:
+        make = lambda t: lambda s, b, h, qp, kp: s * t[h] + 0.25 * jnp.sin(t[h]) * (b.astype(s.dtype) - 0.5)  # noqa: E731
+    mask = masks.causal()
+    g = np.random.default_rng(3).normal(size=(B, K, G, T, D))
+
+    def loss(q, k, v, t):
+        out = jattn.attention(q, k, v, mask=mask, score_mod=make(t), scale=0.5, implementation="pallas", block_size=8)
+        return jnp.sum(out * jnp.asarray(g, jnp.float32))
+
+    got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, table)
+    with jax.enable_x64(True):
+        keep = jnp.asarray(mask.dense(T, S))
+
+        def ref_loss(q, k, v, t):
+            return jnp.sum(_dense_jax64(q, k, v, keep, 0.5, make(t), (B, K, G)) * jnp.asarray(g))
+
+        args = tuple(jnp.asarray(ref.f64(x)) for x in (q, k, v, table))
+        want = jax.value_and_grad(ref_loss, argnums=(0, 1, 2, 3))(*args)
+        want = (np.asarray(want[0]), tuple(np.asarray(w) for w in want[1]))
+    np.testing.assert_allclose(float(got[0]), want[0], rtol=1e-5)
+    for a, w in zip(got[1], want[1], strict=True):
+        ref.assert_grad_close(a, w, jnp.float32)
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        (dict(mask=np.tril(np.ones((6, 6), bool))), "mask"),
+        (dict(mask=masks.predicate(lambda b, h, i, j: j <= i + h)), "batch and head"),
+        (dict(mask=masks.causal(), q_offset=np.array([0, 1])), "offset"),
+        (dict(bias=np.zeros((6, 6), np.float32)), "bias"),
+        (dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), "dropout"),
+        (dict(precision="highest"), "precision"),
+        (dict(return_max_logit=True), "max logit"),
+    ],
+)
+def test_what_the_kernel_cannot_take_is_a_named_value_error(kw, match):
+    q = jnp.ones((2, 3, 6, 4))
+    with pytest.raises(ValueError, match=match):
+        jattn.attention(q, q, q, implementation="pallas", **kw)
+
+
+def test_head_depth_beyond_256_is_a_kernel_refusal():
+    q = jnp.ones((1, 4, 264))
+    with pytest.raises(ValueError, match="head depths D, E up to 256") as e:
+        jattn.attention(q, q, q, implementation="pallas")
+    assert type(e.value).__name__ == "KernelRefusalError"
+
+
+def test_forward_mode_is_a_named_refusal():
+    """jvp through the kernel (a custom VJP) raises the TRANSFORMS table's ValueError, naming the path."""
+    q = _rand((2, 5, 8), 0, jnp.float32)
+
+    def f(q):
+        return jattn.attention(q, q, q, mask=masks.causal(), implementation="pallas", block_size=8)
+
+    with pytest.raises(ValueError, match=r"forward mode .* implementation='pallas'"):
+        jax.jvp(f, (q,), (q,))
+
+
+def test_tpu_kernel_refuses_score_mod_sinks_and_lse(monkeypatch):
+    """Splash attention (TPU) takes none of them: a ValueError naming the argument and its SUPPORT cell."""
+    monkeypatch.setattr(platform_facts, "platform", lambda: "tpu")
+    q = jnp.ones((1, 2, 8, 4))
+    for kw, name in (
+        (dict(score_mod=score_mods.softcap(3.0)), "score_mod"),
+        (dict(sinks=jnp.zeros((2,))), "sinks"),
+        (dict(return_lse=True), "return_lse"),
+    ):
+        with pytest.raises(ValueError, match=rf"cannot take {name} \(SUPPORT"):
+            jattn.attention(q, q, q, implementation="pallas", **kw)
+
+
+def test_second_order_is_a_named_refusal():
+    """grad of grad differentiates the backward kernels: a ValueError naming the path, not a Pallas internal error."""
+    q = _rand((2, 5, 8), 0, jnp.float32)
+
+    def loss(q):
+        return jnp.sum(jattn.attention(q, q, q, mask=masks.causal(), implementation="pallas", block_size=8) ** 2)
+
+    with pytest.raises(ValueError, match=r"grad of grad\) of implementation='pallas'"):
+        jax.grad(lambda q: jnp.sum(jax.grad(loss)(q) ** 2))(q)
