@@ -66,16 +66,15 @@ GPU_CALLS = {
     "causal shifted": (dict(mask=masks.causal(), q_offset=-5, kv_offset=2), jnp.float32, "pallas"),
     "padding": (dict(mask=masks.padding(q_lengths=np.array([31]), kv_lengths=np.array([17]))), jnp.float32, "pallas"),
     "causal & padding": (dict(mask=masks.causal() & masks.padding(kv_lengths=np.array([20]))), jnp.float32, "pallas"),
-    # the GPU kernel refuses a window; cuDNN refuses float32: the blockwise/dense rule
-    "window": (dict(mask=masks.sliding_window(8)), jnp.float32, "dense"),
-    "window, blocks asked for": (dict(mask=masks.sliding_window(8), block_size=(8, 8)), jnp.float32, "blockwise"),
+    # jattn's GPU kernel takes windows, documents and score mods (per-tile kinds): the kernel, not XLA's tiles
+    "window": (dict(mask=masks.sliding_window(8)), jnp.float32, "pallas"),
+    "window, blocks asked for": (dict(mask=masks.sliding_window(8), block_size=(8, 8)), jnp.float32, "pallas"),
     "segment ids": (
         dict(mask=masks.segment_ids(np.arange(T)[None] // 9, np.arange(S)[None] // 6)),
         jnp.float32,
-        "dense",
+        "pallas",
     ),
-    # bf16, a window cuDNN expresses (aligned top-left): there is no CUDA GPU under JAX here, so it refuses too
-    "window bf16": (dict(mask=masks.sliding_window(8, 0), q_offset=0), jnp.bfloat16, "dense"),
+    "window bf16": (dict(mask=masks.sliding_window(8, 0), q_offset=0), jnp.bfloat16, "pallas"),
     # cells that say "no" for the fused paths: never tried
     "array mask": (dict(mask=np.tril(np.ones((T, S), bool), 16)), jnp.float32, "dense"),
     "bias": (dict(bias=_rand((T, S), 5)), jnp.float32, "dense"),
@@ -89,13 +88,27 @@ def test_gpu_takes_the_kernel_where_it_can_and_falls_back_where_it_refuses(monke
     _check_choice(kw, want, dtype)
 
 
-def test_gpu_named_kernel_refusal_reaches_the_caller_naming_the_mask(monkeypatch):
+def test_gpu_named_kernel_refusal_reaches_the_caller_naming_the_argument(monkeypatch):
     monkeypatch.setattr(platform_facts, "platform", lambda: "gpu")
+    q = _rand((B, N, 9, 264), 0)  # deeper than the kernel's 256
+    with pytest.raises(
+        ValueError, match=r"implementation='pallas' \(jattn's GPU kernel\) takes head depths D, E up to 256"
+    ):
+        jattn.attention(q, q, q, mask=masks.causal(), implementation="pallas")
     q, k, v = _operands()
-    with pytest.raises(ValueError, match=r"implementation='pallas' expresses causal\(\).*SlidingWindow\(left=8"):
-        jattn.attention(q, k, v, mask=masks.sliding_window(8), implementation="pallas")
     with pytest.raises(ValueError, match=r"implementation='pallas' cannot take bias.*use one of"):
         jattn.attention(q, k, v, bias=_rand((T, S), 5), implementation="pallas")
+
+
+def test_gpu_falls_back_where_the_kernel_refuses_this_call(monkeypatch):
+    """A head depth beyond the kernel's 256: the kernel refuses, cuDNN refuses float32, the CPU rule runs."""
+    monkeypatch.setattr(platform_facts, "platform", lambda: "gpu")
+    q, k, v = _rand((B, N, 9, 264), 0), _rand((B, N, 7, 264), 1), _rand((B, N, 7, 5), 2)
+    mask = masks.causal()
+    assert jattn.choose_implementation(q, k, v, mask=mask) == "dense"
+    out = jattn.attention(q, k, v, mask=mask)
+    want, _, _ = ref.attention(q, k, v, np.tril(np.ones((9, 7), bool), -2))
+    np.testing.assert_allclose(out, want, **ref.tol(jnp.float32))
 
 
 def test_cudnn_refuses_what_it_has_no_kernel_for():

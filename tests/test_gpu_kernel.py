@@ -295,16 +295,16 @@ def test_forward_mode_is_a_named_refusal():
         jax.jvp(f, (q,), (q,))
 
 
-def test_tpu_kernel_refuses_score_mod_sinks_and_lse(monkeypatch):
-    """Splash attention (TPU) takes none of them: a ValueError naming the argument and its SUPPORT cell."""
+def test_tpu_kernel_refuses_sinks_lse_and_score_mods_other_than_softcap(monkeypatch):
+    """Splash attention (TPU) takes none of them: a ValueError naming the argument and the paths that take it."""
     monkeypatch.setattr(platform_facts, "platform", lambda: "tpu")
     q = jnp.ones((1, 2, 8, 4))
     for kw, name in (
-        (dict(score_mod=score_mods.softcap(3.0)), "score_mod"),
+        (dict(score_mod=score_mods.alibi(jnp.ones((2,)))), "score_mod"),
         (dict(sinks=jnp.zeros((2,))), "sinks"),
         (dict(return_lse=True), "return_lse"),
     ):
-        with pytest.raises(ValueError, match=rf"cannot take {name} \(SUPPORT"):
+        with pytest.raises(ValueError, match=rf"implementation='pallas' cannot take {name}: on TPU.*use one of"):
             jattn.attention(q, q, q, implementation="pallas", **kw)
 
 

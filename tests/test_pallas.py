@@ -103,7 +103,6 @@ def test_splash_translation_refuses_per_example_disjunctions_and_arrays(monkeypa
     [
         ("tpu", dict(score_mod=jattn.score_mods.alibi(jnp.ones(3))), "score_mod"),
         ("tpu", dict(score_mod=lambda s, *_: 2.0 * jnp.tanh(s / 2.0)), "score_mod"),  # a softcap jattn cannot see
-        ("gpu", dict(score_mod=jattn.score_mods.softcap(2.0)), "score_mod"),
         ("tpu", dict(mask=masks.padding(kv_lengths=np.array([2, 6, 1]))), "mask \\(per-example"),  # q lacks the batch
     ],
 )
