@@ -307,7 +307,7 @@ def test_kda_stays_exact_through_decays_of_e_minus_1e5():
 
 # -- the modules' recurrent kinds ------------------------------------------------------------------------------
 
-KINDS = ("retention", "ssd", "gla", "deltanet", "gated_deltanet")
+KINDS = ("retention", "ssd", "gla", "deltanet", "gated_deltanet", "kda")
 F_MODEL, HEADS = 24, 3  # head depth 8
 
 
@@ -325,7 +325,10 @@ def _np_gates(kind, m, x):
     if kind == "gla":
         gk = np.log(sigmoid(x @ p["w_gk_down"] @ p["w_gk_up"] + p["b_gk"])) / 16
         out["gk"] = gk.reshape(*x.shape[:2], HEADS, -1).transpose(0, 2, 1, 3)
-    if kind in ("deltanet", "gated_deltanet"):
+    if kind == "kda":  # -exp(a_log) per head times softplus of a rank-D map, per head and feature
+        gk = softplus(x @ p["w_gk_down"] @ p["w_gk_up"] + p["dt_bias"]).reshape(*x.shape[:2], HEADS, -1)
+        out["gk"] = (-np.exp(p["a_log"])[:, None] * gk).transpose(0, 2, 1, 3)
+    if kind in ("deltanet", "gated_deltanet", "kda"):
         out["beta"] = heads(sigmoid(x @ p["w_beta"]))
     return out
 
@@ -339,7 +342,7 @@ def test_each_module_kind_equals_its_gates_written_out(kind):
     x = jax.random.normal(jax.random.key(1), (2, 11, F_MODEL))
     split = lambda y: np.asarray(y, np.float64).reshape(2, 11, HEADS, -1).transpose(0, 2, 1, 3)  # noqa: E731
     q, k, v = (split(x @ getattr(m, w).kernel[...]) for w in ("wq", "wk", "wv"))
-    if kind in ("deltanet", "gated_deltanet"):  # SiLU, then an L2 norm over the head depth
+    if kind in ("deltanet", "gated_deltanet", "kda"):  # SiLU, then an L2 norm over the head depth
         q, k = (
             (y / (1 + np.exp(-y))) / np.sqrt(np.sum((y / (1 + np.exp(-y))) ** 2, -1, keepdims=True) + 1e-6)
             for y in (q, k)
@@ -364,7 +367,7 @@ def test_a_float64_module_computes_its_gates_in_float64(kind, setup):
         x = jax.random.normal(jax.random.key(1), (2, 11, F_MODEL), jnp.float64 if wide else jnp.float32)
         split = lambda y: y.reshape(2, 11, HEADS, -1).transpose(0, 2, 1, 3)  # noqa: E731
         q, k, v = (split(ref.f64(x) @ ref.f64(getattr(m, w).kernel[...])) for w in ("wq", "wk", "wv"))
-        if kind in ("deltanet", "gated_deltanet"):  # SiLU, then an L2 norm over the head depth
+        if kind in ("deltanet", "gated_deltanet", "kda"):  # SiLU, then an L2 norm over the head depth
             q, k = (y / (1 + np.exp(-y)) for y in (q, k))
             q, k = (y / np.sqrt(np.sum(y**2, -1, keepdims=True) + 1e-6) for y in (q, k))
         out, _ = ref.gated_linear(q, k, v, **_np_gates(kind, m, x))
@@ -374,7 +377,7 @@ def test_a_float64_module_computes_its_gates_in_float64(kind, setup):
         np.testing.assert_allclose(got, want, **ref.tol(jnp.float64))
 
 
-@pytest.mark.parametrize("kind", ["gla", "gated_deltanet"])
+@pytest.mark.parametrize("kind", ["gla", "gated_deltanet", "kda"])
 def test_module_decoding_from_the_cache_equals_the_full_pass(kind):
     from flax import nnx
 

@@ -12,6 +12,12 @@ run :func:`jattn.gated_linear_attention` over the heads. What each kind computes
   ``gk = log sigmoid(x w_gk_down w_gk_up + b_gk) / 16`` (``w_gk_down (F, 16)``, ``w_gk_up (16, N·D)``).
 - ``'deltanet'``: the delta rule's ``beta = sigmoid(x w_beta)`` (``w_beta (F, N)``), no decay.
 - ``'gated_deltanet'``: ``beta`` as DeltaNet and ``g`` as SSD.
+- ``'kda'`` (Kimi Delta Attention, Kimi Linear): ``beta`` as DeltaNet and a decay per step, head and key
+  feature as Kimi Linear's (flash-linear-attention's ``KimiDeltaAttention``), SSD's form through a rank-D
+  map: ``gk = -exp(a_log) · softplus(x w_gk_down w_gk_up + dt_bias)`` (``a_log (N,)`` per head from
+  log U[1, 16], ``w_gk_down (F, D)``, ``w_gk_up (D, N·D)``, ``dt_bias (N·D,)`` as SSD's, per head and
+  feature). Simplified from the paper's layer: no short convolution (as every kind here), no output gate
+  and RMS norm before ``wo``, no lower bound on the decay.
 
 The delta kinds take q and k through SiLU and an L2 norm over D (DeltaNet's choice, which keeps the
 delta rule stable); the others take them as projected. No kind has the short causal convolution some
@@ -33,8 +39,8 @@ from jattn._online import compute_dtype
 
 __all__ = ["DELTA_KINDS", "RECURRENT_KINDS", "gate_params", "gates", "qk_features"]
 
-RECURRENT_KINDS = ("retention", "ssd", "gla", "deltanet", "gated_deltanet")
-DELTA_KINDS = ("deltanet", "gated_deltanet")
+RECURRENT_KINDS = ("retention", "ssd", "gla", "deltanet", "gated_deltanet", "kda")
+DELTA_KINDS = ("deltanet", "gated_deltanet", "kda")
 GLA_RANK, GLA_TEMPERATURE = 16, 16.0
 
 Init = Callable[[Array, tuple[int, ...], jnp.dtype], Array]
@@ -61,6 +67,9 @@ def gate_params(kind: str, features: int, heads: int, depth: int) -> dict[str, t
     if kind == "gla":
         params |= {"w_gk_down": ((features, GLA_RANK), dense), "w_gk_up": ((GLA_RANK, heads * depth), dense)}
         params["b_gk"] = ((heads * depth,), jax.nn.initializers.zeros)
+    if kind == "kda":
+        params |= {"a_log": ((heads,), _uniform_log(1.0, 16.0)), "w_gk_down": ((features, depth), dense)}
+        params |= {"w_gk_up": ((depth, heads * depth), dense), "dt_bias": ((heads * depth,), _dt_bias)}
     if kind in DELTA_KINDS:
         params["w_beta"] = ((features, heads), dense)
     return params
@@ -95,6 +104,10 @@ def gates(kind: str, params: dict[str, Array], x: Array, heads: int, depth: int,
         gk = (
             jax.nn.log_sigmoid(x @ param("w_gk_down") @ param("w_gk_up") + param("b_gk")) / GLA_TEMPERATURE
         )  # (B, T, N*D)
+        out["gk"] = gk.reshape(b, t, heads, depth).transpose(0, 2, 1, 3)[:, :, None]
+    if kind == "kda":
+        rate = jnp.repeat(jnp.exp(params["a_log"].astype(compute)), depth)[None, None]  # (1, 1, N*D)
+        gk = -rate * jax.nn.softplus(x @ param("w_gk_down") @ param("w_gk_up") + param("dt_bias"))  # (B, T, N*D)
         out["gk"] = gk.reshape(b, t, heads, depth).transpose(0, 2, 1, 3)[:, :, None]
     if kind in DELTA_KINDS:
         out["beta"] = per_head(jax.nn.sigmoid(x @ param("w_beta")))
