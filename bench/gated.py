@@ -1,5 +1,6 @@
 """``python -m bench --gated``: the chunkwise form of :func:`jattn.gated_linear_attention` against its step-by-step
-recurrence and against softmax causal attention (the blockwise path) at the same sizes, forward + backward.
+recurrence and against softmax causal attention (the blockwise path) at the same sizes, forward + backward;
+GLA (``gk``) and KDA (``gk`` with ``beta``) beside Gated DeltaNet (``g`` with ``beta``).
 
 Each candidate is ``jax.grad`` of the sum of its output with respect to q, k, v (and the gates), jitted, timed
 alternated in one process (medians). The recurrence's backward keeps a state a step (B N T D E floats).
@@ -36,6 +37,7 @@ def gated_candidates(T: int, B: int, N: int, D: int) -> dict:
         "gated deltanet, chunkwise": timed(gated("chunk", g=0, beta=0), q, k, v, g, beta),
         "gated deltanet, recurrent": timed(gated("recurrent", g=0, beta=0), q, k, v, g, beta),
         "gla, chunkwise": timed(gated("chunk", gk=0), q, k, v, gk),
+        "kda, chunkwise": timed(gated("chunk", gk=0, beta=0), q, k, v, gk, beta),
         "softmax causal, blockwise": timed(
             lambda q, k, v: jattn.attention(q, k, v, mask=jattn.masks.causal(), implementation="blockwise"), q, k, v
         ),

@@ -61,7 +61,7 @@ KEYS: dict[str, str] = {
     "reversed or repeated",
     "task.vocab": "sort, reverse, induction: symbols the tokens are drawn from (chance is 1/vocab)",
     "model.mixer": "'attention' (softmax), 'linear', a recurrent kind of jattn.gated_linear_attention ('retention', "
-    "'ssd', 'gla', 'deltanet', 'gated_deltanet'), or 'none' (the token-local control)",
+    "'ssd', 'gla', 'deltanet', 'gated_deltanet', 'kda'), or 'none' (the token-local control)",
     "model.positions": "'learned' (an absolute table) or 'alibi' (no table; softmax attention only)",
     "model.d_model": "width of the residual stream",
     "model.num_heads": "attention heads (a divisor of d_model)",
