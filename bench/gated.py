@@ -1,6 +1,6 @@
 """``python -m bench --gated``: the chunkwise form of :func:`jattn.gated_linear_attention` against its step-by-step
 recurrence and against softmax causal attention (the blockwise path) at the same sizes, forward + backward
-(Gated DeltaNet, GLA, RWKV-7's diagonal-plus-low-rank transition ``a``, ``b``, Gated DeltaProduct); and
+(Gated DeltaNet, GLA, KDA: ``gk`` with ``beta``, RWKV-7's diagonal-plus-low-rank transition ``a``, ``b``, Gated DeltaProduct); and
 :func:`jattn.log_linear_attention`'s chunkwise form against its linear base (SSD, Gated DeltaNet).
 
 Each candidate is ``jax.grad`` of the sum of its output with respect to q, k, v (and the gates), jitted, timed
@@ -59,6 +59,7 @@ def gated_candidates(T: int, B: int, N: int, D: int) -> dict:
         "log-linear ssd, chunkwise": timed(log_linear(g=0), q, k, v, levels, g),
         "gated deltanet, recurrent": timed(gated("recurrent", g=0, beta=0), q, k, v, g, beta),
         "gla, chunkwise": timed(gated("chunk", gk=0), q, k, v, gk),
+        "kda, chunkwise": timed(gated("chunk", gk=0, beta=0), q, k, v, gk, beta),
         "gated deltaproduct n_h=2, chunkwise": timed(
             gated("chunk", g=0, beta=0, num_householder=2), q, k2, v2, g, beta2
         ),

@@ -515,3 +515,65 @@ def dplr(q, k, v, a, b, gk=None, g=None, scale=None, segment_ids=None, kv_mask=N
                 dS = np.zeros_like(dS)
         grads["state"][i] = dS
     return (out, final) if grads_of is None else grads
+
+
+def gated_linear_vjp(q, k, v, g=None, gk=None, beta=None, segment_ids=None, kv_mask=None, state=None, *, dout, dfinal):
+    """The derivatives of ``Σ dout·out + Σ dfinal·final`` of :func:`gated_linear`, by its adjoint recurrence (float64).
+
+    Every input full-sized: q, k ``(*lead, T, D)``, v ``(*lead, T, E)``, ``g``/``beta`` ``(*lead, T)``, ``gk``
+    ``(*lead, T, D)``, ``state (*lead, D, E)``; the default scale. Returns a dict of the derivatives of the
+    floating inputs given (and ``state``, zeros where it is None). Each step, with ``A = a ⊙ S_{t-1}``:
+    ``w = β (v - Aᵀ k)`` (``v`` without ``beta``), ``S_t = A + k wᵀ``, ``o_t = scale S_tᵀ q_t``, run backwards.
+    """
+    q, k, v = f64(q), f64(k), f64(v)
+    *lead, T, D = q.shape
+    E = v.shape[-1]
+    scale = 1 / np.sqrt(D)
+    g0 = np.zeros((*lead, T)) if g is None else f64(g)
+    gk0 = np.zeros((*lead, T, D)) if gk is None else f64(gk)
+    b = None if beta is None else f64(beta)
+    ids = np.zeros((*lead, T), int) if segment_ids is None else np.broadcast_to(segment_ids, (*lead, T))
+    keep = np.ones((*lead, T), bool) if kv_mask is None else np.broadcast_to(kv_mask, (*lead, T))
+    S0 = np.zeros((*lead, D, E)) if state is None else f64(state)
+    dout, dfinal = f64(dout), f64(dfinal)
+    d = {n: np.zeros_like(x) for n, x in (("q", q), ("k", k), ("v", v), ("g", g0), ("gk", gk0), ("state", S0))}
+    d["beta"] = None if b is None else np.zeros_like(b)
+    for i in np.ndindex(*lead):
+        states, S = [], S0[i].copy()  # the state before each step (after its reset)
+        for t in range(T):
+            if t and ids[i][t] != ids[i][t - 1]:
+                S = np.zeros((D, E))
+            states.append(S)
+            if keep[i][t]:
+                A = np.exp(g0[i][t] + gk0[i][t])[:, None] * S
+                w = v[i][t] if b is None else b[i][t] * (v[i][t] - A.T @ k[i][t])
+                S = A + np.outer(k[i][t], w)
+        dS = dfinal[i].copy()
+        for t in reversed(range(T)):
+            S = states[t]
+            if keep[i][t]:
+                a = np.exp(g0[i][t] + gk0[i][t])
+                A = a[:, None] * S
+                p = A.T @ k[i][t]
+                w = v[i][t] if b is None else b[i][t] * (v[i][t] - p)
+                new = A + np.outer(k[i][t], w)
+                d["q"][i][t] = scale * new @ dout[i][t]
+                dS = dS + scale * np.outer(q[i][t], dout[i][t])
+                dA, dw = dS.copy(), dS.T @ k[i][t]
+                d["k"][i][t] = dS @ w
+                if b is None:
+                    d["v"][i][t] = dw
+                else:
+                    d["beta"][i][t] = dw @ (v[i][t] - p)
+                    d["v"][i][t] = b[i][t] * dw
+                    dp = -b[i][t] * dw
+                    dA = dA + np.outer(k[i][t], dp)
+                    d["k"][i][t] += A @ dp
+                d["gk"][i][t] = np.sum(dA * A, axis=-1)
+                d["g"][i][t] = np.sum(d["gk"][i][t])
+                dS = a[:, None] * dA
+            if t and ids[i][t] != ids[i][t - 1]:
+                dS = np.zeros((D, E))
+        d["state"][i] = dS
+    given = {"g": g is not None, "gk": gk is not None, "beta": beta is not None}
+    return {n: x for n, x in d.items() if given.get(n, True)}

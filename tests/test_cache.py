@@ -38,7 +38,7 @@ def _params(m) -> dict:
             out[name] = {"scale": layer.scale[...]}
         else:
             out[name] = {"kernel": layer.kernel[...]} | ({} if layer.bias is None else {"bias": layer.bias[...]})
-    return out
+    return out | {name: getattr(m, name)[...] for name in getattr(m, "gate_names", ())}  # a recurrent kind's gates
 
 
 def _nnx(seed=0, **options):
@@ -134,6 +134,7 @@ KINDS = [
     pytest.param(dict(num_heads=2, rope=True), masks.sliding_window(3), dict(window=3), id="window_rope"),
     pytest.param(dict(num_heads=2, rope=True), LONGFORMER, dict(window=3, pinned=(0, 2)), id="pinned_rope"),
     pytest.param(dict(num_heads=2, kind="linear", rope=True), masks.causal(), {}, id="linear_rope"),
+    pytest.param(dict(num_heads=2, kind="kda", rope=True), masks.causal(), {}, id="kda_rope"),
 ]
 
 

@@ -29,11 +29,15 @@ def _gates(seed=1, lead=(B, N), T=T):
             "g": jnp.asarray(-r.uniform(0, 1, (*lead, T)), jnp.float32),
             "beta": jnp.asarray(r.uniform(0.05, 0.95, (*lead, T)), jnp.float32),
         },
+        "kda": lambda: {
+            "gk": jnp.asarray(-r.uniform(0, 1, (*lead, T, D)), jnp.float32),
+            "beta": jnp.asarray(r.uniform(0.05, 0.95, (*lead, T)), jnp.float32),
+        },
         "linear": dict,
     }
 
 
-VARIANTS = ("linear", "retention", "ssd", "gla", "deltanet", "gated deltanet")
+VARIANTS = ("linear", "retention", "ssd", "gla", "deltanet", "gated deltanet", "kda")
 
 
 def _documents(seed=2):
@@ -83,7 +87,7 @@ def test_gradients_equal_the_float64_recurrences_derivatives(variant):
             np.testing.assert_allclose(np.sum(np.asarray(grads[name]) * u), numeric, rtol=1e-6, atol=1e-8)
 
 
-@pytest.mark.parametrize("variant", ["ssd", "gla", "gated deltanet"])
+@pytest.mark.parametrize("variant", ["ssd", "gla", "gated deltanet", "kda"])
 def test_the_chunkwise_and_recurrent_forms_have_the_same_gradients(variant):
     q, k, v = _inputs()
     kw = _gates()[variant]()
@@ -179,7 +183,8 @@ def test_jit_vmap_and_the_chunk_scan_keep_one_state_per_chunk():
         ({"beta": jnp.full(T, 1.5)}, ValueError, r"beta must lie in \[0, 1\].*1.5"),
         ({"g": jnp.full(T, 0.1)}, ValueError, r"g is a log decay.*0.1"),
         ({"gk": jnp.full((T, D), 0.2)}, ValueError, r"gk is a log decay"),
-        ({"gk": jnp.zeros((T, D)), "beta": jnp.full(T, 0.5)}, ValueError, r"delta rule.*per step \(g\)"),
+        ({"gk": jnp.full((T, D), 0.2), "beta": jnp.full(T, 0.5)}, ValueError, r"gk is a log decay.*0.2"),
+        ({"gk": jnp.zeros((T, D)), "beta": jnp.full(T, -0.5)}, ValueError, r"beta must lie in \[0, 1\].*-0.5"),
         ({"g": jnp.zeros((T + 1,))}, ValueError, rf"g must broadcast to \(\.\.\., T={T}\), got shape \({T + 1},\)"),
         ({"gk": jnp.zeros((T, D + 1))}, ValueError, r"gk must broadcast to .*D=5"),
         ({"segment_ids": jnp.zeros(T)}, TypeError, r"segment_ids must be integers"),
@@ -209,9 +214,100 @@ def test_traced_bad_decays_give_nan_where_they_occur():
     assert np.all(np.isnan(out[bad])) and np.all(np.isfinite(out[~bad]))
 
 
+# -- Kimi Delta Attention (gk with beta) -----------------------------------------------------------------------
+
+
+def _kda64(seed=7, T=T, lead=(B, N)):
+    """float64 KDA inputs, full-sized (g too: it adds to gk), with documents and padding per leading index."""
+    r = np.random.default_rng(seed)
+    q, k, v = (r.standard_normal((*lead, T, x)) for x in (D, D, E))
+    k = k / np.linalg.norm(k, axis=-1, keepdims=True)
+    args = {
+        "q": q, "k": k, "v": v, "gk": -r.uniform(0, 1, (*lead, T, D)), "g": -r.uniform(0, 0.5, (*lead, T)),
+        "beta": r.uniform(0, 1, (*lead, T)), "initial_state": r.standard_normal((*lead, D, E)),
+    }  # fmt: skip
+    ids = np.cumsum(r.uniform(size=(*lead, T)) < 0.15, axis=-1).astype(np.int32)
+    keep = np.ones((*lead, T), bool)
+    keep[-1, ..., T - 6 :] = False  # the last example is padded
+    return args, {"segment_ids": ids, "kv_mask": keep}
+
+
+@pytest.mark.parametrize("chunk_size", [8, 6, 32])
+def test_kda_chunk_recurrent_and_the_float64_loop_agree_to_1e_12_values_and_gradients(chunk_size):
+    """Values, final state and every derivative (q, k, v, gk, g, beta, initial_state) against the NumPy loop's adjoint."""
+    with jax.enable_x64(True):
+        args, docs = _kda64()
+        r = np.random.default_rng(8)
+        dout, dfinal = r.standard_normal((B, N, T, E)), r.standard_normal((B, N, D, E))
+        state = args["initial_state"]
+        want, want_final = ref.gated_linear(
+            **{n: x for n, x in args.items() if n != "initial_state"}, **docs, state=state
+        )
+        want_grads = ref.gated_linear_vjp(
+            **{n: x for n, x in args.items() if n != "initial_state"}, **docs, state=state, dout=dout, dfinal=dfinal
+        )
+        want_grads["initial_state"] = want_grads.pop("state")
+        for mode in ("chunk", "recurrent"):
+
+            def call(a, mode=mode):
+                return jattn.gated_linear_attention(**a, **docs, return_state=True, mode=mode, chunk_size=chunk_size)
+
+            out, final = call({n: jnp.asarray(x) for n, x in args.items()})
+            np.testing.assert_allclose(out, want, **ref.tol(jnp.float64))
+            np.testing.assert_allclose(final, want_final, **ref.tol(jnp.float64))
+            grads = jax.grad(lambda a, call=call: jnp.sum(call(a)[0] * dout) + jnp.sum(call(a)[1] * dfinal))(
+                {n: jnp.asarray(x) for n, x in args.items()}
+            )
+            for name, x in want_grads.items():
+                np.testing.assert_allclose(grads[name], x, **ref.tol(jnp.float64), err_msg=f"{mode} d{name}")
+
+
+def test_kda_decays_first_then_the_delta_step():
+    """One step from a given state, written out: S = (I - β k kᵀ) diag(a) S0 + β k vᵀ, not diag(a) (I - β k kᵀ) S0."""
+    with jax.enable_x64(True):
+        args, _ = _kda64(T=1, lead=(1, 1))
+        a = np.exp(args["gk"][0, 0, 0] + args["g"][0, 0, 0])
+        k, v, b, S0 = args["k"][0, 0, 0], args["v"][0, 0, 0], args["beta"][0, 0, 0], args["initial_state"][0, 0]
+        want = (np.eye(D) - b * np.outer(k, k)) @ (a[:, None] * S0) + b * np.outer(k, v)
+        other = a[:, None] * ((np.eye(D) - b * np.outer(k, k)) @ S0) + b * np.outer(k, v)
+        assert np.abs(want - other).max() > 1e-3  # the orders differ for these inputs
+        for mode in ("chunk", "recurrent"):
+            _, S = jattn.gated_linear_attention(**args, return_state=True, mode=mode)
+            np.testing.assert_allclose(S[0, 0], want, **ref.tol(jnp.float64))
+
+
+def test_kda_float32_at_2048_steps_is_within_1e_3_of_float64():
+    with jax.enable_x64(True):
+        args, docs = _kda64(T=2048, lead=(2, 1))
+        docs["kv_mask"] = docs["kv_mask"][:, :1]
+        out64, state64 = jattn.gated_linear_attention(**args, **docs, return_state=True)
+        out32, state32 = jattn.gated_linear_attention(
+            **{n: jnp.asarray(x, jnp.float32) for n, x in args.items()}, **docs, return_state=True
+        )
+    assert out32.dtype == jnp.float32
+    for got, want in ((out32, out64), (state32, state64)):
+        err = np.max(np.abs(np.asarray(got, np.float64) - np.asarray(want)))
+        assert err <= 1e-3 * np.max(np.abs(np.asarray(want))), err
+
+
+def test_kda_stays_exact_through_decays_of_e_minus_1e5():
+    """Single steps that wipe a feature (log decay -1e5) among small ones: no exp of a sum above 0 overflows."""
+    with jax.enable_x64(True):
+        args, docs = _kda64(seed=9, T=70)
+        strong = np.random.default_rng(10).uniform(size=args["gk"].shape) < 0.05
+        args["gk"] = np.where(strong, -1e5, args["gk"])
+        want, want_final = ref.gated_linear(
+            **{n: x for n, x in args.items() if n != "initial_state"}, **docs, state=args["initial_state"]
+        )
+        for chunk_size in (16, 70):
+            out, final = jattn.gated_linear_attention(**args, **docs, return_state=True, chunk_size=chunk_size)
+            np.testing.assert_allclose(out, want, **ref.tol(jnp.float64))
+            np.testing.assert_allclose(final, want_final, **ref.tol(jnp.float64))
+
+
 # -- the modules' recurrent kinds ------------------------------------------------------------------------------
 
-KINDS = ("retention", "ssd", "gla", "deltanet", "gated_deltanet")
+KINDS = ("retention", "ssd", "gla", "deltanet", "gated_deltanet", "kda")
 F_MODEL, HEADS = 24, 3  # head depth 8
 
 
@@ -229,7 +325,10 @@ def _np_gates(kind, m, x):
     if kind == "gla":
         gk = np.log(sigmoid(x @ p["w_gk_down"] @ p["w_gk_up"] + p["b_gk"])) / 16
         out["gk"] = gk.reshape(*x.shape[:2], HEADS, -1).transpose(0, 2, 1, 3)
-    if kind in ("deltanet", "gated_deltanet"):
+    if kind == "kda":  # -exp(a_log) per head times softplus of a rank-D map, per head and feature
+        gk = softplus(x @ p["w_gk_down"] @ p["w_gk_up"] + p["dt_bias"]).reshape(*x.shape[:2], HEADS, -1)
+        out["gk"] = (-np.exp(p["a_log"])[:, None] * gk).transpose(0, 2, 1, 3)
+    if kind in ("deltanet", "gated_deltanet", "kda"):
         out["beta"] = heads(sigmoid(x @ p["w_beta"]))
     return out
 
@@ -243,7 +342,7 @@ def test_each_module_kind_equals_its_gates_written_out(kind):
     x = jax.random.normal(jax.random.key(1), (2, 11, F_MODEL))
     split = lambda y: np.asarray(y, np.float64).reshape(2, 11, HEADS, -1).transpose(0, 2, 1, 3)  # noqa: E731
     q, k, v = (split(x @ getattr(m, w).kernel[...]) for w in ("wq", "wk", "wv"))
-    if kind in ("deltanet", "gated_deltanet"):  # SiLU, then an L2 norm over the head depth
+    if kind in ("deltanet", "gated_deltanet", "kda"):  # SiLU, then an L2 norm over the head depth
         q, k = (
             (y / (1 + np.exp(-y))) / np.sqrt(np.sum((y / (1 + np.exp(-y))) ** 2, -1, keepdims=True) + 1e-6)
             for y in (q, k)
@@ -268,7 +367,7 @@ def test_a_float64_module_computes_its_gates_in_float64(kind, setup):
         x = jax.random.normal(jax.random.key(1), (2, 11, F_MODEL), jnp.float64 if wide else jnp.float32)
         split = lambda y: y.reshape(2, 11, HEADS, -1).transpose(0, 2, 1, 3)  # noqa: E731
         q, k, v = (split(ref.f64(x) @ ref.f64(getattr(m, w).kernel[...])) for w in ("wq", "wk", "wv"))
-        if kind in ("deltanet", "gated_deltanet"):  # SiLU, then an L2 norm over the head depth
+        if kind in ("deltanet", "gated_deltanet", "kda"):  # SiLU, then an L2 norm over the head depth
             q, k = (y / (1 + np.exp(-y)) for y in (q, k))
             q, k = (y / np.sqrt(np.sum(y**2, -1, keepdims=True) + 1e-6) for y in (q, k))
         out, _ = ref.gated_linear(q, k, v, **_np_gates(kind, m, x))
@@ -278,7 +377,7 @@ def test_a_float64_module_computes_its_gates_in_float64(kind, setup):
         np.testing.assert_allclose(got, want, **ref.tol(jnp.float64))
 
 
-@pytest.mark.parametrize("kind", ["gla", "gated_deltanet"])
+@pytest.mark.parametrize("kind", ["gla", "gated_deltanet", "kda"])
 def test_module_decoding_from_the_cache_equals_the_full_pass(kind):
     from flax import nnx
 

@@ -4,7 +4,7 @@ tokens (B, L) -> embeddings + positions -> num_layers x [x + mixer(LN x), x + ML
 -> LN -> logits (B, L, vocab). The mixer is jattn softmax attention under a causal mask
 (optionally a sliding window with global tokens, and grouped kv heads), jattn linear attention,
 one of the recurrent kinds of ``jattn.gated_linear_attention`` (``'retention'``, ``'ssd'``, ``'gla'``,
-``'deltanet'``, ``'gated_deltanet'``, ``'rwkv7'``, ``'deltaproduct'``, ``'gated_deltaproduct'``: the module's ``kind``), or, for the control, ``'none'``: a token-local linear map that cannot look at other positions.
+``'deltanet'``, ``'gated_deltanet'``, ``'kda'``, ``'rwkv7'``, ``'deltaproduct'``, ``'gated_deltaproduct'``: the module's ``kind``), or, for the control, ``'none'``: a token-local linear map that cannot look at other positions.
 Under a mesh with a ``seq`` axis, softmax attention runs as ring attention over it. Positions
 are a learned absolute table (``positions='learned'``, ``max_len`` rows) or ALiBi
 (``positions='alibi'``: no table; every attention layer subtracts ``slope[head] · distance``

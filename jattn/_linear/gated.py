@@ -4,7 +4,7 @@ Dimension key as in :mod:`jattn._core` (no feature map here: F = D). Each query 
 state ``S_t (D, E)`` that every key updates in turn, per leading index (batch, head)::
 
     decay       S_t = a_t ⊙ S_{t-1} + k_t v_tᵀ
-    delta rule  S_t = a_t (I - β_t k_t k_tᵀ) S_{t-1} + β_t k_t v_tᵀ
+    delta rule  S_t = (I - β_t k_t k_tᵀ) (a_t ⊙ S_{t-1}) + β_t k_t v_tᵀ
     low rank    S_t = (diag(w_t) + b_t a_tᵀ) S_{t-1} + k_t v_tᵀ       (given ``a``, ``b``)
     output      o_t = scale · S_tᵀ q_t
 
@@ -12,7 +12,9 @@ with ``a_t = exp(g_t)`` (a scalar per step and head: ``g (..., T)``; retention i
 head, i.e. ``g`` of shape ``(N, 1)``; Mamba-2's SSD form one per step) or ``exp(gk_t)`` per key
 feature (``gk (..., T, D)``, gated linear attention: ``a_t ⊙ S`` scales row ``f`` of S by
 ``a_{t,f}``). No decay at all is plain (unnormalised) linear attention; ``beta`` switches the delta
-rule on (DeltaNet; with ``g``, Gated DeltaNet). The names follow flash-linear-attention's
+rule on (DeltaNet; with ``g``, Gated DeltaNet; with ``gk``, Kimi Delta Attention, KDA, of Kimi Linear:
+the decay first, then the delta step, as the paper and flash-linear-attention's ``kda`` write it; with a
+scalar decay the order does not matter, per feature it does). The names follow flash-linear-attention's
 (``g``, ``gk``, ``beta``, ``scale``, ``initial_state``); its ``(B, T, H, D)`` layout is jattn's
 ``(B, H, T, D)``.
 
@@ -41,8 +43,13 @@ of the log decays from the chunk's start and ``Γ_ts = exp(b_t - b_s)`` for ``s 
 ``δ_s`` (``v_s`` without the delta rule) give ``o_t = exp(b_t) S_0ᵀ q_t + Σ_{s<=t} Γ_ts (q_t·k_s) δ_s``
 and the chunk's last state ``S_C = exp(b_C) S_0 + Σ_s Γ_Cs k_s δ_sᵀ``. The delta rule's writes solve
 a unit lower-triangular system (the UT transform of the DeltaNet paper, with decays):
-``(I + A) Δ = diag(β) (V - diag(exp(b)) K S_0)``, ``A_ts = β_t Γ_ts (k_t·k_s)`` for ``s < t``. Every
-exponent is a difference ``b_t - b_s <= 0``: nothing overflows, at any length. The running sums are kept
+``(I + A) Δ = diag(β) (V - diag(exp(b)) K S_0)``, ``A_ts = β_t Γ_ts (k_t·k_s)`` for ``s < t``. With a
+decay per key feature (GLA, KDA) ``b_t`` is a vector (D,) and ``Γ_ts (q_t·k_s)`` becomes
+``Σ_f q_tf exp(b_tf - b_sf) k_sf`` (likewise in ``A``; ``exp(b)`` scales K and q feature by feature): GLA
+keeps those exponents per pair and feature; KDA keeps them so only inside blocks of 4 steps and splits
+them between blocks at the blocks' running sums, ``(b_t - r) + (r - e) + (e - b_s)``, each part ``<= 0``
+(:mod:`jattn._linear.gated_forms`), so that matmuls do the rest. Every
+exponent is a difference ``b_t - b_s <= 0`` (or a sum of such): nothing overflows, at any length. The running sums are kept
 to twice the working precision (``hi + lo``: the cumulative sum and what its additions rounded away), so
 each difference is exact to its own rounding, whatever came before it in the chunk: after one step of log
 decay -1e7 the later steps' small decays do not cancel away (as in a plain running sum, where
@@ -117,7 +124,8 @@ def gated_linear_attention(
       g: log decay per step, ``<= 0``, broadcasting (as NumPy, from the right) to ``(..., T)``: a constant per
         head (retention, e.g. shape ``(N, 1)``) or one per step (Mamba-2 / SSD style, Gated DeltaNet).
       gk: log decay per step and key feature, ``<= 0``, broadcasting to ``(..., T, D)`` (gated linear
-        attention, GLA). With ``g`` too, the two add. Not with ``beta``. With ``a``, ``b``: the diagonal's.
+        attention, GLA; with ``beta``, Kimi Delta Attention, KDA: the decay, then the delta step). With ``g``
+        too, the two add. With ``a``, ``b``: the diagonal's.
       beta: the delta rule's write strength in ``[0, 1]`` (a sigmoid's range), broadcasting to ``(..., T)``;
         None: no delta rule. It needs L2-normalised keys: with ``β ‖k‖² > 2`` the state grows each step and
         overflows to inf and NaN, unchecked (module docstring).

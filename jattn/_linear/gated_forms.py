@@ -15,7 +15,9 @@ from jax import Array
 from jattn._linear.gated_inputs import Steps
 from jattn._online import vary
 
-__all__ = ["documents", "lower_triangle", "run_steps", "running_sums", "unit_lower_inverse"]
+__all__ = ["BLOCK", "documents", "lower_triangle", "run_steps", "running_sums", "unit_lower_inverse"]
+
+BLOCK = 4  # the block of steps inside which KDA keeps its decays per pair (_feature_pairs)
 
 
 def run_steps(
@@ -72,7 +74,9 @@ def _chunks(steps: Steps, state: Array, chunk_size: int, precision) -> tuple[Arr
 
     runs = jnp.cumsum(chunked(steps.reset, False).astype(jnp.int32), axis=-1)  # each step's document in its chunk
     q, k, v, g, gk, beta = (chunked(x) for x in steps[:6])
-    if gk is not None:
+    if gk is not None and beta is not None:
+        body, xs = _carry_step(precision), _feature_delta_parts(q, k, v, g, gk, beta, runs, precision)
+    elif gk is not None:
         body, xs = _per_feature(precision), (q, k, v, g, gk, runs)
     else:
         body, xs = _carry_step(precision), _scalar_parts(q, k, v, g, beta, runs, precision)
@@ -94,8 +98,8 @@ def documents(runs: Array) -> tuple[Array, Array, Array]:
 def _scalar_parts(q, k, v, g, beta, runs, precision) -> tuple[Array, ...]:
     """Per chunk, with a decay per step (or none): what the state is not needed for, all chunks at once.
 
-    ``(q, k, scores Γ ∘ q kᵀ, into exp(b_t), reach Γ_Cs, u, w)``; the writes are ``u - w S_0`` (``w`` None
-    without the delta rule, whose ``u`` is v).
+    The parts :func:`_carry_step` reads: ``(exp(b_t) q_t, Γ_Cs k_s, exp(b_C), scores Γ ∘ q kᵀ, u, w)``; the
+    writes are ``u - w S_0`` (``w`` None without the delta rule, whose ``u`` is v).
     """
     seen, first, last = documents(runs)
     hi, lo = (x[..., 0] for x in running_sums(jnp.zeros(q.shape[:-1], q.dtype) if g is None else g, axis=-1))
@@ -111,21 +115,98 @@ def _scalar_parts(q, k, v, g, beta, runs, precision) -> tuple[Array, ...]:
         rhs = beta[..., None] * jnp.concatenate([v, into[..., None] * k], axis=-1)  # (..., C, E + D)
         solved = _einsum("...ts,...sx->...tx", inverse, rhs, precision=precision)
         u, w = solved[..., : v.shape[-1]], solved[..., v.shape[-1] :]
-    return q, k, scores, into, reach, u, w
+    return into[..., None] * q, reach[..., None] * k, into[..., -1:], scores, u, w
 
 
 def _carry_step(precision) -> Callable:
-    """The scan body with a decay per step: ``(S_0, parts of a chunk) -> (S_C, out (..., C, E))``."""
+    """The scan body of a chunk's parts: ``(S_0, parts) -> (S_C, out (..., C, E))``.
+
+    The parts: ``q`` and ``k (..., C, D)`` already scaled by the decays into and out of the chunk, ``last``
+    (``(..., 1)`` or ``(..., D)``) the decay of ``S_0`` to the chunk's end, ``scores (..., C, C)``, and the
+    writes ``u - w S_0`` (``w`` None without the delta rule).
+    """
 
     def step(S, x):
-        q, k, scores, into, reach, u, w = x
+        q, k, last, scores, u, w = x
         writes = u if w is None else u - _einsum("...tf,...fe->...te", w, S, precision=precision)
-        out = into[..., None] * _einsum("...tf,...fe->...te", q, S, precision=precision)
+        out = _einsum("...tf,...fe->...te", q, S, precision=precision)
         out = out + _einsum("...ts,...se->...te", scores, writes, precision=precision)
-        S = into[..., -1, None, None] * S + _einsum("...sf,...s,...se->...fe", k, reach, writes, precision=precision)
+        S = last[..., :, None] * S + _einsum("...sf,...se->...fe", k, writes, precision=precision)
         return S, out
 
     return step
+
+
+def _feature_delta_parts(q, k, v, g, gk, beta, runs, precision) -> tuple[Array, ...]:
+    """Per chunk, the delta rule with a decay per key feature (KDA): the parts of :func:`_carry_step`, all chunks at once.
+
+    With ``b_t (D,)`` the running sums of the log decays from the chunk's start and ``Γ_ts = exp(b_t - b_s)``
+    per feature, the writes solve ``(I + A) Δ = diag(β) (V - (exp(b) ⊙ K) S_0)`` with
+    ``A_ts = β_t Σ_f k_tf Γ_tsf k_sf`` (s < t), the outputs are ``(exp(b_t) ⊙ q_t) S_0 + Σ_{s<=t}
+    (Σ_f q_tf Γ_tsf k_sf) δ_s`` and the last state ``exp(b_C) ⊙ S_0 + Σ_s (Γ_Cs ⊙ k_s) δ_sᵀ``
+    (:func:`_feature_pairs` forms the pair sums).
+    """
+    seen, first, last = documents(runs)
+    hi, lo = running_sums(gk if g is None else gk + g[..., None], axis=-2)  # (..., C, D)
+    into = jnp.where(first[..., None], jnp.exp(hi + lo), 0.0)
+    reach = jnp.where(last[..., None], jnp.exp((hi[..., -1:, :] - hi) + (lo[..., -1:, :] - lo)), 0.0)
+    scores, a = _feature_pairs(q, k, hi, lo, precision)
+    scores = jnp.where(seen, scores, 0.0)
+    a = beta[..., :, None] * jnp.where(seen & lower_triangle(seen.shape, -1), a, 0.0)
+    inverse = unit_lower_inverse(a)
+    rhs = beta[..., None] * jnp.concatenate([v, into * k], axis=-1)  # (..., C, E + D)
+    solved = _einsum("...ts,...sx->...tx", inverse, rhs, precision=precision)
+    u, w = solved[..., : v.shape[-1]], solved[..., v.shape[-1] :]
+    return into * q, reach * k, into[..., -1, :], scores, u, w
+
+
+def _feature_pairs(q: Array, k: Array, hi: Array, lo: Array, precision) -> tuple[Array, Array]:
+    """``Σ_f x_tf exp(b_tf - b_sf) k_sf`` for x = q and x = k, ``(..., C, C)`` each (s <= t; 0 above the diagonal).
+
+    The chunk is split into blocks of ``c`` steps (:func:`_block`). Inside a block the exponents are kept per
+    pair ``s < t`` and feature. Between blocks they split at the running sums ``r_i`` before the query's block
+    i and ``e_j`` at the end of the key's block j < i: ``b_t - b_s = (b_t - r_i) + (r_i - e_j) + (e_j - b_s)``,
+    each ``<= 0``: the query scaled to its block's start, the key to its block's end, a decay per pair of blocks
+    and feature, then products and one matmul per query block. Every exponent is a difference ``<= 0``
+    (:func:`running_sums`' ``hi + lo``); ``2 C D + (C/c)² D + C (c - 1) D / 2`` exponentials a chunk.
+    """
+    *lead, C, D = k.shape
+    c = _block(C)
+    m = C // c
+    x = jnp.stack([q, k]).reshape(2, *lead, m, c, D)  # the query sides, block by block
+    kb, h, lw = (y.reshape(1, *lead, m, c, D) for y in (k, hi, lo))
+    end_h, end_l = h[..., -1, :], lw[..., -1, :]  # (1, ..., m, D)
+    ref_h, ref_l = (jnp.concatenate([jnp.zeros_like(y[..., :1, :]), y[..., :-1, :]], axis=-2) for y in (end_h, end_l))
+    to_ref = jnp.exp((h - ref_h[..., None, :]) + (lw - ref_l[..., None, :]))  # (1, ..., m, c, D)
+    to_end = jnp.exp((end_h[..., None, :] - h) + (end_l[..., None, :] - lw))
+    between = (ref_h[..., :, None, :] - end_h[..., None, :, :]) + (ref_l[..., :, None, :] - end_l[..., None, :, :])
+    before = jnp.broadcast_to(lower_triangle((m, m), -1)[:, :, None], between.shape)  # key block j < query block i
+    between = jnp.exp(jnp.where(before, between, -jnp.inf))  # (1, ..., m_i, m_j, D)
+    keys = ((kb * to_end)[..., None, :, :, :] * between[..., :, :, None, :]).reshape(*lead, m, C, D)
+    off = _einsum("x...itf,...isf->x...its", x * to_ref, keys, precision=precision).reshape(2, *lead, m, c, m, c)
+    eye = jnp.broadcast_to(jnp.eye(c, dtype=k.dtype), (*x.shape[:-1], c))
+    inside = jnp.sum(x * kb, axis=-1)[..., :, None] * eye  # (2, ..., m, c, c): s = t
+    t, s = np.tril_indices(c, -1)
+    if t.size:  # s < t inside a block
+        pair = jnp.exp((h[..., t, :] - h[..., s, :]) + (lw[..., t, :] - lw[..., s, :]))  # (1, ..., m, P, D)
+        val = jnp.sum(x[..., t, :] * kb[..., s, :] * pair, axis=-1)  # (2, ..., m, P)
+        inside = inside + _einsum("...p,pts->...ts", val, jnp.asarray(_pair_places(c), k.dtype), precision=precision)
+    own = jnp.broadcast_to(jnp.eye(m, dtype=bool)[:, None, :, None], off.shape)  # (i, t, j, s): the query's block
+    full = (off + jnp.where(own, inside[..., :, :, None, :], 0.0)).reshape(2, *lead, C, C)
+    return full[0], full[1]
+
+
+def _pair_places(c: int) -> np.ndarray:
+    """``(P, c, c)``: one-hot places of the pairs ``s < t`` of a block, in ``np.tril_indices(c, -1)``'s order."""
+    t, s = np.tril_indices(c, -1)
+    places = np.zeros((t.size, c, c))
+    places[np.arange(t.size), t, s] = 1.0
+    return places
+
+
+def _block(C: int) -> int:
+    """The block size of :func:`_feature_pairs` for chunks of ``C``: the largest divisor of C up to ``BLOCK``."""
+    return max(b for b in range(1, min(C, BLOCK) + 1) if C % b == 0)
 
 
 def running_sums(g: Array, axis: int) -> tuple[Array, Array]:

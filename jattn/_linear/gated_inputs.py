@@ -67,10 +67,6 @@ def prepare(
         raise ValueError(
             f"gated linear attention is causal self-attention: q and k need one length T, got {q.shape} and {k.shape}"
         )
-    if gk is not None and beta is not None:
-        raise ValueError(
-            "the delta rule (beta) takes a decay per step (g), not per key feature (gk); got both gk and beta"
-        )
     compute = compute_dtype(q.dtype)
     extra = {
         "g": _per_step("g", g, T, floating=True),

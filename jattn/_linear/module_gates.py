@@ -23,7 +23,6 @@ run :func:`jattn.gated_linear_attention` over the heads. What each kind computes
   (its ``lambda_mode='positive'``): ``λ = softplus(level_scale ⊙ (x w_level))`` per head and level
   (``w_level (F, N·LOG_LEVELS)``, ``level_scale (N, LOG_LEVELS)`` initialised to ones), for positions below
   ``2^(LOG_LEVELS - 1)``.
-
 - ``'rwkv7'`` (RWKV-7 "Goose"'s attention core, the diagonal-plus-low-rank transition of
   :func:`jattn.gated_linear_attention`'s ``a``, ``b``): a decay per step and key feature through a tanh LoRA,
   ``gk = -exp(-1/2) · sigmoid(tanh(x w_decay_down) w_decay_up + b_decay)`` (RWKV-7's ``w = exp(-e^{-1/2}
@@ -36,6 +35,12 @@ run :func:`jattn.gated_linear_attention` over the heads. What each kind computes
   in the decoding cache), the value residual from the first layer (``v_first``), the output gate, the bonus
   ``(r · (k ⊙ r_k)) v`` and the per-head group norm; q (RWKV's ``r``) is scaled by ``1/sqrt(D)`` (RWKV-7 by 1,
   before its group norm).
+- ``'kda'`` (Kimi Delta Attention, Kimi Linear): ``beta`` as DeltaNet and a decay per step, head and key
+  feature as Kimi Linear's (flash-linear-attention's ``KimiDeltaAttention``), SSD's form through a rank-D
+  map: ``gk = -exp(a_log) · softplus(x w_gk_down w_gk_up + dt_bias)`` (``a_log (N,)`` per head from
+  log U[1, 16], ``w_gk_down (F, D)``, ``w_gk_up (D, N·D)``, ``dt_bias (N·D,)`` as SSD's, per head and
+  feature). Simplified from the paper's layer: no short convolution (as every kind here), no output gate
+  and RMS norm before ``wo``, no lower bound on the decay.
 
 The delta kinds take q and k through SiLU and an L2 norm over D (DeltaNet's choice, which keeps the
 delta rule stable); the others take them as projected. No kind has the short causal convolution some
@@ -69,8 +74,18 @@ __all__ = [
 
 DELTAPRODUCT_KINDS = ("deltaproduct", "gated_deltaproduct")
 LOG_KINDS = ("log_ssd", "log_gated_deltanet")  # log-linear attention over SSD and Gated DeltaNet
-RECURRENT_KINDS = ("retention", "ssd", "gla", "deltanet", "gated_deltanet", "rwkv7", *DELTAPRODUCT_KINDS, *LOG_KINDS)
-DELTA_KINDS = ("deltanet", "gated_deltanet", *DELTAPRODUCT_KINDS, "log_gated_deltanet")
+RECURRENT_KINDS = (
+    "retention",
+    "ssd",
+    "gla",
+    "deltanet",
+    "gated_deltanet",
+    "kda",
+    "rwkv7",
+    *DELTAPRODUCT_KINDS,
+    *LOG_KINDS,
+)
+DELTA_KINDS = ("deltanet", "gated_deltanet", "kda", *DELTAPRODUCT_KINDS, "log_gated_deltanet")
 SSD_KINDS = ("ssd", "gated_deltanet", "gated_deltaproduct", *LOG_KINDS)  # Mamba-2's decay per step and head
 LOG_LEVELS = 20  # the log kinds' levels: positions below 2^19
 GLA_RANK, GLA_TEMPERATURE = 16, 16.0
@@ -105,6 +120,9 @@ def gate_params(
     if kind == "gla":
         params |= {"w_gk_down": ((features, GLA_RANK), dense), "w_gk_up": ((GLA_RANK, heads * depth), dense)}
         params["b_gk"] = ((heads * depth,), jax.nn.initializers.zeros)
+    if kind == "kda":
+        params |= {"a_log": ((heads,), _uniform_log(1.0, 16.0)), "w_gk_down": ((features, depth), dense)}
+        params |= {"w_gk_up": ((depth, heads * depth), dense), "dt_bias": ((heads * depth,), _dt_bias)}
     if kind in DELTA_KINDS:
         params["w_beta"] = ((features, householder * heads), dense)
     if kind in LOG_KINDS:
@@ -171,6 +189,10 @@ def gates(kind: str, params: dict[str, Array], x: Array, heads: int, depth: int,
         gk = (
             jax.nn.log_sigmoid(x @ param("w_gk_down") @ param("w_gk_up") + param("b_gk")) / GLA_TEMPERATURE
         )  # (B, T, N*D)
+        out["gk"] = gk.reshape(b, t, heads, depth).transpose(0, 2, 1, 3)[:, :, None]
+    if kind == "kda":
+        rate = jnp.repeat(jnp.exp(params["a_log"].astype(compute)), depth)[None, None]  # (1, 1, N*D)
+        gk = -rate * jax.nn.softplus(x @ param("w_gk_down") @ param("w_gk_up") + param("dt_bias"))  # (B, T, N*D)
         out["gk"] = gk.reshape(b, t, heads, depth).transpose(0, 2, 1, 3)[:, :, None]
     if kind in DELTA_KINDS:
         n = params["w_beta"].shape[-1] // heads  # DeltaProduct's n_h sub-steps a token ((n h): sub-step outermost)

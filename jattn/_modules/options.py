@@ -78,7 +78,7 @@ OPTION_DOCS: dict[str, str | dict[str, str]] = {
         "``'softmax'`` (default, :func:`jattn.attention`), ``'linear'`` (:func:`jattn.linear_attention`, whose "
         "only masks are None and ``masks.causal()``), or a recurrent kind of :func:`jattn.gated_linear_attention` "
         "(:data:`jattn.RECURRENT_KINDS`: ``'retention'``, ``'ssd'``, ``'gla'``, ``'deltanet'``, "
-        "``'gated_deltanet'``, ``'rwkv7'``, ``'deltaproduct'``, ``'gated_deltaproduct'``, and "
+        "``'gated_deltanet'``, ``'kda'``, ``'rwkv7'``, ``'deltaproduct'``, ``'gated_deltaproduct'``, and "
         ":func:`jattn.log_linear_attention` over SSD and Gated DeltaNet, ``'log_ssd'`` and ``'log_gated_deltanet'``; causal self-attention with N = K and the papers' gate parameters, listed in the "
         "linear-attention guide). Only the softmax kind forms scores: the others refuse ``dropout_rate``, "
         "``implementation``, ``block_size``, ``score_mod`` and ``sinks``, and the recurrent kinds "

@@ -29,6 +29,10 @@ def _inputs(variant: str):
             "beta": jnp.asarray(r.uniform(0.1, 0.9, (B, N, T)), jnp.float32),
         },
         "gla": {"gk": jnp.asarray(-r.uniform(0, 0.3, (B, N, T, D)), jnp.float32)},
+        "kda": {
+            "gk": jnp.asarray(-r.uniform(0, 0.3, (B, N, T, D)), jnp.float32),
+            "beta": jnp.asarray(r.uniform(0.1, 0.9, (B, N, T)), jnp.float32),
+        },
     }[variant]
     starts = np.zeros((B, 1, T), np.int32)
     starts[0, 0, [5, 26, 40]] = 1  # inside a shard, at the third shard's first step, and one crossing into the fourth
@@ -38,7 +42,7 @@ def _inputs(variant: str):
 
 
 @pytest.mark.parametrize("mode", ["chunk", "recurrent"])
-@pytest.mark.parametrize("variant", ["gated deltanet", "gla"])
+@pytest.mark.parametrize("variant", ["gated deltanet", "gla", "kda"])
 def test_the_sequence_over_4_devices_equals_one_device(variant, mode):
     (q, k, v), gates, ids, state = _inputs(variant)
     mesh = jax.make_mesh((SHARDS,), ("seq",), axis_types=(AxisType.Auto,), devices=jax.devices()[:SHARDS])
