@@ -67,7 +67,9 @@ namespace {
 
 // ---- The vector layer: L float lanes, the micro-kernel's R rows x NV vectors, and the operations used below.
 // max(a, b) and min(a, b) may return either operand where one is NaN, except max(c, x) and min(c, x) for a
-// constant c, which keep a NaN x (x86: the second operand; NEON and scalar: NaN wins or the second).
+// constant c, which keep a NaN x (x86: the second operand; NEON and scalar: NaN wins or the second). maxn(a, b)
+// and top(x) keep every NaN (a running max over scores: a NaN score must reach its row's max, found on AVX2,
+// where max(NaN lane, -inf padding) dropped it and a row of NaN scores came out as a row without keys).
 #if defined(JATTN_LAYER_AVX512)
 struct V {
   using T = __m512;
@@ -82,11 +84,14 @@ struct V {
   static T sub(T a, T b) { return _mm512_sub_ps(a, b); }
   static T mul(T a, T b) { return _mm512_mul_ps(a, b); }
   static T max(T a, T b) { return _mm512_max_ps(a, b); }
+  static T maxn(T a, T b) { return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q), max(a, b), add(a, b)); }
   static T min(T a, T b) { return _mm512_min_ps(a, b); }
   static T round(T x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
   static T ldexp(T p, T n) { return _mm512_scalef_ps(p, n); }  // p 2^n rounded once, n integral
   static float sum(T x) { return _mm512_reduce_add_ps(x); }
-  static float top(T x) { return _mm512_reduce_max_ps(x); }
+  static float top(T x) {
+    return _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q) ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_max_ps(x);
+  }
 };
 #elif defined(JATTN_LAYER_AVX2)
 struct V {
@@ -102,6 +107,7 @@ struct V {
   static T sub(T a, T b) { return _mm256_sub_ps(a, b); }
   static T mul(T a, T b) { return _mm256_mul_ps(a, b); }
   static T max(T a, T b) { return _mm256_max_ps(a, b); }
+  static T maxn(T a, T b) { return _mm256_blendv_ps(max(a, b), add(a, b), _mm256_cmp_ps(a, b, _CMP_UNORD_Q)); }
   static T min(T a, T b) { return _mm256_min_ps(a, b); }
   static T round(T x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
   static T ldexp(T p, T n) {  // p 2^n for n integral in [-150, 0] (as 2^(n + 126) 2^-126: one rounding)
@@ -114,6 +120,7 @@ struct V {
     return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
   }
   static float top(T x) {
+    if (_mm256_movemask_ps(_mm256_cmp_ps(x, x, _CMP_UNORD_Q))) return std::numeric_limits<float>::quiet_NaN();
     __m128 h = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
     h = _mm_max_ps(h, _mm_movehl_ps(h, h));
     return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
@@ -133,6 +140,7 @@ struct V {
   static T sub(T a, T b) { return vsubq_f32(a, b); }
   static T mul(T a, T b) { return vmulq_f32(a, b); }
   static T max(T a, T b) { return vmaxq_f32(a, b); }
+  static T maxn(T a, T b) { return vmaxq_f32(a, b); }  // FMAX: NaN if either is NaN (FMAXV in top too)
   static T min(T a, T b) { return vminq_f32(a, b); }
   static T round(T x) { return vrndnq_f32(x); }
   static T ldexp(T p, T n) {  // as AVX2's
@@ -156,6 +164,7 @@ struct V {
   static T sub(T a, T b) { return a - b; }
   static T mul(T a, T b) { return a * b; }
   static T max(T a, T b) { return a > b ? a : b; }
+  static T maxn(T a, T b) { return a != a || b != b ? a + b : max(a, b); }
   static T min(T a, T b) { return a < b ? a : b; }
   static T round(T x) { return std::nearbyint(x); }
   static T ldexp(T p, T n) { return std::isnan(n) ? n : std::ldexp(p, static_cast<int>(n)); }
@@ -229,7 +238,7 @@ inline float exp_sum(float* row, int64_t n, float m) {
 // The max of row[0:n] and m.
 inline float row_max(const float* row, int64_t n, float m) {
   vf vmax = V::set1(m);
-  for (int64_t j = 0; j < n; j += L) vmax = V::max(vmax, load_n(row + j, std::min<int64_t>(L, n - j), -kInf));
+  for (int64_t j = 0; j < n; j += L) vmax = V::maxn(vmax, load_n(row + j, std::min<int64_t>(L, n - j), -kInf));
   return V::top(vmax);
 }
 
@@ -279,7 +288,7 @@ void ukernel(int64_t K, const float* A, int64_t lda, int64_t ak, const float* B,
     for (int j = 0; j < NV; ++j) V::store(C + r * ldc + j * L, c[r][j]);
   if (vmax)
     for (int r = 0; r < Rr; ++r)
-      for (int j = 0; j < live; ++j) vmax[r].x = V::max(vmax[r].x, c[r][j]);
+      for (int j = 0; j < live; ++j) vmax[r].x = V::maxn(vmax[r].x, c[r][j]);
 }
 
 // The micro-kernel for the last `rows` (< R) rows of A.
@@ -594,7 +603,7 @@ inline void tile_spans(int64_t rows, const int64_t* lo, const int64_t* hi, int64
 // the tile's whole vectors) where the row sees the whole tile, the tile is whole vectors and no key of it was
 // masked after the product (`exact`: no document ids), else from the row.
 inline float moved_max(const float* row, int64_t a, int64_t z, int64_t cols, vf vmax, float m, bool exact) {
-  if (exact && a == 0 && z == cols && cols % L == 0) return V::top(V::max(V::set1(m), vmax));
+  if (exact && a == 0 && z == cols && cols % L == 0) return V::top(V::maxn(V::set1(m), vmax));
   return a < z ? row_max(row + a, z - a, m) : m;
 }
 
