@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax import Array
 
 from jattn._linear.dplr_inputs import LowRankSteps
-from jattn._linear.gated_forms import documents, lower_triangle, running_sums
+from jattn._linear.gated_forms import documents, in_chunks, lower_triangle, running_sums
 from jattn._online import vary
 
 __all__ = ["run_low_rank"]
@@ -74,9 +74,7 @@ def _chunks(steps: LowRankSteps, state: Array, chunk_size: int, precision) -> tu
     n = -(-T // c)
 
     def chunked(x: Array) -> Array:  # (*lead, T, ...) -> (n, *lead, c, ...), padded with dropped steps
-        tail = x.shape[len(lead) + 1 :]
-        x = jnp.pad(x, [(0, 0)] * len(lead) + [(0, n * c - T)] + [(0, 0)] * len(tail))
-        return jnp.moveaxis(x.reshape(*lead, n, c, *tail), len(lead), 0)
+        return jnp.moveaxis(in_chunks(x, len(lead), c), len(lead), 0)
 
     runs = jnp.cumsum(chunked(steps.reset).astype(jnp.int32), axis=-1)  # each step's document in its chunk
     xs = (*(chunked(x) for x in steps[:6]), runs)

@@ -15,7 +15,7 @@ from jax import Array
 from jattn._linear.gated_inputs import Steps
 from jattn._online import vary
 
-__all__ = ["BLOCK", "documents", "lower_triangle", "run_steps", "running_sums", "unit_lower_inverse"]
+__all__ = ["BLOCK", "documents", "in_chunks", "lower_triangle", "run_steps", "running_sums", "unit_lower_inverse"]
 
 BLOCK = 4  # the block of steps inside which KDA keeps its decays per pair (_feature_pairs)
 
@@ -34,6 +34,19 @@ def run_steps(
 
 def _einsum(spec: str, *xs: Array, precision) -> Array:
     return jnp.einsum(spec, *xs, precision=precision)
+
+
+def in_chunks(x: Array | None, lead: int, c: int, fill=0) -> Array | None:
+    """``x (*lead, T, ...)`` as ``(*lead, n, c, ...)``, ``n = ceil(T / c)``, the last chunk padded with ``fill``.
+
+    ``lead`` is the number of leading axes; None stays None. The chunkwise forms of the family share it.
+    """
+    if x is None:
+        return None
+    T, tail = x.shape[lead], x.shape[lead + 1 :]
+    n = -(-T // c)
+    x = jnp.pad(x, [(0, 0)] * lead + [(0, n * c - T)] + [(0, 0)] * len(tail), constant_values=fill)
+    return x.reshape(*x.shape[:lead], n, c, *tail)
 
 
 def _recurrent(steps: Steps, state: Array, precision) -> tuple[Array, Array]:
@@ -66,11 +79,7 @@ def _chunks(steps: Steps, state: Array, chunk_size: int, precision) -> tuple[Arr
     n = -(-T // c)
 
     def chunked(x: Array | None, fill=0) -> Array | None:  # (*lead, T, ...) -> (n, *lead, c, ...)
-        if x is None:
-            return None
-        tail = x.shape[len(lead) + 1 :]
-        x = jnp.pad(x, [(0, 0)] * len(lead) + [(0, n * c - T)] + [(0, 0)] * len(tail), constant_values=fill)
-        return jnp.moveaxis(x.reshape(*lead, n, c, *tail), len(lead), 0)
+        return None if x is None else jnp.moveaxis(in_chunks(x, len(lead), c, fill), len(lead), 0)
 
     runs = jnp.cumsum(chunked(steps.reset, False).astype(jnp.int32), axis=-1)  # each step's document in its chunk
     q, k, v, g, gk, beta = (chunked(x) for x in steps[:6])

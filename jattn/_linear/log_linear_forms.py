@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
-from jattn._linear.gated_forms import documents, lower_triangle, running_sums, unit_lower_inverse
+from jattn._linear.gated_forms import documents, in_chunks, lower_triangle, running_sums, unit_lower_inverse
 from jattn._linear.gated_inputs import Steps
 
 __all__ = ["chunked", "level", "levels_needed", "recurrent"]
@@ -95,11 +95,7 @@ def chunked(steps: Steps, lam: Array, chunk_size: int, precision: jax.lax.Precis
     lam = lam[..., :need]
 
     def split(x: Array | None, fill=0) -> Array | None:  # (*lead, T, ...) -> (*lead, n, c, ...)
-        if x is None:
-            return None
-        tail = x.shape[len(lead) + 1 :]
-        x = jnp.pad(x, [(0, 0)] * len(lead) + [(0, n * c - T)] + [(0, 0)] * len(tail), constant_values=fill)
-        return x.reshape(*lead, n, c, *tail)
+        return in_chunks(x, len(lead), c, fill)
 
     runs = jnp.cumsum(split(steps.reset, False).astype(jnp.int32), axis=-1)
     q, k, v, g, beta, lam = (split(x) for x in (steps.q, steps.k, steps.v, steps.g, steps.beta, lam))
