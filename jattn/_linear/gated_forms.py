@@ -177,7 +177,8 @@ def _feature_pairs(q: Array, k: Array, hi: Array, lo: Array, precision) -> tuple
     i and ``e_j`` at the end of the key's block j < i: ``b_t - b_s = (b_t - r_i) + (r_i - e_j) + (e_j - b_s)``,
     each ``<= 0``: the query scaled to its block's start, the key to its block's end, a decay per pair of blocks
     and feature, then products and one matmul per query block. Every exponent is a difference ``<= 0``
-    (:func:`running_sums`' ``hi + lo``); ``2 C D + (C/c)² D + C (c - 1) D / 2`` exponentials a chunk.
+    (:func:`running_sums`' ``hi + lo``); ``2 C D + (C/c)² D + C (c - 1) D / 2`` exponentials a chunk. Inside a
+    block the pairs are taken band by band (``s = t - d``: slices, not gathers, which cost 3-5% on CPU).
     """
     *lead, C, D = k.shape
     c = _block(C)
@@ -193,24 +194,17 @@ def _feature_pairs(q: Array, k: Array, hi: Array, lo: Array, precision) -> tuple
     between = jnp.exp(jnp.where(before, between, -jnp.inf))  # (1, ..., m_i, m_j, D)
     keys = ((kb * to_end)[..., None, :, :, :] * between[..., :, :, None, :]).reshape(*lead, m, C, D)
     off = _einsum("x...itf,...isf->x...its", x * to_ref, keys, precision=precision).reshape(2, *lead, m, c, m, c)
-    eye = jnp.broadcast_to(jnp.eye(c, dtype=k.dtype), (*x.shape[:-1], c))
-    inside = jnp.sum(x * kb, axis=-1)[..., :, None] * eye  # (2, ..., m, c, c): s = t
-    t, s = np.tril_indices(c, -1)
-    if t.size:  # s < t inside a block
-        pair = jnp.exp((h[..., t, :] - h[..., s, :]) + (lw[..., t, :] - lw[..., s, :]))  # (1, ..., m, P, D)
-        val = jnp.sum(x[..., t, :] * kb[..., s, :] * pair, axis=-1)  # (2, ..., m, P)
-        inside = inside + _einsum("...p,pts->...ts", val, jnp.asarray(_pair_places(c), k.dtype), precision=precision)
+    inside = 0.0  # (2, ..., m, c, c): the pairs s <= t of the query's own block, band s = t - d by band
+    for d in range(c):
+        band = x[..., d:, :] * kb[..., : c - d, :]
+        if d:  # exp(b_t - b_{t-d})
+            band = band * jnp.exp((h[..., d:, :] - h[..., : c - d, :]) + (lw[..., d:, :] - lw[..., : c - d, :]))
+        band = jnp.sum(band, axis=-1)  # (2, ..., m, c - d), query t from d on
+        band = jnp.pad(band, [(0, 0)] * (band.ndim - 1) + [(d, 0)])
+        inside = inside + band[..., :, None] * jnp.broadcast_to(jnp.eye(c, k=-d, dtype=k.dtype), (*band.shape, c))
     own = jnp.broadcast_to(jnp.eye(m, dtype=bool)[:, None, :, None], off.shape)  # (i, t, j, s): the query's block
     full = (off + jnp.where(own, inside[..., :, :, None, :], 0.0)).reshape(2, *lead, C, C)
     return full[0], full[1]
-
-
-def _pair_places(c: int) -> np.ndarray:
-    """``(P, c, c)``: one-hot places of the pairs ``s < t`` of a block, in ``np.tril_indices(c, -1)``'s order."""
-    t, s = np.tril_indices(c, -1)
-    places = np.zeros((t.size, c, c))
-    places[np.arange(t.size), t, s] = 1.0
-    return places
 
 
 def _block(C: int) -> int:
