@@ -269,6 +269,7 @@ def test_score_mods_closing_over_arrays_and_their_gradients(which):
         (dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), "dropout"),
         (dict(precision="highest"), "precision"),
         (dict(return_max_logit=True), "max logit"),
+        (dict(score_mod=score_mods.relative_position_bias(np.ones((32, 3), np.float32))), "score_mod.*gather"),
     ],
 )
 def test_what_the_kernel_cannot_take_is_a_named_value_error(kw, match):

@@ -111,3 +111,17 @@ def test_forward_and_grad_lower_to_triton_without_a_score_matrix(on_gpu, case, i
         assert text.count("__gpu$xla.gpu.triton") == calls, case
         for t, s in ((T, S), (TP, SP)):
             assert not re.search(rf"\b{t}x{s}x", text), f"a ({t}, {s}) array in the {case} program"
+
+
+def test_a_score_mod_triton_cannot_lower_is_refused_and_the_automatic_choice_passes_it_on(on_gpu):
+    """T5's bias reads a table per score (a gather): the kernel refuses it by name, and None lowers without it."""
+    q = jnp.zeros((B, K * G, T, D), jnp.float32)
+    k = jnp.zeros((B, K * G, S, D), jnp.float32)
+    mod = score_mods.relative_position_bias(jnp.ones((32, K * G)))
+    with pytest.raises(ValueError, match=r"score_mod: per score it reads gather.*Triton cannot lower") as e:
+        _cuda_text(lambda q, k: jattn.attention(q, k, k, score_mod=mod, implementation="pallas"), q, k)
+    assert type(e.value).__name__ == "KernelRefusalError"
+    text = _cuda_text(lambda q, k: jattn.attention(q, k, k, score_mod=mod), q, k)
+    assert "__gpu$xla.gpu.triton" not in text
+    alibi = score_mods.alibi(jnp.ones((K * G,)))  # a function of the row and the positions: still the kernel
+    assert _cuda_text(lambda q, k: jattn.attention(q, k, k, score_mod=alibi), q, k).count("__gpu$xla.gpu.triton") == 1

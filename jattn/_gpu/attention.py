@@ -24,7 +24,7 @@ from jax import Array
 
 from jattn._checks import KernelRefusalError, check_sinks
 from jattn._gpu.kernels import Spec, dkdv, dq, forward
-from jattn._gpu.score_mod import convert
+from jattn._gpu.score_mod import convert, unlowerable
 from jattn._gpu.tiles import bounds, grid_of, kernel_arrays, slot_kinds, tile_kinds
 from jattn._masks import Mask, RowPadding, RowSegments, as_rows, query_offset, split_arrays
 from jattn._online import flat_lead, head_rows
@@ -122,6 +122,12 @@ def gpu_attention(
     if isinstance(scale, jax.core.Tracer):  # traced: into q (in float32, rounded once to q's dtype)
         q, scale = (q.astype(jnp.float32) * jnp.asarray(scale, jnp.float32)).astype(q.dtype), 1.0
     mod, consts = convert(score_mod, bq, bk, head_rows(lead))
+    if mod is not None and (found := unlowerable(mod, bq, bk)):  # interpreted too: the GPU's answer, on any platform
+        raise KernelRefusalError(
+            f"implementation='pallas' (jattn's GPU kernel) cannot take this score_mod: per score it reads "
+            f"{', '.join(found)}, which Triton cannot lower (a table indexed by position, as T5's bias; "
+            f"an ALiBi-like function of the row and the positions lowers); {_TAKE}"
+        )
     G = _kv_group(k, v, lead)
     qf = _pad(flat_lead(q, lead), grid.t_pad, Dp)
     kvs = (k.reshape(b // G, S, D), v.reshape(b // G, S, E)) if G > 1 else (flat_lead(k, lead), flat_lead(v, lead))

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax import Array
 from jax.extend import core as jex
 
-__all__ = ["TileMod", "convert"]
+__all__ = ["TileMod", "convert", "unlowerable"]
 
 
 def _run(eqns, env: dict) -> None:
@@ -78,6 +78,48 @@ class TileMod:
             return self.apply(s, q_pos, kv_pos, whole)
 
         return jax.vjp(at, s, floats)
+
+
+def _primitives(jaxpr) -> set[str]:
+    """The names of the primitives of ``jaxpr`` and of every jaxpr inside its equations (pjit, custom_jvp, ...)."""
+    names = set()
+    for eqn in jaxpr.eqns:
+        names.add(eqn.primitive.name)
+        for sub in jex.jaxprs_in_params(eqn.params):
+            names |= _primitives(sub)
+    return names
+
+
+def _triton_rules() -> set[str] | None:
+    """The primitives Pallas' Triton lowering has a rule for, or None where this JAX does not say.
+
+    JAX keeps the table in a private module (``jax._src.pallas.triton.lowering``); it is read, not changed.
+    """
+    try:
+        from jax._src.pallas.triton import lowering
+    except ImportError:
+        return None
+    return {p.name for p in getattr(lowering, "triton_lowering_rules", {})} or None
+
+
+def unlowerable(mod: TileMod, bq: int, bk: int) -> tuple[str, ...]:
+    """The primitives of ``mod``'s tile part, forward and pullback, that Triton cannot lower (sorted; ``()`` if none).
+
+    A gather (T5's ``table[bucket, head]``, the bucket read per score) is one: the kernel refuses such a
+    modification by name instead of failing inside JAX's lowering.
+    """
+    rules = _triton_rules()
+    if rules is None:
+        return ()
+    s, q_pos, kv_pos = jnp.zeros((bq, bk), jnp.float32), jnp.zeros((bq,), jnp.int32), jnp.zeros((bk,), jnp.int32)
+    values = tuple(jnp.zeros(v.aval.shape, v.aval.dtype) for v in mod.rows)
+
+    def both(s, values):
+        x, pull = mod.pullback(s, q_pos, kv_pos, values)
+        return x, pull(jnp.ones_like(x))
+
+    found = _primitives(jax.make_jaxpr(both)(s, values).jaxpr)
+    return tuple(sorted(found - rules))
 
 
 def convert(score_mod: Callable[..., Array] | None, bq: int, bk: int, rows: Array) -> tuple[TileMod | None, tuple]:

@@ -81,7 +81,10 @@ SUPPORT: dict[str, dict[str, str]] = {
     "return_max_logit": _row(jax_nn="no: jax.nn returns no max logit", pallas="no: the kernel returns no max logit"),
     "score_mod": _row(
         jax_nn="no: jax.nn takes no score modification",
-        pallas="partly: GPU in the kernel (the arrays it closes over get gradients); TPU score_mods.softcap() (splash's soft-cap)",
+        pallas=(
+            "partly: GPU in the kernel (the arrays it closes over get gradients), but none that reads a table per "
+            "score (T5's bias: a gather, which Triton cannot lower); TPU score_mods.softcap() (splash's soft-cap)"
+        ),
     ),
     "sinks": _row(jax_nn="no: jax.nn takes no sinks", pallas="partly: GPU yes; TPU no: splash takes none"),
     "block_size": _row(dense=_NO_BLOCKS, jax_nn=_NO_BLOCKS),
