@@ -179,6 +179,74 @@ def test_recurrent_state_continues_a_sequence():
             np.testing.assert_allclose(rest[i, :, : T - c], whole[i, :, c:], **ref.tol(jnp.float64))
 
 
+def _stateful(kind, seed=0):
+    """Inputs whose initial state still counts at the end (mild decays), 7 levels (positions below 64)."""
+    x = _inputs(seed)
+    r = np.random.default_rng(seed + 10)
+    args = _args(kind, x) | {"level_weights": r.uniform(0.2, 2.0, (B, N, T, 7))}
+    if "g" in args:
+        args["g"] = 0.05 * args["g"]
+    return args, r.standard_normal((B, N, 7, D, E))
+
+
+@pytest.mark.parametrize("start", [8, "per example"])
+@pytest.mark.parametrize("kind", ["ssd", "gated deltanet"])
+def test_chunk_form_with_states_equals_the_recurrent_form(kind, start):
+    """initial_state at a start on the chunks, return_state: values, final level states and the gradients of every
+    input (the initial state included) equal the recurrent form's (checked against the quadratic reference and
+    by continuation above), with documents, padding, a dropped step and an example with no kept step."""
+    with jax.enable_x64(True):
+        args, state = _stateful(kind)
+        args = {n: jnp.asarray(a) for n, a in args.items()} | {"initial_state": jnp.asarray(state)}
+        start = np.array([8, 24])[:, None] if start == "per example" else start
+        docs = _documents()
+        w = jnp.asarray(np.random.default_rng(4).standard_normal((B, N, T, E)))
+
+        def run(args, mode, keep):
+            out, last = jattn.log_linear_attention(
+                **args, segment_ids=docs["segment_ids"], kv_mask=keep, start=start, return_state=True, mode=mode,
+                chunk_size=4,
+            )  # fmt: skip
+            return out, last, jnp.sum(w * out) + jnp.sum(jnp.sin(last))
+
+        for keep in (docs["kv_mask"], docs["kv_mask"] & np.array([True, False])[:, None, None]):
+            got, want = run(args, "chunk", keep), run(args, "recurrent", keep)
+            for a, b in zip(got, want, strict=True):
+                np.testing.assert_allclose(a, b, **ref.tol(jnp.float64))
+        restarts = np.any(np.diff(docs["segment_ids"][1]) != 0)  # nothing kept: the states as they came, or zeros
+        np.testing.assert_array_equal(want[1][1], 0.0 if restarts else args["initial_state"][1])
+        grads = jax.grad(lambda a: run(a, "chunk", docs["kv_mask"])[2])(args)
+        want = jax.grad(lambda a: run(a, "recurrent", docs["kv_mask"])[2])(args)
+        assert np.max(np.abs(want["initial_state"])) > 1e-2  # the initial state reaches the outputs and the end
+        for name in args:
+            ref.assert_grad_close(grads[name], want[name], jnp.float64)
+
+
+@pytest.mark.parametrize("kind", ["ssd", "gated deltanet"])
+def test_two_chunk_calls_passing_the_state_equal_one_call(kind):
+    """Cut at a chunk boundary (the first part ending on a kept step): outputs and final states of one call."""
+    with jax.enable_x64(True):
+        args, _ = _stateful(kind)
+        docs = _documents()
+
+        def part(x, cut, end):
+            return x[..., cut:end, :] if x.ndim == 4 else x[..., cut:end]
+
+        whole, final = jattn.log_linear_attention(**args, **docs, return_state=True, chunk_size=4)
+        for cut in (8, 16):
+            head = {n: part(a, 0, cut) for n, a in args.items()}
+            tail = {n: part(a, cut, T) for n, a in args.items()}
+            first, state = jattn.log_linear_attention(
+                **head, **{n: x[..., :cut] for n, x in docs.items()}, return_state=True, chunk_size=4
+            )
+            second, last = jattn.log_linear_attention(
+                **tail, **{n: x[..., cut:] for n, x in docs.items()}, initial_state=state, start=cut,
+                return_state=True, chunk_size=4,
+            )  # fmt: skip
+            np.testing.assert_allclose(np.concatenate([first, second], -2), whole, **ref.tol(jnp.float64))
+            np.testing.assert_allclose(last, final, **ref.tol(jnp.float64))
+
+
 def test_jit_and_vmap_agree_with_eager_and_a_loop():
     x = {n: jnp.asarray(a, jnp.float32) for n, a in _args("ssd", _inputs()).items()}
     eager = jattn.log_linear_attention(**x, chunk_size=8)
@@ -195,8 +263,8 @@ def test_bad_arguments_are_named():
         jattn.log_linear_attention(**x, chunk_size=6)
     with pytest.raises(ValueError, match=r"L >= 6 levels.*\(2, 3, 29, 3\)"):
         jattn.log_linear_attention(**x | {"level_weights": x["level_weights"][..., :3]})
-    with pytest.raises(ValueError, match="need mode='recurrent'"):
-        jattn.log_linear_attention(**x, return_state=True)
+    with pytest.raises(ValueError, match=r"start to be a multiple of chunk_size=8.*start=12.*mode='recurrent'"):
+        jattn.log_linear_attention(**x | {"level_weights": np.ones((T, 7), np.float32)}, chunk_size=8, start=12)
     with pytest.raises(ValueError, match="initial_state must have shape"):
         jattn.log_linear_attention(**x, mode="recurrent", initial_state=np.zeros((L, D, E), np.float32))
     with pytest.raises(TypeError, match="level_weights must be floating"):

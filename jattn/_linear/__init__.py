@@ -5,8 +5,8 @@
 chunkwise and recurrent forms, ``dplr_inputs`` and ``dplr_forms`` the same for its diagonal-plus-low-rank
 (RWKV-7) transition, ``gated_parallel`` its sequence-parallel form, ``householder`` DeltaProduct's sub-steps;
 ``log_linear`` :func:`jattn.log_linear_attention` (Fenwick-level states over the scalar-gate kinds),
-``log_linear_forms`` its chunkwise and recurrent forms; ``module_gates`` the modules' recurrent kinds and their
-gates.
+``log_linear_forms`` its chunkwise and recurrent forms, ``log_linear_parallel`` its sequence-parallel form;
+``module_gates`` the modules' recurrent kinds and their gates.
 
 May import: ``_checks``, ``_scalars``, ``_masks``, ``_online``. The rest of jattn imports this
 subpackage through this face only: the names imported below, and nothing else. Its files import each

@@ -25,17 +25,28 @@ chunks carries one state per such level, merges them as a Fenwick tree over chun
 all through one ``(C, L·D) @ (L·D, E)`` product. Time O(T log T) (``T · D · E`` per level above a chunk);
 memory O(T) for everything but the scan's carry, which the rematerialised backward keeps once per chunk:
 ``(T / C) · log2(T / C)`` states of ``D × E``. Every exponent is a difference ``<= 0``, as in the base kinds.
+It continues a sequence as the recurrent form does, from a ``start`` on the chunks (a multiple of C): the
+incoming level states, merged to ``start``, hold only levels above a chunk and begin the scan's carry; the states
+returned (relative to the last kept step) are that step's chunk's keys split by their level from it, and the
+carry taken through that chunk.
 
 **Recurrent form** (``mode='recurrent'``, decoding): ``L`` states per sequence; at a kept step at position
 ``p`` after the last kept one at ``p0`` the levels ``0 .. h-1`` merge into level ``h = bit_length(p0 XOR p)``
 (relative to p their keys all lie there), every level takes the step's transition and level 0 becomes its write.
 
+**Sequence parallel** (``axis_name``, :mod:`jattn._linear.log_linear_parallel`): each shard's effect on the level
+states is affine, ``S ↦ merge(M S) + H`` with one ``D × D`` transition ``M`` for every level; the shards' maps
+are gathered and composed, and each shard runs from its incoming level states at its own ``start``.
+
 **Why a separate function** and not a ``level_weights`` argument of :func:`jattn.gated_linear_attention`: its
-state is not one ``(D, E)`` matrix but ``L`` of them tied to a position (``initial_state (..., L, D, E)`` and
-``start``), which the base call's ``initial_state`` / ``return_state`` / sequence-parallel contract does not hold;
-it takes the scalar-gate kinds only (the paper's Mamba-2 and Gated DeltaNet; no per-feature ``gk``); and its
-chunk size must be a power of 2. It reuses the base kinds' checked inputs (:mod:`jattn._linear.gated_inputs`) and
-their chunk arithmetic (:mod:`jattn._linear.gated_forms`), so the two cannot drift apart.
+state is not one ``(D, E)`` matrix but ``L`` of them tied to a position (``initial_state (..., L, D, E)``
+relative to ``start - 1``, returned relative to the last kept step), a contract the base call's
+``initial_state`` / ``return_state`` do not hold, and its sequence-parallel maps carry that position (a merge of
+levels besides the transition); it takes the scalar-gate kinds only (the paper's Mamba-2 and Gated DeltaNet; no
+per-feature ``gk``); and its chunk size must be a power of 2, with chunks aligned to the positions. It reuses the
+base kinds' checked inputs (:mod:`jattn._linear.gated_inputs`), their chunk arithmetic
+(:mod:`jattn._linear.gated_forms`) and their shard-boundary documents (:mod:`jattn._linear.gated_parallel`), so
+they cannot drift apart.
 """
 
 from __future__ import annotations
@@ -46,8 +57,10 @@ import numpy as np
 from jax import Array
 from jax.typing import ArrayLike
 
-from jattn._linear.gated_inputs import poison, prepare
-from jattn._linear.log_linear_forms import chunked, levels_needed, recurrent
+from jattn._linear.gated_inputs import Steps, poison, prepare
+from jattn._linear.gated_parallel import first_resets
+from jattn._linear.log_linear_forms import chunk_length, chunked, levels_needed, overflows, recurrent
+from jattn._linear.log_linear_parallel import run_sharded
 from jattn._scalars import check_bool, check_int, is_traced
 
 __all__ = ["log_linear_attention"]
@@ -71,6 +84,7 @@ def log_linear_attention(
     return_state: bool = False,
     mode: str = "chunk",
     chunk_size: int = 64,
+    axis_name: str | None = None,
     precision: jax.lax.PrecisionLike = None,
 ) -> Array | tuple[Array, Array]:
     """Causal log-linear attention of q, k ``(..., T, D)`` and v ``(..., T, E)`` -> ``(..., T, E)``.
@@ -80,27 +94,36 @@ def log_linear_attention(
     Args:
       q, k, v: one floating dtype; leading dimensions broadcast (batch, heads).
       level_weights: ``λ (..., T, L)``, floating, the weight of each level for each query step, broadcasting to
-        the call's leading shape (it does not widen it). L at least ``bit_length(T - 1) + 1`` (``start + T`` in
-        place of T in the recurrent form); levels past those the positions reach are not read in the chunk form.
+        the call's leading shape (it does not widen it). L at least ``bit_length(start + T - 1) + 1`` (the whole
+        sequence's T with ``axis_name``); levels past those the positions reach are not read in the chunk form
+        from position 0 without states in or out.
       g: log decay per step, ``<= 0``, broadcasting to ``(..., T)`` (Mamba-2's SSD form); None: no decay.
       beta: the delta rule's write strength in ``[0, 1]``, broadcasting to ``(..., T)`` (with ``g``: Gated
         DeltaNet); needs L2-normalised keys, as in :func:`jattn.gated_linear_attention`.
       scale: multiplies q (default ``1/sqrt(D)``).
       segment_ids, kv_mask: as :func:`jattn.gated_linear_attention` (every level restarts from zero where the id
         changes; a dropped step keeps its position, writes nothing and outputs 0).
-      initial_state: ``(..., L, D, E)``, the level states relative to position ``start - 1`` (recurrent form
-        only; default zeros). At ``start = 0`` there is no such position: pass zeros or None.
-      start: the position of the first step (recurrent form; an int or an integer array broadcasting to the
-        leading shape, e.g. ``(B, 1, 1)`` per example for q ``(B, N, 1, T, D)``).
-      return_state: also return the level states after the last kept step, ``(..., L, D, E)`` (recurrent form).
-      mode: ``'chunk'`` (training; from position 0, no state in or out) or ``'recurrent'`` (step by step).
+      initial_state: ``(..., L, D, E)``, the level states relative to position ``start - 1`` (default zeros).
+        At ``start = 0`` there is no such position: it is not read.
+      start: the position of the first step: an int or an integer array broadcasting to the leading shape, e.g.
+        ``(B, 1, 1)`` per example for q ``(B, N, 1, T, D)``. ``mode='chunk'`` needs multiples of ``chunk_size``
+        (ValueError where known; traced, NaN outputs elsewhere); ``mode='recurrent'`` takes any.
+      return_state: also return the level states after the last kept step, relative to it, ``(..., L, D, E)``
+        (with trailing padding, continue at ``start`` = that step's position + 1); both forms give the same.
+      mode: ``'chunk'`` (training) or ``'recurrent'`` (step by step, decoding).
       chunk_size: steps of a chunk, a power of 2 (``mode='chunk'``; T need not be a multiple).
+      axis_name: inside ``jax.shard_map`` with the sequence split over this mesh axis (device i holds steps
+        ``[i T, (i + 1) T)`` from ``start``): the level states pass from shard to shard
+        (:mod:`jattn._linear.log_linear_parallel`); ``initial_state`` is the first shard's, and the states
+        returned are the sequence's, on every device. ``mode='chunk'`` needs T (a shard's) a multiple of the
+        chunk.
       precision: of the products (``jax.lax.Precision``).
 
     Returns:
       ``out (..., T, E)`` in v's dtype, computed in float32 (float64 for float64 inputs); with ``return_state`` also
       the level states. Bad gates raise or poison as in :func:`jattn.gated_linear_attention`; a traced ``start``
-      whose positions need more than L levels makes that sequence's outputs and state NaN.
+      whose positions need more than L levels (or, in the chunk form, off the chunks) makes that sequence's
+      outputs and state NaN.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -108,31 +131,68 @@ def log_linear_attention(
     if chunk_size & (chunk_size - 1):
         raise ValueError(f"chunk_size must be a power of 2 (chunks aligned to the Fenwick tree), got {chunk_size}")
     return_state = check_bool("return_state", return_state)
-    if mode == "chunk" and (initial_state is not None or return_state or not _is_zero(start)):
-        raise ValueError(
-            "mode='chunk' runs a sequence from position 0 with no state in or out: initial_state, start and "
-            "return_state need mode='recurrent'"
-        )
+    first = None if axis_name is None else (lambda ids, lead: first_resets(ids, lead, axis_name))
     steps, _ = prepare(q, k, v, g=g, gk=None, beta=beta, scale=scale, segment_ids=segment_ids, kv_mask=kv_mask,
-                       initial_state=None)  # fmt: skip
+                       initial_state=None, first=first)  # fmt: skip
     lead, T = steps.keep.shape[:-1], steps.keep.shape[-1]
-    D, E = steps.q.shape[-1], steps.v.shape[-1]
-    start_ = _start(start, lead)
-    lam = _level_weights(level_weights, lead, T, _last_position(start, T), steps.q.dtype)
+    shards = 1 if axis_name is None else jax.lax.axis_size(axis_name)
     if mode == "chunk":
-        out = chunked(steps, lam, chunk_size, precision)
-        state = jnp.zeros((*lead, 1, D, E), out.dtype)
-        overflow = jnp.zeros(lead, bool)
+        _check_aligned(start, chunk_size, T, shards)
+    start_ = _start(start, lead)
+    lam = _level_weights(level_weights, lead, T, _last_position(start, T * shards), steps.q.dtype)
+    plain = mode == "chunk" and initial_state is None and not return_state and _is_zero(start) and axis_name is None
+    L = levels_needed(T) if plain else lam.shape[-1]  # from 0 with nothing out: the levels T reaches
+    state = _initial_state(initial_state, lead, L, steps.q.shape[-1], steps.v.shape[-1], steps.q.dtype)
+    state = jnp.where((start_ > 0)[..., None, None, None], state, 0.0)  # no position before 0: not read
+
+    def form(steps: Steps, lam: Array, state: Array, start: Array) -> tuple[Array, Array, Array]:
+        if mode == "chunk":
+            return chunked(steps, lam, state, start, chunk_size, precision)
+        return recurrent(steps, lam, state, start, precision)
+
+    if axis_name is None:
+        out, state, _ = form(steps, lam, state, start_)
     else:
-        state = _initial_state(initial_state, lead, lam.shape[-1], D, E, steps.q.dtype)
-        out, state, overflow = recurrent(steps, lam, state, start_, precision)
+        out, state = run_sharded(steps, lam, state, start_, axis_name=axis_name, form=form)
+    return _finish(steps, out, state, start_, mode, chunk_size, axis_name, return_state)
+
+
+def _finish(steps: Steps, out: Array, state: Array, start: Array, mode, chunk_size, axis_name, return_state):
+    """The call's result: outputs 0 at dropped steps, in v's dtype, with the level states where asked.
+
+    NaN where gates are bad, positions past the levels or (traced) a chunk-mode ``start`` off the chunks,
+    anywhere in the sequence.
+    """
+    *lead, T, _ = out.shape
+    L, D, E = state.shape[-3:]
+    here = start if axis_name is None else start + jax.lax.axis_index(axis_name) * T
+    bad = overflows(steps.keep, here, L)
+    if mode == "chunk":
+        bad |= here % chunk_length(chunk_size, T) != 0
+    if axis_name is not None:
+        bad = jax.lax.pmax(bad.astype(jnp.int32), axis_name) > 0
     out = jnp.where(steps.keep[..., None], out, 0.0)
-    L = state.shape[-3]
-    out, flat = poison(steps, out, state.reshape(*lead, L * D, E))
+    out, flat = poison(steps, out, state.reshape(*lead, L * D, E), axis_name)
     nan = jnp.asarray(jnp.nan, out.dtype)
-    out = jnp.where(overflow[..., None, None], nan, out).astype(steps.out_dtype)
-    state = jnp.where(overflow[..., None, None, None], nan, flat.reshape(*lead, L, D, E))
+    out = jnp.where(bad[..., None, None], nan, out).astype(steps.out_dtype)
+    state = jnp.where(bad[..., None, None, None], nan, flat.reshape(*lead, L, D, E))
     return (out, state) if return_state else out
+
+
+def _check_aligned(start: int | ArrayLike, chunk_size: int, T: int, shards: int) -> None:
+    """The chunk form's ``start`` (where known) and shard length must be multiples of the chunk, or an error."""
+    if not is_traced(start) and np.any(np.asarray(start) % chunk_size != 0):
+        raise ValueError(
+            f"mode='chunk' needs start to be a multiple of chunk_size={chunk_size} (chunks aligned to the Fenwick "
+            f"tree), got start={np.asarray(start).tolist()}: pass a chunk_size dividing it, or mode='recurrent' "
+            "(any start)"
+        )
+    if shards > 1 and T % chunk_length(chunk_size, T):
+        raise ValueError(
+            f"mode='chunk' with axis_name needs the shard length T={T} to be a multiple of the chunk "
+            f"(chunk_size={chunk_size}) so every shard starts on a chunk: pass a chunk_size dividing it, or "
+            "mode='recurrent'"
+        )
 
 
 def _is_zero(start: int | ArrayLike) -> bool:
