@@ -309,12 +309,38 @@ def test_tpu_kernel_refuses_sinks_lse_and_score_mods_other_than_softcap(monkeypa
             jattn.attention(q, q, q, implementation="pallas", **kw)
 
 
-def test_second_order_is_a_named_refusal():
-    """grad of grad differentiates the backward kernels: a ValueError naming the path, not a Pallas internal error."""
-    q = _rand((2, 5, 8), 0, jnp.float32)
+def test_second_order_through_the_dense_path_and_its_refusal():
+    """grad of grad: the backward kernels differentiated through the dense path equal dense's own second order
+    (grouped heads, documents traced under jit, sinks); a score_mod closing over floating arrays is refused by name."""
+    B, K, G, T, S, D = 2, 3, 2, 7, 9, 8
+    q, k, v = (
+        _rand((B, K, G, T, D), 0, jnp.float32),
+        _rand((B, K, 1, S, D), 1, jnp.float32),
+        _rand((B, K, 1, S, D), 2, jnp.float32),
+    )
+    ids = jnp.asarray(np.arange(B * S).reshape(B, S) // 4 % 2)
+    sinks = jnp.asarray(np.linspace(-1.0, 1.0, K * G).reshape(K, G), jnp.float32)
 
-    def loss(q):
-        return jnp.sum(jattn.attention(q, q, q, mask=masks.causal(), implementation="pallas", block_size=8) ** 2)
+    def outer(impl, **kw):
+        def first(q, k, v, ids):
+            mask = masks.causal() & masks.segment_ids(ids[:, S - T :], ids)
+            return jnp.sum(jnp.sin(jattn.attention(q, k, v, mask=mask, sinks=sinks, implementation=impl, **kw)))
 
-    with pytest.raises(ValueError, match=r"grad of grad\) of implementation='pallas'"):
-        jax.grad(lambda q: jnp.sum(jax.grad(loss)(q) ** 2))(q)
+        def loss(q, k, v, ids):
+            dq, dk, dv = jax.grad(first, argnums=(0, 1, 2))(q, k, v, ids)
+            return jnp.sum(dq**2) + jnp.sum(dk * dv)
+
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+    got, want = outer("pallas", block_size=8)(q, k, v, ids), outer("dense")(q, k, v, ids)
+    for a, w in zip(got, want, strict=True):
+        ref.assert_grad_close(a, np.asarray(w, np.float64), jnp.float32)
+
+    def alibi_loss(q):
+        mod = score_mods.alibi(jnp.ones((5,)))
+        return jnp.sum(
+            jattn.attention(q, q, q, mask=masks.causal(), score_mod=mod, implementation="pallas", block_size=8) ** 2
+        )
+
+    with pytest.raises(ValueError, match=r"grad of grad\) of implementation='pallas' with a score_mod closing over"):
+        jax.grad(lambda q: jnp.sum(jax.grad(alibi_loss)(q) ** 2))(_rand((2, 5, 6, 8), 3, jnp.float32))

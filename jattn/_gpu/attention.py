@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -96,6 +97,7 @@ def gpu_attention(
     score_mod=None,
     sinks: Array | None = None,
     interpret: bool,
+    reference: Callable | None = None,
 ) -> tuple[Array, Array]:
     """``(out (..., T, E), lse (..., T) float32)`` through jattn's GPU kernel (``interpret``: Pallas interpret mode).
 
@@ -103,6 +105,8 @@ def gpu_attention(
     :class:`jattn._checks.Operands`; ``scale`` a value (a traced one is folded into q); ``mask``
     any position predicate with padding() and segment_ids() in any ``&``, ``|``, ``~``;
     ``score_mod`` and ``sinks`` as for :func:`jattn.attention`; ``blocks`` the kernel's ``(bq, bk)``.
+    ``reference(q, k, v, sinks, scale) -> (out, lse)``: the same call on another path (XLA, differentiable
+    to any order) that the backward's own derivative (grad of grad) is taken through; None refuses it.
     """
     T, S, D, E = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
     refuse(mask, q_offset, kv_offset, D, E)
@@ -140,29 +144,41 @@ def gpu_attention(
     )  # fmt: skip
     ints = (kinds, bounds(kinds, -1), bounds(kinds, -2), masks)
     sink_rows = jnp.zeros((b,), jnp.float32) if sinks_f is None else sinks_f
-    out, lse = _attend(spec, qf, kf, vf, sink_rows, consts, ints)
+    second = None if reference is None else functools.partial(_padded, reference, lead, (T, S, D, E), spec)
+    out, lse = _attend(spec, second, qf, kf, vf, sink_rows, consts, ints)
     return out[:, :T, :E].reshape(*lead, T, E), lse[:, :T].reshape(*lead, T)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attend(spec: Spec, q, k, v, sinks, consts, ints) -> tuple[Array, Array]:
+def _padded(reference: Callable, lead, sizes, spec: Spec, q, k, v, sinks) -> tuple[Array, Array]:
+    """``reference`` on the kernel's padded, flattened operands: ``(o (b, Tp, Ep), lse (b, Tp))``, 0 in the padding."""
+    T, S, D, E = sizes
+    kv_lead = (*lead[:-1], 1) if spec.G > 1 else lead
+    q_ = q[:, :T, :D].reshape(*lead, T, D)
+    k_, v_ = k[:, :S, :D].reshape(*kv_lead, S, D), v[:, :S, :E].reshape(*kv_lead, S, E)
+    out, lse = reference(q_, k_, v_, sinks.reshape(lead) if spec.sinks else None, spec.scale)
+    out = _pad(out.reshape(q.shape[0], T, E), q.shape[1], v.shape[2])
+    return out, jnp.pad(lse.reshape(q.shape[0], T).astype(jnp.float32), ((0, 0), (0, q.shape[1] - T)))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _attend(spec: Spec, second, q, k, v, sinks, consts, ints) -> tuple[Array, Array]:
     """``(o (b, Tp, Ep), lse (b, Tp))`` of the padded operands (:func:`jattn._gpu.kernels.forward`)."""
     kinds, fb, _, masks = ints
     return forward(spec, q, k, v, kinds, fb, sinks, masks, consts)
 
 
-def _attend_fwd(spec, q, k, v, sinks, consts, ints):
-    o, lse = _attend(spec, q, k, v, sinks, consts, ints)
+def _attend_fwd(spec, second, q, k, v, sinks, consts, ints):
+    o, lse = _attend(spec, second, q, k, v, sinks, consts, ints)
     return (o, lse), (q, k, v, sinks, consts, ints, o, lse)
 
 
-def _attend_bwd(spec, res, cts):
+def _attend_bwd(spec, second, res, cts):
     q, k, v, sinks, consts, ints, o, lse = res
     do, dlse = cts
     kinds, fb, tb, masks = ints
     do = do.astype(q.dtype)
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1) - dlse
-    dq_, dcs, dk, dv = _backward(spec, q, k, v, do, lse, delta, kinds, fb, tb, sinks, masks, consts)
+    dq_, dcs, dk, dv = _backward(spec, second, q, k, v, do, lse, delta, kinds, fb, tb, sinks, masks, consts)
     dsinks = jnp.zeros_like(sinks)
     if spec.sinks:  # d sink = -sum_t e^(sink - lse_t) delta_t over the rows that see something
         finite = lse > -jnp.inf
@@ -179,18 +195,41 @@ def _attend_bwd(spec, res, cts):
 _attend.defvjp(_attend_fwd, _attend_bwd)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
-def _backward(spec, q, k, v, do, lse, delta, kinds, fb, tb, sinks, masks, consts):
-    """The dq and dk/dv kernels: ``(dq, dvalues, dk, dv)``; they have no derivative (:func:`_no_second_order`)."""
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _backward(spec, second, q, k, v, do, lse, delta, kinds, fb, tb, sinks, masks, consts):
+    """The dq and dk/dv kernels: ``(dq, dvalues, dk, dv)``; their derivative is ``second``'s (:func:`_second_order`)."""
     dq_, dcs = dq(spec, q, k, v, do, lse, delta, kinds, fb, sinks, masks, consts)
     dk, dv = dkdv(spec, q, k, v, do, lse, delta, kinds, tb, sinks, masks, consts)
     return dq_, dcs, dk, dv
 
 
-@_backward.defjvp
-def _no_second_order(spec, primals, tangents):
-    """Differentiating the backward kernels (grad of grad) is refused by name, not by a Pallas internal error."""
-    raise ValueError(
-        "second-order reverse mode (grad of grad) of implementation='pallas': the kernel's backward has no "
-        "derivative; use 'blockwise' or 'dense'"
-    )
+def _second_order(spec, second, primals, tangents):
+    """The backward's derivative (grad of grad), through ``second``: the reference path's VJP, differentiated.
+
+    The backward maps ``(q, k, v, sinks, do, delta)`` to ``(dq, dk, dv)`` with ``lse`` and ``o`` the forward's
+    (functions of q, k, v, sinks: recomputed by the reference, so their tangents agree); ``delta = rowsum(do o) -
+    dlse`` gives back the lse's cotangent. Refused by name where there is no reference, and where the score
+    modification reads floating arrays (their gradients are the kernel's own, per row: not derived here).
+    """
+    q, k, v, do, _, delta, *_, sinks, _, _ = primals
+    tq, tk, tv, tdo, _, tdelta, *_, tsinks, _, _ = tangents
+    if second is None or (spec.mod is not None and any(spec.mod.floats)):
+        why = "a score_mod closing over floating arrays" if second is not None else "no reference path"
+        raise ValueError(
+            f"second-order reverse mode (grad of grad) of implementation='pallas' with {why}: the kernel's "
+            "backward has no derivative there; use 'blockwise' or 'dense'"
+        )
+
+    def backward(q, k, v, do, delta, sinks):
+        (o, _), pull = jax.vjp(second, q, k, v, sinks)
+        dlse = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1) - delta
+        dq_, dk, dv, _ = pull((do.astype(o.dtype), dlse))
+        return dq_, dk, dv
+
+    out = _backward(spec, second, *primals)
+    _, (dq_t, dk_t, dv_t) = jax.jvp(backward, (q, k, v, do, delta, sinks), (tq, tk, tv, tdo, tdelta, tsinks))
+    cast = tuple(t.astype(x.dtype) for t, x in zip((dq_t, dk_t, dv_t), (out[0], out[2], out[3]), strict=True))
+    return out, (cast[0], tuple(jnp.zeros_like(c) for c in out[1]), cast[1], cast[2])
+
+
+_backward.defjvp(_second_order)

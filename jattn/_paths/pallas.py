@@ -18,9 +18,11 @@ import jax
 from jax import Array
 
 from jattn import _platform
+from jattn._checks import Operands
 from jattn._gpu import gpu_attention
 from jattn._masks import Mask
 from jattn._paths.choice import kernel_refusal
+from jattn._paths.dense import dense_attention
 from jattn._paths.splash import splash_attention
 
 __all__ = ["kernel_platform", "pallas_attention"]
@@ -74,8 +76,13 @@ def pallas_attention(
         _splash_refusals(sinks, return_lse)
         out = splash_attention(q, k, v, mask, scale, q_offset, kv_offset, blocks, interpret, lead, axis, score_mod)
         return out, None
+
+    def reference(q, k, v, sinks, scale):  # the GPU kernel's backward is differentiated through this (grad of grad)
+        ops = Operands(q, k, v, mask, None, scale, q_offset, kv_offset, lead, axis)
+        return dense_attention(ops, score_mod=score_mod, sinks=sinks)[:2]
+
     out, lse = gpu_attention(
         q, k, v, mask=mask, scale=scale, q_offset=q_offset, kv_offset=kv_offset, blocks=blocks, lead=lead, axis=axis,
-        score_mod=score_mod, sinks=sinks, interpret=interpret,
+        score_mod=score_mod, sinks=sinks, interpret=interpret, reference=reference,
     )  # fmt: skip
     return out, lse

@@ -36,7 +36,11 @@ TRANSFORMS: dict[str, dict[str, str]] = {
     "jit": _row(),
     "vmap": _row(),
     "grad": _row(),
-    "grad of grad, reverse-over-reverse HVP": _row(cudnn=_SECOND + _LATE, pallas=_SECOND + _LATE),
+    "grad of grad, reverse-over-reverse HVP": _row(
+        cudnn=_SECOND + _LATE,
+        pallas="partly: GPU the kernel's backward differentiated through the dense path (O(T S) memory), not with "
+        "a score_mod closing over floating arrays (ALiBi's slopes: a ValueError); TPU " + _SECOND[4:] + _LATE,
+    ),
     "jvp, forward-over-reverse HVP": _row(cudnn=_FORWARD, pallas=_FORWARD),
     "grad of jvp (a loss through jvp), with and without jax.checkpoint": _row(cudnn=_FORWARD, pallas=_FORWARD),
     "jacfwd": _row(cudnn=_FORWARD, pallas=_FORWARD),
