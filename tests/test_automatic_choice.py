@@ -123,19 +123,23 @@ def test_cudnn_refuses_what_it_has_no_kernel_for():
         jattn.attention(q, k, v, mask=masks.causal(), implementation="cudnn")  # T < S, bottom-right: not aligned
 
 
-def test_gpu_forward_mode_falls_back_to_a_path_that_has_it(monkeypatch):
-    """The GPU kernel has a reverse-mode rule only: under jvp the automatic choice takes the next path."""
-    monkeypatch.setattr(platform_facts, "platform", lambda: "gpu")
+def test_forward_mode_takes_the_gpu_kernel_and_falls_back_from_splash(monkeypatch):
+    """Under jvp the automatic choice keeps the GPU kernel (its tangent kernel); on TPU splash (reverse mode only)
+    refuses by name and the next path runs."""
     q, k, v = _operands()
     t = _rand(q.shape, 7)
     keep = np.asarray(masks.causal().dense(T, S))
-    out, tangent = jax.jvp(lambda x: jattn.attention(x, k, v, mask=masks.causal()), (q,), (t,))
     with jax.enable_x64(True):
         want, want_t = jax.jvp(
             lambda x: ref.dense_jax(x, ref.f64(k), ref.f64(v), keep=keep)[0], (ref.f64(q),), (ref.f64(t),)
         )
-    np.testing.assert_allclose(ref.f64(out), np.asarray(want), **ref.tol(jnp.float32))
-    np.testing.assert_allclose(ref.f64(tangent), np.asarray(want_t), **ref.tol(jnp.float32))
+    for platform, kernel in (("gpu", True), ("tpu", False)):
+        monkeypatch.setattr(platform_facts, "platform", lambda p=platform: p)
+        jvp = lambda x: jax.jvp(lambda x: jattn.attention(x, k, v, mask=masks.causal()), (x,), (t,))  # noqa: E731
+        out, tangent = jvp(q)
+        np.testing.assert_allclose(ref.f64(out), np.asarray(want), **ref.tol(jnp.float32))
+        np.testing.assert_allclose(ref.f64(tangent), np.asarray(want_t), **ref.tol(jnp.float32))
+        assert ("jattn_gpu_tangent" in str(jax.make_jaxpr(jvp)(q))) == kernel, platform
     with pytest.raises(ValueError, match=r"forward mode .* of implementation='pallas'"):
         jax.jvp(lambda x: jattn.attention(x, k, v, mask=masks.causal(), implementation="pallas"), (q,), (t,))
 

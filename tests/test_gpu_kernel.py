@@ -285,15 +285,98 @@ def test_head_depth_beyond_256_is_a_kernel_refusal():
     assert type(e.value).__name__ == "KernelRefusalError"
 
 
-def test_forward_mode_is_a_named_refusal():
-    """jvp through the kernel (a custom VJP) raises the TRANSFORMS table's ValueError, naming the path."""
-    q = _rand((2, 5, 8), 0, jnp.float32)
+def _tangents(args, seed):
+    return tuple(_rand(x.shape, seed + n, x.dtype) for n, x in enumerate(args))
 
-    def f(q):
-        return jattn.attention(q, q, q, mask=masks.causal(), implementation="pallas", block_size=8)
 
-    with pytest.raises(ValueError, match=r"forward mode .* implementation='pallas'"):
-        jax.jvp(f, (q,), (q,))
+@pytest.mark.parametrize("case", list(CASES))
+def test_jvp_equals_the_reference(case):
+    """Forward mode through the tangent kernel: out, lse and their tangents against float64 JAX (jvp of dense)."""
+    mask, kw, lq, lkv, T, S, D, E, dtype, scale, block = CASES[case]
+    q, k, v = _rand((*lq, T, D), 0, dtype), _rand((*lkv, S, D), 1, dtype), _rand((*lkv, S, E), 2, dtype)
+    tangents = _tangents((q, k, v), 10)
+    dense = _dense(mask, kw, lq, T, S)
+
+    def f(q, k, v):
+        return jattn.attention(
+            q, k, v, mask=mask, scale=scale, return_lse=True, implementation="pallas", block_size=block, **kw
+        )
+
+    (out, lse), (d_out, d_lse) = jax.jit(lambda a, t: jax.jvp(f, a, t))((q, k, v), tangents)
+    with jax.enable_x64(True):
+        wide = (scale or 1 / np.sqrt(D)) * np.sqrt(D)  # dense_jax scales by 1/sqrt(D)
+        args = (jnp.asarray(ref.f64(q)) * wide, *(jnp.asarray(ref.f64(x)) for x in (k, v)))
+        dt = (jnp.asarray(ref.f64(tangents[0])) * wide, *(jnp.asarray(ref.f64(t)) for t in tangents[1:]))
+        want, d_want = jax.jvp(lambda q, k, v: ref.dense_jax(q, k, v, keep=dense), args, dt)
+    assert d_out.dtype == dtype and d_out.shape == want[0].shape and d_lse.dtype == jnp.float32
+    np.testing.assert_allclose(ref.f64(out), np.asarray(want[0]), **ref.tol(dtype))
+    ref.assert_grad_close(d_out, np.asarray(d_want[0]), dtype)
+    seen = np.isfinite(np.asarray(want[1]))
+    np.testing.assert_array_equal(np.isfinite(lse), seen)
+    ref.assert_grad_close(np.where(seen, d_lse, 0), np.where(seen, np.asarray(d_want[1]), 0), jnp.float32)
+
+
+def test_jvp_in_sinks_softcap_and_the_arrays_a_score_mod_closes_over():
+    """Tangents in the sinks (soft cap in the kernel) and in ALiBi's slopes (a closed-over array) against float64 JAX."""
+    B, K, G, T, S, D = 2, 3, 2, 13, 15, 8
+    q, k, v = (
+        _rand((B, K, G, T, D), 0, jnp.float32) * 3,
+        _rand((B, K, 1, S, D), 1, jnp.float32),
+        _rand((B, K, 1, S, D), 2, jnp.float32),
+    )
+    sinks, slopes = _rand((K, G), 4, jnp.float32), _rand((K * G,), 5, jnp.float32) ** 2
+    tangents = _tangents((q, k, v, sinks, slopes), 20)
+    mask = masks.sliding_window(6)
+    keep = np.asarray(mask.dense(T, S))
+
+    def capped(q, k, v, sinks):
+        mod = score_mods.softcap(2.5)
+        return jattn.attention(q, k, v, mask=mask, score_mod=mod, sinks=sinks, implementation="pallas", block_size=8)
+
+    def alibi(q, k, v, slopes):
+        mod = score_mods.alibi(slopes)
+        return jattn.attention(q, k, v, mask=mask, score_mod=mod, scale=0.5, implementation="pallas", block_size=8)
+
+    got_cap = jax.jvp(capped, (q, k, v, sinks), tangents[:4])
+    got_alibi = jax.jit(lambda a, t: jax.jvp(alibi, a, t))((q, k, v, slopes), (*tangents[:3], tangents[4]))
+    with jax.enable_x64(True):
+        wide = lambda xs: tuple(jnp.asarray(ref.f64(x)) for x in xs)  # noqa: E731
+        want_cap = jax.jvp(
+            lambda q, k, v, s: ref.dense_jax(q, k, v, keep=keep, sinks=s, softcap=2.5)[0],
+            wide((q, k, v, sinks)),
+            wide(tangents[:4]),
+        )
+        want_alibi = jax.jvp(
+            lambda q, k, v, t: _dense_jax64(q, k, v, keep, 0.5, score_mods.alibi(t), (B, K, G)),
+            wide((q, k, v, slopes)),
+            wide((*tangents[:3], tangents[4])),
+        )
+    for got, want in ((got_cap, want_cap), (got_alibi, want_alibi)):
+        np.testing.assert_allclose(ref.f64(got[0]), np.asarray(want[0]), **ref.tol(jnp.float32))
+        ref.assert_grad_close(got[1], np.asarray(want[1]), jnp.float32)
+
+
+def test_jvp_vmapped_equals_a_loop():
+    """jvp under vmap (jacfwd's form) over q and per-example documents, k and v shared: each index as its own call."""
+    B, K, G, T, S, D = 2, 2, 3, 9, 11, 8
+    n = 3
+    q = _rand((n, B, K, G, T, D), 0, jnp.float32)
+    k, v = _rand((B, K, 1, S, D), 1, jnp.float32), _rand((B, K, 1, S, D), 2, jnp.float32)
+    tq = _rand((n, B, K, G, T, D), 3, jnp.float32)
+    ids = jnp.asarray(np.random.default_rng(4).integers(0, 2, size=(n, B, S)))
+
+    def f(q, ids, tq):
+        mask = masks.causal() & masks.segment_ids(ids[:, S - T :], ids)
+
+        def call(q, k, v):
+            return jattn.attention(q, k, v, mask=mask, implementation="pallas", block_size=8)
+
+        return jax.jvp(call, (q, k, v), (tq, k, v))
+
+    mapped = jax.vmap(f)(q, ids, tq)
+    for i in range(n):
+        for a, b in zip(mapped, f(q[i], ids[i], tq[i]), strict=True):
+            np.testing.assert_allclose(a[i], b, **ref.tol(jnp.float32))
 
 
 def test_tpu_kernel_refuses_sinks_lse_and_score_mods_other_than_softcap(monkeypatch):
@@ -342,5 +425,5 @@ def test_second_order_through_the_dense_path_and_its_refusal():
             jattn.attention(q, q, q, mask=masks.causal(), score_mod=mod, implementation="pallas", block_size=8) ** 2
         )
 
-    with pytest.raises(ValueError, match=r"grad of grad\) of implementation='pallas' with a score_mod closing over"):
+    with pytest.raises(ValueError, match=r"second-order .* of implementation='pallas' with a score_mod closing over"):
         jax.grad(lambda q: jnp.sum(jax.grad(alibi_loss)(q) ** 2))(_rand((2, 5, 6, 8), 3, jnp.float32))

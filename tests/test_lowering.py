@@ -10,8 +10,8 @@ selects the TPU translation, as in tests/test_pallas.py.
 GPU: jattn's kernel must reach Triton in every derivative it takes; the platform facts are switched
 to a GPU (jattn's platform switch, and the backend the kernel asks whether to interpret on), so the
 kernel is lowered rather than interpreted. The forward is one ``__gpu$xla.gpu.triton`` call, the
-gradient three (forward, dq, dk/dv); neither program holds a ``(T, S)``-shaped array (nor one of
-the padded lengths).
+gradient three (forward, dq, dk/dv), the jvp two (forward, tangent); no program holds a
+``(T, S)``-shaped array (nor one of the padded lengths).
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def _cuda_text(fn, *args) -> str:
 
 @pytest.mark.parametrize("implementation", ["pallas", None])
 @pytest.mark.parametrize("case", list(CASES))
-def test_forward_and_grad_lower_to_triton_without_a_score_matrix(on_gpu, case, implementation):
+def test_forward_grad_and_jvp_lower_to_triton_without_a_score_matrix(on_gpu, case, implementation):
     """Named, and by the automatic choice: on a GPU these calls reach jattn's kernel by default."""
     kw = CASES[case]
     q = jnp.zeros((B, K, G, T, D), jnp.bfloat16)
@@ -106,7 +106,10 @@ def test_forward_and_grad_lower_to_triton_without_a_score_matrix(on_gpu, case, i
     def loss(q, k, v):
         return jnp.sum(f(q, k, v).astype(jnp.float32))
 
-    for fn, calls in ((f, 1), (jax.grad(loss, argnums=(0, 1, 2)), 3)):
+    def jvp(q, k, v):
+        return jax.jvp(f, (q, k, v), (q, k, v))
+
+    for fn, calls in ((f, 1), (jax.grad(loss, argnums=(0, 1, 2)), 3), (jvp, 2)):
         text = _cuda_text(fn, q, k, v)
         assert text.count("__gpu$xla.gpu.triton") == calls, case
         for t, s in ((T, S), (TP, SP)):

@@ -1,4 +1,4 @@
-"""The GPU kernel's entry: a call's refusals, its translation to the kernels' operands, and the custom VJP.
+"""The GPU kernel's entry: a call's refusals and its translation to the kernels' operands.
 
 :func:`gpu_attention` takes jattn's checked operands (dimension key in :mod:`jattn._core`):
 q ``(..., T, D)``, k ``(..., S, D)``, v ``(..., S, E)`` broadcast over the call's leading shape
@@ -6,9 +6,9 @@ q ``(..., T, D)``, k ``(..., S, D)``, v ``(..., S, E)`` broadcast over the call'
 leading axis and q ``G > 1`` (grouped-query attention, q ``(..., K, G, T, D)``, k ``(..., K, 1, S,
 D)``) they keep their ``b / G`` rows and query row ``r`` reads kv row ``r // G``; otherwise they are
 broadcast to ``b`` rows. Lengths are padded to the blocks, head dims to powers of two (at least
-16). The forward saves ``lse``; the backward (:func:`jax.custom_vjp`) is the dq and dk/dv kernels
-of :mod:`jattn._gpu.kernels`, with the sinks' gradient and the score modification's arrays'
-gradients summed outside. What the kernel cannot express raises
+16). The derivatives at every order are :mod:`jattn._gpu.rules`' (the tangent kernel in forward
+mode, the dq and dk/dv kernels in reverse mode, the reference path's in second order). What the
+kernel cannot express raises
 :class:`jattn._checks.KernelRefusalError` before anything is built (:func:`refuse`).
 """
 
@@ -24,7 +24,8 @@ import jax.numpy as jnp
 from jax import Array
 
 from jattn._checks import KernelRefusalError, check_sinks
-from jattn._gpu.kernels import Spec, dkdv, dq, forward
+from jattn._gpu.kernels import Spec
+from jattn._gpu.rules import attend
 from jattn._gpu.score_mod import convert, unlowerable
 from jattn._gpu.tiles import bounds, grid_of, kernel_arrays, slot_kinds, tile_kinds
 from jattn._masks import Mask, RowPadding, RowSegments, as_rows, query_offset, split_arrays
@@ -140,12 +141,12 @@ def gpu_attention(
     masks = tuple(x.astype(jnp.int32) for x in kernel_arrays(grid, arrays))
     spec = Spec(
         grid=grid, Dp=Dp, Ep=Ep, G=G, scale=float(scale), mod=mod, sinks=sinks is not None, interpret=interpret,
-        mask_rows=tuple(x.shape[0] for x in masks),
+        n_mask=len(masks),
     )  # fmt: skip
     ints = (kinds, bounds(kinds, -1), bounds(kinds, -2), masks)
     sink_rows = jnp.zeros((b,), jnp.float32) if sinks_f is None else sinks_f
     second = None if reference is None else functools.partial(_padded, reference, lead, (T, S, D, E), spec)
-    out, lse = _attend(spec, second, qf, kf, vf, sink_rows, consts, ints)
+    out, lse = attend(spec, second, qf, kf, vf, sink_rows, consts, ints)
     return out[:, :T, :E].reshape(*lead, T, E), lse[:, :T].reshape(*lead, T)
 
 
@@ -158,78 +159,3 @@ def _padded(reference: Callable, lead, sizes, spec: Spec, q, k, v, sinks) -> tup
     out, lse = reference(q_, k_, v_, sinks.reshape(lead) if spec.sinks else None, spec.scale)
     out = _pad(out.reshape(q.shape[0], T, E), q.shape[1], v.shape[2])
     return out, jnp.pad(lse.reshape(q.shape[0], T).astype(jnp.float32), ((0, 0), (0, q.shape[1] - T)))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _attend(spec: Spec, second, q, k, v, sinks, consts, ints) -> tuple[Array, Array]:
-    """``(o (b, Tp, Ep), lse (b, Tp))`` of the padded operands (:func:`jattn._gpu.kernels.forward`)."""
-    kinds, fb, _, masks = ints
-    return forward(spec, q, k, v, kinds, fb, sinks, masks, consts)
-
-
-def _attend_fwd(spec, second, q, k, v, sinks, consts, ints):
-    o, lse = _attend(spec, second, q, k, v, sinks, consts, ints)
-    return (o, lse), (q, k, v, sinks, consts, ints, o, lse)
-
-
-def _attend_bwd(spec, second, res, cts):
-    q, k, v, sinks, consts, ints, o, lse = res
-    do, dlse = cts
-    kinds, fb, tb, masks = ints
-    do = do.astype(q.dtype)
-    delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1) - dlse
-    dq_, dcs, dk, dv = _backward(spec, second, q, k, v, do, lse, delta, kinds, fb, tb, sinks, masks, consts)
-    dsinks = jnp.zeros_like(sinks)
-    if spec.sinks:  # d sink = -sum_t e^(sink - lse_t) delta_t over the rows that see something
-        finite = lse > -jnp.inf
-        w = jnp.where(finite, jnp.exp(sinks[:, None] - jnp.where(finite, lse, 0.0)), 0.0)
-        dsinks = -jnp.sum(w * delta, axis=-1)
-    it = iter(dcs)
-    floats = () if spec.mod is None else spec.mod.floats
-    dconsts = tuple(
-        jnp.sum(next(it), axis=1).astype(c.dtype) if f else None for c, f in zip(consts, floats, strict=True)
-    )
-    return dq_, dk, dv, dsinks, dconsts, None
-
-
-_attend.defvjp(_attend_fwd, _attend_bwd)
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
-def _backward(spec, second, q, k, v, do, lse, delta, kinds, fb, tb, sinks, masks, consts):
-    """The dq and dk/dv kernels: ``(dq, dvalues, dk, dv)``; their derivative is ``second``'s (:func:`_second_order`)."""
-    dq_, dcs = dq(spec, q, k, v, do, lse, delta, kinds, fb, sinks, masks, consts)
-    dk, dv = dkdv(spec, q, k, v, do, lse, delta, kinds, tb, sinks, masks, consts)
-    return dq_, dcs, dk, dv
-
-
-def _second_order(spec, second, primals, tangents):
-    """The backward's derivative (grad of grad), through ``second``: the reference path's VJP, differentiated.
-
-    The backward maps ``(q, k, v, sinks, do, delta)`` to ``(dq, dk, dv)`` with ``lse`` and ``o`` the forward's
-    (functions of q, k, v, sinks: recomputed by the reference, so their tangents agree); ``delta = rowsum(do o) -
-    dlse`` gives back the lse's cotangent. Refused by name where there is no reference, and where the score
-    modification reads floating arrays (their gradients are the kernel's own, per row: not derived here).
-    """
-    q, k, v, do, _, delta, *_, sinks, _, _ = primals
-    tq, tk, tv, tdo, _, tdelta, *_, tsinks, _, _ = tangents
-    if second is None or (spec.mod is not None and any(spec.mod.floats)):
-        why = "a score_mod closing over floating arrays" if second is not None else "no reference path"
-        raise ValueError(
-            f"second-order reverse mode (grad of grad) of implementation='pallas' with {why}: the kernel's "
-            "backward has no derivative there; use 'blockwise' or 'dense'"
-        )
-
-    def backward(q, k, v, do, delta, sinks):
-        (o, _), pull = jax.vjp(second, q, k, v, sinks)
-        dlse = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1) - delta
-        dq_, dk, dv, _ = pull((do.astype(o.dtype), dlse))
-        return dq_, dk, dv
-
-    out = _backward(spec, second, *primals)
-    _, (dq_t, dk_t, dv_t) = jax.jvp(backward, (q, k, v, do, delta, sinks), (tq, tk, tv, tdo, tdelta, tsinks))
-    cast = tuple(t.astype(x.dtype) for t, x in zip((dq_t, dk_t, dv_t), (out[0], out[2], out[3]), strict=True))
-    return out, (cast[0], tuple(jnp.zeros_like(c) for c in out[1]), cast[1], cast[2])
-
-
-_backward.defjvp(_second_order)

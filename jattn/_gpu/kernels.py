@@ -1,4 +1,4 @@
-"""The GPU kernel's three ``pallas_call`` bodies: the forward, dq, and dk/dv (flash attention 2).
+"""The GPU kernel's four ``pallas_call`` bodies: the forward, its tangent, dq, and dk/dv (flash attention 2).
 
 Operands (dimension key in :mod:`jattn._core`; ``b`` rows of q, ``b / G`` rows of k and v):
 q ``(b, Tp, Dp)``, k ``(b/G, Sp, Dp)``, v ``(b/G, Sp, Ep)``, padded with zeros to the blocks and to
@@ -10,6 +10,8 @@ reads kv row ``r // G``: grouped heads are never repeated. Tile kinds, the loop 
 * forward, grid ``(b, nq)``: each query block runs an online softmax over its non-empty key
   blocks (EMPTY skipped, FULL unmasked, PARTIAL masked by the predicate), saving ``lse (b, Tp)``
   float32 (``-inf`` for a row that sees no key; the sink joins it);
+* tangent (forward mode), grid ``(b, nq)``: recomputes each tile's weights ``p`` from ``lse`` and the
+  scores' tangent ``dx``, and accumulates ``d lse = sum p dx`` and ``d o = sum p (dx v + dv) - d lse o``;
 * dq, grid ``(b, nq)``: recomputes each tile's weights from ``lse`` and accumulates ``dq`` (and
   the gradients of a score modification's arrays, per row and query block);
 * dk/dv, grid ``(b/G, nk)``: each key block loops over the G query rows it serves and their
@@ -32,7 +34,7 @@ from jax.experimental.pallas import triton as plgpu
 from jattn._gpu.score_mod import TileMod
 from jattn._gpu.tiles import Grid, tile_mask
 
-__all__ = ["Spec", "dkdv", "dq", "forward"]
+__all__ = ["Spec", "dkdv", "dq", "forward", "tangent"]
 
 _NEG = -float("inf")
 _COMPILER = plgpu.CompilerParams(num_warps=4, num_stages=2)  # the Triton lowering (not Mosaic GPU)
@@ -50,17 +52,12 @@ class Spec:
     mod: TileMod | None
     sinks: bool
     interpret: bool
-    mask_rows: tuple[int, ...]  # the leading extent (R or 1) of each mask array
+    n_mask: int  # how many mask arrays the kernels read (each with R rows or 1: read by row, or row 0)
 
     @property
     def mod_count(self) -> int:
         """How many arrays the score modification closes over."""
         return 0 if self.mod is None else self.mod.count
-
-    @property
-    def n_mask(self) -> int:
-        """How many mask arrays the kernels read."""
-        return len(self.mask_rows)
 
 
 def _dot(a: Array, b: Array, ca: int, cb: int) -> Array:
@@ -89,7 +86,7 @@ class _Tile:
 
     def _read(self, n: int, window):
         ref, g = self.mask_refs[n], self.spec.grid
-        row = self.r if self.spec.mask_rows[n] > 1 else 0
+        row = _at(ref, self.r)
         if window is None:
             return ref[row]
         return ref[row, pl.ds(self.i * g.bq, g.bq)] if window == "q" else ref[row, pl.ds(self.j * g.bk, g.bk)]
@@ -117,6 +114,16 @@ class _Tile:
         else:
             x, pull = self.spec.mod.pullback(s, *self._where(), self.values)
         return (jnp.where(self.keep(), x, _NEG) if masked else x), pull
+
+    def logits_jvp(self, qb: Array, kb: Array, dqb: Array, dkb: Array, dvalues: tuple, masked: bool):
+        """``(x, dx)``: :meth:`logits` and its tangent (``dx`` 0 where masked) for q, k and floating values' tangents."""
+        s = _dot(qb, kb, 1, 1) * self.spec.scale
+        ds = (_dot(dqb, kb, 1, 1) + _dot(qb, dkb, 1, 1)) * self.spec.scale
+        x, dx = (s, ds) if self.spec.mod is None else self.spec.mod.tangent(s, ds, *self._where(), self.values, dvalues)
+        if not masked:
+            return x, dx
+        keep = self.keep()
+        return jnp.where(keep, x, _NEG), jnp.where(keep, dx, 0.0)
 
 
 def _kinds_loop(kinds_ref, bounds_ref, kr, fixed, tile, init, by_rows: bool):
@@ -201,6 +208,67 @@ def forward(spec: Spec, q, k, v, kinds, bounds, sinks, masks, consts) -> tuple[A
         compiler_params=_COMPILER,
         name="jattn_gpu_forward",
     )(q, k, v, *ops)
+
+
+def _tangent_kernel(spec: Spec, q_ref, k_ref, v_ref, o_ref, lse_ref, dq_ref, dk_ref, dv_ref, *refs):
+    """One query block's tangent: ``d o (bq, Ep)`` and ``d lse (bq,)`` from the weights ``exp(x - lse)``."""
+    kinds_ref, bounds_ref, sinks_ref, *refs = refs
+    nm, nc = spec.n_mask, spec.mod_count
+    masks, consts, (dsinks_ref, *dconsts) = refs[:nm], refs[nm : nm + nc], refs[nm + nc : -2]
+    do_ref, dlse_ref = refs[-2:]
+    g, r, i = spec.grid, pl.program_id(0), pl.program_id(1)
+    q, dq_, kr = q_ref[...], dq_ref[...], _at(kinds_ref, r)
+    lse = lse_ref[...]
+    lse = jnp.where(lse == _NEG, jnp.inf, lse)  # a row that sees no key: weights 0
+    values, dvalues = tuple(c[r] for c in consts), tuple(c[r] for c in dconsts)
+
+    def tile(j, carry, masked):
+        acc, dlse = carry
+        at = pl.ds(j * g.bk, g.bk)
+        kb, vb, dkb, dvb = k_ref[at, :], v_ref[at, :], dk_ref[at, :], dv_ref[at, :]
+        x, dx = _Tile(spec, r, masks, values, i, j).logits_jvp(q, kb, dq_, dkb, dvalues, masked)
+        p = jnp.exp(x - lse[:, None])
+        pdx = p * dx
+        acc = acc + _dot(pdx.astype(vb.dtype), vb, 1, 0) + _dot(p.astype(dvb.dtype), dvb, 1, 0)
+        return acc, dlse + jnp.sum(pdx, axis=1)
+
+    init = (jnp.zeros((g.bq, spec.Ep), jnp.float32), jnp.zeros((g.bq,), jnp.float32))
+    acc, dlse = _kinds_loop(kinds_ref, bounds_ref, kr, i, tile, init, by_rows=True)
+    if spec.sinks:  # the sink's weight exp(sink - lse) times its tangent joins d lse (lse is finite with a sink)
+        dlse = dlse + jnp.exp(sinks_ref[r] - lse) * dsinks_ref[r]
+    do_ref[...] = (acc - dlse[:, None] * o_ref[...].astype(jnp.float32)).astype(do_ref.dtype)
+    dlse_ref[...] = dlse
+
+
+def tangent(spec: Spec, q, k, v, o, lse, dq, dk, dv, kinds, bounds, sinks, dsinks, masks, consts, dconsts):
+    """``(d o (b, Tp, Ep), d lse (b, Tp) float32)``: the forward's tangent for q, k, v, sinks and the floating values'.
+
+    ``o`` and ``lse`` are the forward's; ``dsinks (b,)``; ``dconsts`` the tangents of the score modification's
+    floating values, in order. ``bounds`` as for :func:`forward`.
+    """
+    g, G = spec.grid, spec.G
+    b = q.shape[0]
+    ops, specs = _common(kinds, bounds, sinks, masks, consts)
+    extra = [dsinks, *dconsts]
+    q_block = pl.BlockSpec((None, g.bq, spec.Dp), lambda r, i: (r, i, 0))
+    kv = [pl.BlockSpec((None, g.s_pad, n), lambda r, i: (r // G, 0, 0)) for n in (spec.Dp, spec.Ep)]
+    row_e, row = (
+        pl.BlockSpec((None, g.bq, spec.Ep), lambda r, i: (r, i, 0)),
+        pl.BlockSpec((None, g.bq), lambda r, i: (r, i)),
+    )
+    return pl.pallas_call(
+        functools.partial(_tangent_kernel, spec),
+        grid=(b, g.nq),
+        in_specs=[q_block, *kv, row_e, row, q_block, *kv, *specs, *(_whole(x) for x in extra)],
+        out_specs=[row_e, row],
+        out_shape=[
+            jax.ShapeDtypeStruct((b, g.t_pad, spec.Ep), o.dtype),
+            jax.ShapeDtypeStruct((b, g.t_pad), jnp.float32),
+        ],
+        interpret=spec.interpret,
+        compiler_params=_COMPILER,
+        name="jattn_gpu_tangent",
+    )(q, k, v, o, lse, dq, dk, dv, *ops, *extra)
 
 
 def _dq_kernel(spec: Spec, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kinds_ref, bounds_ref, sinks_ref, *refs):

@@ -79,6 +79,17 @@ class TileMod:
 
         return jax.vjp(at, s, floats)
 
+    def tangent(self, s: Array, ds: Array, q_pos: Array, kv_pos: Array, values, dvalues) -> tuple[Array, Array]:
+        """``(x, dx)``: the modified scores and their tangent for ``ds`` and the floating values' tangents ``dvalues``."""
+        floats = tuple(c for c, f in zip(values, self.floats, strict=True) if f)
+
+        def at(s, fl):
+            it = iter(fl)
+            whole = tuple(next(it) if f else c for c, f in zip(values, self.floats, strict=True))
+            return self.apply(s, q_pos, kv_pos, whole)
+
+        return jax.jvp(at, (s, floats), (ds, tuple(dvalues)))
+
 
 def _primitives(jaxpr) -> set[str]:
     """The names of the primitives of ``jaxpr`` and of every jaxpr inside its equations (pjit, custom_jvp, ...)."""
@@ -103,7 +114,7 @@ def _triton_rules() -> set[str] | None:
 
 
 def unlowerable(mod: TileMod, bq: int, bk: int) -> tuple[str, ...]:
-    """The primitives of ``mod``'s tile part, forward and pullback, that Triton cannot lower (sorted; ``()`` if none).
+    """The primitives of ``mod``'s tile part, forward, pullback and tangent, that Triton cannot lower (sorted; ``()`` if none).
 
     A gather (T5's ``table[bucket, head]``, the bucket read per score) is one: the kernel refuses such a
     modification by name instead of failing inside JAX's lowering.
@@ -116,7 +127,8 @@ def unlowerable(mod: TileMod, bq: int, bk: int) -> tuple[str, ...]:
 
     def both(s, values):
         x, pull = mod.pullback(s, q_pos, kv_pos, values)
-        return x, pull(jnp.ones_like(x))
+        floats = tuple(c for c, f in zip(values, mod.floats, strict=True) if f)
+        return x, pull(jnp.ones_like(x)), mod.tangent(s, s, q_pos, kv_pos, values, floats)
 
     found = _primitives(jax.make_jaxpr(both)(s, values).jaxpr)
     return tuple(sorted(found - rules))

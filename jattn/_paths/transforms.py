@@ -23,6 +23,12 @@ _YES = "yes"
 _FORWARD = "no: the kernel has a reverse-mode rule only (a jax.custom_vjp); use 'blockwise' or 'dense'"
 _SECOND = "no: the kernel's backward has no derivative; use 'blockwise' or 'dense'"
 _LATE = " (JAX's own error: JAX meets the kernel after jattn's call has returned)"
+_TPU_FORWARD = "; TPU " + _FORWARD[4:].replace("the kernel", "splash")
+_GPU_SECOND = (
+    "the kernel's derivatives differentiated through the dense path (O(T S) memory), not with a score_mod "
+    "closing over floating arrays (ALiBi's slopes: a ValueError)"
+)
+_GPU_TANGENT = "partly: GPU the tangent kernel (O(T) memory)"
 
 
 def _row(**cells: str) -> dict[str, str]:
@@ -38,14 +44,17 @@ TRANSFORMS: dict[str, dict[str, str]] = {
     "grad": _row(),
     "grad of grad, reverse-over-reverse HVP": _row(
         cudnn=_SECOND + _LATE,
-        pallas="partly: GPU the kernel's backward differentiated through the dense path (O(T S) memory), not with "
-        "a score_mod closing over floating arrays (ALiBi's slopes: a ValueError); TPU " + _SECOND[4:] + _LATE,
+        pallas=f"partly: GPU {_GPU_SECOND}; TPU " + _SECOND[4:] + _LATE,
     ),
-    "jvp, forward-over-reverse HVP": _row(cudnn=_FORWARD, pallas=_FORWARD),
-    "grad of jvp (a loss through jvp), with and without jax.checkpoint": _row(cudnn=_FORWARD, pallas=_FORWARD),
-    "jacfwd": _row(cudnn=_FORWARD, pallas=_FORWARD),
-    "hessian": _row(cudnn=_FORWARD, pallas=_FORWARD),
-    "linearize": _row(cudnn=_FORWARD + _LATE, pallas=_FORWARD + _LATE),
+    "jvp, forward-over-reverse HVP": _row(
+        cudnn=_FORWARD, pallas=f"{_GPU_TANGENT}, the HVP {_GPU_SECOND}{_TPU_FORWARD}"
+    ),
+    "grad of jvp (a loss through jvp), with and without jax.checkpoint": _row(
+        cudnn=_FORWARD, pallas=f"partly: GPU {_GPU_SECOND}{_TPU_FORWARD}"
+    ),
+    "jacfwd": _row(cudnn=_FORWARD, pallas=_GPU_TANGENT + _TPU_FORWARD),
+    "hessian": _row(cudnn=_FORWARD, pallas=f"partly: GPU {_GPU_SECOND}{_TPU_FORWARD}"),
+    "linearize": _row(cudnn=_FORWARD + _LATE, pallas=_GPU_TANGENT + _TPU_FORWARD + _LATE),
     "jax.checkpoint, save_only_these_names(*jattn.CHECKPOINT_NAMES)": _row(
         xla="partly: the names are on the results; jax.nn's own residuals are unnamed",
         cudnn="partly: the names are on the results; the kernel's own residuals are unnamed",

@@ -1,0 +1,155 @@
+"""The GPU kernel's derivatives at every order: a custom JVP whose tangent is a linear pair.
+
+:func:`attend` is ``(o, lse)`` of the padded operands (the forward kernel), a ``jax.custom_jvp``. Its
+rule calls :func:`attend` itself for the primal and :data:`PAIR` (a
+:class:`jattn._autodiff.LinearPair`) for the tangent, as the blockwise path does
+(:mod:`jattn._blockwise.rules`):
+
+* forward mode (``jvp``, ``jacfwd``, ``linearize``) runs the tangent kernel, O(T) memory;
+* reverse mode transposes the tangent into the dq and dk/dv kernels, the hand-written backward;
+* second order (grad of grad, jvp of grad, Hessians) differentiates either in its residuals through
+  ``Call.second``, the same call on the reference path (the dense path, XLA, differentiable to any
+  order: O(T S) memory there). It is refused by name where there is none, and where the score
+  modification closes over floating arrays (ALiBi's slopes: the reference closes over them as
+  constants, so their share of a second derivative would be lost).
+
+The pair's operands are flat: ``res = (q, k, v, sinks, *consts, kinds, fb, tb, *masks, o, lse)``,
+the linear ones ``(dq, dk, dv, d sinks, *d floating consts)`` for the tangent, ``(d o, d lse)``
+for the backward; :class:`Call` holds the static facts and the counts that split them.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import Array
+
+from jattn._autodiff import LinearPair
+from jattn._gpu.kernels import Spec, dkdv, dq, forward, tangent
+
+__all__ = ["attend"]
+
+
+class Call(NamedTuple):
+    """The static part of one call of the pair: the kernels' :class:`Spec`, the reference path and counts."""
+
+    spec: Spec
+    second: Callable | None  # (q, k, v, sinks) -> (o, lse) on the padded operands, differentiable to any order
+    consts: int  # the score modification's row values
+
+    @property
+    def floats(self) -> tuple[bool, ...]:
+        """Which row values are floating (they have tangents and gradients)."""
+        return () if self.spec.mod is None else self.spec.mod.floats
+
+    def split(self, res: list) -> tuple:
+        """``res`` as ``(q, k, v, sinks, consts, kinds, fb, tb, masks, o, lse)``."""
+        q, k, v, sinks, *rest = res
+        consts, (kinds, fb, tb, *rest) = tuple(rest[: self.consts]), rest[self.consts :]
+        return q, k, v, sinks, consts, kinds, fb, tb, tuple(rest[:-2]), rest[-2], rest[-1]
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def attend(spec: Spec, second: Callable | None, q, k, v, sinks, consts, ints) -> tuple[Array, Array]:
+    """``(o (b, Tp, Ep), lse (b, Tp) float32)`` of the padded operands (:func:`jattn._gpu.kernels.forward`).
+
+    ``ints = (kinds, fb, tb, masks)``: the tile kinds, their bounds over key and query blocks, the mask's arrays.
+    ``second``: the reference path on the same operands (:class:`Call`), or None.
+    """
+    kinds, fb, _, masks = ints
+    return forward(spec, q, k, v, kinds, fb, sinks, masks, consts)
+
+
+@attend.defjvp
+def _attend_jvp(spec: Spec, second, primals, tangents):
+    q, k, v, sinks, consts, ints = primals
+    dq_, dk, dv, dsinks, dconsts, _ = tangents
+    o, lse = attend(spec, second, *primals)  # attend itself: a derivative of this rule finds the rule again
+    kinds, fb, tb, masks = ints
+    call = Call(spec, second, len(consts))
+    res = [q, k, v, sinks, *consts, kinds, fb, tb, *masks, o, lse]
+    lin = [dq_, dk, dv, dsinks, *(d for d, f in zip(dconsts, call.floats, strict=True) if f)]
+    d_o, d_lse = PAIR.apply(call, res, lin)
+    return (o, lse), (d_o, d_lse)
+
+
+def _fast(direction: int, call: Call, res: list, lin: list) -> list:
+    """The tangent kernel (direction 0) or the dq and dk/dv kernels (1) at ``res`` on ``lin``."""
+    spec = call.spec
+    q, k, v, sinks, consts, kinds, fb, tb, masks, o, lse = call.split(res)
+    if direction == 0:
+        dq_, dk, dv, dsinks, *dconsts = lin
+        return list(tangent(spec, q, k, v, o, lse, dq_, dk, dv, kinds, fb, sinks, dsinks, masks, consts, dconsts))
+    do, dlse = lin
+    do = do.astype(q.dtype)
+    delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1) - dlse
+    dq_, dcs = dq(spec, q, k, v, do, lse, delta, kinds, fb, sinks, masks, consts)
+    dk, dv = dkdv(spec, q, k, v, do, lse, delta, kinds, tb, sinks, masks, consts)
+    dsinks = jnp.zeros_like(sinks)
+    if spec.sinks:  # d sink = -sum_t e^(sink - lse_t) delta_t over the rows that see something
+        finite = lse > -jnp.inf
+        w = jnp.where(finite, jnp.exp(sinks[:, None] - jnp.where(finite, lse, 0.0)), 0.0)
+        dsinks = -jnp.sum(w * delta, axis=-1)
+    floating = (c for c, f in zip(consts, call.floats, strict=True) if f)
+    dconsts = [jnp.sum(d, axis=1).astype(c.dtype) for d, c in zip(dcs, floating, strict=True)]
+    return [dq_, dk, dv, dsinks, *dconsts]
+
+
+def _diff(direction: int, call: Call, res: list, lin: list) -> list:
+    """:func:`_fast` through the reference path, reverse-differentiable to any order (second order)."""
+    if call.second is None or any(call.floats):
+        why = "a score_mod closing over floating arrays" if call.second is not None else "no reference path"
+        raise ValueError(
+            f"second-order derivatives (grad of grad, jvp of grad, hessian) of implementation='pallas' with {why}: "
+            "the kernel's derivatives have no derivative there; use 'blockwise' or 'dense'"
+        )
+    q, k, v, sinks, *_, o, _ = call.split(res)
+    if direction == 0:
+        _, (d_o, d_lse) = jax.jvp(call.second, (q, k, v, sinks), tuple(lin[:4]))
+        return [d_o.astype(o.dtype), d_lse.astype(jnp.float32)]
+    (o2, _), pull = jax.vjp(call.second, q, k, v, sinks)
+    do, dlse = lin
+    return list(pull((do.astype(o2.dtype), dlse.astype(jnp.float32))))
+
+
+def _avals(direction: int, call: Call, res: list, lin: list) -> list:
+    """The outputs' types: ``o`` and ``lse`` (the tangent); q, k, v, sinks and the floating values (the backward)."""
+    q, k, v, sinks, consts, *_, o, lse = call.split(res)
+    if direction == 0:
+        return [o, lse]
+    return [q, k, v, sinks, *(c for c, f in zip(consts, call.floats, strict=True) if f)]
+
+
+def _row_kinds(call: Call, n_args: int) -> list[str]:
+    """What each operand's leading axis counts: ``"q"`` rows (b), ``"kv"`` rows (b / G), or ``"shared"`` (R or 1)."""
+    res = ["q", "kv", "kv", "q", *["q"] * call.consts, *["shared"] * (3 + call.spec.n_mask), "q", "q"]
+    backward = n_args - len(res) == 2  # (d o, d lse); the tangent's are (dq, dk, dv, d sinks, *d consts)
+    return res + (["q", "q"] if backward else ["q", "kv", "kv", "q", *["q"] * sum(call.floats)])
+
+
+def _fold(call: Call, args: list, dims: list):
+    """``vmap``'s mapped axis folded into the kernels' rows: ``n`` copies of every row, one a mapped index.
+
+    A mapped operand puts its axis first and merges it with its rows; an unmapped one is repeated
+    ``n`` times (a mask array of one row shared by every row stays one row).
+    """
+    n = next(x.shape[d] for x, d in zip(args, dims, strict=True) if d is not None)
+    q, d = args[0], dims[0]
+    b = q.shape[0] if d is None else q.shape[1 if d == 0 else 0]
+    folded = []
+    for x, d, kind in zip(args, dims, _row_kinds(call, len(args)), strict=True):
+        if d is None and kind == "shared" and x.shape[0] == 1:
+            folded.append(x)
+            continue
+        x = jnp.broadcast_to(x, (n, *x.shape)) if d is None else jnp.moveaxis(x, d, 0)
+        if kind == "shared" and x.shape[1] == 1:
+            x = jnp.broadcast_to(x, (n, b, *x.shape[2:]))
+        folded.append(x.reshape(-1, *x.shape[2:]))
+    return folded, lambda outs: [y.reshape(n, -1, *y.shape[1:]) for y in outs]
+
+
+PAIR = LinearPair("jattn_gpu", fast=_fast, diff=_diff, avals=_avals, fold=_fold)
