@@ -139,7 +139,7 @@ def test_forward_mode_takes_the_gpu_kernel_and_falls_back_from_splash(monkeypatc
         out, tangent = jvp(q)
         np.testing.assert_allclose(ref.f64(out), np.asarray(want), **ref.tol(jnp.float32))
         np.testing.assert_allclose(ref.f64(tangent), np.asarray(want_t), **ref.tol(jnp.float32))
-        assert ("jattn_gpu_tangent" in str(jax.make_jaxpr(jvp)(q))) == kernel, platform
+        assert ("jattn_gpu_jvp" in str(jax.make_jaxpr(jvp)(q))) == kernel, platform
     with pytest.raises(ValueError, match=r"forward mode .* of implementation='pallas'"):
         jax.jvp(lambda x: jattn.attention(x, k, v, mask=masks.causal(), implementation="pallas"), (q,), (t,))
 

@@ -10,8 +10,9 @@ selects the TPU translation, as in tests/test_pallas.py.
 GPU: jattn's kernel must reach Triton in every derivative it takes; the platform facts are switched
 to a GPU (jattn's platform switch, and the backend the kernel asks whether to interpret on), so the
 kernel is lowered rather than interpreted. The forward is one ``__gpu$xla.gpu.triton`` call, the
-gradient three (forward, dq, dk/dv), the jvp two (forward, tangent); no program holds a
-``(T, S)``-shaped array (nor one of the padded lengths).
+gradient three (forward, dq, dk/dv), the jvp one (the forward and its tangent in one kernel),
+``linearize`` two (forward, then tangent); no program holds a ``(T, S)``-shaped array (nor one of
+the padded lengths).
 """
 
 from __future__ import annotations
@@ -109,9 +110,13 @@ def test_forward_grad_and_jvp_lower_to_triton_without_a_score_matrix(on_gpu, cas
     def jvp(q, k, v):
         return jax.jvp(f, (q, k, v), (q, k, v))
 
-    for fn, calls in ((f, 1), (jax.grad(loss, argnums=(0, 1, 2)), 3), (jvp, 2)):
+    def linearized(q, k, v):
+        return jax.linearize(f, q, k, v)[1](q, k, v)
+
+    for fn, calls in ((f, 1), (jax.grad(loss, argnums=(0, 1, 2)), 3), (jvp, 1), (linearized, 2)):
         text = _cuda_text(fn, q, k, v)
-        assert text.count("__gpu$xla.gpu.triton") == calls, case
+        assert text.count("__gpu$xla.gpu.triton") == calls, (case, fn)
+        assert (fn is jvp) == ("jattn_gpu_forward_tangent" in text)
         for t, s in ((T, S), (TP, SP)):
             assert not re.search(rf"\b{t}x{s}x", text), f"a ({t}, {s}) array in the {case} program"
 

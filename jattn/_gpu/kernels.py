@@ -1,4 +1,4 @@
-"""The GPU kernel's four ``pallas_call`` bodies: the forward, its tangent, dq, and dk/dv (flash attention 2).
+"""The GPU kernel's ``pallas_call`` bodies: the forward, its tangent (alone or with it), dq, and dk/dv (flash attention 2).
 
 Operands (dimension key in :mod:`jattn._core`; ``b`` rows of q, ``b / G`` rows of k and v):
 q ``(b, Tp, Dp)``, k ``(b/G, Sp, Dp)``, v ``(b/G, Sp, Ep)``, padded with zeros to the blocks and to
@@ -12,6 +12,8 @@ reads kv row ``r // G``: grouped heads are never repeated. Tile kinds, the loop 
   float32 (``-inf`` for a row that sees no key; the sink joins it);
 * tangent (forward mode), grid ``(b, nq)``: recomputes each tile's weights ``p`` from ``lse`` and the
   scores' tangent ``dx``, and accumulates ``d lse = sum p dx`` and ``d o = sum p (dx v + dv) - d lse o``;
+  the forward and its tangent also run as one kernel (one sweep, the same online softmax carrying
+  the two tangent sums);
 * dq, grid ``(b, nq)``: recomputes each tile's weights from ``lse`` and accumulates ``dq`` (and
   the gradients of a score modification's arrays, per row and query block);
 * dk/dv, grid ``(b/G, nk)``: each key block loops over the G query rows it serves and their
@@ -34,7 +36,7 @@ from jax.experimental.pallas import triton as plgpu
 from jattn._gpu.score_mod import TileMod
 from jattn._gpu.tiles import Grid, tile_mask
 
-__all__ = ["Spec", "dkdv", "dq", "forward", "tangent"]
+__all__ = ["Spec", "dkdv", "dq", "forward", "forward_tangent", "tangent"]
 
 _NEG = -float("inf")
 _COMPILER = plgpu.CompilerParams(num_warps=4, num_stages=2)  # the Triton lowering (not Mosaic GPU)
@@ -269,6 +271,79 @@ def tangent(spec: Spec, q, k, v, o, lse, dq, dk, dv, kinds, bounds, sinks, dsink
         compiler_params=_COMPILER,
         name="jattn_gpu_tangent",
     )(q, k, v, o, lse, dq, dk, dv, *ops, *extra)
+
+
+def _forward_tangent_kernel(spec: Spec, q_ref, k_ref, v_ref, dq_ref, dk_ref, dv_ref, *refs):
+    """One query block's forward and tangent in one sweep: ``o``, ``lse``, ``d o``, ``d lse``."""
+    kinds_ref, bounds_ref, sinks_ref, *refs = refs
+    nm, nc = spec.n_mask, spec.mod_count
+    masks, consts, (dsinks_ref, *dconsts) = refs[:nm], refs[nm : nm + nc], refs[nm + nc : -4]
+    o_ref, lse_ref, do_ref, dlse_ref = refs[-4:]
+    g, r, i = spec.grid, pl.program_id(0), pl.program_id(1)
+    q, dq_, kr = q_ref[...], dq_ref[...], _at(kinds_ref, r)
+    values, dvalues = tuple(c[r] for c in consts), tuple(c[r] for c in dconsts)
+
+    def tile(j, carry, masked):
+        m, den, acc, tacc, dlse = carry
+        at = pl.ds(j * g.bk, g.bk)
+        kb, vb, dkb, dvb = k_ref[at, :], v_ref[at, :], dk_ref[at, :], dv_ref[at, :]
+        x, dx = _Tile(spec, r, masks, values, i, j).logits_jvp(q, kb, dq_, dkb, dvalues, masked)
+        top = jnp.maximum(m, jnp.max(x, axis=1))
+        safe = jnp.where(top == _NEG, 0.0, top)  # a row masked so far: its weights are 0, not NaN
+        p, alpha = jnp.exp(x - safe[:, None]), jnp.exp(m - safe)
+        pdx = p * dx
+        tile_t = _dot(pdx.astype(vb.dtype), vb, 1, 0) + _dot(p.astype(dvb.dtype), dvb, 1, 0)
+        return (
+            top,
+            alpha * den + jnp.sum(p, axis=1),
+            alpha[:, None] * acc + _dot(p.astype(vb.dtype), vb, 1, 0),
+            alpha[:, None] * tacc + tile_t,
+            alpha * dlse + jnp.sum(pdx, axis=1),
+        )
+
+    rows, cols = jnp.zeros((g.bq,), jnp.float32), jnp.zeros((g.bq, spec.Ep), jnp.float32)
+    init = (jnp.full((g.bq,), _NEG, jnp.float32), rows, cols, cols, rows)
+    m, den, acc, tacc, dlse = _kinds_loop(kinds_ref, bounds_ref, kr, i, tile, init, by_rows=True)
+    seen = den > 0
+    lse = jnp.where(seen, m + jnp.log(jnp.where(seen, den, 1.0)), _NEG)
+    if spec.sinks:
+        sink = jnp.full((g.bq,), sinks_ref[r], jnp.float32)
+        top = jnp.maximum(lse, sink)
+        lse = top + jnp.log(jnp.exp(lse - top) + jnp.exp(sink - top))
+    weight = jnp.where(seen, jnp.exp(m - jnp.where(seen, lse, 0.0)), 0.0)  # 1 / the row's whole denominator
+    o, dlse = acc * weight[:, None], dlse * weight
+    if spec.sinks:
+        dlse = dlse + jnp.exp(sinks_ref[r] - lse) * dsinks_ref[r]
+    o_ref[...] = o.astype(o_ref.dtype)
+    lse_ref[...] = lse
+    do_ref[...] = (tacc * weight[:, None] - dlse[:, None] * o).astype(do_ref.dtype)
+    dlse_ref[...] = dlse
+
+
+def forward_tangent(spec: Spec, q, k, v, dq, dk, dv, kinds, bounds, sinks, dsinks, masks, consts, dconsts) -> list:
+    """``[o, lse, d o, d lse]`` in one sweep: :func:`forward` and :func:`tangent` (same operands, shapes and dtypes)."""
+    g, G = spec.grid, spec.G
+    b = q.shape[0]
+    ops, specs = _common(kinds, bounds, sinks, masks, consts)
+    extra = [dsinks, *dconsts]
+    q_block = pl.BlockSpec((None, g.bq, spec.Dp), lambda r, i: (r, i, 0))
+    kv = [pl.BlockSpec((None, g.s_pad, n), lambda r, i: (r // G, 0, 0)) for n in (spec.Dp, spec.Ep)]
+    row_e, row = (
+        pl.BlockSpec((None, g.bq, spec.Ep), lambda r, i: (r, i, 0)),
+        pl.BlockSpec((None, g.bq), lambda r, i: (r, i)),
+    )
+    o = jax.ShapeDtypeStruct((b, g.t_pad, spec.Ep), v.dtype)
+    lse = jax.ShapeDtypeStruct((b, g.t_pad), jnp.float32)
+    return pl.pallas_call(
+        functools.partial(_forward_tangent_kernel, spec),
+        grid=(b, g.nq),
+        in_specs=[q_block, *kv, q_block, *kv, *specs, *(_whole(x) for x in extra)],
+        out_specs=[row_e, row, row_e, row],
+        out_shape=[o, lse, o, lse],
+        interpret=spec.interpret,
+        compiler_params=_COMPILER,
+        name="jattn_gpu_forward_tangent",
+    )(q, k, v, dq, dk, dv, *ops, *extra)
 
 
 def _dq_kernel(spec: Spec, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kinds_ref, bounds_ref, sinks_ref, *refs):

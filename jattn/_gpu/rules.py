@@ -5,7 +5,9 @@ rule calls :func:`attend` itself for the primal and :data:`PAIR` (a
 :class:`jattn._autodiff.LinearPair`) for the tangent, as the blockwise path does
 (:mod:`jattn._blockwise.rules`):
 
-* forward mode (``jvp``, ``jacfwd``, ``linearize``) runs the tangent kernel, O(T) memory;
+* forward mode (``jvp``, ``jacfwd``) runs the forward and its tangent as one kernel (:data:`ONE_PASS`,
+  a :class:`jattn._autodiff.OnePassJvp`), O(T) memory; where JAX splits it (``linearize``, reverse
+  mode over it) the forward kernel and the tangent kernel;
 * reverse mode transposes the tangent into the dq and dk/dv kernels, the hand-written backward;
 * second order (grad of grad, jvp of grad, Hessians) differentiates either in its residuals through
   ``Call.second``, the same call on the reference path (the dense path, XLA, differentiable to any
@@ -28,8 +30,8 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
-from jattn._autodiff import LinearPair
-from jattn._gpu.kernels import Spec, dkdv, dq, forward, tangent
+from jattn._autodiff import LinearPair, OnePassJvp
+from jattn._gpu.kernels import Spec, dkdv, dq, forward, forward_tangent, tangent
 
 __all__ = ["attend"]
 
@@ -68,13 +70,35 @@ def attend(spec: Spec, second: Callable | None, q, k, v, sinks, consts, ints) ->
 def _attend_jvp(spec: Spec, second, primals, tangents):
     q, k, v, sinks, consts, ints = primals
     dq_, dk, dv, dsinks, dconsts, _ = tangents
-    o, lse = attend(spec, second, *primals)  # attend itself: a derivative of this rule finds the rule again
     kinds, fb, tb, masks = ints
     call = Call(spec, second, len(consts))
-    res = [q, k, v, sinks, *consts, kinds, fb, tb, *masks, o, lse]
-    lin = [dq_, dk, dv, dsinks, *(d for d, f in zip(dconsts, call.floats, strict=True) if f)]
-    d_o, d_lse = PAIR.apply(call, res, lin)
+    xs = [q, k, v, sinks, *consts, kinds, fb, tb, *masks]
+    dxs = [dq_, dk, dv, dsinks, *(d for d, f in zip(dconsts, call.floats, strict=True) if f)]
+    o, lse, d_o, d_lse = ONE_PASS.bind(call, xs, dxs)
     return (o, lse), (d_o, d_lse)
+
+
+def _two_pass(call: Call, xs: list, dxs: list) -> list:
+    """``[o, lse, d o, d lse]``: :func:`attend` (so higher orders find its rule) and :data:`PAIR`'s tangent."""
+    q, k, v, sinks, consts, kinds, fb, tb, masks, _, _ = call.split([*xs, None, None])
+    o, lse = attend(call.spec, call.second, q, k, v, sinks, consts, (kinds, fb, tb, masks))
+    d_o, d_lse = PAIR.apply(call, [*xs, o, lse], dxs)
+    return [o, lse, d_o, d_lse]
+
+
+def _one_pass(call: Call, xs: list, dxs: list) -> list:
+    """``[o, lse, d o, d lse]`` from one kernel (:func:`jattn._gpu.kernels.forward_tangent`)."""
+    q, k, v, sinks, consts, kinds, fb, _, masks, _, _ = call.split([*xs, None, None])
+    dq_, dk, dv, dsinks, *dconsts = dxs
+    return forward_tangent(call.spec, q, k, v, dq_, dk, dv, kinds, fb, sinks, dsinks, masks, consts, dconsts)
+
+
+def _one_pass_avals(call: Call, xs: list, dxs: list) -> list:
+    """``o (b, Tp, Ep)`` in v's dtype, ``lse (b, Tp)`` float32, and their tangents (the same types)."""
+    q, v = xs[0], xs[2]
+    o = v.update(shape=(q.shape[0], q.shape[1], v.shape[2]), weak_type=False)
+    lse = q.update(shape=q.shape[:2], dtype=jnp.float32, weak_type=False)
+    return [o, lse, o, lse]
 
 
 def _fast(direction: int, call: Call, res: list, lin: list) -> list:
@@ -124,24 +148,38 @@ def _avals(direction: int, call: Call, res: list, lin: list) -> list:
     return [q, k, v, sinks, *(c for c, f in zip(consts, call.floats, strict=True) if f)]
 
 
-def _row_kinds(call: Call, n_args: int) -> list[str]:
-    """What each operand's leading axis counts: ``"q"`` rows (b), ``"kv"`` rows (b / G), or ``"shared"`` (R or 1)."""
-    res = ["q", "kv", "kv", "q", *["q"] * call.consts, *["shared"] * (3 + call.spec.n_mask), "q", "q"]
+def _pair_rows(call: Call, n_args: int) -> list[str]:
+    """What each operand of :data:`PAIR` counts in its leading axis (``"q"``, ``"kv"`` or ``"shared"``).
+
+    ``"q"``: the b rows of q; ``"kv"``: the b / G rows of k and v; ``"shared"``: a mask's R rows, or 1.
+    """
+    res = [*_xs_rows(call), "q", "q"]
     backward = n_args - len(res) == 2  # (d o, d lse); the tangent's are (dq, dk, dv, d sinks, *d consts)
-    return res + (["q", "q"] if backward else ["q", "kv", "kv", "q", *["q"] * sum(call.floats)])
+    return res + (["q", "q"] if backward else _dxs_rows(call))
 
 
-def _fold(call: Call, args: list, dims: list):
+def _xs_rows(call: Call) -> list[str]:
+    """:func:`_pair_rows` of ``(q, k, v, sinks, *consts, kinds, fb, tb, *masks)``."""
+    return ["q", "kv", "kv", "q", *["q"] * call.consts, *["shared"] * (3 + call.spec.n_mask)]
+
+
+def _dxs_rows(call: Call) -> list[str]:
+    """:func:`_pair_rows` of the tangents ``(dq, dk, dv, d sinks, *d floating consts)``."""
+    return ["q", "kv", "kv", "q", *["q"] * sum(call.floats)]
+
+
+def _fold(rows: list[str], args: list, dims: list):
     """``vmap``'s mapped axis folded into the kernels' rows: ``n`` copies of every row, one a mapped index.
 
-    A mapped operand puts its axis first and merges it with its rows; an unmapped one is repeated
-    ``n`` times (a mask array of one row shared by every row stays one row).
+    ``rows`` says what each operand's leading axis counts (:func:`_pair_rows`). A mapped operand puts
+    its axis first and merges it with its rows; an unmapped one is repeated ``n`` times (a mask array
+    of one row shared by every row stays one row).
     """
     n = next(x.shape[d] for x, d in zip(args, dims, strict=True) if d is not None)
     q, d = args[0], dims[0]
     b = q.shape[0] if d is None else q.shape[1 if d == 0 else 0]
     folded = []
-    for x, d, kind in zip(args, dims, _row_kinds(call, len(args)), strict=True):
+    for x, d, kind in zip(args, dims, rows, strict=True):
         if d is None and kind == "shared" and x.shape[0] == 1:
             folded.append(x)
             continue
@@ -152,4 +190,20 @@ def _fold(call: Call, args: list, dims: list):
     return folded, lambda outs: [y.reshape(n, -1, *y.shape[1:]) for y in outs]
 
 
-PAIR = LinearPair("jattn_gpu", fast=_fast, diff=_diff, avals=_avals, fold=_fold)
+PAIR = LinearPair(
+    "jattn_gpu",
+    fast=_fast,
+    diff=_diff,
+    avals=_avals,
+    fold=lambda call, args, dims: _fold(_pair_rows(call, len(args)), args, dims),
+)
+
+#: :func:`attend` and its tangent in one kernel; linearisation splits it into :func:`attend` and :data:`PAIR`.
+ONE_PASS = OnePassJvp(
+    "jattn_gpu_jvp",
+    primals=2,
+    fast=_one_pass,
+    split=_two_pass,
+    avals=_one_pass_avals,
+    fold=lambda call, args, dims: _fold(_xs_rows(call) + _dxs_rows(call), args, dims),
+)

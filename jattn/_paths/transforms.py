@@ -28,7 +28,7 @@ _GPU_SECOND = (
     "the kernel's derivatives differentiated through the dense path (O(T S) memory), not with a score_mod "
     "closing over floating arrays (ALiBi's slopes: a ValueError)"
 )
-_GPU_TANGENT = "partly: GPU the tangent kernel (O(T) memory)"
+_GPU_TANGENT = "partly: GPU forward mode in the kernels (O(T) memory)"
 
 
 def _row(**cells: str) -> dict[str, str]:
