@@ -16,7 +16,7 @@ import pytest
 
 import jattn
 from bench import __main__ as bench_main
-from bench import suite
+from bench import gpu_targets, suite
 
 
 @pytest.mark.parametrize(
@@ -69,6 +69,22 @@ def test_gpu_preset_and_script():
     subprocess.run(["bash", "-n", str(script)], check=True)
     with pytest.raises(SystemExit):  # no GPU here: --gpu refuses before timing anything
         bench_main.main(["--gpu"])
+
+
+@pytest.mark.parametrize("kind", ["window_softcap", "documents"])
+def test_gpu_targets_give_flex_attention_the_same_mask_and_score_mod(kind):
+    """bench.gpu_targets' PyTorch mask_mod and score_mod (on CPU here) equal jattn's mask and score mod, densely."""
+    torch = pytest.importorskip("torch")
+    T = 2048
+    mask, kw = gpu_targets.jattn_call(T, kind)
+    mask_mod, score_mod = gpu_targets.flex_mods(T, kind, device="cpu")
+    i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    np.testing.assert_array_equal(mask_mod(0, 0, i, j).numpy(), np.asarray(mask.dense(T, T)).reshape(T, T))
+    s = np.linspace(-120.0, 120.0, 101)
+    ours = np.asarray(kw["score_mod"](jnp.asarray(s), 0, 0, 0, 0)) if kw else s
+    theirs = score_mod(torch.tensor(s), 0, 0, 0, 0).numpy() if score_mod is not None else s
+    np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-4)
+    assert kind != "window_softcap" or np.abs(ours).max() < gpu_targets.CAP  # the cap bites
 
 
 def test_a_failing_candidate_is_recorded_not_fatal():
