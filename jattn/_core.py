@@ -289,14 +289,15 @@ def _run(path: str, ops: Operands, opts: _Options) -> Array | tuple[Array, ...]:
                 score_mod=opts.score_mod,
                 sinks=opts.sinks,
                 return_lse=opts.return_lse,
+                return_max_logit=opts.return_max_logit,
             )
-        out, lse = out
-        names = CHECKPOINT_NAMES[: 1 + opts.return_lse]
-        return (
-            (checkpoint_name(out, names[0]), checkpoint_name(lse, names[1]))
-            if opts.return_lse
-            else checkpoint_name(out, names[0])
+        out, lse, top = out
+        out, lse = (
+            checkpoint_name(out, CHECKPOINT_NAMES[0]),
+            lse if lse is None else checkpoint_name(lse, CHECKPOINT_NAMES[1]),
         )
+        extra = ((lse,) if opts.return_lse else ()) + ((top,) if opts.return_max_logit else ())
+        return (out, *extra) if extra else out
     if path in ("xla", "cudnn"):
         with refusals(path):
             out = jax_nn_attention(ops, path, opts.return_lse)

@@ -211,6 +211,37 @@ def test_lse_values_and_gradients():
     np.testing.assert_array_equal(grads[2], 0)  # lse does not read v
 
 
+def test_max_logit_is_each_rows_largest_kept_modified_logit():
+    """return_max_logit: the row max of the scaled, soft-capped, masked scores (-inf for a row that sees no key),
+    with sinks (which join the denominator, not the max) and grouped heads; under jvp its tangent is 0."""
+    B, K, G, T, S, D = 2, 3, 2, 11, 14, 8
+    q, k, v = (
+        _rand((B, K, G, T, D), 0, jnp.float32) * 3,
+        _rand((B, K, 1, S, D), 1, jnp.float32),
+        _rand((B, K, 1, S, D), 2, jnp.float32),
+    )
+    sinks = _rand((K, G), 4, jnp.float32)
+    kw = dict(q_offset=-2)  # the first two queries see no key
+
+    def f(q, k, v):
+        return jattn.attention(
+            q, k, v, mask=masks.causal(), score_mod=score_mods.softcap(2.5), sinks=sinks, return_lse=True,
+            return_max_logit=True, implementation="pallas", block_size=8, **kw,
+        )  # fmt: skip
+
+    (out, lse, top), (_, _, d_top) = jax.jvp(f, (q, k, v), _tangents((q, k, v), 10))
+    dense = np.asarray(masks.causal().dense(T, S, **kw))
+    cap = lambda s, *_: 2.5 * np.tanh(s / 2.5)  # noqa: E731
+    want, _, want_lse, want_top = ref.attention(q, k, v, dense, score_mod=cap, sinks=sinks, q_offset=-2, stats=True)
+    np.testing.assert_array_equal(np.isneginf(top), np.isneginf(want_top))
+    assert np.isneginf(want_top).sum() == B * K * G * 2
+    seen = ~np.isneginf(want_top)
+    np.testing.assert_allclose(ref.f64(top)[seen], want_top[seen], **ref.tol(jnp.float32))
+    np.testing.assert_allclose(ref.f64(out), want, **ref.tol(jnp.float32))
+    np.testing.assert_allclose(ref.f64(lse), want_lse, **ref.tol(jnp.float32))
+    np.testing.assert_array_equal(d_top, 0)
+
+
 def _dense_jax64(q, k, v, keep, scale, score_mod, lead):
     """Float64 JAX attention with a score modification (written from the definition): JAX differentiates it."""
     s = jnp.einsum("...td,...sd->...ts", q, k) * scale
@@ -268,7 +299,6 @@ def test_score_mods_closing_over_arrays_and_their_gradients(which):
         (dict(bias=np.zeros((6, 6), np.float32)), "bias"),
         (dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), "dropout"),
         (dict(precision="highest"), "precision"),
-        (dict(return_max_logit=True), "max logit"),
         (dict(score_mod=score_mods.relative_position_bias(np.ones((32, 3), np.float32))), "score_mod.*gather"),
     ],
 )
@@ -387,6 +417,7 @@ def test_tpu_kernel_refuses_sinks_lse_and_score_mods_other_than_softcap(monkeypa
         (dict(score_mod=score_mods.alibi(jnp.ones((2,)))), "score_mod"),
         (dict(sinks=jnp.zeros((2,))), "sinks"),
         (dict(return_lse=True), "return_lse"),
+        (dict(return_max_logit=True), "return_max_logit"),
     ):
         with pytest.raises(ValueError, match=rf"implementation='pallas' cannot take {name}: on TPU.*use one of"):
             jattn.attention(q, q, q, implementation="pallas", **kw)

@@ -99,8 +99,8 @@ def gpu_attention(
     sinks: Array | None = None,
     interpret: bool,
     reference: Callable | None = None,
-) -> tuple[Array, Array]:
-    """``(out (..., T, E), lse (..., T) float32)`` through jattn's GPU kernel (``interpret``: Pallas interpret mode).
+) -> tuple[Array, Array, Array]:
+    """``(out (..., T, E), lse (..., T), max logit (..., T))`` through jattn's GPU kernel (``interpret``: Pallas interpret mode).
 
     q ``(..., T, D)``, k ``(..., S, D)``, v ``(..., S, E)``; ``lead`` and ``axis`` as in
     :class:`jattn._checks.Operands`; ``scale`` a value (a traced one is folded into q); ``mask``
@@ -116,8 +116,9 @@ def gpu_attention(
         check_sinks(sinks, lead, q.dtype)
     sinks_f = None if sinks is None else jnp.broadcast_to(sinks, lead).reshape(b).astype(jnp.float32)
     if T == 0 or S == 0:
-        lse = jnp.full((b, T), -jnp.inf, jnp.float32) if sinks_f is None else jnp.broadcast_to(sinks_f[:, None], (b, T))
-        return jnp.zeros((*lead, T, E), v.dtype), lse.reshape(*lead, T)
+        nothing = jnp.full((*lead, T), -jnp.inf, jnp.float32)
+        lse = nothing if sinks_f is None else jnp.broadcast_to(sinks_f[:, None], (b, T)).reshape(*lead, T)
+        return jnp.zeros((*lead, T, E), v.dtype), lse, nothing
     skeleton, arrays = (None, ()) if mask is None else split_arrays(as_rows(mask, lead, axis))
     Dp, Ep = (max(16, _pow2(n)) for n in (D, E))
     bq, bk = _blocks(blocks, T, S, Dp, interpret)
@@ -146,8 +147,8 @@ def gpu_attention(
     ints = (kinds, bounds(kinds, -1), bounds(kinds, -2), masks)
     sink_rows = jnp.zeros((b,), jnp.float32) if sinks_f is None else sinks_f
     second = None if reference is None else functools.partial(_padded, reference, lead, (T, S, D, E), spec)
-    out, lse = attend(spec, second, qf, kf, vf, sink_rows, consts, ints)
-    return out[:, :T, :E].reshape(*lead, T, E), lse[:, :T].reshape(*lead, T)
+    out, lse, top = attend(spec, second, qf, kf, vf, sink_rows, consts, ints)
+    return out[:, :T, :E].reshape(*lead, T, E), lse[:, :T].reshape(*lead, T), top[:, :T].reshape(*lead, T)
 
 
 def _padded(reference: Callable, lead, sizes, spec: Spec, q, k, v, sinks) -> tuple[Array, Array]:

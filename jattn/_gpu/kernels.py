@@ -140,9 +140,9 @@ def _kinds_loop(kinds_ref, bounds_ref, kr, fixed, tile, init, by_rows: bool):
 
 
 def _forward_kernel(spec: Spec, q_ref, k_ref, v_ref, kinds_ref, bounds_ref, sinks_ref, *refs):
-    """One query block: online softmax over its key blocks; writes ``o (bq, Ep)`` and ``lse (bq,)``."""
+    """One query block: online softmax over its key blocks; writes ``o (bq, Ep)``, ``lse (bq,)`` and the max logit ``(bq,)``."""
     masks, consts = refs[: spec.n_mask], refs[spec.n_mask : spec.n_mask + spec.mod_count]
-    o_ref, lse_ref = refs[-2:]
+    o_ref, lse_ref, top_ref = refs[-3:]
     g, r, i = spec.grid, pl.program_id(0), pl.program_id(1)
     q, kr = q_ref[...], _at(kinds_ref, r)
     values = tuple(c[r] for c in consts)  # the score modification's values of this row
@@ -171,6 +171,7 @@ def _forward_kernel(spec: Spec, q_ref, k_ref, v_ref, kinds_ref, bounds_ref, sink
     weight = jnp.where(seen, jnp.exp(m - jnp.where(seen, lse, 0.0)), 0.0)
     o_ref[...] = (acc * weight[:, None]).astype(o_ref.dtype)
     lse_ref[...] = lse
+    top_ref[...] = m  # each row's largest kept logit (-inf where it sees none)
 
 
 def _whole(x: Array) -> pl.BlockSpec:
@@ -184,8 +185,8 @@ def _common(kinds, bounds, sinks, masks, consts) -> tuple[list, list]:
     return ops, [_whole(x) for x in ops]
 
 
-def forward(spec: Spec, q, k, v, kinds, bounds, sinks, masks, consts) -> tuple[Array, Array]:
-    """``(o (b, Tp, Ep), lse (b, Tp) float32)``; ``bounds`` from :func:`jattn._gpu.tiles.bounds` over key blocks."""
+def forward(spec: Spec, q, k, v, kinds, bounds, sinks, masks, consts) -> tuple[Array, Array, Array]:
+    """``(o (b, Tp, Ep), lse (b, Tp), max logit (b, Tp))``, float32 rows; ``bounds`` from :func:`jattn._gpu.tiles.bounds`."""
     g, G = spec.grid, spec.G
     b = q.shape[0]
     ops, specs = _common(kinds, bounds, sinks, masks, consts)
@@ -201,9 +202,11 @@ def forward(spec: Spec, q, k, v, kinds, bounds, sinks, masks, consts) -> tuple[A
         out_specs=[
             pl.BlockSpec((None, g.bq, spec.Ep), lambda r, i: (r, i, 0)),
             pl.BlockSpec((None, g.bq), lambda r, i: (r, i)),
+            pl.BlockSpec((None, g.bq), lambda r, i: (r, i)),
         ],
         out_shape=[
             jax.ShapeDtypeStruct((b, g.t_pad, spec.Ep), v.dtype),
+            jax.ShapeDtypeStruct((b, g.t_pad), jnp.float32),
             jax.ShapeDtypeStruct((b, g.t_pad), jnp.float32),
         ],
         interpret=spec.interpret,
@@ -274,11 +277,11 @@ def tangent(spec: Spec, q, k, v, o, lse, dq, dk, dv, kinds, bounds, sinks, dsink
 
 
 def _forward_tangent_kernel(spec: Spec, q_ref, k_ref, v_ref, dq_ref, dk_ref, dv_ref, *refs):
-    """One query block's forward and tangent in one sweep: ``o``, ``lse``, ``d o``, ``d lse``."""
+    """One query block's forward and tangent in one sweep: ``o``, ``lse``, the max logit, ``d o``, ``d lse``."""
     kinds_ref, bounds_ref, sinks_ref, *refs = refs
     nm, nc = spec.n_mask, spec.mod_count
-    masks, consts, (dsinks_ref, *dconsts) = refs[:nm], refs[nm : nm + nc], refs[nm + nc : -4]
-    o_ref, lse_ref, do_ref, dlse_ref = refs[-4:]
+    masks, consts, (dsinks_ref, *dconsts) = refs[:nm], refs[nm : nm + nc], refs[nm + nc : -5]
+    o_ref, lse_ref, top_ref, do_ref, dlse_ref = refs[-5:]
     g, r, i = spec.grid, pl.program_id(0), pl.program_id(1)
     q, dq_, kr = q_ref[...], dq_ref[...], _at(kinds_ref, r)
     values, dvalues = tuple(c[r] for c in consts), tuple(c[r] for c in dconsts)
@@ -316,12 +319,13 @@ def _forward_tangent_kernel(spec: Spec, q_ref, k_ref, v_ref, dq_ref, dk_ref, dv_
         dlse = dlse + jnp.exp(sinks_ref[r] - lse) * dsinks_ref[r]
     o_ref[...] = o.astype(o_ref.dtype)
     lse_ref[...] = lse
+    top_ref[...] = m
     do_ref[...] = (tacc * weight[:, None] - dlse[:, None] * o).astype(do_ref.dtype)
     dlse_ref[...] = dlse
 
 
 def forward_tangent(spec: Spec, q, k, v, dq, dk, dv, kinds, bounds, sinks, dsinks, masks, consts, dconsts) -> list:
-    """``[o, lse, d o, d lse]`` in one sweep: :func:`forward` and :func:`tangent` (same operands, shapes and dtypes)."""
+    """``[o, lse, max logit, d o, d lse]`` in one sweep: :func:`forward` and :func:`tangent` (their operands and types)."""
     g, G = spec.grid, spec.G
     b = q.shape[0]
     ops, specs = _common(kinds, bounds, sinks, masks, consts)
@@ -338,8 +342,8 @@ def forward_tangent(spec: Spec, q, k, v, dq, dk, dv, kinds, bounds, sinks, dsink
         functools.partial(_forward_tangent_kernel, spec),
         grid=(b, g.nq),
         in_specs=[q_block, *kv, q_block, *kv, *specs, *(_whole(x) for x in extra)],
-        out_specs=[row_e, row, row_e, row],
-        out_shape=[o, lse, o, lse],
+        out_specs=[row_e, row, row, row_e, row],
+        out_shape=[o, lse, lse, o, lse],
         interpret=spec.interpret,
         compiler_params=_COMPILER,
         name="jattn_gpu_forward_tangent",

@@ -1,6 +1,7 @@
 """The GPU kernel's derivatives at every order: a custom JVP whose tangent is a linear pair.
 
-:func:`attend` is ``(o, lse)`` of the padded operands (the forward kernel), a ``jax.custom_jvp``. Its
+:func:`attend` is ``(o, lse, max logit)`` of the padded operands (the forward kernel), a ``jax.custom_jvp``
+(the max logit is a monitor: its tangent is 0). Its
 rule calls :func:`attend` itself for the primal and :data:`PAIR` (a
 :class:`jattn._autodiff.LinearPair`) for the tangent, as the blockwise path does
 (:mod:`jattn._blockwise.rules`):
@@ -56,8 +57,8 @@ class Call(NamedTuple):
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
-def attend(spec: Spec, second: Callable | None, q, k, v, sinks, consts, ints) -> tuple[Array, Array]:
-    """``(o (b, Tp, Ep), lse (b, Tp) float32)`` of the padded operands (:func:`jattn._gpu.kernels.forward`).
+def attend(spec: Spec, second: Callable | None, q, k, v, sinks, consts, ints) -> tuple[Array, Array, Array]:
+    """``(o (b, Tp, Ep), lse (b, Tp), max logit (b, Tp))`` of the padded operands (:func:`jattn._gpu.kernels.forward`).
 
     ``ints = (kinds, fb, tb, masks)``: the tile kinds, their bounds over key and query blocks, the mask's arrays.
     ``second``: the reference path on the same operands (:class:`Call`), or None.
@@ -74,31 +75,33 @@ def _attend_jvp(spec: Spec, second, primals, tangents):
     call = Call(spec, second, len(consts))
     xs = [q, k, v, sinks, *consts, kinds, fb, tb, *masks]
     dxs = [dq_, dk, dv, dsinks, *(d for d, f in zip(dconsts, call.floats, strict=True) if f)]
-    o, lse, d_o, d_lse = ONE_PASS.bind(call, xs, dxs)
-    return (o, lse), (d_o, d_lse)
+    o, lse, top, d_o, d_lse, d_top = ONE_PASS.bind(call, xs, dxs)
+    return (o, lse, top), (d_o, d_lse, d_top)
 
 
 def _two_pass(call: Call, xs: list, dxs: list) -> list:
-    """``[o, lse, d o, d lse]``: :func:`attend` (so higher orders find its rule) and :data:`PAIR`'s tangent."""
+    """``[o, lse, max logit, d o, d lse, 0]``: :func:`attend` (so higher orders find its rule) and :data:`PAIR`'s tangent."""
     q, k, v, sinks, consts, kinds, fb, tb, masks, _, _ = call.split([*xs, None, None])
-    o, lse = attend(call.spec, call.second, q, k, v, sinks, consts, (kinds, fb, tb, masks))
+    o, lse, top = attend(call.spec, call.second, q, k, v, sinks, consts, (kinds, fb, tb, masks))
     d_o, d_lse = PAIR.apply(call, [*xs, o, lse], dxs)
-    return [o, lse, d_o, d_lse]
+    return [o, lse, top, d_o, d_lse, jnp.zeros_like(top)]
 
 
 def _one_pass(call: Call, xs: list, dxs: list) -> list:
-    """``[o, lse, d o, d lse]`` from one kernel (:func:`jattn._gpu.kernels.forward_tangent`)."""
+    """``[o, lse, max logit, d o, d lse, 0]`` from one kernel (:func:`jattn._gpu.kernels.forward_tangent`)."""
     q, k, v, sinks, consts, kinds, fb, _, masks, _, _ = call.split([*xs, None, None])
     dq_, dk, dv, dsinks, *dconsts = dxs
-    return forward_tangent(call.spec, q, k, v, dq_, dk, dv, kinds, fb, sinks, dsinks, masks, consts, dconsts)
+    args = (q, k, v, dq_, dk, dv, kinds, fb, sinks, dsinks, masks, consts, dconsts)
+    o, lse, top, d_o, d_lse = forward_tangent(call.spec, *args)
+    return [o, lse, top, d_o, d_lse, jnp.zeros_like(top)]
 
 
 def _one_pass_avals(call: Call, xs: list, dxs: list) -> list:
-    """``o (b, Tp, Ep)`` in v's dtype, ``lse (b, Tp)`` float32, and their tangents (the same types)."""
+    """``o (b, Tp, Ep)`` in v's dtype, ``lse`` and the max logit ``(b, Tp)`` float32, and their tangents (the same types)."""
     q, v = xs[0], xs[2]
     o = v.update(shape=(q.shape[0], q.shape[1], v.shape[2]), weak_type=False)
     lse = q.update(shape=q.shape[:2], dtype=jnp.float32, weak_type=False)
-    return [o, lse, o, lse]
+    return [o, lse, lse, o, lse, lse]
 
 
 def _fast(direction: int, call: Call, res: list, lin: list) -> list:
@@ -201,7 +204,7 @@ PAIR = LinearPair(
 #: :func:`attend` and its tangent in one kernel; linearisation splits it into :func:`attend` and :data:`PAIR`.
 ONE_PASS = OnePassJvp(
     "jattn_gpu_jvp",
-    primals=2,
+    primals=3,
     fast=_one_pass,
     split=_two_pass,
     avals=_one_pass_avals,

@@ -78,7 +78,9 @@ SUPPORT: dict[str, dict[str, str]] = {
     "dropout_rate": _row(jax_nn="no: jax.nn has no dropout", pallas="no: the kernel has no dropout"),
     "precision": _row(jax_nn="no: jax.nn takes no precision", pallas="no: the kernel fixes its own precision"),
     "return_lse": _row(pallas="partly: GPU yes (differentiable); TPU no: splash's log-sum-exp is not returned"),
-    "return_max_logit": _row(jax_nn="no: jax.nn returns no max logit", pallas="no: the kernel returns no max logit"),
+    "return_max_logit": _row(
+        jax_nn="no: jax.nn returns no max logit", pallas="partly: GPU yes; TPU no: splash returns none"
+    ),
     "score_mod": _row(
         jax_nn="no: jax.nn takes no score modification",
         pallas=(

@@ -39,9 +39,13 @@ def kernel_platform() -> tuple[str, bool]:
     return kernel, jax.default_backend() != kernel
 
 
-def _splash_refusals(sinks, return_lse: bool) -> None:
+def _splash_refusals(sinks, return_lse: bool, return_max_logit: bool) -> None:
     """Raises :class:`jattn._checks.KernelRefusalError` for what splash attention (TPU) does not take here."""
-    for used, name in ((sinks is not None, "sinks"), (return_lse, "return_lse")):
+    for used, name in (
+        (sinks is not None, "sinks"),
+        (return_lse, "return_lse"),
+        (return_max_logit, "return_max_logit"),
+    ):
         if used:
             raise kernel_refusal("pallas", name, "on TPU splash attention takes none")
 
@@ -61,28 +65,31 @@ def pallas_attention(
     score_mod=None,
     sinks: Array | None = None,
     return_lse: bool = False,
-) -> tuple[Array, Array | None]:
-    """``(out (..., T, E), lse (..., T) or None)`` through the platform's Pallas kernel; q ``(..., T, D)``, k ``(..., S, D)``, v ``(..., S, E)``.
+    return_max_logit: bool = False,
+) -> tuple[Array, Array | None, Array | None]:
+    """``(out (..., T, E), lse (..., T), max logit (..., T))`` through the platform's Pallas kernel (TPU: ``lse``, ``max logit`` None).
+
+    q ``(..., T, D)``, k ``(..., S, D)``, v ``(..., S, E)``.
 
     ``scale`` is a value, ``lead`` the call's leading shape and ``axis`` the axis of it where q's
     first axis (a per-example mask's batch) lands (:class:`jattn._checks.Operands`); offsets are
     static ints; ``blocks`` the kernel's ``(block_q, block_kv)``. Out is in the dtype of v; lse
-    (float32, differentiable) only on GPU, None on TPU. ``score_mod``: on GPU any (in the kernel), on TPU
+    (float32, differentiable) and the max logit (float32, each row's largest kept logit, a monitor
+    whose derivative is 0) only on GPU, None on TPU. ``score_mod``: on GPU any (in the kernel), on TPU
     :func:`jattn.score_mods.softcap` only. What the kernel cannot take raises
     :class:`jattn._checks.KernelRefusalError` before anything is built.
     """
     kernel, interpret = kernel_platform()
     if kernel == "tpu":
-        _splash_refusals(sinks, return_lse)
+        _splash_refusals(sinks, return_lse, return_max_logit)
         out = splash_attention(q, k, v, mask, scale, q_offset, kv_offset, blocks, interpret, lead, axis, score_mod)
-        return out, None
+        return out, None, None
 
     def reference(q, k, v, sinks, scale):  # the GPU kernel's backward is differentiated through this (grad of grad)
         ops = Operands(q, k, v, mask, None, scale, q_offset, kv_offset, lead, axis)
         return dense_attention(ops, score_mod=score_mod, sinks=sinks)[:2]
 
-    out, lse = gpu_attention(
+    return gpu_attention(
         q, k, v, mask=mask, scale=scale, q_offset=q_offset, kv_offset=kv_offset, blocks=blocks, lead=lead, axis=axis,
         score_mod=score_mod, sinks=sinks, interpret=interpret, reference=reference,
     )  # fmt: skip
-    return out, lse
