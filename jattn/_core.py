@@ -205,8 +205,8 @@ def attention(
       dropout_rate: probability of dropping an attention weight (training only); kept weights
         are scaled by ``1 / (1 - dropout_rate)``. Entry ``(t, s)`` of leading row ``b`` (the
         broadcast leading dimensions flattened row-major) is kept by a stateless hash of the
-        key, ``b``, ``t`` and ``s`` (:mod:`jattn._dropout`), so 'dense' and 'blockwise' (any
-        ``block_size``) drop exactly the same entries.
+        key, ``b``, ``t`` and ``s`` (:mod:`jattn._dropout`), so 'dense', 'blockwise' (any
+        ``block_size``) and 'pallas' on GPU drop exactly the same entries.
       dropout_rng: PRNG key, required when ``dropout_rate > 0``.
       precision: matmul precision passed to the einsums (matters on TPU).
       return_lse: also return the ``(..., T)`` log-sum-exp of the logits.
@@ -288,6 +288,8 @@ def _run(path: str, ops: Operands, opts: _Options) -> Array | tuple[Array, ...]:
                 axis=ops.axis,
                 score_mod=opts.score_mod,
                 sinks=opts.sinks,
+                dropout_rate=opts.dropout_rate,
+                dropout_rng=opts.dropout_rng,
                 return_lse=opts.return_lse,
                 return_max_logit=opts.return_max_logit,
             )

@@ -297,7 +297,6 @@ def test_score_mods_closing_over_arrays_and_their_gradients(which):
         (dict(mask=masks.predicate(lambda b, h, i, j: j <= i + h)), "batch and head"),
         (dict(mask=masks.causal(), q_offset=np.array([0, 1])), "offset"),
         (dict(bias=np.zeros((6, 6), np.float32)), "bias"),
-        (dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), "dropout"),
         (dict(precision="highest"), "precision"),
         (dict(score_mod=score_mods.relative_position_bias(np.ones((32, 3), np.float32))), "score_mod.*gather"),
     ],
@@ -418,6 +417,7 @@ def test_tpu_kernel_refuses_sinks_lse_and_score_mods_other_than_softcap(monkeypa
         (dict(sinks=jnp.zeros((2,))), "sinks"),
         (dict(return_lse=True), "return_lse"),
         (dict(return_max_logit=True), "return_max_logit"),
+        (dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), "dropout_rate"),
     ):
         with pytest.raises(ValueError, match=rf"implementation='pallas' cannot take {name}: on TPU.*use one of"):
             jattn.attention(q, q, q, implementation="pallas", **kw)
@@ -458,3 +458,125 @@ def test_second_order_through_the_dense_path_and_its_refusal():
 
     with pytest.raises(ValueError, match=r"second-order .* of implementation='pallas' with a score_mod closing over"):
         jax.grad(lambda q: jnp.sum(jax.grad(alibi_loss)(q) ** 2))(_rand((2, 5, 6, 8), 3, jnp.float32))
+
+
+_RATE = 0.3
+
+
+def _factor(lead_q, lead_kv, T, S, key, **kw):
+    """The dropout factor Z ``(*lead, T, S)`` (0 or 1 / keep_prob) a path applies, read off its output.
+
+    With q = k = 0 every weight is 1 / S, and v = I puts weight s of row t in out[..., t, s]: out = Z / S.
+    """
+    q, k = jnp.zeros((*lead_q, T, 3), jnp.float32), jnp.zeros((*lead_kv, S, 3), jnp.float32)
+    v = jnp.broadcast_to(jnp.eye(S, dtype=jnp.float32), (*lead_kv, S, S))
+    return np.asarray(jattn.attention(q, k, v, dropout_rate=_RATE, dropout_rng=key, **kw), np.float64) * S
+
+
+def test_dropout_drops_what_the_blockwise_path_drops():
+    """The kernel's keep bits are the dense and blockwise paths' in every (grouped) row, for two block sizes."""
+    key, lq, lkv, T, S = jax.random.key(11), (2, 3, 2), (2, 3, 1), 11, 13
+    want = _factor(lq, lkv, T, S, key, implementation="dense")
+    np.testing.assert_array_equal(want, _factor(lq, lkv, T, S, key, implementation="blockwise", block_size=(4, 3)))
+    for block in (8, 16):
+        got = _factor(lq, lkv, T, S, key, implementation="pallas", block_size=block)
+        np.testing.assert_allclose(got, want, rtol=1e-6, err_msg=f"block_size={block}")
+    assert 0.5 < np.mean(want != 0) < 0.9  # a real draw (keep_prob 0.7)
+
+
+def _dropout_case():
+    B, K, G, T, S, D, E = 2, 3, 2, 11, 13, 8, 6
+    args = _rand((B, K, G, T, D), 0, jnp.float32), _rand((B, K, 1, S, D), 1, jnp.float32)
+    mask = masks.causal() & masks.padding(kv_lengths=np.array([13, 6]))
+    kw = dict(mask=mask, q_offset=-2, dropout_rate=_RATE, dropout_rng=jax.random.key(5))  # rows 0, 1 see no key
+    drop = _factor((B, K, G), (B, K, 1), T, S, jax.random.key(5), implementation="dense")
+    keep = np.asarray(mask.dense(T, S, q_offset=-2)).reshape(B, 1, 1, T, S)
+    return (*args, _rand((B, K, 1, S, E), 2, jnp.float32)), kw, drop, keep
+
+
+def test_dropout_values_and_gradients_equal_the_reference():
+    """out = (P ∘ Z) v, dq, dk, dv (grouped heads, documents padded, rows that see nothing) against float64 NumPy."""
+    (q, k, v), kw, drop, keep = _dropout_case()
+    g = np.random.default_rng(3).normal(size=(*q.shape[:-1], v.shape[-1]))
+
+    def loss(q, k, v):
+        out = jattn.attention(q, k, v, implementation="pallas", block_size=8, **kw)
+        return jnp.sum(out * jnp.asarray(g, jnp.float32)), out
+
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    _, w, _ = ref.attention(q, k, v, keep)
+    np.testing.assert_allclose(ref.f64(out), np.matmul(w * drop, ref.f64(v)), **ref.tol(jnp.float32))
+    for got, want in zip(grads, ref.attention_grads(q, k, v, g, keep, drop=drop)[:3], strict=True):
+        ref.assert_grad_close(got, want, jnp.float32)
+
+
+def test_dropout_jvp_and_second_order():
+    """Forward mode (one-pass kernel) against float64 JAX with Z materialised; grad of grad as the dense path's."""
+    (q, k, v), kw, drop, keep = _dropout_case()
+    tangents = _tangents((q, k, v), 10)
+
+    def f(q, k, v):
+        return jattn.attention(q, k, v, return_lse=True, implementation="pallas", block_size=8, **kw)
+
+    (out, lse), (d_out, d_lse) = jax.jit(lambda a, t: jax.jvp(f, a, t))((q, k, v), tangents)
+    with jax.enable_x64(True):
+
+        def want_f(q, k, v):
+            s = jnp.where(keep, jnp.einsum("...td,...sd->...ts", q, k) / np.sqrt(q.shape[-1]), -jnp.inf)
+            lse = jax.nn.logsumexp(s, -1)
+            w = jnp.where(keep, jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0)[..., None]), 0)
+            return jnp.einsum("...ts,...se->...te", w * drop, v), lse
+
+        wide = lambda xs: tuple(jnp.asarray(ref.f64(x)) for x in xs)  # noqa: E731
+        want, d_want = jax.jvp(want_f, wide((q, k, v)), wide(tangents))
+    np.testing.assert_allclose(ref.f64(out), np.asarray(want[0]), **ref.tol(jnp.float32))
+    ref.assert_grad_close(d_out, np.asarray(d_want[0]), jnp.float32)
+    seen = np.isfinite(np.asarray(want[1]))
+    np.testing.assert_allclose(np.where(seen, lse, 0), np.where(seen, np.asarray(want[1]), 0), **ref.tol(jnp.float32))
+    ref.assert_grad_close(np.where(seen, d_lse, 0), np.where(seen, np.asarray(d_want[1]), 0), jnp.float32)
+
+    def outer(impl, **extra):
+        def loss(q, k, v):
+            dq, dk, dv = jax.grad(
+                lambda *a: jnp.sum(jnp.sin(jattn.attention(*a, implementation=impl, **kw, **extra))), argnums=(0, 1, 2)
+            )(q, k, v)
+            return jnp.sum(dq**2) + jnp.sum(dk**2) + jnp.sum(jnp.sin(dv))
+
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+    for a, w in zip(outer("pallas", block_size=8), outer("dense"), strict=True):
+        ref.assert_grad_close(a, np.asarray(w, np.float64), jnp.float32)
+
+
+def test_dropout_vmapped_equals_a_loop():
+    """vmap over q and the dropout key (each index its own draw), and over q alone (one draw): as a loop of calls."""
+    n, lq, T, S, D = 3, (2, 2), 9, 11, 8
+    q = _rand((n, *lq, T, D), 0, jnp.float32)
+    k, v = _rand((*lq, S, D), 1, jnp.float32), _rand((*lq, S, D), 2, jnp.float32)
+    keys = jax.random.split(jax.random.key(7), n)
+
+    def f(q, key):
+        return jattn.attention(
+            q, k, v, mask=masks.causal(), dropout_rate=_RATE, dropout_rng=key, implementation="pallas", block_size=8
+        )
+
+    for mapped, rng in ((jax.vmap(f)(q, keys), keys), (jax.vmap(f, (0, None))(q, keys[0]), [keys[0]] * n)):
+        for i in range(n):
+            np.testing.assert_allclose(mapped[i], f(q[i], rng[i]), **ref.tol(jnp.float32))
+    assert not np.allclose(jax.vmap(f)(q, keys)[1], jax.vmap(f, (0, None))(q, keys[0])[1])
+
+
+def test_second_order_of_a_vmapped_call_equals_the_dense_paths():
+    """grad of grad of vmap: the folded rows' second-order terms map the dense path over the copies vmap folded in."""
+    q = _rand((3, 2, 2, 9, 8), 0, jnp.float32)
+
+    def second(impl, **kw):
+        def one(q):
+            return jnp.sum(jnp.sin(jattn.attention(q, q, q, mask=masks.causal(), implementation=impl, **kw)))
+
+        def loss(q):
+            return jnp.sum(jax.grad(lambda q: jnp.sum(jax.vmap(one)(q)))(q) ** 2)
+
+        return jax.grad(loss)(q)
+
+    ref.assert_grad_close(second("pallas", block_size=8), ref.f64(second("dense")), jnp.float32)

@@ -51,6 +51,9 @@ CASES = {
         mask=masks.segment_ids(np.arange(B * T).reshape(B, T) // 9, np.arange(B * S).reshape(B, S) // 16)
     ),
     "softcap-causal": dict(mask=masks.causal(), score_mod=score_mods.softcap(30.0)),
+    "dropout-causal-window": dict(
+        mask=masks.causal() & masks.sliding_window(16), dropout_rate=0.1, dropout_rng=jax.random.key(0)
+    ),
     "alibi-padding": dict(
         mask=masks.padding(kv_lengths=np.array([30, 72])), score_mod=score_mods.alibi(jnp.ones((K * G,)))
     ),

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax import Array
 
 from jattn._checks import KernelRefusalError, check_sinks
+from jattn._dropout import row_seeds
 from jattn._gpu.kernels import Spec
 from jattn._gpu.rules import attend
 from jattn._gpu.score_mod import convert, unlowerable
@@ -97,6 +98,8 @@ def gpu_attention(
     axis: int,
     score_mod=None,
     sinks: Array | None = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: Array | None = None,
     interpret: bool,
     reference: Callable | None = None,
 ) -> tuple[Array, Array, Array]:
@@ -105,9 +108,11 @@ def gpu_attention(
     q ``(..., T, D)``, k ``(..., S, D)``, v ``(..., S, E)``; ``lead`` and ``axis`` as in
     :class:`jattn._checks.Operands`; ``scale`` a value (a traced one is folded into q); ``mask``
     any position predicate with padding() and segment_ids() in any ``&``, ``|``, ``~``;
-    ``score_mod`` and ``sinks`` as for :func:`jattn.attention`; ``blocks`` the kernel's ``(bq, bk)``.
-    ``reference(q, k, v, sinks, scale) -> (out, lse)``: the same call on another path (XLA, differentiable
-    to any order) that the backward's own derivative (grad of grad) is taken through; None refuses it.
+    ``score_mod``, ``sinks`` and dropout as for :func:`jattn.attention` (dropout's bits the blockwise
+    path's, from each flat leading row's seed); ``blocks`` the kernel's ``(bq, bk)``.
+    ``reference(q, k, v, sinks, seeds, scale) -> (out, lse)``: the same call on another path (XLA,
+    differentiable to any order, ``seeds (*lead)`` the rows' dropout seeds) that the backward's own
+    derivative (grad of grad) is taken through; None refuses it.
     """
     T, S, D, E = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
     refuse(mask, q_offset, kv_offset, D, E)
@@ -142,21 +147,34 @@ def gpu_attention(
     masks = tuple(x.astype(jnp.int32) for x in kernel_arrays(grid, arrays))
     spec = Spec(
         grid=grid, Dp=Dp, Ep=Ep, G=G, scale=float(scale), mod=mod, sinks=sinks is not None, interpret=interpret,
-        n_mask=len(masks),
+        n_mask=len(masks), dropout=float(dropout_rate),
     )  # fmt: skip
-    ints = (kinds, bounds(kinds, -1), bounds(kinds, -2), masks)
+    seeds = row_seeds(dropout_rng, jnp.arange(b, dtype=jnp.int32)) if dropout_rate else jnp.zeros((b,), jnp.uint32)
+    ints = (kinds, bounds(kinds, -1), bounds(kinds, -2), seeds, masks)
     sink_rows = jnp.zeros((b,), jnp.float32) if sinks_f is None else sinks_f
     second = None if reference is None else functools.partial(_padded, reference, lead, (T, S, D, E), spec)
     out, lse, top = attend(spec, second, qf, kf, vf, sink_rows, consts, ints)
     return out[:, :T, :E].reshape(*lead, T, E), lse[:, :T].reshape(*lead, T), top[:, :T].reshape(*lead, T)
 
 
-def _padded(reference: Callable, lead, sizes, spec: Spec, q, k, v, sinks) -> tuple[Array, Array]:
-    """``reference`` on the kernel's padded, flattened operands: ``(o (b, Tp, Ep), lse (b, Tp))``, 0 in the padding."""
+def _padded(reference: Callable, lead, sizes, spec: Spec, q, k, v, sinks, seeds) -> tuple[Array, Array]:
+    """``reference`` on the kernel's padded, flattened operands: ``(o (b, Tp, Ep), lse (b, Tp))``, 0 in the padding.
+
+    Where ``vmap`` folded ``n`` copies of the call into the rows (``n b`` of them), ``reference`` is mapped over them.
+    """
     T, S, D, E = sizes
+    n = q.shape[0] // math.prod(lead)
     kv_lead = (*lead[:-1], 1) if spec.G > 1 else lead
-    q_ = q[:, :T, :D].reshape(*lead, T, D)
-    k_, v_ = k[:, :S, :D].reshape(*kv_lead, S, D), v[:, :S, :E].reshape(*kv_lead, S, E)
-    out, lse = reference(q_, k_, v_, sinks.reshape(lead) if spec.sinks else None, spec.scale)
+
+    def one(q, k, v, sinks, seeds):
+        return reference(q, k, v, sinks if spec.sinks else None, seeds, spec.scale)
+
+    out, lse = jax.vmap(one)(
+        q[:, :T, :D].reshape(n, *lead, T, D),
+        k[:, :S, :D].reshape(n, *kv_lead, S, D),
+        v[:, :S, :E].reshape(n, *kv_lead, S, E),
+        sinks.reshape(n, *lead),
+        seeds.reshape(n, *lead),
+    )
     out = _pad(out.reshape(q.shape[0], T, E), q.shape[1], v.shape[2])
     return out, jnp.pad(lse.reshape(q.shape[0], T).astype(jnp.float32), ((0, 0), (0, q.shape[1] - T)))

@@ -19,6 +19,10 @@ reads kv row ``r // G``: grouped heads are never repeated. Tile kinds, the loop 
 * dk/dv, grid ``(b/G, nk)``: each key block loops over the G query rows it serves and their
   non-empty query blocks, accumulating ``dk`` and ``dv``.
 
+Dropout (``Spec.dropout``) multiplies each tile's weights by 0 or ``1 / keep_prob`` from the row's
+seed and the positions (:mod:`jattn._dropout`'s bits, the blockwise path's) wherever they meet v
+or dO v; the denominator and ``d lse`` sum the undropped weights.
+
 Dots take the inputs' dtype and accumulate in float32 (float32 inputs at full precision).
 """
 
@@ -33,6 +37,7 @@ from jax import Array, lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jattn._dropout import keep_mask
 from jattn._gpu.score_mod import TileMod
 from jattn._gpu.tiles import Grid, tile_mask
 
@@ -55,6 +60,7 @@ class Spec:
     sinks: bool
     interpret: bool
     n_mask: int  # how many mask arrays the kernels read (each with R rows or 1: read by row, or row 0)
+    dropout: float = 0.0  # the rate: a weight is dropped where :mod:`jattn._dropout`'s bit of its row seed says
 
     @property
     def mod_count(self) -> int:
@@ -75,6 +81,17 @@ def _iota(n: int) -> Array:
 def _at(ref, r):
     """Row ``r`` of a whole operand, or its row 0 where it has one row (broadcast)."""
     return r if ref.shape[0] > 1 else 0
+
+
+def _dropped(spec: Spec, seeds_ref, tile: _Tile, x: Array) -> Array:
+    """``x (bq, bk)`` times dropout's factor on the tile: ``1 / keep_prob`` where the row's bit keeps, else 0.
+
+    The bit of (row ``r``, query ``t``, key ``s``) is the blockwise and dense paths' (:mod:`jattn._dropout`).
+    """
+    if not spec.dropout:
+        return x
+    keep = keep_mask(seeds_ref[tile.r], tile.t[:, None], tile.s[None, :], spec.dropout)
+    return jnp.where(keep, x * (1.0 / (1.0 - spec.dropout)), 0.0)
 
 
 class _Tile:
@@ -139,7 +156,7 @@ def _kinds_loop(kinds_ref, bounds_ref, kr, fixed, tile, init, by_rows: bool):
     return lax.fori_loop(bounds_ref[kr, fixed, 0], bounds_ref[kr, fixed, 1], body, init)
 
 
-def _forward_kernel(spec: Spec, q_ref, k_ref, v_ref, kinds_ref, bounds_ref, sinks_ref, *refs):
+def _forward_kernel(spec: Spec, q_ref, k_ref, v_ref, kinds_ref, bounds_ref, sinks_ref, seeds_ref, *refs):
     """One query block: online softmax over its key blocks; writes ``o (bq, Ep)``, ``lse (bq,)`` and the max logit ``(bq,)``."""
     masks, consts = refs[: spec.n_mask], refs[spec.n_mask : spec.n_mask + spec.mod_count]
     o_ref, lse_ref, top_ref = refs[-3:]
@@ -150,11 +167,13 @@ def _forward_kernel(spec: Spec, q_ref, k_ref, v_ref, kinds_ref, bounds_ref, sink
     def tile(j, carry, masked):
         m, den, acc = carry
         kb, vb = k_ref[pl.ds(j * g.bk, g.bk), :], v_ref[pl.ds(j * g.bk, g.bk), :]
-        x = _Tile(spec, r, masks, values, i, j).logits(q, kb, masked)
+        at = _Tile(spec, r, masks, values, i, j)
+        x = at.logits(q, kb, masked)
         top = jnp.maximum(m, jnp.max(x, axis=1))
         safe = jnp.where(top == _NEG, 0.0, top)  # a row masked so far: its weights are 0, not NaN
         p, alpha = jnp.exp(x - safe[:, None]), jnp.exp(m - safe)
-        return top, alpha * den + jnp.sum(p, axis=1), alpha[:, None] * acc + _dot(p.astype(vb.dtype), vb, 1, 0)
+        pv = _dot(_dropped(spec, seeds_ref, at, p).astype(vb.dtype), vb, 1, 0)  # the sum of undropped p normalises
+        return top, alpha * den + jnp.sum(p, axis=1), alpha[:, None] * acc + pv
 
     init = (
         jnp.full((g.bq,), _NEG, jnp.float32),
@@ -179,17 +198,17 @@ def _whole(x: Array) -> pl.BlockSpec:
     return pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
 
 
-def _common(kinds, bounds, sinks, masks, consts) -> tuple[list, list]:
+def _common(kinds, bounds, sinks, seeds, masks, consts) -> tuple[list, list]:
     """Operands after q, k, v (and their specs), as every kernel reads them whole."""
-    ops = [kinds, bounds, sinks, *masks, *consts]
+    ops = [kinds, bounds, sinks, seeds, *masks, *consts]
     return ops, [_whole(x) for x in ops]
 
 
-def forward(spec: Spec, q, k, v, kinds, bounds, sinks, masks, consts) -> tuple[Array, Array, Array]:
+def forward(spec: Spec, q, k, v, kinds, bounds, sinks, seeds, masks, consts) -> tuple[Array, Array, Array]:
     """``(o (b, Tp, Ep), lse (b, Tp), max logit (b, Tp))``, float32 rows; ``bounds`` from :func:`jattn._gpu.tiles.bounds`."""
     g, G = spec.grid, spec.G
     b = q.shape[0]
-    ops, specs = _common(kinds, bounds, sinks, masks, consts)
+    ops, specs = _common(kinds, bounds, sinks, seeds, masks, consts)
     return pl.pallas_call(
         functools.partial(_forward_kernel, spec),
         grid=(b, g.nq),
@@ -217,7 +236,7 @@ def forward(spec: Spec, q, k, v, kinds, bounds, sinks, masks, consts) -> tuple[A
 
 def _tangent_kernel(spec: Spec, q_ref, k_ref, v_ref, o_ref, lse_ref, dq_ref, dk_ref, dv_ref, *refs):
     """One query block's tangent: ``d o (bq, Ep)`` and ``d lse (bq,)`` from the weights ``exp(x - lse)``."""
-    kinds_ref, bounds_ref, sinks_ref, *refs = refs
+    kinds_ref, bounds_ref, sinks_ref, seeds_ref, *refs = refs
     nm, nc = spec.n_mask, spec.mod_count
     masks, consts, (dsinks_ref, *dconsts) = refs[:nm], refs[nm : nm + nc], refs[nm + nc : -2]
     do_ref, dlse_ref = refs[-2:]
@@ -231,10 +250,11 @@ def _tangent_kernel(spec: Spec, q_ref, k_ref, v_ref, o_ref, lse_ref, dq_ref, dk_
         acc, dlse = carry
         at = pl.ds(j * g.bk, g.bk)
         kb, vb, dkb, dvb = k_ref[at, :], v_ref[at, :], dk_ref[at, :], dv_ref[at, :]
-        x, dx = _Tile(spec, r, masks, values, i, j).logits_jvp(q, kb, dq_, dkb, dvalues, masked)
+        at = _Tile(spec, r, masks, values, i, j)
+        x, dx = at.logits_jvp(q, kb, dq_, dkb, dvalues, masked)
         p = jnp.exp(x - lse[:, None])
-        pdx = p * dx
-        acc = acc + _dot(pdx.astype(vb.dtype), vb, 1, 0) + _dot(p.astype(dvb.dtype), dvb, 1, 0)
+        pdx, pz = p * dx, _dropped(spec, seeds_ref, at, p)  # d lse sums the undropped weights' tangents
+        acc = acc + _dot((pz * dx).astype(vb.dtype), vb, 1, 0) + _dot(pz.astype(dvb.dtype), dvb, 1, 0)
         return acc, dlse + jnp.sum(pdx, axis=1)
 
     init = (jnp.zeros((g.bq, spec.Ep), jnp.float32), jnp.zeros((g.bq,), jnp.float32))
@@ -245,7 +265,7 @@ def _tangent_kernel(spec: Spec, q_ref, k_ref, v_ref, o_ref, lse_ref, dq_ref, dk_
     dlse_ref[...] = dlse
 
 
-def tangent(spec: Spec, q, k, v, o, lse, dq, dk, dv, kinds, bounds, sinks, dsinks, masks, consts, dconsts):
+def tangent(spec: Spec, q, k, v, o, lse, dq, dk, dv, kinds, bounds, sinks, seeds, dsinks, masks, consts, dconsts):
     """``(d o (b, Tp, Ep), d lse (b, Tp) float32)``: the forward's tangent for q, k, v, sinks and the floating values'.
 
     ``o`` and ``lse`` are the forward's; ``dsinks (b,)``; ``dconsts`` the tangents of the score modification's
@@ -253,7 +273,7 @@ def tangent(spec: Spec, q, k, v, o, lse, dq, dk, dv, kinds, bounds, sinks, dsink
     """
     g, G = spec.grid, spec.G
     b = q.shape[0]
-    ops, specs = _common(kinds, bounds, sinks, masks, consts)
+    ops, specs = _common(kinds, bounds, sinks, seeds, masks, consts)
     extra = [dsinks, *dconsts]
     q_block = pl.BlockSpec((None, g.bq, spec.Dp), lambda r, i: (r, i, 0))
     kv = [pl.BlockSpec((None, g.s_pad, n), lambda r, i: (r // G, 0, 0)) for n in (spec.Dp, spec.Ep)]
@@ -278,7 +298,7 @@ def tangent(spec: Spec, q, k, v, o, lse, dq, dk, dv, kinds, bounds, sinks, dsink
 
 def _forward_tangent_kernel(spec: Spec, q_ref, k_ref, v_ref, dq_ref, dk_ref, dv_ref, *refs):
     """One query block's forward and tangent in one sweep: ``o``, ``lse``, the max logit, ``d o``, ``d lse``."""
-    kinds_ref, bounds_ref, sinks_ref, *refs = refs
+    kinds_ref, bounds_ref, sinks_ref, seeds_ref, *refs = refs
     nm, nc = spec.n_mask, spec.mod_count
     masks, consts, (dsinks_ref, *dconsts) = refs[:nm], refs[nm : nm + nc], refs[nm + nc : -5]
     o_ref, lse_ref, top_ref, do_ref, dlse_ref = refs[-5:]
@@ -290,16 +310,17 @@ def _forward_tangent_kernel(spec: Spec, q_ref, k_ref, v_ref, dq_ref, dk_ref, dv_
         m, den, acc, tacc, dlse = carry
         at = pl.ds(j * g.bk, g.bk)
         kb, vb, dkb, dvb = k_ref[at, :], v_ref[at, :], dk_ref[at, :], dv_ref[at, :]
-        x, dx = _Tile(spec, r, masks, values, i, j).logits_jvp(q, kb, dq_, dkb, dvalues, masked)
+        at = _Tile(spec, r, masks, values, i, j)
+        x, dx = at.logits_jvp(q, kb, dq_, dkb, dvalues, masked)
         top = jnp.maximum(m, jnp.max(x, axis=1))
         safe = jnp.where(top == _NEG, 0.0, top)  # a row masked so far: its weights are 0, not NaN
         p, alpha = jnp.exp(x - safe[:, None]), jnp.exp(m - safe)
-        pdx = p * dx
-        tile_t = _dot(pdx.astype(vb.dtype), vb, 1, 0) + _dot(p.astype(dvb.dtype), dvb, 1, 0)
+        pdx, pz = p * dx, _dropped(spec, seeds_ref, at, p)
+        tile_t = _dot((pz * dx).astype(vb.dtype), vb, 1, 0) + _dot(pz.astype(dvb.dtype), dvb, 1, 0)
         return (
             top,
             alpha * den + jnp.sum(p, axis=1),
-            alpha[:, None] * acc + _dot(p.astype(vb.dtype), vb, 1, 0),
+            alpha[:, None] * acc + _dot(pz.astype(vb.dtype), vb, 1, 0),
             alpha[:, None] * tacc + tile_t,
             alpha * dlse + jnp.sum(pdx, axis=1),
         )
@@ -324,11 +345,13 @@ def _forward_tangent_kernel(spec: Spec, q_ref, k_ref, v_ref, dq_ref, dk_ref, dv_
     dlse_ref[...] = dlse
 
 
-def forward_tangent(spec: Spec, q, k, v, dq, dk, dv, kinds, bounds, sinks, dsinks, masks, consts, dconsts) -> list:
+def forward_tangent(
+    spec: Spec, q, k, v, dq, dk, dv, kinds, bounds, sinks, seeds, dsinks, masks, consts, dconsts
+) -> list:
     """``[o, lse, max logit, d o, d lse]`` in one sweep: :func:`forward` and :func:`tangent` (their operands and types)."""
     g, G = spec.grid, spec.G
     b = q.shape[0]
-    ops, specs = _common(kinds, bounds, sinks, masks, consts)
+    ops, specs = _common(kinds, bounds, sinks, seeds, masks, consts)
     extra = [dsinks, *dconsts]
     q_block = pl.BlockSpec((None, g.bq, spec.Dp), lambda r, i: (r, i, 0))
     kv = [pl.BlockSpec((None, g.s_pad, n), lambda r, i: (r // G, 0, 0)) for n in (spec.Dp, spec.Ep)]
@@ -350,7 +373,9 @@ def forward_tangent(spec: Spec, q, k, v, dq, dk, dv, kinds, bounds, sinks, dsink
     )(q, k, v, dq, dk, dv, *ops, *extra)
 
 
-def _dq_kernel(spec: Spec, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kinds_ref, bounds_ref, sinks_ref, *refs):
+def _dq_kernel(
+    spec: Spec, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kinds_ref, bounds_ref, sinks_ref, seeds_ref, *refs
+):
     """One query block: ``dq (bq, Dp)`` and its share of the score modification's arrays' gradients."""
     del sinks_ref
     masks, consts = refs[: spec.n_mask], refs[spec.n_mask : spec.n_mask + spec.mod_count]
@@ -364,9 +389,10 @@ def _dq_kernel(spec: Spec, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kind
     def tile(j, carry, masked):
         dq, dcs = carry
         kb, vb = k_ref[pl.ds(j * g.bk, g.bk), :], v_ref[pl.ds(j * g.bk, g.bk), :]
-        x, pull = _Tile(spec, r, masks, values, i, j).logits_vjp(q, kb, masked)
+        at = _Tile(spec, r, masks, values, i, j)
+        x, pull = at.logits_vjp(q, kb, masked)
         p = jnp.exp(x - lse[:, None])
-        dx = p * (_dot(do, vb, 1, 1) - delta[:, None])
+        dx = p * (_dropped(spec, seeds_ref, at, _dot(do, vb, 1, 1)) - delta[:, None])
         ds, dc = pull(dx)
         dcs = tuple(a + b.astype(a.dtype) for a, b in zip(dcs, dc, strict=True))
         return dq + _dot((ds * spec.scale).astype(kb.dtype), kb, 1, 0), dcs
@@ -379,11 +405,13 @@ def _dq_kernel(spec: Spec, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kind
         ref[...] = d
 
 
-def dq(spec: Spec, q, k, v, do, lse, delta, kinds, bounds, sinks, masks, consts) -> tuple[Array, tuple[Array, ...]]:
+def dq(
+    spec: Spec, q, k, v, do, lse, delta, kinds, bounds, sinks, seeds, masks, consts
+) -> tuple[Array, tuple[Array, ...]]:
     """``(dq (b, Tp, Dp), dvalues)``: each floating row value ``(b, ...)`` of the score modification's gradient ``(b, nq, ...)`` float32."""
     g, G = spec.grid, spec.G
     b = q.shape[0]
-    ops, specs = _common(kinds, bounds, sinks, masks, consts)
+    ops, specs = _common(kinds, bounds, sinks, seeds, masks, consts)
     row = lambda r, i: (r, i)  # noqa: E731
     floats = () if spec.mod is None else tuple(c for c, f in zip(consts, spec.mod.floats, strict=True) if f)
     out = pl.pallas_call(
@@ -413,7 +441,9 @@ def dq(spec: Spec, q, k, v, do, lse, delta, kinds, bounds, sinks, masks, consts)
     return out[0], tuple(out[1:])
 
 
-def _dkdv_kernel(spec: Spec, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, kinds_ref, tbounds_ref, sinks_ref, *refs):
+def _dkdv_kernel(
+    spec: Spec, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, kinds_ref, tbounds_ref, sinks_ref, seeds_ref, *refs
+):
     """One key block: ``dk (bk, Dp)`` and ``dv (bk, Ep)`` over the G query rows it serves."""
     del sinks_ref
     masks, consts = refs[: spec.n_mask], refs[spec.n_mask : spec.n_mask + spec.mod_count]
@@ -431,10 +461,11 @@ def _dkdv_kernel(spec: Spec, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, ki
             qb, dob = q_ref[gi, pl.ds(i * g.bq, g.bq), :], do_ref[gi, pl.ds(i * g.bq, g.bq), :]
             lse, delta = lse_ref[gi, pl.ds(i * g.bq, g.bq)], delta_ref[gi, pl.ds(i * g.bq, g.bq)]
             lse = jnp.where(lse == _NEG, jnp.inf, lse)
-            x, pull = _Tile(spec, r, masks, values, i, j).logits_vjp(qb, kb, masked)
+            at = _Tile(spec, r, masks, values, i, j)
+            x, pull = at.logits_vjp(qb, kb, masked)
             p = jnp.exp(x - lse[:, None])
-            dv = dv + _dot(p.astype(dob.dtype), dob, 0, 0)
-            ds, _ = pull(p * (_dot(dob, vb, 1, 1) - delta[:, None]))
+            dv = dv + _dot(_dropped(spec, seeds_ref, at, p).astype(dob.dtype), dob, 0, 0)
+            ds, _ = pull(p * (_dropped(spec, seeds_ref, at, _dot(dob, vb, 1, 1)) - delta[:, None]))
             return dk + _dot((ds * spec.scale).astype(qb.dtype), qb, 0, 0), dv
 
         return _kinds_loop(kinds_ref, tbounds_ref, kr, j, tile, carry, by_rows=False)
@@ -445,13 +476,13 @@ def _dkdv_kernel(spec: Spec, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, ki
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def dkdv(spec: Spec, q, k, v, do, lse, delta, kinds, tbounds, sinks, masks, consts) -> tuple[Array, Array]:
+def dkdv(spec: Spec, q, k, v, do, lse, delta, kinds, tbounds, sinks, seeds, masks, consts) -> tuple[Array, Array]:
     """``(dk (b/G, Sp, Dp), dv (b/G, Sp, Ep))``; ``tbounds`` from :func:`jattn._gpu.tiles.bounds` over query blocks."""
     g, G = spec.grid, spec.G
     bkv = k.shape[0]
     grouped = (q.reshape(bkv, G, g.t_pad, spec.Dp), do.reshape(bkv, G, g.t_pad, spec.Ep))
     rows_of = (lse.reshape(bkv, G, g.t_pad), delta.reshape(bkv, G, g.t_pad))
-    ops, specs = _common(kinds, tbounds, sinks, masks, consts)
+    ops, specs = _common(kinds, tbounds, sinks, seeds, masks, consts)
     return pl.pallas_call(
         functools.partial(_dkdv_kernel, spec),
         grid=(bkv, g.nk),

@@ -16,7 +16,7 @@ rule calls :func:`attend` itself for the primal and :data:`PAIR` (a
   modification closes over floating arrays (ALiBi's slopes: the reference closes over them as
   constants, so their share of a second derivative would be lost).
 
-The pair's operands are flat: ``res = (q, k, v, sinks, *consts, kinds, fb, tb, *masks, o, lse)``,
+The pair's operands are flat: ``res = (q, k, v, sinks, *consts, kinds, fb, tb, seeds, *masks, o, lse)``,
 the linear ones ``(dq, dk, dv, d sinks, *d floating consts)`` for the tangent, ``(d o, d lse)``
 for the backward; :class:`Call` holds the static facts and the counts that split them.
 """
@@ -41,7 +41,7 @@ class Call(NamedTuple):
     """The static part of one call of the pair: the kernels' :class:`Spec`, the reference path and counts."""
 
     spec: Spec
-    second: Callable | None  # (q, k, v, sinks) -> (o, lse) on the padded operands, differentiable to any order
+    second: Callable | None  # (q, k, v, sinks, seeds) -> (o, lse) on the padded operands, differentiable to any order
     consts: int  # the score modification's row values
 
     @property
@@ -50,30 +50,31 @@ class Call(NamedTuple):
         return () if self.spec.mod is None else self.spec.mod.floats
 
     def split(self, res: list) -> tuple:
-        """``res`` as ``(q, k, v, sinks, consts, kinds, fb, tb, masks, o, lse)``."""
+        """``res`` as ``(q, k, v, sinks, consts, (kinds, fb, tb, seeds, masks), o, lse)``."""
         q, k, v, sinks, *rest = res
-        consts, (kinds, fb, tb, *rest) = tuple(rest[: self.consts]), rest[self.consts :]
-        return q, k, v, sinks, consts, kinds, fb, tb, tuple(rest[:-2]), rest[-2], rest[-1]
+        consts, (kinds, fb, tb, seeds, *rest) = tuple(rest[: self.consts]), rest[self.consts :]
+        return q, k, v, sinks, consts, (kinds, fb, tb, seeds, tuple(rest[:-2])), rest[-2], rest[-1]
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
 def attend(spec: Spec, second: Callable | None, q, k, v, sinks, consts, ints) -> tuple[Array, Array, Array]:
     """``(o (b, Tp, Ep), lse (b, Tp), max logit (b, Tp))`` of the padded operands (:func:`jattn._gpu.kernels.forward`).
 
-    ``ints = (kinds, fb, tb, masks)``: the tile kinds, their bounds over key and query blocks, the mask's arrays.
+    ``ints = (kinds, fb, tb, seeds, masks)``: the tile kinds, their bounds over key and query blocks, each
+    row's dropout seed (uint32, :func:`jattn._dropout.row_seeds`), the mask's arrays.
     ``second``: the reference path on the same operands (:class:`Call`), or None.
     """
-    kinds, fb, _, masks = ints
-    return forward(spec, q, k, v, kinds, fb, sinks, masks, consts)
+    kinds, fb, _, seeds, masks = ints
+    return forward(spec, q, k, v, kinds, fb, sinks, seeds, masks, consts)
 
 
 @attend.defjvp
 def _attend_jvp(spec: Spec, second, primals, tangents):
     q, k, v, sinks, consts, ints = primals
     dq_, dk, dv, dsinks, dconsts, _ = tangents
-    kinds, fb, tb, masks = ints
+    kinds, fb, tb, seeds, masks = ints
     call = Call(spec, second, len(consts))
-    xs = [q, k, v, sinks, *consts, kinds, fb, tb, *masks]
+    xs = [q, k, v, sinks, *consts, kinds, fb, tb, seeds, *masks]
     dxs = [dq_, dk, dv, dsinks, *(d for d, f in zip(dconsts, call.floats, strict=True) if f)]
     o, lse, top, d_o, d_lse, d_top = ONE_PASS.bind(call, xs, dxs)
     return (o, lse, top), (d_o, d_lse, d_top)
@@ -81,17 +82,17 @@ def _attend_jvp(spec: Spec, second, primals, tangents):
 
 def _two_pass(call: Call, xs: list, dxs: list) -> list:
     """``[o, lse, max logit, d o, d lse, 0]``: :func:`attend` (so higher orders find its rule) and :data:`PAIR`'s tangent."""
-    q, k, v, sinks, consts, kinds, fb, tb, masks, _, _ = call.split([*xs, None, None])
-    o, lse, top = attend(call.spec, call.second, q, k, v, sinks, consts, (kinds, fb, tb, masks))
+    q, k, v, sinks, consts, ints, _, _ = call.split([*xs, None, None])
+    o, lse, top = attend(call.spec, call.second, q, k, v, sinks, consts, ints)
     d_o, d_lse = PAIR.apply(call, [*xs, o, lse], dxs)
     return [o, lse, top, d_o, d_lse, jnp.zeros_like(top)]
 
 
 def _one_pass(call: Call, xs: list, dxs: list) -> list:
     """``[o, lse, max logit, d o, d lse, 0]`` from one kernel (:func:`jattn._gpu.kernels.forward_tangent`)."""
-    q, k, v, sinks, consts, kinds, fb, _, masks, _, _ = call.split([*xs, None, None])
+    q, k, v, sinks, consts, (kinds, fb, _, seeds, masks), _, _ = call.split([*xs, None, None])
     dq_, dk, dv, dsinks, *dconsts = dxs
-    args = (q, k, v, dq_, dk, dv, kinds, fb, sinks, dsinks, masks, consts, dconsts)
+    args = (q, k, v, dq_, dk, dv, kinds, fb, sinks, seeds, dsinks, masks, consts, dconsts)
     o, lse, top, d_o, d_lse = forward_tangent(call.spec, *args)
     return [o, lse, top, d_o, d_lse, jnp.zeros_like(top)]
 
@@ -107,15 +108,16 @@ def _one_pass_avals(call: Call, xs: list, dxs: list) -> list:
 def _fast(direction: int, call: Call, res: list, lin: list) -> list:
     """The tangent kernel (direction 0) or the dq and dk/dv kernels (1) at ``res`` on ``lin``."""
     spec = call.spec
-    q, k, v, sinks, consts, kinds, fb, tb, masks, o, lse = call.split(res)
+    q, k, v, sinks, consts, (kinds, fb, tb, seeds, masks), o, lse = call.split(res)
     if direction == 0:
         dq_, dk, dv, dsinks, *dconsts = lin
-        return list(tangent(spec, q, k, v, o, lse, dq_, dk, dv, kinds, fb, sinks, dsinks, masks, consts, dconsts))
+        args = (kinds, fb, sinks, seeds, dsinks, masks, consts, dconsts)
+        return list(tangent(spec, q, k, v, o, lse, dq_, dk, dv, *args))
     do, dlse = lin
     do = do.astype(q.dtype)
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1) - dlse
-    dq_, dcs = dq(spec, q, k, v, do, lse, delta, kinds, fb, sinks, masks, consts)
-    dk, dv = dkdv(spec, q, k, v, do, lse, delta, kinds, tb, sinks, masks, consts)
+    dq_, dcs = dq(spec, q, k, v, do, lse, delta, kinds, fb, sinks, seeds, masks, consts)
+    dk, dv = dkdv(spec, q, k, v, do, lse, delta, kinds, tb, sinks, seeds, masks, consts)
     dsinks = jnp.zeros_like(sinks)
     if spec.sinks:  # d sink = -sum_t e^(sink - lse_t) delta_t over the rows that see something
         finite = lse > -jnp.inf
@@ -134,18 +136,19 @@ def _diff(direction: int, call: Call, res: list, lin: list) -> list:
             f"second-order derivatives (grad of grad, jvp of grad, hessian) of implementation='pallas' with {why}: "
             "the kernel's derivatives have no derivative there; use 'blockwise' or 'dense'"
         )
-    q, k, v, sinks, *_, o, _ = call.split(res)
+    q, k, v, sinks, _, (*_, seeds, _), o, _ = call.split(res)
+    second = functools.partial(call.second, seeds=seeds)
     if direction == 0:
-        _, (d_o, d_lse) = jax.jvp(call.second, (q, k, v, sinks), tuple(lin[:4]))
+        _, (d_o, d_lse) = jax.jvp(second, (q, k, v, sinks), tuple(lin[:4]))
         return [d_o.astype(o.dtype), d_lse.astype(jnp.float32)]
-    (o2, _), pull = jax.vjp(call.second, q, k, v, sinks)
+    (o2, _), pull = jax.vjp(second, q, k, v, sinks)
     do, dlse = lin
     return list(pull((do.astype(o2.dtype), dlse.astype(jnp.float32))))
 
 
 def _avals(direction: int, call: Call, res: list, lin: list) -> list:
     """The outputs' types: ``o`` and ``lse`` (the tangent); q, k, v, sinks and the floating values (the backward)."""
-    q, k, v, sinks, consts, *_, o, lse = call.split(res)
+    q, k, v, sinks, consts, _, o, lse = call.split(res)
     if direction == 0:
         return [o, lse]
     return [q, k, v, sinks, *(c for c, f in zip(consts, call.floats, strict=True) if f)]
@@ -162,8 +165,8 @@ def _pair_rows(call: Call, n_args: int) -> list[str]:
 
 
 def _xs_rows(call: Call) -> list[str]:
-    """:func:`_pair_rows` of ``(q, k, v, sinks, *consts, kinds, fb, tb, *masks)``."""
-    return ["q", "kv", "kv", "q", *["q"] * call.consts, *["shared"] * (3 + call.spec.n_mask)]
+    """:func:`_pair_rows` of ``(q, k, v, sinks, *consts, kinds, fb, tb, seeds, *masks)``."""
+    return ["q", "kv", "kv", "q", *["q"] * call.consts, *["shared"] * 3, "q", *["shared"] * call.spec.n_mask]
 
 
 def _dxs_rows(call: Call) -> list[str]:

@@ -75,7 +75,10 @@ SUPPORT: dict[str, dict[str, str]] = {
     "q_offset / kv_offset (static ints)": _row(cudnn="partly: where the mask stays aligned with the keys' end"),
     "q_offset / kv_offset (arrays, per example)": _row(blockwise=_STATIC, jax_nn=_STATIC, pallas=_STATIC),
     "bias": _row(pallas="no: the kernel takes no bias"),
-    "dropout_rate": _row(jax_nn="no: jax.nn has no dropout", pallas="no: the kernel has no dropout"),
+    "dropout_rate": _row(
+        jax_nn="no: jax.nn has no dropout",
+        pallas="partly: GPU yes (the blockwise path's bits); TPU no: splash has none",
+    ),
     "precision": _row(jax_nn="no: jax.nn takes no precision", pallas="no: the kernel fixes its own precision"),
     "return_lse": _row(pallas="partly: GPU yes (differentiable); TPU no: splash's log-sum-exp is not returned"),
     "return_max_logit": _row(

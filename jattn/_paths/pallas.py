@@ -2,7 +2,8 @@
 
 On GPU it is jattn's own kernel (:mod:`jattn._gpu`: forward, dq and dk/dv kernels in Pallas,
 lowered by Triton): any position predicate, padding() and segment_ids() as per-tile kinds
-computed outside the kernel, ``score_mod`` in the kernel, sinks and a differentiable log-sum-exp,
+computed outside the kernel, ``score_mod`` in the kernel, sinks, dropout (the blockwise path's
+bits) and a differentiable log-sum-exp,
 grouped heads without repeating k and v, any T and S, head depths up to 256. On CPU the same
 kernel runs in Pallas *interpret* mode: exact, slow, and how jattn tests it (there is no GPU in
 CI). On TPU it is splash attention (:func:`jattn._paths.splash.splash_attention`), also tested in
@@ -39,10 +40,11 @@ def kernel_platform() -> tuple[str, bool]:
     return kernel, jax.default_backend() != kernel
 
 
-def _splash_refusals(sinks, return_lse: bool, return_max_logit: bool) -> None:
+def _splash_refusals(sinks, dropout_rate: float, return_lse: bool, return_max_logit: bool) -> None:
     """Raises :class:`jattn._checks.KernelRefusalError` for what splash attention (TPU) does not take here."""
     for used, name in (
         (sinks is not None, "sinks"),
+        (dropout_rate != 0, "dropout_rate"),
         (return_lse, "return_lse"),
         (return_max_logit, "return_max_logit"),
     ):
@@ -64,6 +66,8 @@ def pallas_attention(
     axis: int,
     score_mod=None,
     sinks: Array | None = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: Array | None = None,
     return_lse: bool = False,
     return_max_logit: bool = False,
 ) -> tuple[Array, Array | None, Array | None]:
@@ -81,15 +85,18 @@ def pallas_attention(
     """
     kernel, interpret = kernel_platform()
     if kernel == "tpu":
-        _splash_refusals(sinks, return_lse, return_max_logit)
+        _splash_refusals(sinks, dropout_rate, return_lse, return_max_logit)
         out = splash_attention(q, k, v, mask, scale, q_offset, kv_offset, blocks, interpret, lead, axis, score_mod)
         return out, None, None
 
-    def reference(q, k, v, sinks, scale):  # the GPU kernel's backward is differentiated through this (grad of grad)
+    def reference(q, k, v, sinks, seeds, scale):  # the GPU kernel's backward is differentiated through this
         ops = Operands(q, k, v, mask, None, scale, q_offset, kv_offset, lead, axis)
-        return dense_attention(ops, score_mod=score_mod, sinks=sinks)[:2]
+        return dense_attention(ops, score_mod=score_mod, sinks=sinks, dropout_rate=dropout_rate, dropout_seeds=seeds)[
+            :2
+        ]
 
     return gpu_attention(
         q, k, v, mask=mask, scale=scale, q_offset=q_offset, kv_offset=kv_offset, blocks=blocks, lead=lead, axis=axis,
-        score_mod=score_mod, sinks=sinks, interpret=interpret, reference=reference,
+        score_mod=score_mod, sinks=sinks, dropout_rate=dropout_rate, dropout_rng=dropout_rng, interpret=interpret,
+        reference=reference,
     )  # fmt: skip

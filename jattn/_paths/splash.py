@@ -28,8 +28,9 @@ anything is built (``implementation=None`` then tries the platform's next path, 
 named, the caller gets it as the ``ValueError`` it is): any other ``score_mod``; a mask term with
 arrays, of the batch and head (``masks.predicate``), or per example outside the top ``&`` (e.g.
 ``padding() | causal()``); a per-example mask where q lacks the call's first (batch) axis; traced
-offsets. Refused by :data:`jattn.SUPPORT` before this module is reached: array masks, ``bias``,
-``dropout_rate``, ``sinks``, ``precision``, ``return_lse``, ``return_max_logit``, float64.
+offsets; ``dropout_rate``, ``sinks``, ``return_lse`` and ``return_max_logit`` (by
+:func:`jattn._paths.pallas.pallas_attention`, the GPU kernel takes them). Refused by
+:data:`jattn.SUPPORT` before this module is reached: array masks, ``bias``, ``precision``, float64.
 """
 
 from __future__ import annotations
