@@ -580,3 +580,26 @@ def test_second_order_of_a_vmapped_call_equals_the_dense_paths():
         return jax.grad(loss)(q)
 
     ref.assert_grad_close(second("pallas", block_size=8), ref.f64(second("dense")), jnp.float32)
+
+
+def test_second_order_inside_vmap_of_a_batched_mask_is_refused_by_name_and_outside_it_is_dense():
+    """The reference path closes over the mask: a vmap mapping its arrays inside the derivatives is a named
+    ValueError; vmap over the second-order function itself equals the dense path's."""
+    q = _rand((3, 2, 2, 9, 8), 0, jnp.float32)
+    ids = jnp.asarray(np.random.default_rng(1).integers(0, 2, size=(3, 2, 9)))
+
+    def one(impl, q, ids):
+        kw = dict(block_size=8) if impl == "pallas" else {}
+        mask = masks.causal() & masks.segment_ids(ids, ids)
+        return jnp.sum(jnp.sin(jattn.attention(q, q, q, mask=mask, implementation=impl, **kw)))
+
+    def outside(impl):
+        return jax.vmap(jax.grad(lambda q, ids: jnp.sum(jax.grad(one, argnums=1)(impl, q, ids) ** 2)))(q, ids)
+
+    ref.assert_grad_close(outside("pallas"), ref.f64(outside("dense")), jnp.float32)
+
+    def inside(q):
+        return jnp.sum(jax.grad(lambda q: jnp.sum(jax.vmap(lambda q, i: one("pallas", q, i))(q, ids)))(q) ** 2)
+
+    with pytest.raises(ValueError, match=r"second-order .* under vmap, with a per-example mask array"):
+        jax.grad(inside)(q)

@@ -138,10 +138,17 @@ def _diff(direction: int, call: Call, res: list, lin: list) -> list:
         )
     q, k, v, sinks, _, (*_, seeds, _), o, _ = call.split(res)
     second = functools.partial(call.second, seeds=seeds)
-    if direction == 0:
-        _, (d_o, d_lse) = jax.jvp(second, (q, k, v, sinks), tuple(lin[:4]))
-        return [d_o.astype(o.dtype), d_lse.astype(jnp.float32)]
-    (o2, _), pull = jax.vjp(second, q, k, v, sinks)
+    try:
+        if direction == 0:
+            _, (d_o, d_lse) = jax.jvp(second, (q, k, v, sinks), tuple(lin[:4]))
+            return [d_o.astype(o.dtype), d_lse.astype(jnp.float32)]
+        (o2, _), pull = jax.vjp(second, q, k, v, sinks)
+    except jax.errors.UnexpectedTracerError as e:  # the reference closes over a mask array that vmap batched
+        raise ValueError(
+            "second-order derivatives of implementation='pallas' under vmap, with a per-example mask array "
+            "(segment_ids, padding lengths) that the vmap maps: the kernel's reference path closes over the mask; "
+            "use 'blockwise' or 'dense', or vmap outside the derivatives"
+        ) from e
     do, dlse = lin
     return list(pull((do.astype(o2.dtype), dlse.astype(jnp.float32))))
 
