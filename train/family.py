@@ -7,7 +7,8 @@ Every model of :data:`MIXERS` trains on MQAR with 8, 16, 32 and 64 key-value pai
         --config.workdir=runs/mqar_family/M-P
 
 and, past 32 pairs, ``--config.task.num_keys=P --config.task.num_values=P`` (every pair's key distinct). A
-finished run is read back, not trained again.
+finished run is read back, not trained again; SIGINT (Ctrl-C) or SIGTERM stops the run in progress at a
+checkpoint and the comparison with status 130, and the same command resumes it.
 
 ``--learning-rates R1 R2 ...`` is Zoology's protocol: every model and number of pairs trains once a rate
 (``--config.learning_rate=R``, run directory ``M-P-lrR``), and the table reports the best rate's accuracy with
@@ -57,14 +58,21 @@ def accuracy(
 ) -> float | None:
     """Held-out per-token accuracy on the queries of one run, trained here unless already complete.
 
-    With ``train`` False the run is only read back: None where it has not finished.
+    With ``train`` False the run is only read back: None where it has not finished. A run stopped by
+    SIGINT/SIGTERM (its checkpoint saved) raises :class:`RunInterruptedError`: the comparison stops there.
     """
     cfg = config(mixer, pairs, root, steps, lr)
     if not train:
         done = rundir.completed(rundir.workdir_of(cfg).resolve(), cfg)
         return None if done is None else float(done["eval"]["token_acc"])
     summary = loop.train(cfg, progress=False, pictures=False)
+    if summary["interrupted"]:
+        raise RunInterruptedError(f"interrupted {cfg.workdir} at step {summary['step']}: checkpoint saved")
     return float(summary["eval"]["token_acc"])
+
+
+class RunInterruptedError(Exception):
+    """A run of the comparison was stopped by a signal; the same command resumes it."""
 
 
 def best(rates: dict[float | None, float | None]) -> tuple[float | None, float] | None:
@@ -123,11 +131,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--learning-rates", nargs="+", type=float, default=[None], help="a sweep; the best is reported")
     p.add_argument("--no-train", action="store_true", help="read back the finished runs only")
     args = p.parse_args(argv)
-    results = {
-        m: {n: {lr: accuracy(m, n, args.out, args.steps, lr, not args.no_train) for lr in args.learning_rates}
-            for n in args.pairs}
-        for m in args.mixers
-    }  # fmt: skip
+    try:
+        results = {
+            m: {n: {lr: accuracy(m, n, args.out, args.steps, lr, not args.no_train) for lr in args.learning_rates}
+                for n in args.pairs}
+            for m in args.mixers
+        }  # fmt: skip
+    except RunInterruptedError as e:
+        print(f"{e}; run the same command to resume (finished runs are read back, not trained again)")
+        return 130
     args.out.mkdir(parents=True, exist_ok=True)
     as_json = {m: {n: {str(lr or "config"): a for lr, a in rates.items()} for n, rates in row.items()}
                for m, row in results.items()}  # fmt: skip
