@@ -464,8 +464,9 @@ def _dkdv_kernel(
             at = _Tile(spec, r, masks, values, i, j)
             x, pull = at.logits_vjp(qb, kb, masked)
             p = jnp.exp(x - lse[:, None])
-            dv = dv + _dot(_dropped(spec, seeds_ref, at, p).astype(dob.dtype), dob, 0, 0)
-            ds, _ = pull(p * (_dropped(spec, seeds_ref, at, _dot(dob, vb, 1, 1)) - delta[:, None]))
+            pz = _dropped(spec, seeds_ref, at, p)  # the bits hashed once a tile: p (z dp - delta) = pz dp - p delta
+            dv = dv + _dot(pz.astype(dob.dtype), dob, 0, 0)
+            ds, _ = pull(pz * _dot(dob, vb, 1, 1) - p * delta[:, None])
             return dk + _dot((ds * spec.scale).astype(qb.dtype), qb, 0, 0), dv
 
         return _kinds_loop(kinds_ref, tbounds_ref, kr, j, tile, carry, by_rows=False)
