@@ -4,8 +4,9 @@ Each entry ``(b, t, s)`` of the attention weights ``(B, T, S)`` (leading dimensi
 row-major to ``B``, ``t`` and ``s`` counted from 0 in this call's grid) is kept when a 32-bit
 hash of the dropout key's words, ``b``, ``t`` and ``s`` is below ``keep_prob · 2³²``. The bit of
 an entry depends on nothing else, so the dense path (which materialises it on the whole grid),
-the blockwise path (tile by tile, any block size) and the blockwise backward (recomputing each
-tile) drop exactly the same entries. The hash is MurmurHash3's 32-bit block mix and finaliser
+the blockwise path (tile by tile, any block size), the blockwise backward (recomputing each
+tile) and the GPU kernel (:mod:`jattn._gpu.kernels`, each tile's bits from the row's seed in the
+kernel) drop exactly the same entries. The hash is MurmurHash3's 32-bit block mix and finaliser
 over the words ``(key..., b)`` (:func:`row_seeds`, once per row) and then ``(t, s)``
 (:func:`keep_mask`): a few integer operations per weight, no random-number state.
 
