@@ -425,7 +425,8 @@ def test_tpu_kernel_refuses_sinks_lse_and_score_mods_other_than_softcap(monkeypa
 
 def test_second_order_through_the_dense_path_and_its_refusal():
     """grad of grad: the backward kernels differentiated through the dense path equal dense's own second order
-    (grouped heads, documents traced under jit, sinks); a score_mod closing over floating arrays is refused by name."""
+    (grouped heads, documents traced under jit, sinks; ALiBi with constant slopes); a score_mod closing over
+    traced floating arrays (slopes being differentiated) is refused by name."""
     B, K, G, T, S, D = 2, 3, 2, 7, 9, 8
     q, k, v = (
         _rand((B, K, G, T, D), 0, jnp.float32),
@@ -450,14 +451,24 @@ def test_second_order_through_the_dense_path_and_its_refusal():
     for a, w in zip(got, want, strict=True):
         ref.assert_grad_close(a, np.asarray(w, np.float64), jnp.float32)
 
-    def alibi_loss(q):
-        mod = score_mods.alibi(jnp.ones((5,)))
-        return jnp.sum(
-            jattn.attention(q, q, q, mask=masks.causal(), score_mod=mod, implementation="pallas", block_size=8) ** 2
-        )
+    def alibi_loss(q, slopes, impl):
+        kw = dict(block_size=8) if impl == "pallas" else {}
+        mod = score_mods.alibi(slopes)
+        return jnp.sum(jattn.attention(q, q, q, mask=masks.causal(), score_mod=mod, implementation=impl, **kw) ** 2)
 
+    # constant slopes have no share of the second derivative: it runs, and equals dense's
+    q5, slopes = _rand((2, 5, 6, 8), 3, jnp.float32), jnp.asarray([1.0, 0.5, 0.25, 0.125, 0.0625], jnp.float32)
+
+    def second(impl, q, slopes):
+        return jax.grad(lambda q: jnp.sum(jax.grad(alibi_loss)(q, slopes, impl) ** 2))(q)
+
+    with jax.enable_x64(True):
+        want = np.asarray(second("dense", *(jnp.asarray(ref.f64(x)) for x in (q5, slopes))))
+    # squared gradients amplify float32 rounding past the table's tolerance: as close as dense's own float32
+    err = np.max(np.abs(ref.f64(second("pallas", q5, slopes)) - want))
+    assert err <= 2 * np.max(np.abs(ref.f64(second("dense", q5, slopes)) - want)) + 1e-5 * np.max(np.abs(want))
     with pytest.raises(ValueError, match=r"second-order .* of implementation='pallas' with a score_mod closing over"):
-        jax.grad(lambda q: jnp.sum(jax.grad(alibi_loss)(q) ** 2))(_rand((2, 5, 6, 8), 3, jnp.float32))
+        jax.grad(lambda s: jnp.sum(jax.grad(alibi_loss)(q5, s, "pallas") ** 2))(slopes)
 
 
 _RATE = 0.3

@@ -13,8 +13,9 @@ rule calls :func:`attend` itself for the primal and :data:`PAIR` (a
 * second order (grad of grad, jvp of grad, Hessians) differentiates either in its residuals through
   ``Call.second``, the same call on the reference path (the dense path, XLA, differentiable to any
   order: O(T S) memory there). It is refused by name where there is none, and where the score
-  modification closes over floating arrays (ALiBi's slopes: the reference closes over them as
-  constants, so their share of a second derivative would be lost).
+  modification closes over traced floating arrays (ALiBi's slopes being learned: the reference closes
+  over them as constants, so their share of a second derivative would be lost); concrete arrays
+  (constants) have no share, so there it runs.
 
 The pair's operands are flat: ``res = (q, k, v, sinks, *consts, kinds, fb, tb, seeds, *masks, o, lse)``,
 the linear ones ``(dq, dk, dv, d sinks, *d floating consts)`` for the tangent, ``(d o, d lse)``
@@ -130,13 +131,14 @@ def _fast(direction: int, call: Call, res: list, lin: list) -> list:
 
 def _diff(direction: int, call: Call, res: list, lin: list) -> list:
     """:func:`_fast` through the reference path, reverse-differentiable to any order (second order)."""
-    if call.second is None or any(call.floats):
-        why = "a score_mod closing over floating arrays" if call.second is not None else "no reference path"
+    traced = call.spec.mod is not None and call.spec.mod.traced and any(call.floats)
+    if call.second is None or traced:
+        why = "a score_mod closing over traced floating arrays" if call.second is not None else "no reference path"
         raise ValueError(
             f"second-order derivatives (grad of grad, jvp of grad, hessian) of implementation='pallas' with {why}: "
             "the kernel's derivatives have no derivative there; use 'blockwise' or 'dense'"
         )
-    q, k, v, sinks, _, (*_, seeds, _), o, _ = call.split(res)
+    q, k, v, sinks, consts, (*_, seeds, _), o, _ = call.split(res)
     second = functools.partial(call.second, seeds=seeds)
     try:
         if direction == 0:
@@ -150,7 +152,8 @@ def _diff(direction: int, call: Call, res: list, lin: list) -> list:
             "use 'blockwise' or 'dense', or vmap outside the derivatives"
         ) from e
     do, dlse = lin
-    return list(pull((do.astype(o2.dtype), dlse.astype(jnp.float32))))
+    zeros = [jnp.zeros_like(c) for c, f in zip(consts, call.floats, strict=True) if f]  # constants: no share
+    return [*pull((do.astype(o2.dtype), dlse.astype(jnp.float32))), *zeros]
 
 
 def _avals(direction: int, call: Call, res: list, lin: list) -> list:

@@ -44,7 +44,8 @@ def _run(eqns, env: dict) -> None:
 class TileMod:
     """The tile part of a score modification: the kernel's ``apply`` and ``pullback`` (see the module docstring).
 
-    ``floats`` says which row values are floating (they get gradients); ``count`` how many there are.
+    ``floats`` says which row values are floating (they get gradients); ``count`` how many there are;
+    ``traced`` whether a floating array it closes over is a tracer (it may carry a derivative).
     """
 
     eqns: tuple
@@ -54,6 +55,7 @@ class TileMod:
     rows: tuple
     out: object
     floats: tuple[bool, ...]
+    traced: bool = False
 
     @property
     def count(self) -> int:
@@ -171,5 +173,6 @@ def convert(score_mod: Callable[..., Array] | None, bq: int, bk: int, rows: Arra
 
     values = jax.vmap(row_values)(rows[:, 0], rows[:, 1]) if needed else ()
     floats = tuple(bool(jnp.issubdtype(x.dtype, jnp.floating)) for x in values)
-    mod = TileMod(tuple(tile_eqns), s, q_pos, kv_pos, needed, jaxpr.outvars[0], floats)
+    traced = any(isinstance(c, jax.core.Tracer) and jnp.issubdtype(c.dtype, jnp.floating) for c in closed.consts)
+    mod = TileMod(tuple(tile_eqns), s, q_pos, kv_pos, needed, jaxpr.outvars[0], floats, traced)
     return mod, tuple(values)

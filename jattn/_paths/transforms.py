@@ -26,7 +26,7 @@ _LATE = " (JAX's own error: JAX meets the kernel after jattn's call has returned
 _TPU_FORWARD = "; TPU " + _FORWARD[4:].replace("the kernel", "splash")
 _GPU_SECOND = (
     "the kernel's derivatives differentiated through the dense path (O(T S) memory), not with a score_mod "
-    "closing over floating arrays (ALiBi's slopes: a ValueError)"
+    "closing over traced floating arrays (ALiBi's slopes being learned: a ValueError)"
 )
 _GPU_TANGENT = "partly: GPU forward mode in the kernels (O(T) memory)"
 
