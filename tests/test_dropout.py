@@ -12,6 +12,7 @@ import pytest
 import jattn
 from jattn import masks
 from tests import reference as ref
+from tests.dropout_probe import dropout_factor
 
 RATE = 0.3
 BLOCKS = [(4, 3), (5, 13), (11, 2)]
@@ -22,16 +23,7 @@ def _rand(shape, seed, dtype=jnp.float32):
 
 
 def _factor(lead_q, lead_kv, T, S, key, **kw):
-    """The dropout factor Z ``(*lead, T, S)`` (0 or 1 / keep_prob) a path applies, read off the output.
-
-    With q = k = 0 every weight is 1 / S, and v = I (S x S) puts weight s of row t in out[..., t, s]:
-    out = Z / S. Nothing of the hash is reproduced here.
-    """
-    q = jnp.zeros((*lead_q, T, 3), jnp.float32)
-    k = jnp.zeros((*lead_kv, S, 3), jnp.float32)
-    v = jnp.broadcast_to(jnp.eye(S, dtype=jnp.float32), (*lead_kv, S, S))
-    out = jattn.attention(q, k, v, dropout_rate=RATE, dropout_rng=key, **kw)
-    return np.asarray(out, np.float64) * S
+    return dropout_factor(RATE, lead_q, lead_kv, T, S, key, **kw)
 
 
 def test_every_block_size_drops_what_dense_drops():

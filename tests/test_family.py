@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.interrupt import interrupt_once_logged
 from train import config as train_config
 from train import family
 
@@ -83,18 +84,10 @@ def test_tiny_mqar_ranks_softmax_above_the_delta_rule_above_plain_linear(tmp_pat
 
 def test_sigint_stops_the_comparison_at_a_checkpoint_and_reports_nothing_unfinished(tmp_path: Path):
     """Ctrl-C during the first run: status 130, its checkpoint saved, the next model not started, no table written."""
-    import signal
-    import time
-
     cmd = [sys.executable, "-m", "train.family", "--mixers", "linear", "deltanet", "--pairs", "8"]
     proc = subprocess.Popen([*cmd, "--steps", "100000", "--out", str(tmp_path)], cwd=ROOT, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
-    metrics = tmp_path / "linear-8" / "metrics.jsonl"
-    deadline = time.monotonic() + 300
-    while not (metrics.exists() and metrics.read_text().count("\n") >= 1) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=120)
+    out = interrupt_once_logged(proc, tmp_path / "linear-8" / "metrics.jsonl", lines=1, wait=300)
     assert proc.returncode == 130, out
     assert "interrupted" in out and "run the same command to resume" in out
     assert list((tmp_path / "linear-8" / "checkpoints").iterdir())

@@ -19,6 +19,7 @@ import jattn
 import jattn._platform as platform_facts
 from jattn import masks, score_mods
 from tests import reference as ref
+from tests.dropout_probe import dropout_factor
 
 
 @pytest.fixture(autouse=True)
@@ -475,13 +476,7 @@ _RATE = 0.3
 
 
 def _factor(lead_q, lead_kv, T, S, key, **kw):
-    """The dropout factor Z ``(*lead, T, S)`` (0 or 1 / keep_prob) a path applies, read off its output.
-
-    With q = k = 0 every weight is 1 / S, and v = I puts weight s of row t in out[..., t, s]: out = Z / S.
-    """
-    q, k = jnp.zeros((*lead_q, T, 3), jnp.float32), jnp.zeros((*lead_kv, S, 3), jnp.float32)
-    v = jnp.broadcast_to(jnp.eye(S, dtype=jnp.float32), (*lead_kv, S, S))
-    return np.asarray(jattn.attention(q, k, v, dropout_rate=_RATE, dropout_rng=key, **kw), np.float64) * S
+    return dropout_factor(_RATE, lead_q, lead_kv, T, S, key, **kw)
 
 
 def test_dropout_drops_what_the_blockwise_path_drops():

@@ -17,6 +17,7 @@ from flax import nnx
 import jattn.nnx
 import train.__main__ as cli
 import train.eval
+from tests.interrupt import interrupt_once_logged
 from train import config, loop
 from train.model import Decoder
 from train.tasks import MQAR, Induction, Reverse, Sort
@@ -216,9 +217,6 @@ def test_cli_rejects_bad_config_before_compiling(argv, message, capsys, monkeypa
 
 @pytest.mark.long
 def test_sigint_saves_a_checkpoint_and_the_same_command_resumes(tmp_path):
-    import signal
-    import time
-
     same = [f"--config.workdir={tmp_path}", "--config.control=False", "--config.warmup_steps=10"]
     cmd = [sys.executable, "-m", "train", "--quiet", *same]
     cmd += [
@@ -229,11 +227,7 @@ def test_sigint_saves_a_checkpoint_and_the_same_command_resumes(tmp_path):
     ]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     metrics = tmp_path / "metrics.jsonl"
-    deadline = time.monotonic() + 120
-    while not (metrics.exists() and metrics.read_text().count("\n") >= 2) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=120)
+    out = interrupt_once_logged(proc, metrics, lines=2, wait=120)
     assert proc.returncode == 130, out
     step = json.loads(metrics.read_text().splitlines()[-1])["step"]
     assert 0 < step < 4000 and f"interrupted at step {step}" in out
