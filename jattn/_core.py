@@ -71,10 +71,12 @@ def _blockwise(
     sinks: Array | None,
     dropout_rate: float,
     dropout_rng: Array | None,
+    dropout_seeds: Array | None = None,
 ) -> tuple[Array, Array, Array]:
     """``implementation='blockwise'`` on checked operands, at the tiles :func:`jattn._blockwise.tiles.choose_tiles` picks.
 
-    Returns ``out (..., T, E)``, ``lse (..., T)`` and ``max_logit (..., T)``.
+    Returns ``out (..., T, E)``, ``lse (..., T)`` and ``max_logit (..., T)``. ``dropout_seeds (*lead)``:
+    the rows' dropout seeds, where given (the GPU kernel's second order, :func:`_second_order_path`).
     """
     q, k, v, mask, bias = ops.q, ops.k, ops.v, ops.mask, ops.bias
     split = bias is None and score_mod is None and not dropout_rate
@@ -99,7 +101,16 @@ def _blockwise(
         fused=blocks is None,
         lead=ops.lead,
         axis=ops.axis,
+        dropout_seeds=dropout_seeds,
     )
+
+
+def _second_order_path(ops: Operands, score_mod, sinks, dropout_rate: float, seeds: Array) -> tuple[Array, Array]:
+    """``(out (..., T, E), lse (..., T))`` on the blockwise path, with the GPU kernel's own row seeds ``seeds (*lead)``.
+
+    What the GPU kernel's backward is differentiated through (second order, O(T) memory).
+    """
+    return _blockwise(ops, None, None, score_mod, sinks, dropout_rate, None, seeds)[:2]
 
 
 def attention(
@@ -292,6 +303,7 @@ def _run(path: str, ops: Operands, opts: _Options) -> Array | tuple[Array, ...]:
                 dropout_rng=opts.dropout_rng,
                 return_lse=opts.return_lse,
                 return_max_logit=opts.return_max_logit,
+                second_order=_second_order_path,
             )
         out, lse, top = out
         out, lse = (

@@ -10,6 +10,8 @@ score_mod closes over). Sizes are tiny: interpret mode runs the kernels' grids a
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -424,10 +426,10 @@ def test_tpu_kernel_refuses_sinks_lse_and_score_mods_other_than_softcap(monkeypa
             jattn.attention(q, q, q, implementation="pallas", **kw)
 
 
-def test_second_order_through_the_dense_path_and_its_refusal():
+def test_second_order_through_the_dense_path():
     """grad of grad: the backward kernels differentiated through the dense path equal dense's own second order
-    (grouped heads, documents traced under jit, sinks; ALiBi with constant slopes); a score_mod closing over
-    traced floating arrays (slopes being differentiated) is refused by name."""
+    (grouped heads, documents traced under jit, sinks; ALiBi with constant slopes and with slopes being
+    differentiated, their share reaching them through the kernel's row values)."""
     B, K, G, T, S, D = 2, 3, 2, 7, 9, 8
     q, k, v = (
         _rand((B, K, G, T, D), 0, jnp.float32),
@@ -457,19 +459,57 @@ def test_second_order_through_the_dense_path_and_its_refusal():
         mod = score_mods.alibi(slopes)
         return jnp.sum(jattn.attention(q, q, q, mask=masks.causal(), score_mod=mod, implementation=impl, **kw) ** 2)
 
-    # constant slopes have no share of the second derivative: it runs, and equals dense's
     q5, slopes = _rand((2, 5, 6, 8), 3, jnp.float32), jnp.asarray([1.0, 0.5, 0.25, 0.125, 0.0625], jnp.float32)
 
-    def second(impl, q, slopes):
-        return jax.grad(lambda q: jnp.sum(jax.grad(alibi_loss)(q, slopes, impl) ** 2))(q)
+    def constant(impl, q, slopes):  # slopes closed over as constants: no share of the second derivative
+        return (jax.grad(lambda q: jnp.sum(jax.grad(alibi_loss)(q, slopes, impl) ** 2))(q),)
 
-    with jax.enable_x64(True):
-        want = np.asarray(second("dense", *(jnp.asarray(ref.f64(x)) for x in (q5, slopes))))
-    # squared gradients amplify float32 rounding past the table's tolerance: as close as dense's own float32
-    err = np.max(np.abs(ref.f64(second("pallas", q5, slopes)) - want))
-    assert err <= 2 * np.max(np.abs(ref.f64(second("dense", q5, slopes)) - want)) + 1e-5 * np.max(np.abs(want))
-    with pytest.raises(ValueError, match=r"second-order .* of implementation='pallas' with a score_mod closing over"):
-        jax.grad(lambda s: jnp.sum(jax.grad(alibi_loss)(q5, s, "pallas") ** 2))(slopes)
+    def learned(impl, q, slopes):  # the first gradient's norm in (q, slopes), differentiated in both
+        def norm(q, slopes):
+            dq, ds = jax.grad(alibi_loss, argnums=(0, 1))(q, slopes, impl)
+            return jnp.sum(dq**2) + jnp.sum(jnp.sin(ds))
+
+        return jax.jit(jax.grad(norm, argnums=(0, 1)))(q, slopes)
+
+    def hvp(impl, q, slopes):  # forward over reverse, along (q, ones) in (q, slopes)
+        grads = functools.partial(jax.grad(alibi_loss, argnums=(0, 1)), impl=impl)
+        return jax.jvp(grads, (q, slopes), (q, jnp.ones_like(slopes)))[1]
+
+    for second in (constant, learned, hvp):
+        with jax.enable_x64(True):
+            want = second("dense", *(jnp.asarray(ref.f64(x)) for x in (q5, slopes)))
+        # squared gradients amplify float32 rounding past the table's tolerance: as close as dense's own float32
+        for got, dense, w in zip(second("pallas", q5, slopes), second("dense", q5, slopes), want, strict=True):
+            w = np.asarray(w)
+            err, floor = (np.max(np.abs(ref.f64(x) - w)) for x in (got, dense))
+            assert err <= 2 * floor + 1e-5 * np.max(np.abs(w)), (second.__name__, err, floor)
+
+
+def test_second_order_with_learned_slopes_under_vmap_equals_a_loop():
+    """vmap of grad of grad in (q, slopes), each copy its own slopes: the folded copies' row values reach
+    their own slopes, as a loop of one call each (test_second_order_through_the_dense_path holds one call
+    to float64)."""
+
+    def loss(q, slopes, impl):
+        kw = dict(block_size=8) if impl == "pallas" else {}
+        out = jattn.attention(
+            q, q, q, mask=masks.causal(), score_mod=score_mods.alibi(slopes), implementation=impl, **kw
+        )
+        return jnp.sum(out**2)
+
+    def second(q, slopes, impl):
+        def norm(q, slopes):
+            dq, ds = jax.grad(loss, argnums=(0, 1))(q, slopes, impl)
+            return jnp.sum(dq**2) + jnp.sum(jnp.sin(ds))
+
+        return jax.grad(norm, argnums=(0, 1))(q, slopes)
+
+    q = _rand((3, 2, 5, 7, 8), 4, jnp.float32)
+    slopes = jnp.asarray(np.random.default_rng(5).uniform(0.1, 1.0, (3, 5)), jnp.float32)
+    mapped = jax.vmap(functools.partial(second, impl="pallas"))(q, slopes)
+    for i in range(q.shape[0]):
+        for got, want in zip(mapped, second(q[i], slopes[i], "pallas"), strict=True):
+            ref.assert_grad_close(got[i], np.asarray(want, np.float64), jnp.float32)
 
 
 _RATE = 0.3
@@ -588,9 +628,9 @@ def test_second_order_of_a_vmapped_call_equals_the_dense_paths():
     ref.assert_grad_close(second("pallas", block_size=8), ref.f64(second("dense")), jnp.float32)
 
 
-def test_second_order_inside_vmap_of_a_batched_mask_is_refused_by_name_and_outside_it_is_dense():
-    """The reference path closes over the mask: a vmap mapping its arrays inside the derivatives is a named
-    ValueError; vmap over the second-order function itself equals the dense path's."""
+def test_second_order_with_a_batched_mask_inside_and_outside_vmap_is_dense():
+    """A vmap mapping the mask's arrays, inside the derivatives (its copies folded into the kernel's rows,
+    the reference path reading the folded arrays) or over the second-order function, equals the dense path's."""
     q = _rand((3, 2, 2, 9, 8), 0, jnp.float32)
     ids = jnp.asarray(np.random.default_rng(1).integers(0, 2, size=(3, 2, 9)))
 
@@ -604,8 +644,10 @@ def test_second_order_inside_vmap_of_a_batched_mask_is_refused_by_name_and_outsi
 
     ref.assert_grad_close(outside("pallas"), ref.f64(outside("dense")), jnp.float32)
 
-    def inside(q):
-        return jnp.sum(jax.grad(lambda q: jnp.sum(jax.vmap(lambda q, i: one("pallas", q, i))(q, ids)))(q) ** 2)
+    def inside(impl):
+        def loss(q):
+            return jnp.sum(jax.grad(lambda q: jnp.sum(jax.vmap(lambda q, i: one(impl, q, i))(q, ids)))(q) ** 2)
 
-    with pytest.raises(ValueError, match=r"second-order .* under vmap, with a per-example mask array"):
-        jax.grad(inside)(q)
+        return jax.grad(loss)(q)
+
+    ref.assert_grad_close(inside("pallas"), ref.f64(inside("dense")), jnp.float32)

@@ -136,3 +136,25 @@ def test_a_score_mod_triton_cannot_lower_is_refused_and_the_automatic_choice_pas
     assert "__gpu$xla.gpu.triton" not in text
     alibi = score_mods.alibi(jnp.ones((K * G,)))  # a function of the row and the positions: still the kernel
     assert _cuda_text(lambda q, k: jattn.attention(q, k, k, score_mod=alibi), q, k).count("__gpu$xla.gpu.triton") == 1
+
+
+def test_second_order_keeps_the_first_order_kernels_and_no_score_matrix(on_gpu):
+    """grad of grad in (q, learned ALiBi slopes) with documents: the first-order terms in Triton (the forward,
+    dq and dk/dv kernels), the second-order terms on the blockwise path (XLA tiles): O(T) memory, no (T, S)
+    array, which the dense path would hold."""
+    T2, S2, N = 1031, 1153, 3
+    q = jnp.zeros((1, N, T2, D), jnp.float32)
+    k = jnp.zeros((1, N, S2, D), jnp.float32)
+    ids = (np.arange(T2)[None] // 300, np.arange(S2)[None] // 300)
+    mask = masks.causal() & masks.segment_ids(*ids)
+
+    def loss(q, slopes):
+        return jnp.sum(jattn.attention(q, k, k, mask=mask, score_mod=score_mods.alibi(slopes)) ** 2)
+
+    def norm(q, slopes):
+        dq, ds = jax.grad(loss, argnums=(0, 1))(q, slopes)
+        return jnp.sum(dq**2) + jnp.sum(ds**2)
+
+    text = _cuda_text(jax.grad(norm, argnums=(0, 1)), q, jnp.ones((N,), jnp.float32))
+    assert text.count("__gpu$xla.gpu.triton") >= 3
+    assert not re.search(rf"\b{T2}x{S2}x", text), "a (T, S) array in the second-order program"

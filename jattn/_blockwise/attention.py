@@ -113,6 +113,7 @@ def blockwise_attention(
     fused: bool = False,
     lead: tuple[int, ...],
     axis: int,
+    dropout_seeds: Array | None = None,
 ) -> tuple[Array, Array, Array]:
     """Blockwise attention of validated ``q (..., T, D)``, ``k (..., S, D)``, ``v (..., S, E)``.
 
@@ -128,7 +129,9 @@ def blockwise_attention(
     (:func:`jattn._platform.group_size`). ``backward_block`` (optional) tiles the backward where the
     forward's tiles are of several kinds (not all FULL), its sides divide the forward's and there
     is no ``score_mod``; else the backward takes the forward's tiles. ``fused``: on CPU, the
-    forward may be the fused kernel (:func:`fused_forward`), its tiles its own.
+    forward may be the fused kernel (:func:`fused_forward`), its tiles its own. ``dropout_seeds
+    (*lead)`` uint32, where given, are the rows' dropout seeds in place of ``row_seeds(dropout_rng,
+    flat leading index)`` (:mod:`jattn._dropout`; the GPU kernel's reference path).
     """
     T, S = q.shape[-2], k.shape[-2]
     if mask is not None:
@@ -175,7 +178,10 @@ def blockwise_attention(
     run = plan.run(arrays)
     padded = _pad(qf, 1, bq), _pad(kf, 1, bk), _pad(vf, 1, bk)
     flat = jnp.arange(b, dtype=jnp.int32)  # each row's flat leading index
-    seeds = row_seeds(dropout_rng, flat) if dropout_rate else jnp.zeros((b,), jnp.uint32)
+    if dropout_seeds is not None:
+        seeds = dropout_seeds.reshape(b)
+    else:
+        seeds = row_seeds(dropout_rng, flat) if dropout_rate else jnp.zeros((b,), jnp.uint32)
     out, lse, mx = flash(*padded, head_rows(lead), seeds, sinks_f, consts, bias_t, run, plan, back, precision)
     out = out[:, :T].reshape(*lead, T, v.shape[-1]).astype(v.dtype)
     return out, lse[:, :T].reshape(*lead, T), mx[:, :T].reshape(*lead, T)

@@ -27,8 +27,8 @@ from jattn._checks import KernelRefusalError, check_sinks
 from jattn._dropout import row_seeds
 from jattn._gpu.kernels import Spec
 from jattn._gpu.rules import attend
-from jattn._gpu.score_mod import convert, unlowerable
-from jattn._gpu.tiles import bounds, grid_of, kernel_arrays, slot_kinds, tile_kinds
+from jattn._gpu.score_mod import convert, on_rows, unlowerable
+from jattn._gpu.tiles import bounds, grid_of, kernel_arrays, row_mask, slot_kinds, tile_kinds
 from jattn._masks import Mask, RowPadding, RowSegments, as_rows, query_offset, split_arrays
 from jattn._online import flat_lead, head_rows
 
@@ -110,9 +110,10 @@ def gpu_attention(
     any position predicate with padding() and segment_ids() in any ``&``, ``|``, ``~``;
     ``score_mod``, ``sinks`` and dropout as for :func:`jattn.attention` (dropout's bits the blockwise
     path's, from each flat leading row's seed); ``blocks`` the kernel's ``(bq, bk)``.
-    ``reference(q, k, v, sinks, seeds, scale) -> (out, lse)``: the same call on another path (XLA,
-    differentiable to any order, ``seeds (*lead)`` the rows' dropout seeds) that the backward's own
-    derivative (grad of grad) is taken through; None refuses it.
+    ``reference(q, k, v, sinks, seeds, scale, score_mod, rows) -> (out, lse)``: the same call on another
+    path (XLA, differentiable to any order, ``seeds (*lead)`` the rows' dropout seeds, ``score_mod`` the
+    modification reading the kernel's row values, ``rows`` the mask the kernel reads, in row form) that
+    the backward's own derivative (grad of grad) is taken through; None refuses it.
     """
     T, S, D, E = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
     refuse(mask, q_offset, kv_offset, D, E)
@@ -152,29 +153,36 @@ def gpu_attention(
     seeds = row_seeds(dropout_rng, jnp.arange(b, dtype=jnp.int32)) if dropout_rate else jnp.zeros((b,), jnp.uint32)
     ints = (kinds, bounds(kinds, -1), bounds(kinds, -2), seeds, masks)
     sink_rows = jnp.zeros((b,), jnp.float32) if sinks_f is None else sinks_f
-    second = None if reference is None else functools.partial(_padded, reference, lead, (T, S, D, E), spec)
+    second = None if reference is None else functools.partial(_padded, reference, lead, (T, S, D, E), spec, score_mod)
     out, lse, top = attend(spec, second, qf, kf, vf, sink_rows, consts, ints)
     return out[:, :T, :E].reshape(*lead, T, E), lse[:, :T].reshape(*lead, T), top[:, :T].reshape(*lead, T)
 
 
-def _padded(reference: Callable, lead, sizes, spec: Spec, q, k, v, sinks, seeds) -> tuple[Array, Array]:
+def _padded(reference: Callable, lead, sizes, spec: Spec, score_mod, q, k, v, sinks, seeds, masks, values):
     """``reference`` on the kernel's padded, flattened operands: ``(o (b, Tp, Ep), lse (b, Tp))``, 0 in the padding.
 
-    Where ``vmap`` folded ``n`` copies of the call into the rows (``n b`` of them), ``reference`` is mapped over them.
+    The kernel's mask arrays ``masks`` (:func:`jattn._gpu.tiles.row_mask`) and the score mod's row
+    ``values`` (:func:`jattn._gpu.score_mod.on_rows`) are operands here, never closed over. Where ``vmap``
+    folded ``n`` copies of the call into the rows (``n b`` of them), ``reference`` is mapped over them.
     """
     T, S, D, E = sizes
-    n = q.shape[0] // math.prod(lead)
+    b = math.prod(lead)
+    n = q.shape[0] // b
     kv_lead = (*lead[:-1], 1) if spec.G > 1 else lead
 
-    def one(q, k, v, sinks, seeds):
-        return reference(q, k, v, sinks if spec.sinks else None, seeds, spec.scale)
+    def one(q, k, v, sinks, seeds, masks, values):
+        mod = None if score_mod is None else on_rows(score_mod, math.prod(lead[1:]), values)
+        return reference(q, k, v, sinks if spec.sinks else None, seeds, spec.scale, mod, row_mask(spec.grid, masks))
 
-    out, lse = jax.vmap(one)(
+    shared = tuple(x.shape[0] == 1 for x in masks)  # one row for every row: not mapped
+    out, lse = jax.vmap(one, in_axes=(0, 0, 0, 0, 0, tuple(None if s else 0 for s in shared), 0))(
         q[:, :T, :D].reshape(n, *lead, T, D),
         k[:, :S, :D].reshape(n, *kv_lead, S, D),
         v[:, :S, :E].reshape(n, *kv_lead, S, E),
         sinks.reshape(n, *lead),
         seeds.reshape(n, *lead),
+        tuple(x if s else x.reshape(n, b, *x.shape[1:]) for x, s in zip(masks, shared, strict=True)),
+        tuple(x.reshape(n, b, *x.shape[1:]) for x in values),
     )
     out = _pad(out.reshape(q.shape[0], T, E), q.shape[1], v.shape[2])
     return out, jnp.pad(lse.reshape(q.shape[0], T).astype(jnp.float32), ((0, 0), (0, q.shape[1] - T)))

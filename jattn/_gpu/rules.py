@@ -11,11 +11,11 @@ rule calls :func:`attend` itself for the primal and :data:`PAIR` (a
   mode over it) the forward kernel and the tangent kernel;
 * reverse mode transposes the tangent into the dq and dk/dv kernels, the hand-written backward;
 * second order (grad of grad, jvp of grad, Hessians) differentiates either in its residuals through
-  ``Call.second``, the same call on the reference path (the dense path, XLA, differentiable to any
-  order: O(T S) memory there). It is refused by name where there is none, and where the score
-  modification closes over traced floating arrays (ALiBi's slopes being learned: the reference closes
-  over them as constants, so their share of a second derivative would be lost); concrete arrays
-  (constants) have no share, so there it runs.
+  ``Call.second``, the same call on the reference path (the blockwise path, XLA tiles, differentiable
+  to any order in O(T) memory), which reads the score modification's row values and the mask's
+  arrays as operands, the kernel's own (so a second derivative reaches the arrays a score mod closes
+  over, ALiBi's slopes being learned, and a ``vmap`` folded into the rows maps the mask's arrays with
+  them). It is refused by name where there is no reference path.
 
 The pair's operands are flat: ``res = (q, k, v, sinks, *consts, kinds, fb, tb, seeds, *masks, o, lse)``,
 the linear ones ``(dq, dk, dv, d sinks, *d floating consts)`` for the tangent, ``(d o, d lse)``
@@ -34,6 +34,7 @@ from jax import Array
 
 from jattn._autodiff import LinearPair, OnePassJvp
 from jattn._gpu.kernels import Spec, dkdv, dq, forward, forward_tangent, tangent
+from jattn._gpu.score_mod import merge
 
 __all__ = ["attend"]
 
@@ -42,7 +43,7 @@ class Call(NamedTuple):
     """The static part of one call of the pair: the kernels' :class:`Spec`, the reference path and counts."""
 
     spec: Spec
-    second: Callable | None  # (q, k, v, sinks, seeds) -> (o, lse) on the padded operands, differentiable to any order
+    second: Callable | None  # (q, k, v, sinks, seeds, masks, values) -> (o, lse) on the padded operands, to any order
     consts: int  # the score modification's row values
 
     @property
@@ -131,29 +132,24 @@ def _fast(direction: int, call: Call, res: list, lin: list) -> list:
 
 def _diff(direction: int, call: Call, res: list, lin: list) -> list:
     """:func:`_fast` through the reference path, reverse-differentiable to any order (second order)."""
-    traced = call.spec.mod is not None and call.spec.mod.traced and any(call.floats)
-    if call.second is None or traced:
-        why = "a score_mod closing over traced floating arrays" if call.second is not None else "no reference path"
+    if call.second is None:
         raise ValueError(
-            f"second-order derivatives (grad of grad, jvp of grad, hessian) of implementation='pallas' with {why}: "
-            "the kernel's derivatives have no derivative there; use 'blockwise' or 'dense'"
+            "second-order derivatives (grad of grad, jvp of grad, hessian) of implementation='pallas' with no "
+            "reference path: the kernel's derivatives have no derivative there; use 'blockwise' or 'dense'"
         )
-    q, k, v, sinks, consts, (*_, seeds, _), o, _ = call.split(res)
-    second = functools.partial(call.second, seeds=seeds)
-    try:
-        if direction == 0:
-            _, (d_o, d_lse) = jax.jvp(second, (q, k, v, sinks), tuple(lin[:4]))
-            return [d_o.astype(o.dtype), d_lse.astype(jnp.float32)]
-        (o2, _), pull = jax.vjp(second, q, k, v, sinks)
-    except jax.errors.UnexpectedTracerError as e:  # the reference closes over a mask array that vmap batched
-        raise ValueError(
-            "second-order derivatives of implementation='pallas' under vmap, with a per-example mask array "
-            "(segment_ids, padding lengths) that the vmap maps: the kernel's reference path closes over the mask; "
-            "use 'blockwise' or 'dense', or vmap outside the derivatives"
-        ) from e
+    q, k, v, sinks, consts, (*_, seeds, masks), o, _ = call.split(res)
+
+    def second(q, k, v, sinks, floating):
+        return call.second(q, k, v, sinks, seeds, masks, merge(consts, call.floats, floating))
+
+    floating = tuple(c for c, f in zip(consts, call.floats, strict=True) if f)
+    if direction == 0:
+        _, (d_o, d_lse) = jax.jvp(second, (q, k, v, sinks, floating), (*lin[:4], tuple(lin[4:])))
+        return [d_o.astype(o.dtype), d_lse.astype(jnp.float32)]
+    (o2, _), pull = jax.vjp(second, q, k, v, sinks, floating)
     do, dlse = lin
-    zeros = [jnp.zeros_like(c) for c, f in zip(consts, call.floats, strict=True) if f]  # constants: no share
-    return [*pull((do.astype(o2.dtype), dlse.astype(jnp.float32))), *zeros]
+    *grads, dfloating = pull((do.astype(o2.dtype), dlse.astype(jnp.float32)))
+    return [*grads, *dfloating]
 
 
 def _avals(direction: int, call: Call, res: list, lin: list) -> list:

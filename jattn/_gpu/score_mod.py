@@ -13,12 +13,15 @@ and its equations are split in two (:func:`convert`):
   kernels read by row index (a scalar per row for ALiBi: no gather in the kernel, as Triton wants).
 
 The dq kernel pulls each tile's ``dx`` back through the tile part to the scores and to the row
-values (accumulated per row and query block, summed outside).
+values (accumulated per row and query block, summed outside). The kernel's reference path (its
+second order) reads the same row values through :func:`on_rows`: they are its operands, so the
+second derivative reaches them (and, outside, the arrays the modification closes over).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 import jax
@@ -26,7 +29,7 @@ import jax.numpy as jnp
 from jax import Array
 from jax.extend import core as jex
 
-__all__ = ["TileMod", "convert", "unlowerable"]
+__all__ = ["TileMod", "convert", "merge", "on_rows", "unlowerable"]
 
 
 def _run(eqns, env: dict) -> None:
@@ -40,12 +43,17 @@ def _run(eqns, env: dict) -> None:
         env.update(zip(eqn.outvars, ans if eqn.primitive.multiple_results else [ans], strict=True))
 
 
+def merge(values: tuple, floats: tuple[bool, ...], floating: tuple) -> tuple:
+    """``values`` with its floating entries (``floats`` True) replaced, in order, by ``floating``."""
+    it = iter(floating)
+    return tuple(next(it) if f else c for c, f in zip(values, floats, strict=True))
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class TileMod:
     """The tile part of a score modification: the kernel's ``apply`` and ``pullback`` (see the module docstring).
 
-    ``floats`` says which row values are floating (they get gradients); ``count`` how many there are;
-    ``traced`` whether a floating array it closes over is a tracer (it may carry a derivative).
+    ``floats`` says which row values are floating (they get gradients); ``count`` how many there are.
     """
 
     eqns: tuple
@@ -55,7 +63,6 @@ class TileMod:
     rows: tuple
     out: object
     floats: tuple[bool, ...]
-    traced: bool = False
 
     @property
     def count(self) -> int:
@@ -75,9 +82,7 @@ class TileMod:
         floats = tuple(c for c, f in zip(values, self.floats, strict=True) if f)
 
         def at(s, fl):
-            it = iter(fl)
-            whole = tuple(next(it) if f else c for c, f in zip(values, self.floats, strict=True))
-            return self.apply(s, q_pos, kv_pos, whole)
+            return self.apply(s, q_pos, kv_pos, merge(values, self.floats, fl))
 
         return jax.vjp(at, s, floats)
 
@@ -86,9 +91,7 @@ class TileMod:
         floats = tuple(c for c, f in zip(values, self.floats, strict=True) if f)
 
         def at(s, fl):
-            it = iter(fl)
-            whole = tuple(next(it) if f else c for c, f in zip(values, self.floats, strict=True))
-            return self.apply(s, q_pos, kv_pos, whole)
+            return self.apply(s, q_pos, kv_pos, merge(values, self.floats, fl))
 
         return jax.jvp(at, (s, floats), (ds, tuple(dvalues)))
 
@@ -143,6 +146,36 @@ def convert(score_mod: Callable[..., Array] | None, bq: int, bk: int, rows: Arra
     """
     if score_mod is None:
         return None, ()
+    mod, row_values = _split(score_mod, bq, bk)
+    return mod, tuple(jax.vmap(row_values)(rows[:, 0], rows[:, 1])) if mod.count else ()
+
+
+def on_rows(score_mod: Callable[..., Array], heads: int, values: tuple) -> Callable:
+    """``score_mod`` as a function of the kernel's row ``values`` (each ``(b, ...)``, :func:`convert`'s).
+
+    A score modification for another path on the call's operands, ``heads`` rows per batch
+    (``prod(lead[1:])``): each score's row ``batch · heads + head`` reads its values and goes through
+    the tile part, so derivatives taken through it reach the values (the arrays ``score_mod``
+    closes over are read through them only).
+    """
+
+    def modified(s: Array, batch: Array, head: Array, q_pos: Array, kv_pos: Array) -> Array:
+        t, u = s.shape[-2:]
+        shape = jnp.broadcast_shapes(*(x.shape[:-2] for x in (s, batch, head, q_pos, kv_pos)))
+        g = math.prod(shape)
+        row = jnp.broadcast_to(batch * heads + head, (*shape, 1, 1)).reshape(g)
+        flat = jnp.broadcast_to(s, (*shape, t, u)).reshape(g, t, u).astype(jnp.float32)
+        qp = jnp.broadcast_to(q_pos, (*shape, t, 1)).reshape(g, t)
+        kp = jnp.broadcast_to(kv_pos, (*shape, 1, u)).reshape(g, u)
+        mod, _ = _split(score_mod, t, u)
+        x = jax.vmap(mod.apply)(flat, qp, kp, tuple(jnp.take(x, row, axis=0) for x in values))
+        return x.reshape(*shape, t, u)
+
+    return modified
+
+
+def _split(score_mod: Callable[..., Array], bq: int, bk: int) -> tuple[TileMod, Callable]:
+    """``(TileMod, row_values)``: the tile part for tiles ``(bq, bk)`` and ``row_values(batch, head) -> values``."""
     index = jnp.zeros((), jnp.int32)
     example = (
         jnp.zeros((bq, bk), jnp.float32),
@@ -171,8 +204,5 @@ def convert(score_mod: Callable[..., Array] | None, bq: int, bk: int, rows: Arra
         _run(row_eqns, env)
         return tuple(env[v] for v in needed)
 
-    values = jax.vmap(row_values)(rows[:, 0], rows[:, 1]) if needed else ()
-    floats = tuple(bool(jnp.issubdtype(x.dtype, jnp.floating)) for x in values)
-    traced = any(isinstance(c, jax.core.Tracer) and jnp.issubdtype(c.dtype, jnp.floating) for c in closed.consts)
-    mod = TileMod(tuple(tile_eqns), s, q_pos, kv_pos, needed, jaxpr.outvars[0], floats, traced)
-    return mod, tuple(values)
+    floats = tuple(bool(jnp.issubdtype(v.aval.dtype, jnp.floating)) for v in needed)
+    return TileMod(tuple(tile_eqns), s, q_pos, kv_pos, needed, jaxpr.outvars[0], floats), row_values

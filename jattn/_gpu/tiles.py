@@ -95,6 +95,23 @@ def tile_kinds(grid: Grid, arrays: tuple[Array, ...]) -> Array:
     return kinds
 
 
+def row_mask(grid: Grid, arrays: tuple[Array, ...]) -> Mask:
+    """The mask in row form (:func:`jattn._masks.as_rows`) from the kernel's arrays (:func:`kernel_arrays`), ids cut to T and S.
+
+    What the kernel reads, for its reference path (second order, on the blockwise path).
+    """
+    out = list(arrays)
+
+    def cut(slot: Mask) -> Mask:
+        if slot.kind is RowSegments:
+            for n, size in ((slot.index, grid.T), (slot.index + 1, grid.S)):
+                out[n] = out[n][:, :size]
+        return slot
+
+    map_slots(grid.mask, cut)
+    return fill_arrays(grid.mask, out)
+
+
 def bounds(kinds: Array, axis: int) -> Array:
     """``(R, n, 2)`` int32 ``[lo, hi)``: per row and block of the other axis, the range of non-empty blocks along ``axis``.
 

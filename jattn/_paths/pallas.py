@@ -15,6 +15,8 @@ no sinks and no log-sum-exp. Which kernel:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 from jax import Array
 
@@ -23,7 +25,6 @@ from jattn._checks import Operands
 from jattn._gpu import gpu_attention
 from jattn._masks import Mask
 from jattn._paths.choice import kernel_refusal
-from jattn._paths.dense import dense_attention
 from jattn._paths.splash import splash_attention
 
 __all__ = ["kernel_platform", "pallas_attention"]
@@ -70,6 +71,7 @@ def pallas_attention(
     dropout_rng: Array | None = None,
     return_lse: bool = False,
     return_max_logit: bool = False,
+    second_order: Callable | None = None,
 ) -> tuple[Array, Array | None, Array | None]:
     """``(out (..., T, E), lse (..., T), max logit (..., T))`` through the platform's Pallas kernel (TPU: ``lse``, ``max logit`` None).
 
@@ -81,7 +83,9 @@ def pallas_attention(
     (float32, differentiable) and the max logit (float32, each row's largest kept logit, a monitor
     whose derivative is 0) only on GPU, None on TPU. ``score_mod``: on GPU any (in the kernel), on TPU
     :func:`jattn.score_mods.softcap` only. What the kernel cannot take raises
-    :class:`jattn._checks.KernelRefusalError` before anything is built.
+    :class:`jattn._checks.KernelRefusalError` before anything is built. ``second_order(ops, score_mod, sinks,
+    dropout_rate, seeds) -> (out, lse)``: the path the GPU kernel's backward is differentiated through
+    (second order; None refuses it), on operands whose mask is in row form.
     """
     kernel, interpret = kernel_platform()
     if kernel == "tpu":
@@ -89,14 +93,12 @@ def pallas_attention(
         out = splash_attention(q, k, v, mask, scale, q_offset, kv_offset, blocks, interpret, lead, axis, score_mod)
         return out, None, None
 
-    def reference(q, k, v, sinks, seeds, scale):  # the GPU kernel's backward is differentiated through this
-        ops = Operands(q, k, v, mask, None, scale, q_offset, kv_offset, lead, axis)
-        return dense_attention(ops, score_mod=score_mod, sinks=sinks, dropout_rate=dropout_rate, dropout_seeds=seeds)[
-            :2
-        ]
+    def reference(q, k, v, sinks, seeds, scale, mod, rows):  # the GPU kernel's backward is differentiated through this
+        ops = Operands(q, k, v, rows, None, scale, q_offset, kv_offset, lead, axis)
+        return second_order(ops, mod, sinks, dropout_rate, seeds)
 
     return gpu_attention(
         q, k, v, mask=mask, scale=scale, q_offset=q_offset, kv_offset=kv_offset, blocks=blocks, lead=lead, axis=axis,
         score_mod=score_mod, sinks=sinks, dropout_rate=dropout_rate, dropout_rng=dropout_rng, interpret=interpret,
-        reference=reference,
+        reference=None if second_order is None else reference,
     )  # fmt: skip

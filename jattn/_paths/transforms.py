@@ -24,10 +24,7 @@ _FORWARD = "no: the kernel has a reverse-mode rule only (a jax.custom_vjp); use 
 _SECOND = "no: the kernel's backward has no derivative; use 'blockwise' or 'dense'"
 _LATE = " (JAX's own error: JAX meets the kernel after jattn's call has returned)"
 _TPU_FORWARD = "; TPU " + _FORWARD[4:].replace("the kernel", "splash")
-_GPU_SECOND = (
-    "the kernel's derivatives differentiated through the dense path (O(T S) memory), not with a score_mod "
-    "closing over traced floating arrays (ALiBi's slopes being learned: a ValueError)"
-)
+_GPU_SECOND = "the kernel's derivatives differentiated through the blockwise path (XLA tiles, O(T) memory)"
 _GPU_TANGENT = "partly: GPU forward mode in the kernels (O(T) memory)"
 
 
