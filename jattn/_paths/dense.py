@@ -144,16 +144,15 @@ def _logits(
     return softmax_parts(s, mask), compute, top
 
 
-def _dropout(p: Array, rate: float, rng: Array | None, lead: tuple[int, ...], seeds: Array | None) -> Array:
+def _dropout(p: Array, rate: float, rng: Array | None, lead: tuple[int, ...]) -> Array:
     """Weights ``p (..., T, S)`` broadcast to ``(*lead, T, S)`` with dropout's rule (:mod:`jattn._dropout`) applied.
 
-    The rows' seeds are ``row_seeds(rng, flat leading index)``, or ``seeds (*lead)`` where given.
+    The rows' seeds are ``row_seeds(rng, flat leading index)``.
     """
     if rate == 0.0:
         return p
     T, S = p.shape[-2:]
-    if seeds is None:
-        seeds = row_seeds(rng, jnp.arange(math.prod(lead), dtype=jnp.int32).reshape(lead))
+    seeds = row_seeds(rng, jnp.arange(math.prod(lead), dtype=jnp.int32).reshape(lead))
     one = (1,) * len(lead)
     t, s = jnp.arange(T, dtype=jnp.int32).reshape(*one, T, 1), jnp.arange(S, dtype=jnp.int32).reshape(*one, 1, S)
     keep = keep_mask(seeds[..., None, None], t, s, rate)  # (*lead, T, S): the blockwise path's bits exactly
@@ -168,13 +167,8 @@ def dense_attention(
     precision: jax.lax.PrecisionLike = None,
     score_mod: Callable[..., Array] | None = None,
     sinks: Array | None = None,
-    dropout_seeds: Array | None = None,
 ) -> tuple[Array, Array, Array]:
-    """``implementation='dense'`` on checked operands: ``out (..., T, E)``, ``lse (..., T)``, ``max_logit (..., T)``.
-
-    ``dropout_seeds (*lead)`` uint32, where given, are the rows' dropout seeds in place of
-    ``row_seeds(dropout_rng, flat leading index)`` (:mod:`jattn._dropout`; a kernel's reference path).
-    """
+    """``implementation='dense'`` on checked operands: ``out (..., T, E)``, ``lse (..., T)``, ``max_logit (..., T)``."""
     T, S = ops.q.shape[-2], ops.k.shape[-2]
     lead, q, k, v, mask, bias = _operands(ops)
     ndim = len(lead) + 2
@@ -184,7 +178,7 @@ def dense_attention(
         sinks = jnp.broadcast_to(sinks, lead)[..., None, None]
     parts, compute, top = _logits(q, k, mask, bias, ops.scale, precision, score_mod, mod_index, sinks)
     weights = parts.weights()
-    p = _dropout(weights if sinks is None else weights[..., :-1], dropout_rate, dropout_rng, lead, dropout_seeds)
+    p = _dropout(weights if sinks is None else weights[..., :-1], dropout_rate, dropout_rng, lead)
     # The weighted sum takes the normalised float32 weights (v upcast for bf16/f16), so the
     # gradient is the softmax's own p (dp - rowsum(p dp)) with dp = dO·vᵀ in float32: its two terms
     # cancel exactly where they should (a one-hot row gives 0). Rounding the weights to 16 bits, or
