@@ -139,7 +139,7 @@ def log_linear_attention(
     if mode == "chunk":
         _check_aligned(start, chunk_size, T, shards)
     start_ = _start(start, lead)
-    lam = _level_weights(level_weights, lead, T, _last_position(start, T * shards), steps.q.dtype)
+    lam = _level_weights(level_weights, lead, T, _last_position(start, T * shards), steps.q.dtype, shards)
     plain = mode == "chunk" and initial_state is None and not return_state and _is_zero(start) and axis_name is None
     L = levels_needed(T) if plain else lam.shape[-1]  # from 0 with nothing out: the levels T reaches
     state = _initial_state(initial_state, lead, L, steps.q.shape[-1], steps.v.shape[-1], steps.q.dtype)
@@ -220,16 +220,20 @@ def _last_position(start: int | ArrayLike, T: int) -> int:
     return (0 if is_traced(start) else int(np.max(np.asarray(start), initial=0))) + T
 
 
-def _level_weights(x: ArrayLike, lead: tuple[int, ...], T: int, end: int, dtype) -> Array:
-    """``level_weights`` as ``(*lead, T, L)`` in ``dtype``, or an error naming its shape."""
+def _level_weights(x: ArrayLike, lead: tuple[int, ...], T: int, end: int, dtype, shards: int = 1) -> Array:
+    """``level_weights`` as ``(*lead, T, L)`` in ``dtype``, or an error naming its shape.
+
+    ``T`` is the shard's length under ``axis_name`` (``shards`` > 1), ``end`` the last position of the whole sequence.
+    """
     x = jnp.asarray(x)
     need = levels_needed(end)
+    t = f"T={T}" if shards == 1 else f"T={T}: this shard's steps of the sequence's {T * shards}"
     if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise TypeError(f"level_weights must be floating (..., T={T}, L), got {x.dtype} with shape {x.shape}")
+        raise TypeError(f"level_weights must be floating (..., {t}, L), got {x.dtype} with shape {x.shape}")
     if x.ndim < 2 or x.shape[-2] not in (1, T) or x.shape[-1] < need:
         raise ValueError(
-            f"level_weights must have shape (..., T={T}, L) with L >= {need} levels (bit_length of the last "
-            f"position {end - 1}, plus 1), got {x.shape}"
+            f"level_weights must have shape (..., {t}, L) with L >= {need} levels (bit_length of the last "
+            f"position {end - 1} of the whole sequence, plus 1), got {x.shape}"
         )
     try:
         fits = jnp.broadcast_shapes(x.shape[:-2], lead) == lead

@@ -97,3 +97,24 @@ def test_a_shard_length_off_the_chunks_is_refused():
     )
     with pytest.raises(ValueError, match=r"shard length T=12 to be a multiple of the chunk.*mode='recurrent'"):
         sharded(q, k, v, lam)
+
+
+def test_too_few_levels_name_the_shard_and_the_whole_sequence():
+    """Under shard_map the error names both lengths: the shard's T (level_weights' rows) and the sequence's end."""
+    (q, k, v), _, lam, _, _, _ = _inputs()
+    mesh = jax.make_mesh((SHARDS,), ("seq",), axis_types=(AxisType.Auto,), devices=jax.devices()[:SHARDS])
+    rows = PartitionSpec(None, None, "seq", None)
+    sharded = jax.shard_map(
+        lambda q, k, v, lam: jattn.log_linear_attention(
+            q, k, v, level_weights=lam[..., :3], mode="recurrent", axis_name="seq"
+        ),
+        mesh=mesh,
+        in_specs=(rows,) * 4,
+        out_specs=rows,
+    )
+    # 48 steps reach position 47: bit_length 6, plus 1 = 7 levels; 3 given
+    match = (
+        rf"\(\.\.\., T={LOCAL}: this shard's steps of the sequence's {T}, L\) with L >= {L} levels.*position {T - 1} "
+    )
+    with pytest.raises(ValueError, match=match):
+        sharded(q, k, v, lam)
