@@ -158,6 +158,7 @@ def on_rows(score_mod: Callable[..., Array], heads: int, values: tuple) -> Calla
     the tile part, so derivatives taken through it reach the values (the arrays ``score_mod``
     closes over are read through them only).
     """
+    tile_parts: dict[tuple[int, int], TileMod] = {}  # a tile shape's part, traced once (the paths call it per tile)
 
     def modified(s: Array, batch: Array, head: Array, q_pos: Array, kv_pos: Array) -> Array:
         t, u = s.shape[-2:]
@@ -167,8 +168,9 @@ def on_rows(score_mod: Callable[..., Array], heads: int, values: tuple) -> Calla
         flat = jnp.broadcast_to(s, (*shape, t, u)).reshape(g, t, u).astype(jnp.float32)
         qp = jnp.broadcast_to(q_pos, (*shape, t, 1)).reshape(g, t)
         kp = jnp.broadcast_to(kv_pos, (*shape, 1, u)).reshape(g, u)
-        mod, _ = _split(score_mod, t, u)
-        x = jax.vmap(mod.apply)(flat, qp, kp, tuple(jnp.take(x, row, axis=0) for x in values))
+        if (t, u) not in tile_parts:
+            tile_parts[t, u] = _split(score_mod, t, u)[0]  # reads none of the closed-over arrays: values do
+        x = jax.vmap(tile_parts[t, u].apply)(flat, qp, kp, tuple(jnp.take(x, row, axis=0) for x in values))
         return x.reshape(*shape, t, u)
 
     return modified
