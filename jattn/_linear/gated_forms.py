@@ -12,12 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
+from jattn._linear.feature_pairs import pair_sums
 from jattn._linear.gated_inputs import Steps
 from jattn._online import vary
 
-__all__ = ["BLOCK", "documents", "in_chunks", "lower_triangle", "run_steps", "running_sums", "unit_lower_inverse"]
-
-BLOCK = 4  # the block of steps inside which KDA keeps its decays per pair (_feature_pairs)
+__all__ = ["documents", "in_chunks", "lower_triangle", "run_steps", "running_sums", "unit_lower_inverse"]
 
 
 def run_steps(
@@ -153,13 +152,13 @@ def _feature_delta_parts(q, k, v, g, gk, beta, runs, precision) -> tuple[Array, 
     per feature, the writes solve ``(I + A) Δ = diag(β) (V - (exp(b) ⊙ K) S_0)`` with
     ``A_ts = β_t Σ_f k_tf Γ_tsf k_sf`` (s < t), the outputs are ``(exp(b_t) ⊙ q_t) S_0 + Σ_{s<=t}
     (Σ_f q_tf Γ_tsf k_sf) δ_s`` and the last state ``exp(b_C) ⊙ S_0 + Σ_s (Γ_Cs ⊙ k_s) δ_sᵀ``
-    (:func:`_feature_pairs` forms the pair sums).
+    (:func:`jattn._linear.feature_pairs.pair_sums` forms the pair sums).
     """
     seen, first, last = documents(runs)
     hi, lo = running_sums(gk if g is None else gk + g[..., None], axis=-2)  # (..., C, D)
     into = jnp.where(first[..., None], jnp.exp(hi + lo), 0.0)
     reach = jnp.where(last[..., None], jnp.exp((hi[..., -1:, :] - hi) + (lo[..., -1:, :] - lo)), 0.0)
-    scores, a = _feature_pairs(q, k, hi, lo, precision)
+    scores, a = pair_sums(q, k, hi, lo, precision)
     scores = jnp.where(seen, scores, 0.0)
     a = beta[..., :, None] * jnp.where(seen & lower_triangle(seen.shape, -1), a, 0.0)
     inverse = unit_lower_inverse(a)
@@ -167,49 +166,6 @@ def _feature_delta_parts(q, k, v, g, gk, beta, runs, precision) -> tuple[Array, 
     solved = _einsum("...ts,...sx->...tx", inverse, rhs, precision=precision)
     u, w = solved[..., : v.shape[-1]], solved[..., v.shape[-1] :]
     return into * q, reach * k, into[..., -1, :], scores, u, w
-
-
-def _feature_pairs(q: Array, k: Array, hi: Array, lo: Array, precision) -> tuple[Array, Array]:
-    """``Σ_f x_tf exp(b_tf - b_sf) k_sf`` for x = q and x = k, ``(..., C, C)`` each (s <= t; 0 above the diagonal).
-
-    The chunk is split into blocks of ``c`` steps (:func:`_block`). Inside a block the exponents are kept per
-    pair ``s < t`` and feature. Between blocks they split at the running sums ``r_i`` before the query's block
-    i and ``e_j`` at the end of the key's block j < i: ``b_t - b_s = (b_t - r_i) + (r_i - e_j) + (e_j - b_s)``,
-    each ``<= 0``: the query scaled to its block's start, the key to its block's end, a decay per pair of blocks
-    and feature, then products and one matmul per query block. Every exponent is a difference ``<= 0``
-    (:func:`running_sums`' ``hi + lo``); ``2 C D + (C/c)² D + C (c - 1) D / 2`` exponentials a chunk. Inside a
-    block the pairs are taken band by band (``s = t - d``: slices, not gathers, which cost 3-5% on CPU).
-    """
-    *lead, C, D = k.shape
-    c = _block(C)
-    m = C // c
-    x = jnp.stack([q, k]).reshape(2, *lead, m, c, D)  # the query sides, block by block
-    kb, h, lw = (y.reshape(1, *lead, m, c, D) for y in (k, hi, lo))
-    end_h, end_l = h[..., -1, :], lw[..., -1, :]  # (1, ..., m, D)
-    ref_h, ref_l = (jnp.concatenate([jnp.zeros_like(y[..., :1, :]), y[..., :-1, :]], axis=-2) for y in (end_h, end_l))
-    to_ref = jnp.exp((h - ref_h[..., None, :]) + (lw - ref_l[..., None, :]))  # (1, ..., m, c, D)
-    to_end = jnp.exp((end_h[..., None, :] - h) + (end_l[..., None, :] - lw))
-    between = (ref_h[..., :, None, :] - end_h[..., None, :, :]) + (ref_l[..., :, None, :] - end_l[..., None, :, :])
-    before = jnp.broadcast_to(lower_triangle((m, m), -1)[:, :, None], between.shape)  # key block j < query block i
-    between = jnp.exp(jnp.where(before, between, -jnp.inf))  # (1, ..., m_i, m_j, D)
-    keys = ((kb * to_end)[..., None, :, :, :] * between[..., :, :, None, :]).reshape(*lead, m, C, D)
-    off = _einsum("x...itf,...isf->x...its", x * to_ref, keys, precision=precision).reshape(2, *lead, m, c, m, c)
-    inside = 0.0  # (2, ..., m, c, c): the pairs s <= t of the query's own block, band s = t - d by band
-    for d in range(c):
-        band = x[..., d:, :] * kb[..., : c - d, :]
-        if d:  # exp(b_t - b_{t-d})
-            band = band * jnp.exp((h[..., d:, :] - h[..., : c - d, :]) + (lw[..., d:, :] - lw[..., : c - d, :]))
-        band = jnp.sum(band, axis=-1)  # (2, ..., m, c - d), query t from d on
-        band = jnp.pad(band, [(0, 0)] * (band.ndim - 1) + [(d, 0)])
-        inside = inside + band[..., :, None] * jnp.broadcast_to(jnp.eye(c, k=-d, dtype=k.dtype), (*band.shape, c))
-    own = jnp.broadcast_to(jnp.eye(m, dtype=bool)[:, None, :, None], off.shape)  # (i, t, j, s): the query's block
-    full = (off + jnp.where(own, inside[..., :, :, None, :], 0.0)).reshape(2, *lead, C, C)
-    return full[0], full[1]
-
-
-def _block(C: int) -> int:
-    """The block size of :func:`_feature_pairs` for chunks of ``C``: the largest divisor of C up to ``BLOCK``."""
-    return max(b for b in range(1, min(C, BLOCK) + 1) if C % b == 0)
 
 
 def running_sums(g: Array, axis: int) -> tuple[Array, Array]:
