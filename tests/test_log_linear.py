@@ -222,6 +222,43 @@ def test_chunk_form_with_states_equals_the_recurrent_form(kind, start):
             ref.assert_grad_close(grads[name], want[name], jnp.float64)
 
 
+@pytest.mark.parametrize("mode", ["chunk", "recurrent"])
+def test_weights_at_levels_no_key_reaches_are_not_read(mode):
+    """NaN and inf at levels above ``bit_length(p)`` for position p change nothing: outputs, states, gradients.
+
+    From position 0 (with and without states out) and from start 8 with an initial state; the weights poisoned
+    are exactly those above each position's reach (per position, not only past the call's last level), and the
+    outputs, final states and gradients equal those of the clean weights, which equal the quadratic reference.
+    """
+    with jax.enable_x64(True):
+        args, state = _stateful("gated deltanet")
+        args = {n: jnp.asarray(a) for n, a in args.items()}
+        levels = args["level_weights"].shape[-1]
+        for start, initial in [(0, None), (8, jnp.asarray(state))]:
+            position = start + np.arange(T)
+            unreached = np.arange(levels) > np.array([int(p).bit_length() for p in position])[:, None]  # (T, L)
+            assert unreached.any() and not unreached[:, 0].any()
+            poisoned = jnp.where(unreached, jnp.asarray([np.nan, np.inf])[np.arange(levels) % 2], args["level_weights"])
+
+            def run(lam, start=start, initial=initial):
+                out, last = jattn.log_linear_attention(
+                    **(args | {"level_weights": lam}), start=start, initial_state=initial, return_state=True,
+                    mode=mode, chunk_size=4,
+                )  # fmt: skip
+                return jnp.sum(jnp.sin(out)) + jnp.sum(jnp.sin(last)), (out, last)
+
+            (_, clean), clean_grad = jax.value_and_grad(run, has_aux=True)(args["level_weights"])
+            (_, got), got_grad = jax.value_and_grad(run, has_aux=True)(poisoned)
+            for a, b in zip(got, clean, strict=True):
+                np.testing.assert_array_equal(a, b)
+            np.testing.assert_array_equal(got_grad, clean_grad)
+            assert not np.any(np.asarray(got_grad)[..., unreached])  # nothing flows to the unread weights
+        plain = jattn.log_linear_attention(**(args | {"level_weights": poisoned}), mode=mode, chunk_size=4, start=8)
+        np.testing.assert_allclose(
+            jattn.log_linear_attention(**args, mode=mode, chunk_size=4, start=8), plain, **ref.tol(jnp.float64)
+        )
+
+
 @pytest.mark.parametrize("kind", ["ssd", "gated deltanet"])
 def test_two_chunk_calls_passing_the_state_equal_one_call(kind):
     """Cut at a chunk boundary (the first part ending on a kept step): outputs and final states of one call."""

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax import Array
 
 from jattn._linear.dplr_inputs import LowRankSteps
-from jattn._linear.gated_forms import documents, in_chunks, lower_triangle, running_sums
+from jattn._linear.gated_forms import documents, in_chunks, lower_triangle, running_sums, unit_lower_inverse
 from jattn._online import vary
 
 __all__ = ["run_low_rank"]
@@ -88,22 +88,6 @@ def _shifted(x: Array, fill: float = 0.0) -> Array:
     return jnp.concatenate([jnp.full_like(x[..., :1, :], fill), x[..., :-1, :]], axis=-2)
 
 
-def _neumann_inverse(lower: Array, precision) -> Array:
-    """``(I - L)^-1`` for a strictly lower triangular ``L (..., C, C)``: ``Σ_j L^j = (I + L)(I + L²)(I + L⁴)...``.
-
-    L is nilpotent (``L^C = 0``), so ``ceil(log2 C)`` factors hold every power below C: a few ``C x C`` products,
-    where forward substitution (as the delta rule's chunks do) would take C dependent steps
-    a chunk (in a scan over the chunks, as many steps as the recurrence). Derivatives by autodiff of the products.
-    """
-    eye = jnp.broadcast_to(jnp.eye(lower.shape[-1], dtype=lower.dtype), lower.shape)
-    inverse, power, reached = eye + lower, lower, 2
-    while reached < lower.shape[-1]:
-        power = jnp.matmul(power, power, precision=precision)
-        inverse = inverse + jnp.matmul(inverse, power, precision=precision)
-        reached *= 2
-    return inverse
-
-
 def _chunk_step(precision):
     """The scan body: ``(S_0, a chunk's steps) -> (S_C, out (..., C, E))``.
 
@@ -133,7 +117,7 @@ def _chunk_step(precision):
         into0 = jnp.where(first[..., None], _shifted(into, 1.0), 0.0)  # e^{c_{t-1}}, 1 at the chunk's first step
         rhs = _einsum("...ts,...se->...te", ak, v, precision=precision)
         rhs = rhs + _einsum("...tf,...fe->...te", a * into0, S, precision=precision)
-        reads = _einsum("...ts,...se->...te", _neumann_inverse(ab, precision), rhs, precision=precision)  # U
+        reads = _einsum("...ts,...se->...te", unit_lower_inverse(-ab), rhs, precision=precision)  # U
         out = _einsum("...tf,...fe->...te", q * into, S, precision=precision)
         out = out + _einsum("...ts,...se->...te", qk, v, precision=precision)
         out = out + _einsum("...ts,...se->...te", qb, reads, precision=precision)

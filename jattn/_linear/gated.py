@@ -46,9 +46,10 @@ a unit lower-triangular system (the UT transform of the DeltaNet paper, with dec
 ``(I + A) Δ = diag(β) (V - diag(exp(b)) K S_0)``, ``A_ts = β_t Γ_ts (k_t·k_s)`` for ``s < t``. With a
 decay per key feature (GLA, KDA) ``b_t`` is a vector (D,) and ``Γ_ts (q_t·k_s)`` becomes
 ``Σ_f q_tf exp(b_tf - b_sf) k_sf`` (likewise in ``A``; ``exp(b)`` scales K and q feature by feature): GLA
-keeps those exponents per pair and feature; KDA keeps them so only inside blocks of 4 steps and splits
-them between blocks at the blocks' running sums, ``(b_t - r) + (r - e) + (e - b_s)``, each part ``<= 0``
-(:mod:`jattn._linear.gated_forms`), so that matmuls do the rest. Every
+keeps those exponents per pair and feature; KDA forms the pair sums as a binary tree of matmuls: the
+chunk splits into blocks of 2h steps (h = 1, 2, ..., C/2) whose upper h queries meet the lower h keys at
+the running sum r of the lower half's last step, ``(b_t - r) + (r - b_s)``, each part ``<= 0``
+(:mod:`jattn._linear.feature_pairs`). Every
 exponent is a difference ``b_t - b_s <= 0`` (or a sum of such): nothing overflows, at any length. The running sums are kept
 to twice the working precision (``hi + lo``: the cumulative sum and what its additions rounded away), so
 each difference is exact to its own rounding, whatever came before it in the chunk: after one step of log

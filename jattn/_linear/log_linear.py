@@ -95,8 +95,8 @@ def log_linear_attention(
       q, k, v: one floating dtype; leading dimensions broadcast (batch, heads).
       level_weights: ``λ (..., T, L)``, floating, the weight of each level for each query step, broadcasting to
         the call's leading shape (it does not widen it). L at least ``bit_length(start + T - 1) + 1`` (the whole
-        sequence's T with ``axis_name``); levels past those the positions reach are not read in the chunk form
-        from position 0 without states in or out.
+        sequence's T with ``axis_name``); at position p the levels above ``bit_length(p)``, where no key can
+        be, are not read (NaN or inf there changes nothing), in either form.
       g: log decay per step, ``<= 0``, broadcasting to ``(..., T)`` (Mamba-2's SSD form); None: no decay.
       beta: the delta rule's write strength in ``[0, 1]``, broadcasting to ``(..., T)`` (with ``g``: Gated
         DeltaNet); needs L2-normalised keys, as in :func:`jattn.gated_linear_attention`.
@@ -140,6 +140,7 @@ def log_linear_attention(
         _check_aligned(start, chunk_size, T, shards)
     start_ = _start(start, lead)
     lam = _level_weights(level_weights, lead, T, _last_position(start, T * shards), steps.q.dtype, shards)
+    lam = _reached_only(lam, start_, axis_name)
     plain = mode == "chunk" and initial_state is None and not return_state and _is_zero(start) and axis_name is None
     L = levels_needed(T) if plain else lam.shape[-1]  # from 0 with nothing out: the levels T reaches
     state = _initial_state(initial_state, lead, L, steps.q.shape[-1], steps.v.shape[-1], steps.q.dtype)
@@ -242,6 +243,19 @@ def _level_weights(x: ArrayLike, lead: tuple[int, ...], T: int, end: int, dtype,
     if not fits:
         raise ValueError(f"level_weights {x.shape} must broadcast to the leading shape {lead} of q, k, v and gates")
     return jnp.broadcast_to(x.astype(dtype), (*lead, T, x.shape[-1]))
+
+
+def _reached_only(lam: Array, start: Array, axis_name: str | None) -> Array:
+    """``lam (*lead, T, L)`` with the levels no key can be at replaced by 0 (so NaN or inf there are not read).
+
+    At position p a key at s < p lies at level ``bit_length(s ^ p) <= bit_length(p)`` (level 0 is p itself):
+    the levels above ``bit_length(p)`` are empty at p in both forms, whatever the weights say.
+    """
+    T, L = lam.shape[-2:]
+    here = start if axis_name is None else start + jax.lax.axis_index(axis_name) * T
+    position = here[..., None] + jnp.arange(T, dtype=jnp.int32).reshape((1,) * here.ndim + (T,))  # (*lead, T)
+    bits = 32 - jax.lax.clz(position)  # bit_length
+    return jnp.where(jnp.arange(L, dtype=jnp.int32).reshape((1,) * position.ndim + (L,)) <= bits[..., None], lam, 0.0)
 
 
 def _initial_state(x: ArrayLike | None, lead: tuple[int, ...], L: int, D: int, E: int, dtype) -> Array:
