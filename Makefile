@@ -1,10 +1,18 @@
 # Two commands, each setting itself up in a virtual env inside the repo:
 #   make train   the default training run
 #   make test    lint + the docs site + the whole test suite (single device, then 8 simulated devices)
-# and three more: make docs (the docs site into site/), make fuzz (the slow differential fuzz),
-# make bench (benchmarks, ARGS=...).
+# and more: make test-newest (the suite's named subset on the newest JAX, Python 3.12+), make ci (what
+# .ci/run runs: test, then test-newest), make docs (the docs site into site/), make fuzz (the slow
+# differential fuzz), make bench (benchmarks, ARGS=...).
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# The newest JAX needs Python >= 3.12 (pip gives Python 3.11 jax 0.10.2, the oldest CI tests): its own venv,
+# on the first Python 3.12 or 3.13 found on PATH or in pyenv's versions.
+NEWEST_VENV ?= .venv-newest
+NEWEST_PY := $(NEWEST_VENV)/bin/python
+PYENV_ROOT ?= $(HOME)/.pyenv
+PYTHON_NEWEST ?= $(shell for p in python3.12 python3.13 $(wildcard $(PYENV_ROOT)/versions/3.12*/bin/python3.12 $(PYENV_ROOT)/versions/3.13*/bin/python3.13); do \
+  $$p -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null && { echo $$p; break; }; done)
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -12,7 +20,15 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
 
-.PHONY: train test docs fuzz bench
+# --upgrade: the newest releases pyproject.toml admits (jax, jaxlib, flax, ...), not what an older venv kept
+$(NEWEST_VENV)/.installed: pyproject.toml
+	@test -n "$(PYTHON_NEWEST)" || { echo "make test-newest needs Python 3.12+ (python3.12 on PATH, or PYTHON_NEWEST=...)"; exit 1; }
+	$(PYTHON_NEWEST) -m venv $(NEWEST_VENV)
+	$(NEWEST_PY) -m pip install -q --upgrade pip
+	$(NEWEST_PY) -m pip install -q --upgrade -e ".[dev]"
+	touch $@
+
+.PHONY: train test test-newest ci docs fuzz bench
 train: $(VENV)/.installed
 	$(PY) -m train $(ARGS)
 
@@ -34,6 +50,7 @@ docs: $(VENV)/.installed
 FAST_COMPILE := --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1
 # Only the flags this jaxlib knows: XLA aborts on an unknown flag, and a later jaxlib may drop one.
 KNOWN_FAST = $$(for f in $(FAST_COMPILE); do XLA_FLAGS=$$f $(PY) -c 'import jax; jax.devices()' 2>/dev/null && printf '%s ' $$f; done)
+KNOWN_FAST_NEWEST = $$(for f in $(FAST_COMPILE); do XLA_FLAGS=$$f $(NEWEST_PY) -c 'import jax; jax.devices()' 2>/dev/null && printf '%s ' $$f; done)
 CACHE := $(CURDIR)/.xla-cache
 test: export JAX_COMPILATION_CACHE_DIR := $(CACHE)
 test: export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS := 0.2
@@ -44,8 +61,32 @@ test: $(VENV)/.installed
 	$(DOCS_BUILD)
 	rm -rf "$(CACHE)"
 	export JATTN_FAST_XLA_FLAGS="$(KNOWN_FAST)" && export XLA_FLAGS="$$JATTN_FAST_XLA_FLAGS$$XLA_FLAGS" && \
-	$(PY) -m pytest -n 2 --durations=15 && \
-	$(PY) -m pytest -n 2 --durations=5 tests/multidevice
+	status=0; \
+	$(PY) -m pytest -n 2 --durations=15 || status=1; \
+	$(PY) -m pytest -n 2 --durations=5 tests/multidevice || status=1; \
+	exit $$status
+
+# The newest JAX (its own venv, Python 3.12+): the tests that exercise JAX's transformations, lowering and
+# compilers most. Both sessions run and report even when the first fails.
+NEWEST_TESTS := tests/test_core.py tests/test_transforms.py tests/test_higher_order.py tests/test_fused_cpu.py \
+  tests/test_blockwise.py tests/test_gated_linear.py tests/test_log_linear.py tests/test_dplr.py \
+  tests/test_deltaproduct.py tests/test_linear_family_inputs.py tests/test_modules.py tests/test_cache.py \
+  tests/test_flax.py tests/test_gpu_kernel.py tests/test_lowering.py tests/test_pallas.py tests/test_xla_flags.py \
+  tests/test_errors.py tests/test_compat.py tests/test_train.py
+test-newest: export JAX_COMPILATION_CACHE_DIR := $(CACHE)-newest
+test-newest: export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS := 0.2
+test-newest: $(NEWEST_VENV)/.installed
+	rm -rf "$(CACHE)-newest"
+	$(NEWEST_PY) -c 'import jax, sys; print("jax", jax.__version__, "on Python", sys.version.split()[0])'
+	export JATTN_FAST_XLA_FLAGS="$(KNOWN_FAST_NEWEST)" && export XLA_FLAGS="$$JATTN_FAST_XLA_FLAGS$$XLA_FLAGS" && \
+	status=0; \
+	$(NEWEST_PY) -m pytest -n 2 --durations=10 $(NEWEST_TESTS) || status=1; \
+	$(NEWEST_PY) -m pytest -n 2 --durations=5 tests/multidevice || status=1; \
+	exit $$status
+
+# What CI runs (.ci/run): the suite on the oldest JAX, then on the newest; both run and report
+ci:
+	status=0; $(MAKE) test || status=1; $(MAKE) test-newest || status=1; exit $$status
 
 # The differential fuzz's slow mode: 5,000 cases, about an hour on 2 cores (README: chunks, progress log).
 fuzz: $(VENV)/.installed

@@ -2,7 +2,7 @@
 
 Each ```python block must be self-contained (its imports and inputs defined in the block). The blocks
 run one after another in one fresh subprocess, each in a fresh namespace (which keeps them
-independent): one process pays JAX's import and the compilation of the ops the blocks share once.
+independent) and within its own time budget (:data:`BLOCK_BUDGET`, not one limit for all): one process pays JAX's import and the compilation of the ops the blocks share once.
 Measured on 2 cores: about 50 s of CPU in one process against about 75 s with a process for each
 file (and more with one for each block); every failing block is reported with its file and line. A
 block that sets JAX's devices or platform (``jax_num_cpu_devices``, ``jax_platforms``, before JAX's
@@ -37,18 +37,32 @@ DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```[ \t]*$", re.S | re.M)
 OWN_PROCESS = re.compile(r"jax_num_cpu_devices|jax_platforms|XLA_FLAGS|JAX_NUM_CPU_DEVICES|JAX_PLATFORMS")
 
+#: Seconds each block may take (one takes about 10 s on 2 quiet cores; the slowest measured 30 s under load).
+BLOCK_BUDGET = 240
+
 # Runs in the subprocess: blocks as JSON on stdin, each compiled under its file name and padded to its
-# line, so a traceback points at the Markdown line; every block runs, and each failure is reported.
+# line, so a traceback points at the Markdown line; every block runs, each within its own budget (an
+# alarm interrupts one that overruns it), and each failure is reported with its seconds.
 RUNNER = r"""
-import json, sys, traceback
+import json, signal, sys, time, traceback
+budget = int(sys.argv[1])
+
+def overran(signum, frame):
+    raise TimeoutError(f"the example ran past its budget of {budget} s")
+
+signal.signal(signal.SIGALRM, overran)
 failed = []
 for block in json.load(sys.stdin):
     code = compile("\n" * (block["line"] - 1) + block["source"], block["file"], "exec")
+    start = time.monotonic()
+    signal.alarm(budget)
     try:
         exec(code, {"__name__": "__main__"})
     except BaseException:
         traceback.print_exc()
-        failed.append(f"{block['file']}:{block['line']}")
+        failed.append(f"{block['file']}:{block['line']} ({time.monotonic() - start:.0f} s)")
+    finally:
+        signal.alarm(0)
 if failed:
     sys.exit("FAILED: the examples at " + ", ".join(failed))
 """
@@ -107,13 +121,13 @@ def test_examples_run(group: list[dict]) -> None:
         "PYTHONWARNINGS": "error",
     }
     run = subprocess.run(
-        [sys.executable, "-c", RUNNER],
+        [sys.executable, "-c", RUNNER, str(BLOCK_BUDGET)],
         input=json.dumps(group),
         capture_output=True,
         text=True,
         cwd=ROOT,
         env=env,
-        timeout=600,
+        timeout=BLOCK_BUDGET * len(group) + 120,  # a backstop: each block has its own budget inside
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
 

@@ -261,7 +261,7 @@ def test_packed_documents_fold_under_vmap_and_export_keeps_their_mask():
         mapped = jax.jit(jax.vmap(f))(q, k, v, seg)
         want = jax.tree.map(lambda *xs: jnp.stack(xs), *looped)
         for a, b in zip(jax.tree.leaves(mapped), jax.tree.leaves(want), strict=True):
-            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(a, b, **ref.tol(jnp.float32))  # jax 0.11.2 folds them 2e-6 apart
     args = (q[1], k[1], v[1], seg[1])
     exported = jax.export.export(jax.jit(grad))(*args)
     assert "custom_call @jattn_fused" not in exported.mlir_module()

@@ -12,7 +12,8 @@ to a GPU (jattn's platform switch, and the backend the kernel asks whether to in
 kernel is lowered rather than interpreted. The forward is one ``__gpu$xla.gpu.triton`` call, the
 gradient three (forward, dq, dk/dv), the jvp one (the forward and its tangent in one kernel),
 ``linearize`` two (forward, then tangent); no program holds a ``(T, S)``-shaped array (nor one of
-the padded lengths).
+the padded lengths). Lowered for sm_80 and sm_90 (jax 0.11+; jax 0.10 lowers for sm_90 only without a
+GPU): tests/cuda_lowering.py.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import pytest
 import jattn
 import jattn._platform as platform_facts
 from jattn import masks, score_mods
+from tests.cuda_lowering import ARCHS, cuda_text
 
 TPU_CASES = {
     # name: (mask, score_mod, q lead, kv lead): grouped heads B=2, K=3, G=4 (q_offset 6: T=131, S=97)
@@ -92,14 +94,11 @@ def on_gpu(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # the kernel is lowered, not interpreted
 
 
-def _cuda_text(fn, *args) -> str:
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-
-
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("implementation", ["pallas", None])
 @pytest.mark.parametrize("case", list(CASES))
-def test_forward_grad_and_jvp_lower_to_triton_without_a_score_matrix(on_gpu, case, implementation):
-    """Named, and by the automatic choice: on a GPU these calls reach jattn's kernel by default."""
+def test_forward_grad_and_jvp_lower_to_triton_without_a_score_matrix(on_gpu, case, implementation, arch):
+    """Named, and by the automatic choice: on a GPU these calls reach jattn's kernel by default (sm_80 and sm_90)."""
     kw = CASES[case]
     q = jnp.zeros((B, K, G, T, D), jnp.bfloat16)
     k, v = jnp.zeros((B, K, 1, S, D), jnp.bfloat16), jnp.zeros((B, K, 1, S, D), jnp.bfloat16)
@@ -117,7 +116,7 @@ def test_forward_grad_and_jvp_lower_to_triton_without_a_score_matrix(on_gpu, cas
         return jax.linearize(f, q, k, v)[1](q, k, v)
 
     for fn, calls in ((f, 1), (jax.grad(loss, argnums=(0, 1, 2)), 3), (jvp, 1), (linearized, 2)):
-        text = _cuda_text(fn, q, k, v)
+        text = cuda_text(fn, q, k, v, arch=arch)
         assert text.count("__gpu$xla.gpu.triton") == calls, (case, fn)
         assert (fn is jvp) == ("jattn_gpu_forward_tangent" in text)
         for t, s in ((T, S), (TP, SP)):
@@ -130,12 +129,12 @@ def test_a_score_mod_triton_cannot_lower_is_refused_and_the_automatic_choice_pas
     k = jnp.zeros((B, K * G, S, D), jnp.float32)
     mod = score_mods.relative_position_bias(jnp.ones((32, K * G)))
     with pytest.raises(ValueError, match=r"score_mod: per score it reads gather.*Triton cannot lower") as e:
-        _cuda_text(lambda q, k: jattn.attention(q, k, k, score_mod=mod, implementation="pallas"), q, k)
+        cuda_text(lambda q, k: jattn.attention(q, k, k, score_mod=mod, implementation="pallas"), q, k)
     assert type(e.value).__name__ == "KernelRefusalError"
-    text = _cuda_text(lambda q, k: jattn.attention(q, k, k, score_mod=mod), q, k)
+    text = cuda_text(lambda q, k: jattn.attention(q, k, k, score_mod=mod), q, k)
     assert "__gpu$xla.gpu.triton" not in text
     alibi = score_mods.alibi(jnp.ones((K * G,)))  # a function of the row and the positions: still the kernel
-    assert _cuda_text(lambda q, k: jattn.attention(q, k, k, score_mod=alibi), q, k).count("__gpu$xla.gpu.triton") == 1
+    assert cuda_text(lambda q, k: jattn.attention(q, k, k, score_mod=alibi), q, k).count("__gpu$xla.gpu.triton") == 1
 
 
 def test_second_order_keeps_the_first_order_kernels_and_no_score_matrix(on_gpu):
@@ -155,6 +154,6 @@ def test_second_order_keeps_the_first_order_kernels_and_no_score_matrix(on_gpu):
         dq, ds = jax.grad(loss, argnums=(0, 1))(q, slopes)
         return jnp.sum(dq**2) + jnp.sum(ds**2)
 
-    text = _cuda_text(jax.grad(norm, argnums=(0, 1)), q, jnp.ones((N,), jnp.float32))
+    text = cuda_text(jax.grad(norm, argnums=(0, 1)), q, jnp.ones((N,), jnp.float32))
     assert text.count("__gpu$xla.gpu.triton") >= 3
     assert not re.search(rf"\b{T2}x{S2}x", text), "a (T, S) array in the second-order program"

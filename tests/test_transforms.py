@@ -10,6 +10,7 @@ itself checked against the references throughout the suite); a "no" cell raises 
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -122,8 +123,12 @@ def _checkpoint(f, ref, args, capsys, names: tuple[str, ...]) -> None:
         assert_grad_close(g, f64(w), jnp.float32)
     jax.ad_checkpoint.print_saved_residuals(loss, *args)
     saved = capsys.readouterr().out
-    if "closed_call" in saved:  # the fused one-pass jvp, split for the backward in a call that names them inside
-        computed = [line.split()[0] for line in saved.splitlines() if "output of closed_call" in line]
+    # the fused one-pass jvp, split for the backward in a call that names them inside: JAX prints that call's
+    # outputs as "output of closed_call" (0.10) or "output of eval_jaxpr" (0.11+); what is saved is the same
+    computed = [
+        line.split()[0] for line in saved.splitlines() if re.search(r"output of (closed_call|eval_jaxpr)", line)
+    ]
+    if computed:
         assert sorted(x.count(",") for x in computed) == [1, 2] and all(x.startswith("f32") for x in computed), saved
     else:
         assert all(f"named '{name}'" in saved for name in names), saved

@@ -1,8 +1,8 @@
 """The XLA flag ``import jattn`` sets against XLA:CPU's YNNPACK miscompile (docs: transformations), each in a fresh process.
 
 The reproducer is jax-only: a reduction of a product with an operand broadcast along a leading
-axis, broadcast again. On the jaxlib releases jattn sets the flag for, it is wrong without the flag
-(so the route around it is still needed) and right after ``import jattn``.
+axis, broadcast again. jattn sets the flag exactly on the jaxlib releases where it is wrong without
+it (the route around it is still needed there), and it is right after ``import jattn`` on any.
 """
 
 from __future__ import annotations
@@ -50,24 +50,26 @@ def _run(env: dict | None = None, start: bool = False, importing: str = "import 
     return {"error": float(lines["error"]), "flags": lines.get("flags", ""), "warned": lines["warned"] == "True"}
 
 
-AFFECTED = jaxlib.__version__.startswith("0.10.")
-needs_affected = pytest.mark.skipif(
-    not AFFECTED, reason=f"jattn sets the flag on jaxlib 0.10 only, not {jaxlib.__version__}"
-)
+@pytest.fixture(scope="module")
+def probe() -> dict:
+    """The reproducer without the flag, and after ``import jattn``, on the installed jaxlib."""
+    return {"without": _run({"JATTN_XLA_FLAGS": "0"}), "imported": _run()}
 
 
-@needs_affected
-def test_the_miscompile_is_there_without_the_flag():
-    """Without the flag (``JATTN_XLA_FLAGS=0``) XLA:CPU gives wrong values: the route around it is still needed."""
-    got = _run({"JATTN_XLA_FLAGS": "0"})
-    assert FLAG not in got["flags"] and got["error"] > 1.0
+def test_the_flag_is_set_exactly_where_the_reproducer_is_wrong(probe):
+    """jattn's table of affected jaxlib releases agrees with the reproducer on the installed one.
 
-
-@needs_affected
-def test_importing_jattn_sets_the_flag_and_the_reproducer_is_right():
-    got = _run()
-    assert f"{FLAG}=dot,individual_dot" in got["flags"].split()
-    assert got["error"] < 1e-4 and not got["warned"]
+    Fails when an XLA release in the table no longer miscompiles (the flag can go there) and when one outside
+    it does (the table needs it); on an affected release the import makes the reproducer right.
+    """
+    wrong, sets = probe["without"]["error"] > 1.0, FLAG in probe["imported"]["flags"]
+    assert FLAG not in probe["without"]["flags"]
+    assert sets == wrong, (
+        f"jaxlib {jaxlib.__version__}: reproducer wrong without the flag: {wrong}; jattn sets it: {sets}"
+    )
+    assert probe["imported"]["error"] < 1e-4 and not probe["imported"]["warned"]
+    if sets:
+        assert f"{FLAG}=dot,individual_dot" in probe["imported"]["flags"].split()
 
 
 def test_a_flag_the_user_set_is_kept():
@@ -75,7 +77,9 @@ def test_a_flag_the_user_set_is_kept():
     assert got["flags"].split() == [f"{FLAG}="] and got["error"] < 1e-4
 
 
-@needs_affected
-def test_a_backend_started_before_the_import_gets_a_warning_not_a_silent_wrong_answer():
+def test_a_backend_started_before_the_import_gets_a_warning_not_a_silent_wrong_answer(probe):
     got = _run(start=True)
-    assert got["warned"] and FLAG not in got["flags"]
+    if FLAG not in probe["imported"]["flags"]:  # an unaffected jaxlib: nothing to warn about
+        assert not got["warned"] and got["error"] < 1e-4
+    else:
+        assert got["warned"] and FLAG not in got["flags"]

@@ -27,7 +27,7 @@ from jattn._checks import KernelRefusalError, check_sinks
 from jattn._dropout import row_seeds
 from jattn._gpu.kernels import Spec
 from jattn._gpu.rules import attend
-from jattn._gpu.score_mod import convert, on_rows, unlowerable
+from jattn._gpu.score_mod import convert, on_rows, pointwise, unlowerable
 from jattn._gpu.tiles import bounds, grid_of, kernel_arrays, row_mask, slot_kinds, tile_kinds
 from jattn._masks import Mask, RowPadding, RowSegments, as_rows, query_offset, split_arrays
 from jattn._online import flat_lead, head_rows
@@ -153,16 +153,18 @@ def gpu_attention(
     seeds = row_seeds(dropout_rng, jnp.arange(b, dtype=jnp.int32)) if dropout_rate else jnp.zeros((b,), jnp.uint32)
     ints = (kinds, bounds(kinds, -1), bounds(kinds, -2), seeds, masks)
     sink_rows = jnp.zeros((b,), jnp.float32) if sinks_f is None else sinks_f
-    second = None if reference is None else functools.partial(_padded, reference, lead, (T, S, D, E), spec, score_mod)
+    sizes, per_score = (T, S, D, E), pointwise(score_mod, mod)
+    second = None if reference is None else functools.partial(_padded, reference, lead, sizes, spec, per_score)
     out, lse, top = attend(spec, second, qf, kf, vf, sink_rows, consts, ints)
     return out[:, :T, :E].reshape(*lead, T, E), lse[:, :T].reshape(*lead, T), top[:, :T].reshape(*lead, T)
 
 
-def _padded(reference: Callable, lead, sizes, spec: Spec, score_mod, q, k, v, sinks, seeds, masks, values):
+def _padded(reference: Callable, lead, sizes, spec: Spec, per_score, q, k, v, sinks, seeds, masks, values):
     """``reference`` on the kernel's padded, flattened operands: ``(o (b, Tp, Ep), lse (b, Tp))``, 0 in the padding.
 
     The kernel's mask arrays ``masks`` (:func:`jattn._gpu.tiles.row_mask`) and the score mod's row
-    ``values`` (:func:`jattn._gpu.score_mod.on_rows`) are operands here, never closed over. Where ``vmap``
+    ``values`` (:func:`jattn._gpu.score_mod.on_rows` of ``per_score``, the score mod's tile part traced for
+    one score) are operands here, never closed over. Where ``vmap``
     folded ``n`` copies of the call into the rows (``n b`` of them), ``reference`` is mapped over them.
     """
     T, S, D, E = sizes
@@ -171,7 +173,7 @@ def _padded(reference: Callable, lead, sizes, spec: Spec, score_mod, q, k, v, si
     kv_lead = (*lead[:-1], 1) if spec.G > 1 else lead
 
     def one(q, k, v, sinks, seeds, masks, values):
-        mod = None if score_mod is None else on_rows(score_mod, math.prod(lead[1:]), values)
+        mod = None if per_score is None else on_rows(per_score, math.prod(lead[1:]), values)
         return reference(q, k, v, sinks if spec.sinks else None, seeds, spec.scale, mod, row_mask(spec.grid, masks))
 
     shared = tuple(x.shape[0] == 1 for x in masks)  # one row for every row: not mapped

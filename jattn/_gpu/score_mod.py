@@ -14,8 +14,9 @@ and its equations are split in two (:func:`convert`):
 
 The dq kernel pulls each tile's ``dx`` back through the tile part to the scores and to the row
 values (accumulated per row and query block, summed outside). The kernel's reference path (its
-second order) reads the same row values through :func:`on_rows`: they are its operands, so the
-second derivative reaches them (and, outside, the arrays the modification closes over).
+second order) reads the same row values through :func:`on_rows` (the tile part traced for one score when
+the call is, :func:`pointwise`): they are its operands, so the second derivative reaches them (and,
+outside, the arrays the modification closes over).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import jax.numpy as jnp
 from jax import Array
 from jax.extend import core as jex
 
-__all__ = ["TileMod", "convert", "merge", "on_rows", "unlowerable"]
+__all__ = ["TileMod", "convert", "merge", "on_rows", "pointwise", "unlowerable"]
 
 
 def _run(eqns, env: dict) -> None:
@@ -150,15 +151,39 @@ def convert(score_mod: Callable[..., Array] | None, bq: int, bk: int, rows: Arra
     return mod, tuple(jax.vmap(row_values)(rows[:, 0], rows[:, 1])) if mod.count else ()
 
 
-def on_rows(score_mod: Callable[..., Array], heads: int, values: tuple) -> Callable:
-    """``score_mod`` as a function of the kernel's row ``values`` (each ``(b, ...)``, :func:`convert`'s).
+def pointwise(score_mod: Callable[..., Array] | None, like: TileMod | None) -> TileMod | None:
+    """The tile part of ``score_mod`` traced for one score, ``(1, 1)``, now; the same row values as ``like``'s.
+
+    :func:`on_rows` maps it over tiles of any shape. It is traced when the call is (the arrays the
+    modification closes over are live then, traced ones included): a derivative taken later (second order)
+    must not trace ``score_mod`` again, since its closed-over tracers belong to a transformation that has
+    ended by then (JAX raises ``UnexpectedTracerError``).
+    """
+    if score_mod is None:
+        return None
+    mod = _split(score_mod, 1, 1)[0]
+    if [v.aval for v in mod.rows] != [v.aval for v in like.rows]:
+        raise ValueError(
+            f"score_mod reads different row values for a tile of (1, 1) ({[v.aval for v in mod.rows]}) and of the "
+            f"kernel's blocks ({[v.aval for v in like.rows]}): a score modification must be a function of each "
+            "score, its batch, head and positions only"
+        )
+    return mod
+
+
+def on_rows(mod: TileMod, heads: int, values: tuple) -> Callable:
+    """The tile part ``mod`` (:func:`pointwise`) as a score modification of the kernel's row ``values`` (each ``(b, ...)``).
 
     A score modification for another path on the call's operands, ``heads`` rows per batch
     (``prod(lead[1:])``): each score's row ``batch · heads + head`` reads its values and goes through
-    the tile part, so derivatives taken through it reach the values (the arrays ``score_mod``
-    closes over are read through them only).
+    the tile part, score by score, so derivatives taken through it reach the values (the arrays the
+    modification closes over are read through them only).
     """
-    tile_parts: dict[tuple[int, int], TileMod] = {}  # a tile shape's part, traced once (the paths call it per tile)
+
+    def one(s: Array, q_pos: Array, kv_pos: Array, values: tuple) -> Array:  # one score
+        return mod.apply(s[None, None], q_pos[None], kv_pos[None], values)[0, 0]
+
+    per_score = jax.vmap(jax.vmap(jax.vmap(one, (0, None, 0, None)), (0, 0, None, None)), (0, 0, 0, 0))
 
     def modified(s: Array, batch: Array, head: Array, q_pos: Array, kv_pos: Array) -> Array:
         t, u = s.shape[-2:]
@@ -168,9 +193,7 @@ def on_rows(score_mod: Callable[..., Array], heads: int, values: tuple) -> Calla
         flat = jnp.broadcast_to(s, (*shape, t, u)).reshape(g, t, u).astype(jnp.float32)
         qp = jnp.broadcast_to(q_pos, (*shape, t, 1)).reshape(g, t)
         kp = jnp.broadcast_to(kv_pos, (*shape, 1, u)).reshape(g, u)
-        if (t, u) not in tile_parts:
-            tile_parts[t, u] = _split(score_mod, t, u)[0]  # reads none of the closed-over arrays: values do
-        x = jax.vmap(tile_parts[t, u].apply)(flat, qp, kp, tuple(jnp.take(x, row, axis=0) for x in values))
+        x = per_score(flat, qp, kp, tuple(jnp.take(x, row, axis=0) for x in values))
         return x.reshape(*shape, t, u)
 
     return modified
