@@ -1,5 +1,6 @@
 """JAX strict mode for the whole suite, and a repeatable hypothesis profile."""
 
+import gc
 import os
 from pathlib import Path
 
@@ -46,3 +47,25 @@ def pytest_ignore_collect(collection_path: Path, config) -> bool | None:
     if collection_path.name == "multidevice":
         return not any("multidevice" in str(arg) for arg in config.args)
     return None
+
+
+#: A worker's memory mappings past which JAX's caches are cleared between tests. Every compiled program
+#: keeps about 3 mappings of JIT code until its cache lets it go; Linux refuses a process more than
+#: vm.max_map_count of them (65530 by default), and XLA:CPU then fails with "LLVM compilation error:
+#: Cannot allocate memory" (seen on jax 0.12.1 in a worker that had compiled about 20,000 programs).
+MAX_MAPS = 40_000
+
+
+def _mappings() -> int:
+    try:
+        with open(f"/proc/{os.getpid()}/maps", "rb") as f:
+            return f.read().count(b"\n")
+    except OSError:  # not Linux: no such limit to keep under
+        return 0
+
+
+def pytest_runtest_teardown(item, nextitem) -> None:
+    """Clears JAX's compiled programs when this process nears Linux's limit on memory mappings (:data:`MAX_MAPS`)."""
+    if _mappings() > MAX_MAPS:
+        jax.clear_caches()
+        gc.collect()
