@@ -52,6 +52,8 @@ FAST_COMPILE := --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters
 KNOWN_FAST = $$(for f in $(FAST_COMPILE); do XLA_FLAGS=$$f $(PY) -c 'import jax; jax.devices()' 2>/dev/null && printf '%s ' $$f; done)
 KNOWN_FAST_NEWEST = $$(for f in $(FAST_COMPILE); do XLA_FLAGS=$$f $(NEWEST_PY) -c 'import jax; jax.devices()' 2>/dev/null && printf '%s ' $$f; done)
 CACHE := $(CURDIR)/.xla-cache
+# Each session's per-test durations (junit XML): docs/contributing.md's table of the slowest comes from them
+DURATIONS := $(CURDIR)/.durations
 test: export JAX_COMPILATION_CACHE_DIR := $(CACHE)
 test: export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS := 0.2
 
@@ -62,26 +64,24 @@ test: $(VENV)/.installed
 	rm -rf "$(CACHE)"
 	export JATTN_FAST_XLA_FLAGS="$(KNOWN_FAST)" && export XLA_FLAGS="$$JATTN_FAST_XLA_FLAGS$$XLA_FLAGS" && \
 	status=0; \
-	$(PY) -m pytest -n 2 --durations=15 || status=1; \
-	$(PY) -m pytest -n 2 --durations=5 tests/multidevice || status=1; \
+	$(PY) -m pytest -n 2 -m "not heavy" --durations=15 --junitxml=$(DURATIONS)/test.xml || status=1; \
+	$(PY) -m pytest -n 2 -m "not heavy" --durations=5 --junitxml=$(DURATIONS)/test-multidevice.xml tests/multidevice || status=1; \
 	exit $$status
 
-# The newest JAX (its own venv, Python 3.12+): the tests that exercise JAX's transformations, lowering and
-# compilers most. Both sessions run and report even when the first fails.
-NEWEST_TESTS := tests/test_core.py tests/test_transforms.py tests/test_higher_order.py tests/test_fused_cpu.py \
-  tests/test_blockwise.py tests/test_gated_linear.py tests/test_log_linear.py tests/test_dplr.py \
-  tests/test_deltaproduct.py tests/test_linear_family_inputs.py tests/test_modules.py tests/test_cache.py \
-  tests/test_flax.py tests/test_gpu_kernel.py tests/test_lowering.py tests/test_pallas.py tests/test_xla_flags.py \
-  tests/test_errors.py tests/test_compat.py tests/test_train.py
+# The newest JAX (its own venv, Python 3.12+): the heavy tests (training to a verdict, the differential fuzz,
+# sharded training) and the files tests/conftest.py names in NEWEST (those that exercise JAX's
+# transformations, lowering, compilers and shard_map most), on one device then 8 simulated ones. Both
+# sessions run and report.
 test-newest: export JAX_COMPILATION_CACHE_DIR := $(CACHE)-newest
 test-newest: export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS := 0.2
 test-newest: $(NEWEST_VENV)/.installed
 	rm -rf "$(CACHE)-newest"
-	$(NEWEST_PY) -c 'import jax, sys; print("jax", jax.__version__, "on Python", sys.version.split()[0])'
+	@$(NEWEST_PY) -c 'import jax, sys; print("jax", jax.__version__, "on Python", sys.version.split()[0])'
 	export JATTN_FAST_XLA_FLAGS="$(KNOWN_FAST_NEWEST)" && export XLA_FLAGS="$$JATTN_FAST_XLA_FLAGS$$XLA_FLAGS" && \
 	status=0; \
-	$(NEWEST_PY) -m pytest -n 2 --durations=10 $(NEWEST_TESTS) || status=1; \
-	$(NEWEST_PY) -m pytest -n 2 --durations=5 tests/multidevice || status=1; \
+	$(NEWEST_PY) -m pytest -n 2 -m "heavy or newest" --durations=10 --junitxml=$(DURATIONS)/test-newest.xml || status=1; \
+	$(NEWEST_PY) -m pytest -n 2 -m "heavy or newest" --durations=5 --junitxml=$(DURATIONS)/test-newest-multidevice.xml \
+	  tests/multidevice || status=1; \
 	exit $$status
 
 # What CI runs (.ci/run): the suite on the oldest JAX, then on the newest; both run and report

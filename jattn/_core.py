@@ -25,6 +25,7 @@ from jax import Array
 from jax.ad_checkpoint import checkpoint_name
 from jax.typing import ArrayLike
 
+from jattn._arrays import CHECKPOINT_NAMES
 from jattn._blockwise import blockwise_attention, choose_tiles
 from jattn._checks import (
     KernelRefusalError,
@@ -35,7 +36,6 @@ from jattn._checks import (
     check_score_mod,
 )
 from jattn._masks import Mask
-from jattn._online import CHECKPOINT_NAMES
 from jattn._paths import (
     candidate_paths,
     dense_attention,

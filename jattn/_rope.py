@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import Array
 
-from jattn._online import compute_dtype
+from jattn._arrays import compute_dtype
 from jattn._scalars import check_real, int_array
 
 __all__ = ["rope"]

@@ -75,7 +75,7 @@ class _Attention(nnx.Module):
         self.query_ln = self._norm(rngs) if o.normalize_qk else nnx.data(None)
         self.key_ln = self._norm(rngs) if o.normalize_qk else nnx.data(None)
         self.sinks = nnx.Param(jnp.zeros((o.num_heads,), o.param_dtype)) if o.sinks else nnx.data(None)
-        # a recurrent kind's (jattn._linear.module_gates)
+        # a recurrent kind's (jattn._linear.kinds)
         gates = gate_params(o.kind, o.d_model, o.num_heads, o.head_depth, o.num_householder)
         self.gate_names = tuple(gates)
         for name, (shape, init) in gates.items():

@@ -5,6 +5,7 @@ import os
 from pathlib import Path
 
 import jax
+import pytest
 from hypothesis import HealthCheck, settings
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
@@ -31,14 +32,48 @@ def pytest_configure(config) -> None:
         os.environ["JATTN_SLOW"] = "1"  # read by tests/test_contract.py when it is imported
 
 
+#: The files ``make test-newest`` runs on the newest JAX (``-m "heavy or newest"``), besides every ``heavy`` test:
+#: those that exercise JAX's transformations, lowering and compilers most. ``make test`` runs every file on the
+#: oldest JAX but the ``heavy`` tests.
+NEWEST = {
+    "test_core.py",
+    "test_transforms.py",
+    "test_higher_order.py",
+    "test_fused_cpu.py",
+    "test_blockwise.py",
+    "test_gated_linear.py",
+    "test_log_linear.py",
+    "test_dplr.py",
+    "test_deltaproduct.py",
+    "test_linear_family_inputs.py",
+    "test_modules.py",
+    "test_cache.py",
+    "test_flax.py",
+    "test_gpu_kernel.py",
+    "test_lowering.py",
+    "test_pallas.py",
+    "test_xla_flags.py",
+    "test_errors.py",
+    "test_compat.py",
+    "test_shard_map.py",  # tests/multidevice: shard_map's API
+    "test_transforms_sharded.py",
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's -m deselects by marker
 def pytest_collection_modifyitems(config, items) -> None:
-    """Tests marked ``long`` run first, so none starts near the end while the other worker idles.
+    """Marks the tests of the :data:`NEWEST` files ``newest``; tests marked ``long`` run first.
+
+    ``long`` first, so none starts near the end while the other worker idles.
 
     xdist's first chunk for worker 0 holds them all; worker 1 meanwhile takes the short tests.
     Handing out one test at a time (``--maxschedchunk=1``) alternates the long ones between the
     workers but measured no faster (clean-clone CI 16:20 both ways), so make test keeps xdist's
     default chunks, which keep each file's tests (and their compiled programs) together.
     """
+    for item in items:
+        if item.path.name in NEWEST:
+            item.add_marker("newest")
     items.sort(key=lambda item: item.get_closest_marker("long") is None)  # stable: file order otherwise
 
 

@@ -398,6 +398,7 @@ def _expect_refusal(impl, dtype, mask, bias, q_offset, d, e, sinks=None, softcap
     return any(c.startswith("no") for c in cells), any(c.startswith("partly") for c in cells)
 
 
+@pytest.mark.heavy
 @pytest.mark.long
 @pytest.mark.parametrize("shard", range(FUZZ_SHARDS))
 def test_differential_fuzz(shard):

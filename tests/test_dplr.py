@@ -271,7 +271,7 @@ F_MODEL, HEADS, DEPTH = 24, 3, 8
 
 
 def _np_rwkv7(m, x):
-    """The 'rwkv7' kind written out in float64 NumPy from the module's parameters (jattn._linear.module_gates)."""
+    """The 'rwkv7' kind written out in float64 NumPy from the module's parameters (jattn._linear.kinds)."""
     p = {name: ref.f64(getattr(m, name)[...]) for name in m.gate_names}
     x = ref.f64(x)
     sigmoid = lambda z: 1 / (1 + np.exp(-z))  # noqa: E731

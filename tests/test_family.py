@@ -61,6 +61,7 @@ def test_a_run_draws_every_pair_a_distinct_key_and_the_config_validates(tmp_path
     train_config.validate(cfg)
 
 
+@pytest.mark.heavy
 @pytest.mark.long
 def test_tiny_mqar_ranks_softmax_above_the_delta_rule_above_plain_linear(tmp_path: Path):
     """Zoology's finding at a size CI affords: softmax attention recalls best, the delta rule next, linear last.
@@ -82,6 +83,7 @@ def test_tiny_mqar_ranks_softmax_above_the_delta_rule_above_plain_linear(tmp_pat
     assert (tmp_path / "family.png").is_file()
 
 
+@pytest.mark.heavy
 def test_sigint_stops_the_comparison_at_a_checkpoint_and_reports_nothing_unfinished(tmp_path: Path):
     """Ctrl-C during the first run: status 130, its checkpoint saved, the next model not started, no table written."""
     cmd = [sys.executable, "-m", "train.family", "--mixers", "linear", "deltanet", "--pairs", "8"]

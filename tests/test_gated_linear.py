@@ -339,7 +339,7 @@ F_MODEL, HEADS = 24, 3  # head depth 8
 
 
 def _np_gates(kind, m, x):
-    """The gates of ``kind`` written out in float64 NumPy from the module's parameters (docs: jattn._linear.module_gates)."""
+    """The gates of ``kind`` written out in float64 NumPy from the module's parameters (docs: jattn._linear.kinds)."""
     p = {name: np.asarray(getattr(m, name)[...], np.float64) for name in m.gate_names}
     x = np.asarray(x, np.float64)
     softplus, sigmoid = (lambda z: np.log1p(np.exp(z))), (lambda z: 1 / (1 + np.exp(-z)))

@@ -114,3 +114,18 @@ def test_the_top_of_jattn_shows_the_subjects():
     entries = [p for p in ROOT.iterdir() if p.name != "__pycache__" and not p.name.startswith(".")]
     assert len(entries) <= 30, sorted(p.name for p in entries)
     assert len(PACKAGES) >= 5, PACKAGES
+
+
+def test_the_architecture_page_declares_what_each_face_declares():
+    """docs/architecture.md's "May import" of each subpackage is its face's, name for name (they cannot drift)."""
+    page = (ROOT.parent / "docs" / "architecture.md").read_text()
+    wrong = []
+    for package in sorted(PACKAGES):
+        section = re.search(rf"### `jattn/{package}/`\n\n(.*?)(?=\n### |\Z)", page, re.S)
+        assert section, f"docs/architecture.md has no section for jattn/{package}/"
+        line = re.search(r"May import:(.*?)\.(\s|$)", section.group(1), re.S)
+        assert line, f"docs/architecture.md's jattn/{package}/ section says what it may import"
+        declared = set(re.findall(r"`(\w+)`", line.group(1)))
+        if declared != _may_import(package):
+            wrong.append(f"jattn/{package}/: the page says {sorted(declared)}, the face {sorted(_may_import(package))}")
+    assert not wrong, "\n".join(wrong)

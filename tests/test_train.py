@@ -272,6 +272,7 @@ def test_cached_greedy_decoding_equals_full_forward_greedy(changes):
     np.testing.assert_array_equal(cached, full)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("name", ["sort", "reverse", "induction", "window", "global_window", "linear", "gqa"])
 def test_every_config_trains_in_the_tiny_setting(name, tmp_path):
     cfg = config.load(f"configs/{name}.py")
@@ -363,6 +364,7 @@ def test_bad_positions_is_a_config_error():
         Decoder(8, 8, d_model=8, num_heads=1, num_layers=1, positions="rope", rngs=nnx.Rngs(0))
 
 
+@pytest.mark.heavy
 @pytest.mark.long
 def test_alibi_config_extrapolates_where_learned_positions_do_not(tmp_path):
     """configs/alibi.py scaled down (400 steps, 2L only): ALiBi keeps its accuracy at 2L, the table does not.

@@ -7,7 +7,7 @@ kernels group by group, ``rules`` the derivatives at every order;
 ``fused_cpu`` (with its C++ source ``fused_cpu.cc``, package data) and ``fused_rows`` the fused CPU
 kernels.
 
-May import: ``_autodiff``, ``_checks``, ``_masks``, ``_online``, ``_dropout``, ``_softmax``,
+May import: ``_autodiff``, ``_checks``, ``_masks``, ``_arrays``, ``_online``, ``_dropout``, ``_softmax``,
 ``_platform``. The rest of jattn imports this subpackage through this face only: the names imported
 below, and nothing else. Its files import each other directly, never through the face.
 """

@@ -67,6 +67,7 @@ import jax.numpy as jnp
 from jax import Array
 
 from jattn import _platform
+from jattn._arrays import compute_dtype, flat_lead, head_rows
 from jattn._blockwise import fused_cpu as _fused_cpu
 from jattn._blockwise.fused_rows import fused_window
 from jattn._blockwise.plan import OWN, SHARED, Plan
@@ -74,7 +75,7 @@ from jattn._blockwise.rules import flash
 from jattn._checks import check_sinks
 from jattn._dropout import row_seeds
 from jattn._masks import Mask, as_rows, query_offset, split_arrays
-from jattn._online import compute_dtype, convert_mod, flat_lead, head_rows
+from jattn._online import convert_mod
 
 __all__ = [
     "blockwise_attention",

@@ -19,10 +19,11 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
+from jattn._arrays import Tree, vary
 from jattn._blockwise.plan import OWN, Plan
 from jattn._blockwise.tile_loops import Rows, add_block, put, sweep
 from jattn._blockwise.tile_ops import Tile, parts, prescale
-from jattn._online import Tree, per_block, scaled_scores, score_grads, tile_grads, transposed, vary
+from jattn._online import per_block, scaled_scores, score_grads, tile_grads, transposed
 
 __all__ = ["backward"]
 

@@ -16,10 +16,11 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
+from jattn._arrays import Tree, vary
 from jattn._blockwise.plan import Plan
 from jattn._blockwise.tile_loops import Rows, put, sweep
 from jattn._blockwise.tile_ops import Tile, parts, prescale
-from jattn._online import Tree, accumulate, empty_state, finish, per_block, scaled_scores, vary
+from jattn._online import accumulate, empty_state, finish, per_block, scaled_scores
 
 __all__ = ["forward"]
 

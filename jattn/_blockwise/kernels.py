@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax import Array
 from jax.interpreters import mlir
 
+from jattn._arrays import vary
 from jattn._blockwise import fused_cpu as _fused_cpu
 from jattn._blockwise.backward import backward as group_backward
 from jattn._blockwise.forward import forward as group_forward
@@ -28,7 +29,7 @@ from jattn._blockwise.plan import Plan
 from jattn._blockwise.tangent import tangent as group_tangent
 from jattn._blockwise.tile_loops import Rows, by_group
 from jattn._masks import EMPTY, LOWER, reduce_kinds
-from jattn._online import backward_rows, vary
+from jattn._online import backward_rows
 
 __all__ = [
     "backward_kernel",

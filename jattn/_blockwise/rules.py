@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax import Array
 from jax.ad_checkpoint import checkpoint_name
 
+from jattn._arrays import CHECKPOINT_NAMES, sum_to, vary
 from jattn._autodiff import LinearPair, OnePassJvp
 from jattn._blockwise.kernels import (
     backward_kernel,
@@ -40,7 +41,7 @@ from jattn._blockwise.kernels import (
     ungrouped,
 )
 from jattn._blockwise.plan import Plan, Run
-from jattn._online import CHECKPOINT_NAMES, backward_rows, sink_grads, sum_to, vary
+from jattn._online import backward_rows, sink_grads
 
 __all__ = ["flash"]
 

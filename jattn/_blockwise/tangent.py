@@ -23,10 +23,11 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
+from jattn._arrays import Tree, vary
 from jattn._blockwise.plan import Plan
 from jattn._blockwise.tile_loops import Rows, put, sweep
 from jattn._blockwise.tile_ops import Tile, prescale
-from jattn._online import Tree, per_block, scaled_scores, vary
+from jattn._online import per_block, scaled_scores
 from jattn._softmax import exp_below_one
 
 __all__ = ["tangent"]

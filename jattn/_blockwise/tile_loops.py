@@ -17,9 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
+from jattn._arrays import Tree
 from jattn._blockwise.plan import Plan
 from jattn._masks import FULL
-from jattn._online import Tree
 
 __all__ = ["Rows", "add_block", "by_group", "put", "sweep"]
 

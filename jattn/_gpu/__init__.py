@@ -6,7 +6,7 @@ forward, tangent, dq and dk/dv ``pallas_call`` bodies; ``tiles`` the grid of til
 their kinds computed outside the kernel and a partial tile's mask inside it; ``score_mod`` a
 score modification read in the kernel.
 
-May import: ``_autodiff``, ``_checks``, ``_dropout``, ``_masks``, ``_online``. The rest of jattn imports this subpackage
+May import: ``_autodiff``, ``_checks``, ``_dropout``, ``_masks``, ``_arrays``. The rest of jattn imports this subpackage
 through this face only: the names imported below, and nothing else. Its files import each other directly,
 never through the face.
 """

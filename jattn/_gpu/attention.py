@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
+from jattn._arrays import flat_lead, head_rows
 from jattn._checks import KernelRefusalError, check_sinks
 from jattn._dropout import row_seeds
 from jattn._gpu.kernels import Spec
@@ -30,7 +31,6 @@ from jattn._gpu.rules import attend
 from jattn._gpu.score_mod import convert, on_rows, pointwise, unlowerable
 from jattn._gpu.tiles import bounds, grid_of, kernel_arrays, row_mask, slot_kinds, tile_kinds
 from jattn._masks import Mask, RowPadding, RowSegments, as_rows, query_offset, split_arrays
-from jattn._online import flat_lead, head_rows
 
 __all__ = ["MAX_DEPTH", "gpu_attention", "refuse"]
 

@@ -6,7 +6,7 @@ and its equations are split in two (:func:`convert`):
 
 * the *row* part: what depends only on ``batch``, ``head`` and the closed-over arrays (ALiBi's
   ``slopes[head]``, a learned per-head scale). It runs outside the kernel, once per row of the
-  flattened leading dims (``jax.vmap`` over :func:`jattn._online.head_rows`), and ordinary JAX
+  flattened leading dims (``jax.vmap`` over :func:`jattn._arrays.head_rows`), and ordinary JAX
   autodiff carries its gradients back to the arrays;
 * the *tile* part: the rest, evaluated in the kernel on ``score (bq, bk)`` float32, ``q_pos
   (bq, 1)`` and ``kv_pos (1, bk)`` int32 absolute positions and the row's values, which the

@@ -24,7 +24,7 @@ scalar decay the order does not matter, per feature it does). The names follow f
 It holds the others: GLA (``a = b = 0``); DeltaNet (``a = k``, ``b = -β k``, v replaced by ``β v``); Gated
 DeltaNet (as DeltaNet with ``a = exp(g) k`` and the decay ``g``); KDA (as DeltaNet with ``a = exp(gk) ⊙ k`` and
 the decay ``gk``). Its chunkwise and recurrent forms are in
-:mod:`jattn._linear.dplr_forms`. Whether the transition is contracting is the caller's to ensure, as the
+:mod:`jattn._linear.dplr.chunk`. Whether the transition is contracting is the caller's to ensure, as the
 delta rule's short keys are: RWKV-7's ``a = -κ̂``, ``b = κ̂ ⊙ α`` with ``‖κ̂‖ = 1`` and ``α`` in [0, 1] has
 eigenvalues in [0, 1] at ``w = 1`` (``1 - Σ α_f κ̂_f²`` and 1), and with one ``α`` for all features it is
 symmetric with eigenvalues in ``[min w - α, max w]``: never expanding. Not checked (it depends on every step).
@@ -49,7 +49,7 @@ decay per key feature (GLA, KDA) ``b_t`` is a vector (D,) and ``Γ_ts (q_t·k_s)
 keeps those exponents per pair and feature; KDA forms the pair sums as a binary tree of matmuls: the
 chunk splits into blocks of 2h steps (h = 1, 2, ..., C/2) whose upper h queries meet the lower h keys at
 the running sum r of the lower half's last step, ``(b_t - r) + (r - b_s)``, each part ``<= 0``
-(:mod:`jattn._linear.feature_pairs`). Every
+(:mod:`jattn._linear.kda.pair_sums`). Every
 exponent is a difference ``b_t - b_s <= 0`` (or a sum of such): nothing overflows, at any length. The running sums are kept
 to twice the working precision (``hi + lo``: the cumulative sum and what its additions rounded away), so
 each difference is exact to its own rounding, whatever came before it in the chunk: after one step of log
@@ -78,21 +78,28 @@ ValueError says how to write it. One per head is ``(1, N, T)`` (``ids[None]``).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 from jax import Array
 from jax.typing import ArrayLike
 
-from jattn._linear.dplr_forms import run_low_rank
-from jattn._linear.dplr_inputs import prepare_low_rank
-from jattn._linear.gated_forms import run_steps
-from jattn._linear.gated_inputs import poison, prepare
-from jattn._linear.gated_parallel import first_resets, run_sharded
-from jattn._linear.householder import interleave, last_substeps
+from jattn._linear.deltaproduct import interleave, last_substeps
+from jattn._linear.dplr.chunk import chunked as dplr_chunked
+from jattn._linear.dplr.recurrent import recurrent as dplr_recurrent
+from jattn._linear.dplr.steps import prepare_low_rank
+from jattn._linear.forms import Forms, run
+from jattn._linear.gated_delta_rule.chunk import chunked as gated_chunked
+from jattn._linear.gated_delta_rule.recurrent import recurrent as gated_recurrent
+from jattn._linear.sequence_parallel import first_resets, run_sharded
+from jattn._linear.steps import poison, prepare
 from jattn._scalars import check_bool, check_int
 
 __all__ = ["MODES", "gated_linear_attention"]
 
 MODES = ("chunk", "recurrent")
+GATED_DELTA_RULE = Forms(gated_recurrent, gated_chunked)  # every gate: decays, the delta rule, KDA
+DPLR = Forms(dplr_recurrent, dplr_chunked)  # the diagonal-plus-low-rank transition (a, b)
 
 
 def gated_linear_attention(
@@ -130,7 +137,7 @@ def gated_linear_attention(
       beta: the delta rule's write strength in ``[0, 1]`` (a sigmoid's range), broadcasting to ``(..., T)``;
         None: no delta rule. It needs L2-normalised keys: with ``β ‖k‖² > 2`` the state grows each step and
         overflows to inf and NaN, unchecked (module docstring).
-      num_householder: ``n_h``, the delta steps a token (DeltaProduct, :mod:`jattn._linear.householder`): k
+      num_householder: ``n_h``, the delta steps a token (DeltaProduct, :mod:`jattn._linear.deltaproduct`): k
         ``(..., T·n_h, D)``, v ``(..., T·n_h, E)`` and ``beta (..., T·n_h)`` hold each token's ``n_h`` keys,
         values and betas one after the other (token ``t``'s step ``j`` at ``t·n_h + j``), q, ``g``,
         ``segment_ids`` and ``kv_mask`` one per token ``(..., T)``; ``g`` decays once a token, before its first
@@ -157,7 +164,7 @@ def gated_linear_attention(
         multiple. None: 8 with ``a``, ``b``, 16 with ``gk`` (their decays inside a chunk cost ``C² D``), else 32:
         the fastest in the docs' measurements.
       axis_name: inside ``jax.shard_map`` with the sequence split over this mesh axis (device i of the axis
-        holds the i-th block of steps): the state passes from shard to shard (:mod:`jattn._linear.gated_parallel`);
+        holds the i-th block of steps): the state passes from shard to shard (:mod:`jattn._linear.sequence_parallel`);
         ``initial_state`` is the first shard's, and the state returned is the last step's, on every device.
       precision: of the products (``jax.lax.Precision``).
 
@@ -182,15 +189,15 @@ def gated_linear_attention(
     rest = dict(scale=scale, segment_ids=segment_ids, kv_mask=kv_mask, initial_state=initial_state, first=first)
     if low_rank:
         steps, prepared, state = prepare_low_rank(q, k, v, a=a, b=b, g=g, gk=gk, beta=beta, **rest)
-        run = run_low_rank
+        family = DPLR
     else:
         steps, state = prepare(q, k, v, g=g, gk=gk, beta=beta, **rest)
-        prepared, run = steps, run_steps
-    forms = dict(mode=mode, chunk_size=chunk_size, precision=precision)
+        prepared, family = steps, GATED_DELTA_RULE
+    how = dict(mode=mode, chunk_size=chunk_size, precision=precision)
     if axis_name is None:
-        out, state = run(prepared, state, **forms)
+        out, state = run(family, prepared, state, **how)
     else:
-        out, state = run_sharded(prepared, state, axis_name=axis_name, run=run, **forms)
+        out, state = run_sharded(prepared, state, axis_name=axis_name, run=functools.partial(run, family), **how)
     out, state = poison(steps, out, state, axis_name)
     out = last_substeps(out, num_householder).astype(steps.out_dtype)
     return (out, state) if return_state else out

@@ -31,9 +31,9 @@ import jax.numpy as jnp
 from jax import Array
 from jax.typing import ArrayLike
 
+from jattn._arrays import compute_dtype
 from jattn._checks import check_qkv
 from jattn._masks import per_example_steps
-from jattn._online import compute_dtype
 from jattn._scalars import check_bool, check_int, check_real, is_traced
 
 __all__ = ["LinearState", "linear_attention"]

@@ -10,7 +10,7 @@ the same functions here. The dict describes its own layout (its keys are static)
   ``pinned (P,)`` (global positions kept in slots ``0..P-1``; the newest ``window`` tokens
   rotate through the other slots);
 - linear cache: ``next (B,)`` and the recurrent state ``kv (B, K, G, F, D)``, ``z (B, K, G, F)``;
-- the recurrent kinds' cache (:data:`jattn._linear.module_gates.RECURRENT_KINDS`): ``next (B,)`` and ``state (B, N, 1, D, D)``;
+- the recurrent kinds' cache (:data:`jattn._linear.kinds.RECURRENT_KINDS`): ``next (B,)`` and ``state (B, N, 1, D, D)``;
   the log kinds' (``LOG_KINDS``) ``state (B, N, 1, L, D, D)``: a state per Fenwick level, L = ``bit_length(max_length - 1)
   + 1`` (positions below ``max_length`` rounded up to a power of 2).
 

@@ -97,7 +97,7 @@ class Layers:
     query_ln: Callable[[Array], Array] | None
     key_ln: Callable[[Array], Array] | None
     sinks: Array | None = None  # (N,) learned sink logits (``sinks=True``)
-    gates: dict[str, Array] | None = None  # a recurrent kind's gate parameters (:mod:`jattn._linear.module_gates`)
+    gates: dict[str, Array] | None = None  # a recurrent kind's gate parameters (:mod:`jattn._linear.kinds`)
 
 
 def init_cache(

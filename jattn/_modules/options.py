@@ -331,7 +331,7 @@ def _check_types(o: ModuleOptions) -> None:
 
 
 def _check_recurrent(o: ModuleOptions, kv_heads: int) -> None:
-    """A recurrent kind (:data:`jattn._linear.module_gates.RECURRENT_KINDS`) runs one state a head, with no scores to modify."""
+    """A recurrent kind (:data:`jattn._linear.kinds.RECURRENT_KINDS`) runs one state a head, with no scores to modify."""
     refused = {
         "num_kv_heads": kv_heads != o.num_heads,
         "score_mod": o.score_mod is not None,

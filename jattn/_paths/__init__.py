@@ -5,7 +5,7 @@
 others), ``xla`` the hand-over to ``jax.nn.dot_product_attention``, ``pallas`` the platform's Pallas
 kernel (jattn's own GPU kernel, :mod:`jattn._gpu`) and ``splash`` TPU's splash attention.
 
-May import: ``_checks``, ``_gpu``, ``_masks``, ``_online``, ``_dropout``, ``_softmax``, ``_platform``. The
+May import: ``_checks``, ``_gpu``, ``_masks``, ``_arrays``, ``_dropout``, ``_softmax``, ``_platform``. The
 rest of jattn imports this subpackage through this face only: the names imported below, and nothing
 else. Its files import each other directly, never through the face.
 """

@@ -18,10 +18,10 @@ import jax.numpy as jnp
 from jax import Array
 from jax.typing import ArrayLike
 
+from jattn._arrays import compute_dtype, lead_index
 from jattn._checks import Operands, check_sinks
 from jattn._dropout import keep_mask, keep_scale, row_seeds
 from jattn._masks import Mask, as_rows, query_offset
-from jattn._online import compute_dtype, lead_index
 from jattn._softmax import SoftmaxParts, softmax_parts
 
 __all__ = ["dense_attention", "dense_lse", "dense_mask", "dense_weights"]

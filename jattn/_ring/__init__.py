@@ -4,7 +4,7 @@
 zigzag layout; ``sweeps`` the forward, backward and tangent sweeps around the ring; ``rules`` the
 derivatives at every order.
 
-May import: ``_autodiff``, ``_blockwise``, ``_checks``, ``_masks``, ``_online``, ``_softmax``. The
+May import: ``_autodiff``, ``_blockwise``, ``_checks``, ``_masks``, ``_arrays``, ``_online``, ``_softmax``. The
 rest of jattn imports this subpackage through this face only: the names imported below, and nothing
 else. Its files import each other directly, never through the face.
 """

@@ -39,9 +39,10 @@ import numpy as np
 from jax import Array
 from jax.typing import ArrayLike
 
+from jattn._arrays import compute_dtype, flat_lead, head_rows, vary
 from jattn._checks import broadcast_all, check_mask, check_qkv, check_score_mod, check_sinks, default_scale
 from jattn._masks import FULL, PARTIAL, KeyBelow, Mask
-from jattn._online import compute_dtype, convert_mod, flat_lead, head_rows, vary
+from jattn._online import convert_mod
 from jattn._ring.rules import ring as ring_rule
 from jattn._ring.sweeps import Ring
 

@@ -19,8 +19,8 @@ import jax.numpy as jnp
 from jax import Array
 from jax.ad_checkpoint import checkpoint_name
 
+from jattn._arrays import CHECKPOINT_NAMES
 from jattn._autodiff import LinearPair
-from jattn._online import CHECKPOINT_NAMES
 from jattn._ring.sweeps import Ring, backward, forward, tangent
 
 __all__ = ["ring"]

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
+from jattn._arrays import vary
 from jattn._masks import EMPTY, Mask
 from jattn._online import (
     accumulate,
@@ -33,7 +34,6 @@ from jattn._online import (
     sink_grads,
     tile_grads,
     transposed,
-    vary,
 )
 from jattn._softmax import exp_below_one
 

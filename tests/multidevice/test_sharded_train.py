@@ -52,6 +52,7 @@ def single(tmp_path_factory):
     return _losses(workdir), summary
 
 
+@pytest.mark.heavy
 @pytest.mark.long
 @pytest.mark.parametrize(
     "path, mesh",
@@ -96,6 +97,7 @@ def test_parameters_and_optimizer_state_are_sharded_over_the_model_axis(tmp_path
     assert "all-reduce" in hlo  # gradients of the data-parallel batch are summed across devices
 
 
+@pytest.mark.heavy
 @pytest.mark.long
 def test_checkpoint_saved_on_one_mesh_resumes_on_another(tmp_path, single):
     """Stop at step 10 on data=4 x model=2; resume on data=2 x seq=2 x model=2; same curve as one device."""
@@ -113,6 +115,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.heavy
 @pytest.mark.long
 def test_two_processes_over_loopback_repeat_the_single_device_losses(tmp_path, single):
     """jax.distributed over loopback: 2 processes x 2 CPU devices, mesh data=2 x model=2."""

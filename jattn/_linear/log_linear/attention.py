@@ -34,7 +34,7 @@ carry taken through that chunk.
 ``p`` after the last kept one at ``p0`` the levels ``0 .. h-1`` merge into level ``h = bit_length(p0 XOR p)``
 (relative to p their keys all lie there), every level takes the step's transition and level 0 becomes its write.
 
-**Sequence parallel** (``axis_name``, :mod:`jattn._linear.log_linear_parallel`): each shard's effect on the level
+**Sequence parallel** (``axis_name``, :mod:`jattn._linear.log_linear.sequence_parallel`): each shard's effect on the level
 states is affine, ``S ↦ merge(M S) + H`` with one ``D × D`` transition ``M`` for every level; the shards' maps
 are gathered and composed, and each shard runs from its incoming level states at its own ``start``.
 
@@ -44,8 +44,8 @@ relative to ``start - 1``, returned relative to the last kept step), a contract 
 ``initial_state`` / ``return_state`` do not hold, and its sequence-parallel maps carry that position (a merge of
 levels besides the transition); it takes the scalar-gate kinds only (the paper's Mamba-2 and Gated DeltaNet; no
 per-feature ``gk``); and its chunk size must be a power of 2, with chunks aligned to the positions. It reuses the
-base kinds' checked inputs (:mod:`jattn._linear.gated_inputs`), their chunk arithmetic
-(:mod:`jattn._linear.gated_forms`) and their shard-boundary documents (:mod:`jattn._linear.gated_parallel`), so
+base kinds' checked inputs (:mod:`jattn._linear.steps`), their chunk arithmetic
+(:mod:`jattn._linear.chunking`) and their shard-boundary documents (:mod:`jattn._linear.sequence_parallel`), so
 they cannot drift apart.
 """
 
@@ -57,10 +57,12 @@ import numpy as np
 from jax import Array
 from jax.typing import ArrayLike
 
-from jattn._linear.gated_inputs import Steps, poison, prepare
-from jattn._linear.gated_parallel import first_resets
-from jattn._linear.log_linear_forms import chunk_length, chunked, levels_needed, overflows, recurrent
-from jattn._linear.log_linear_parallel import run_sharded
+from jattn._linear.log_linear.chunk import chunked
+from jattn._linear.log_linear.levels import bit_length, chunk_length, levels_needed, overflows, positions
+from jattn._linear.log_linear.recurrent import recurrent
+from jattn._linear.log_linear.sequence_parallel import run_sharded
+from jattn._linear.sequence_parallel import first_resets
+from jattn._linear.steps import Steps, poison, prepare
 from jattn._scalars import check_bool, check_int, is_traced
 
 __all__ = ["log_linear_attention"]
@@ -89,7 +91,7 @@ def log_linear_attention(
 ) -> Array | tuple[Array, Array]:
     """Causal log-linear attention of q, k ``(..., T, D)`` and v ``(..., T, E)`` -> ``(..., T, E)``.
 
-    The recurrence and both forms are in the module docstring (:mod:`jattn._linear.log_linear`).
+    The recurrence and both forms are in the module docstring (:mod:`jattn._linear.log_linear.attention`).
 
     Args:
       q, k, v: one floating dtype; leading dimensions broadcast (batch, heads).
@@ -114,7 +116,7 @@ def log_linear_attention(
       chunk_size: steps of a chunk, a power of 2 (``mode='chunk'``; T need not be a multiple).
       axis_name: inside ``jax.shard_map`` with the sequence split over this mesh axis (device i holds steps
         ``[i T, (i + 1) T)`` from ``start``): the level states pass from shard to shard
-        (:mod:`jattn._linear.log_linear_parallel`); ``initial_state`` is the first shard's, and the states
+        (:mod:`jattn._linear.log_linear.sequence_parallel`); ``initial_state`` is the first shard's, and the states
         returned are the sequence's, on every device. ``mode='chunk'`` needs T (a shard's) a multiple of the
         chunk.
       precision: of the products (``jax.lax.Precision``).
@@ -143,7 +145,7 @@ def log_linear_attention(
     lam = _reached_only(lam, start_, axis_name)
     plain = mode == "chunk" and initial_state is None and not return_state and _is_zero(start) and axis_name is None
     L = levels_needed(T) if plain else lam.shape[-1]  # from 0 with nothing out: the levels T reaches
-    state = _initial_state(initial_state, lead, L, steps.q.shape[-1], steps.v.shape[-1], steps.q.dtype)
+    state = _initial_levels(initial_state, lead, L, steps.q.shape[-1], steps.v.shape[-1], steps.q.dtype)
     state = jnp.where((start_ > 0)[..., None, None, None], state, 0.0)  # no position before 0: not read
 
     def form(steps: Steps, lam: Array, state: Array, start: Array) -> tuple[Array, Array, Array]:
@@ -253,12 +255,11 @@ def _reached_only(lam: Array, start: Array, axis_name: str | None) -> Array:
     """
     T, L = lam.shape[-2:]
     here = start if axis_name is None else start + jax.lax.axis_index(axis_name) * T
-    position = here[..., None] + jnp.arange(T, dtype=jnp.int32).reshape((1,) * here.ndim + (T,))  # (*lead, T)
-    bits = 32 - jax.lax.clz(position)  # bit_length
-    return jnp.where(jnp.arange(L, dtype=jnp.int32).reshape((1,) * position.ndim + (L,)) <= bits[..., None], lam, 0.0)
+    bits = bit_length(positions(here, T))  # (*lead, T)
+    return jnp.where(jnp.arange(L, dtype=jnp.int32).reshape((1,) * bits.ndim + (L,)) <= bits[..., None], lam, 0.0)
 
 
-def _initial_state(x: ArrayLike | None, lead: tuple[int, ...], L: int, D: int, E: int, dtype) -> Array:
+def _initial_levels(x: ArrayLike | None, lead: tuple[int, ...], L: int, D: int, E: int, dtype) -> Array:
     if x is None:
         return jnp.zeros((*lead, L, D, E), dtype)
     x = jnp.asarray(x)

@@ -33,7 +33,7 @@ def pair_sums(q: Array, k: Array, hi: Array, lo: Array, precision: jax.lax.Preci
     Args:
       q, k: ``(..., C, D)``.
       hi, lo: the running sums ``b = hi + lo`` of the log decays ``(..., C, D)``, non-increasing along C
-        (:func:`jattn._linear.gated_forms.running_sums`).
+        (:func:`jattn._linear.chunking.running_sums`).
       precision: of the matmuls.
 
     A chunk whose length is not a power of 2 is padded (zero q and k, the last running sum repeated).
@@ -72,7 +72,7 @@ def _factors(hi: Array, lo: Array) -> list[tuple[Array, Array]]:
     """Per level ``h = 1, 2, ..., C/2``: the upper halves' ``exp(b_t - r)`` and the lower's ``exp(r - b_s)``.
 
     Each ``(..., C / 2h, h, D)``; ``r`` the running sum at the lower half's last step, so both exponents are
-    ``<= 0`` (``hi`` and ``lo`` differenced apart, as :func:`jattn._linear.gated_forms.running_sums` says).
+    ``<= 0`` (``hi`` and ``lo`` differenced apart, as :func:`jattn._linear.chunking.running_sums` says).
     """
     *lead, C, D = hi.shape
     factors, h = [], 1

@@ -1,7 +1,7 @@
 r"""Log-linear attention with the sequence split over a mesh axis: the level states pass from shard to shard.
 
 Inside ``jax.shard_map``, device ``i`` of the axis holds the steps at positions ``[start + i T, start + (i+1) T)``.
-As in :mod:`jattn._linear.gated_parallel`, a shard's effect on what follows is affine in the level states it
+As in :mod:`jattn._linear.sequence_parallel`, a shard's effect on what follows is affine in the level states it
 starts from (relative to the position before its first step) and gives them relative to its last position:
 
     S ↦ merge_h(M S) + H        h = bit_length((start_i - 1) XOR (start_i + T - 1))
@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
-from jattn._linear.gated_inputs import Steps
-from jattn._linear.log_linear_forms import gap_level, merge_levels
+from jattn._linear.log_linear.levels import gap_level, merge_levels
+from jattn._linear.steps import Steps
 
 __all__ = ["run_sharded"]
 
@@ -39,7 +39,7 @@ def run_sharded(
     """``out (*lead, T, E)`` of this shard and the level states after the sequence's last kept step (every device).
 
     ``form(steps, lam, state, start) -> (out, states, last)``: the chunkwise or the recurrent form
-    (:mod:`jattn._linear.log_linear_forms`); ``state (*lead, L, D, E)`` relative to ``start - 1``, the position
+    (:mod:`jattn._linear.log_linear.chunk`, :mod:`jattn._linear.log_linear.recurrent`); ``state (*lead, L, D, E)`` relative to ``start - 1``, the position
     ``start (*lead,)`` of the first shard's first step. The states returned are the recurrent form's: relative to
     the last kept step of the whole sequence (``state`` where none is), zeroed where a document starts after it.
     """

@@ -1,7 +1,7 @@
 """The checked inputs of the diagonal-plus-low-rank (DPLR, RWKV-7) form of :func:`jattn.gated_linear_attention`.
 
-Dimension key as in :mod:`jattn._core`; the recurrence is in :mod:`jattn._linear.dplr_forms`. Everything but the
-low-rank vectors ``a`` and ``b`` is checked as without them (:func:`jattn._linear.gated_inputs.prepare`).
+Dimension key as in :mod:`jattn._core`; the recurrence is in :mod:`jattn._linear.dplr.chunk`. Everything but the
+low-rank vectors ``a`` and ``b`` is checked as without them (:func:`jattn._linear.steps.prepare`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax import Array
 from jax.typing import ArrayLike
 
-from jattn._linear.gated_inputs import Steps, prepare
+from jattn._linear.steps import Steps, prepare
 
 __all__ = ["LowRankSteps", "prepare_low_rank"]
 
@@ -23,7 +23,7 @@ class LowRankSteps(NamedTuple):
 
     ``q, k (*lead, T, D)`` (q scaled), ``v (*lead, T, E)``, ``gk (*lead, T, D)`` (the log decays per key feature,
     ``g`` added; 0 where absent or dropped), ``a, b (*lead, T, D)`` (0 at dropped steps), ``reset`` and ``keep``
-    ``(*lead, T)`` as in :class:`jattn._linear.gated_inputs.Steps`.
+    ``(*lead, T)`` as in :class:`jattn._linear.steps.Steps`.
     """
 
     q: Array
@@ -49,9 +49,9 @@ def prepare_low_rank(
     first: Callable[[Array, tuple[int, ...]], Array] | None,
     **rest,
 ) -> tuple[Steps, LowRankSteps, Array]:
-    """The checked :class:`Steps` (for :func:`jattn._linear.gated_inputs.poison`), the DPLR steps and the state.
+    """The checked :class:`Steps` (for :func:`jattn._linear.steps.poison`), the DPLR steps and the state.
 
-    ``rest``: ``scale``, ``segment_ids``, ``kv_mask``, ``initial_state`` as :func:`jattn._linear.gated_inputs.prepare`.
+    ``rest``: ``scale``, ``segment_ids``, ``kv_mask``, ``initial_state`` as :func:`jattn._linear.steps.prepare`.
     """
     if beta is not None:
         raise ValueError(

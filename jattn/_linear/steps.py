@@ -14,9 +14,9 @@ import numpy as np
 from jax import Array
 from jax.typing import ArrayLike
 
+from jattn._arrays import compute_dtype
 from jattn._checks import check_qkv, check_scale
 from jattn._masks import per_example_steps
-from jattn._online import compute_dtype
 from jattn._scalars import is_traced
 
 __all__ = ["Steps", "poison", "prepare"]

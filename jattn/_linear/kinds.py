@@ -58,7 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
-from jattn._online import compute_dtype
+from jattn._arrays import compute_dtype
 
 __all__ = [
     "DELTAPRODUCT_KINDS",
@@ -163,7 +163,7 @@ def gates(kind: str, params: dict[str, Array], x: Array, heads: int, depth: int,
 
     The DeltaProduct kinds' ``beta`` is per sub-step, ``(B, N, 1, T·n_h)`` (token t's j-th at ``t·n_h + j``).
 
-    Computed in the module's compute dtype (:func:`jattn._online.compute_dtype` of its ``dtype``, or without one
+    Computed in the module's compute dtype (:func:`jattn._arrays.compute_dtype` of its ``dtype``, or without one
     of x's and the parameters' promoted dtype, as its projections infer theirs): float64 in a float64 module,
     else float32.
     """
@@ -233,7 +233,7 @@ def head_inputs(kind: str, q: Array, k: Array, gates: dict[str, Array]) -> tuple
 def qk_features(kind: str, x: Array) -> Array:
     """The q or k ``(..., D)`` a kind reads: SiLU then an L2 norm over D for the delta kinds, else as is.
 
-    Computed in x's compute dtype (:func:`jattn._online.compute_dtype`: float64 for float64, else float32).
+    Computed in x's compute dtype (:func:`jattn._arrays.compute_dtype`: float64 for float64, else float32).
     """
     if kind not in DELTA_KINDS:
         return x

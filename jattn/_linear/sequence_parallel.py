@@ -18,8 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
-from jattn._linear.gated_forms import run_steps
-from jattn._linear.gated_inputs import Steps
+from jattn._linear.steps import Steps
 
 __all__ = ["first_resets", "run_sharded"]
 
@@ -44,12 +43,12 @@ def run_sharded(
     mode: str,
     chunk_size: int,
     precision: jax.lax.PrecisionLike,
-    run: Callable[..., tuple[Array, Array]] = run_steps,
+    run: Callable[..., tuple[Array, Array]],
 ) -> tuple[Array, Array]:
     """``out (*lead, T, E)`` of this shard and the state after the whole sequence's last step (every device).
 
-    ``run(steps, state, mode=, chunk_size=, precision=)`` runs a shard's steps (:func:`run_steps`, or another
-    recurrence linear in its state whose steps have ``k`` and ``v``: the DPLR one's).
+    ``run(steps, state, mode=, chunk_size=, precision=)`` runs a shard's steps (:func:`jattn._linear.forms.run` of a
+    family: any recurrence linear in its state whose steps have ``k`` and ``v``).
     """
     *lead, T, _ = steps.v.shape
     D = steps.k.shape[-1]

@@ -1,4 +1,4 @@
-r"""The two forms of the diagonal-plus-low-rank (DPLR) recurrence of :func:`jattn.gated_linear_attention`.
+r"""The chunkwise form of the diagonal-plus-low-rank (DPLR, RWKV-7) recurrence of :func:`jattn.gated_linear_attention`.
 
 Dimension key as in :mod:`jattn._core`. Per leading index, with ``w_t = exp(gk_t)`` (D,) and the state
 ``S (D, E)``::
@@ -18,7 +18,7 @@ with ``[A_xy]_ts = Σ_f x_tf y_sf e^{c_{t-1,f} - c_{s,f}}`` for ``s < t``: the r
 system ``(I - A_ab) U = A_ak V + (A ⊙ e^{c_{-1}}) S_0`` (the WY-like form of the product of the chunk's
 transitions), and ``o_t = (q_t ⊙ e^{c_t})ᵀ S_0 + Σ_{s<=t} [A_qk]_ts v_s + [A_qb]_ts u_s`` with ``e^{c_t - c_s}``.
 Every exponent is a difference ``c_t - c_s`` or ``c_{t-1} - c_s`` with ``s <= t`` (``s < t``): ``<= 0``, kept to
-twice the precision as the per-feature form does (:func:`jattn._linear.gated_forms.running_sums`). The chunks
+twice the precision as the per-feature form does (:func:`jattn._linear.chunking.running_sums`). The chunks
 run in a rematerialised ``lax.scan``: O(T) memory forward and backward.
 """
 
@@ -28,46 +28,13 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
-from jattn._linear.dplr_inputs import LowRankSteps
-from jattn._linear.gated_forms import documents, in_chunks, lower_triangle, running_sums, unit_lower_inverse
-from jattn._online import vary
+from jattn._linear.chunking import documents, einsum, in_chunks, lower_triangle, running_sums, unit_lower_inverse
+from jattn._linear.dplr.steps import LowRankSteps
 
-__all__ = ["run_low_rank"]
-
-
-def run_low_rank(
-    steps: LowRankSteps, state: Array, *, mode: str, chunk_size: int, precision: jax.lax.PrecisionLike
-) -> tuple[Array, Array]:
-    """``out (*lead, T, E)`` (0 at dropped steps) and the final state ``(*lead, D, E)`` of prepared DPLR steps."""
-    state = vary(state, *steps)  # inside shard_map: as the steps vary
-    if mode == "recurrent":
-        out, state = _recurrent(steps, state, precision)
-    else:
-        out, state = _chunks(steps, state, chunk_size, precision)
-    return jnp.where(steps.keep[..., None], out, 0.0), state
+__all__ = ["chunked"]
 
 
-def _einsum(spec: str, *xs: Array, precision) -> Array:
-    return jnp.einsum(spec, *xs, precision=precision)
-
-
-def _recurrent(steps: LowRankSteps, state: Array, precision) -> tuple[Array, Array]:
-    """The recurrence one step at a time (``lax.scan`` over T)."""
-
-    def step(S, x):
-        q, k, v, gk, a, b, reset = x
-        S = jnp.where(reset[..., None, None], 0.0, S)
-        read = _einsum("...de,...d->...e", S, a, precision=precision)
-        S = jnp.exp(gk)[..., :, None] * S + b[..., :, None] * read[..., None, :] + k[..., :, None] * v[..., None, :]
-        return S, _einsum("...de,...d->...e", S, q, precision=precision)
-
-    axis = len(steps.keep.shape) - 1
-    xs = tuple(jnp.moveaxis(x, axis, 0) for x in steps[:7])
-    state, out = jax.lax.scan(step, state, xs)
-    return jnp.moveaxis(out, 0, -2), state
-
-
-def _chunks(steps: LowRankSteps, state: Array, chunk_size: int, precision) -> tuple[Array, Array]:
+def chunked(steps: LowRankSteps, state: Array, chunk_size: int, precision) -> tuple[Array, Array]:
     """The chunkwise form (module docstring): a rematerialised ``lax.scan`` over chunks of ``chunk_size`` steps."""
     *lead, T, E = steps.v.shape
     c = max(min(chunk_size, T), 1)
@@ -108,22 +75,22 @@ def _chunk_step(precision):
         )
         kb = jnp.stack([k * down, b * down], axis=-3)  # (..., 2, C, D)
         qk, qb = jnp.moveaxis(
-            _einsum("...tsf,...xsf->...xts", (q * up)[..., :, None, :] * at, kb, precision=precision), -3, 0
+            einsum("...tsf,...xsf->...xts", (q * up)[..., :, None, :] * at, kb, precision=precision), -3, 0
         )
         ak, ab = jnp.moveaxis(
-            _einsum("...tsf,...xsf->...xts", (a * up0)[..., :, None, :] * after, kb, precision=precision), -3, 0
+            einsum("...tsf,...xsf->...xts", (a * up0)[..., :, None, :] * after, kb, precision=precision), -3, 0
         )
         into = jnp.where(first[..., None], jnp.exp(hi) * up, 0.0)  # e^{c_t} for the first document's steps
         into0 = jnp.where(first[..., None], _shifted(into, 1.0), 0.0)  # e^{c_{t-1}}, 1 at the chunk's first step
-        rhs = _einsum("...ts,...se->...te", ak, v, precision=precision)
-        rhs = rhs + _einsum("...tf,...fe->...te", a * into0, S, precision=precision)
-        reads = _einsum("...ts,...se->...te", unit_lower_inverse(-ab), rhs, precision=precision)  # U
-        out = _einsum("...tf,...fe->...te", q * into, S, precision=precision)
-        out = out + _einsum("...ts,...se->...te", qk, v, precision=precision)
-        out = out + _einsum("...ts,...se->...te", qb, reads, precision=precision)
+        rhs = einsum("...ts,...se->...te", ak, v, precision=precision)
+        rhs = rhs + einsum("...tf,...fe->...te", a * into0, S, precision=precision)
+        reads = einsum("...ts,...se->...te", unit_lower_inverse(-ab), rhs, precision=precision)  # U
+        out = einsum("...tf,...fe->...te", q * into, S, precision=precision)
+        out = out + einsum("...ts,...se->...te", qk, v, precision=precision)
+        out = out + einsum("...ts,...se->...te", qb, reads, precision=precision)
         reach = jnp.where(last[..., None], jnp.exp(hi[..., -1:, :] - hi) * (up[..., -1:, :] * down), 0.0)
-        S = into[..., -1, :, None] * S + _einsum("...sf,...se->...fe", k * reach, v, precision=precision)
-        S = S + _einsum("...sf,...se->...fe", b * reach, reads, precision=precision)
+        S = into[..., -1, :, None] * S + einsum("...sf,...se->...fe", k * reach, v, precision=precision)
+        S = S + einsum("...sf,...se->...fe", b * reach, reads, precision=precision)
         return S, out
 
     return step
