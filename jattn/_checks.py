@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -33,6 +34,8 @@ from jattn._scalars import check_int, check_real
 __all__ = [
     "KernelRefusalError",
     "Operands",
+    "Options",
+    "Result",
     "as_mask",
     "broadcast_all",
     "call_lead",
@@ -365,6 +368,39 @@ class Operands(NamedTuple):
     kv_offset: ArrayLike
     lead: tuple[int, ...]
     axis: int
+
+
+class Options(NamedTuple):
+    """One call's checked arguments besides its :class:`Operands`: what a path of :func:`jattn.attention` reads.
+
+    ``blocks`` the tiles ``(block_q, block_kv)`` (None: the path chooses), ``score_mod`` and ``sinks`` as the
+    caller gave them (sinks as an array), ``dropout_rate`` checked with its ``dropout_rng``; ``return_lse`` and
+    ``return_max_logit`` what the caller asked for (a path may compute both anyway). ``dropout_seeds (*lead)``:
+    each leading row's dropout seed where a caller has them already (the GPU kernel's second order, whose
+    reference path must drop its bits), else None.
+    """
+
+    blocks: tuple[int, int] | None
+    precision: jax.lax.PrecisionLike
+    score_mod: Callable[..., jax.Array] | None
+    sinks: jax.Array | None
+    dropout_rate: float
+    dropout_rng: jax.Array | None
+    return_lse: bool
+    return_max_logit: bool
+    dropout_seeds: jax.Array | None = None
+
+
+class Result(NamedTuple):
+    """What every path of :func:`jattn.attention` returns: ``out (..., T, E)``, ``lse (..., T)``, ``max_logit (..., T)``.
+
+    ``lse`` and ``max_logit`` are None where the path does not give them (jax.nn gives no max logit, and an lse
+    only when asked; TPU's splash attention neither).
+    """
+
+    out: jax.Array
+    lse: jax.Array | None
+    max_logit: jax.Array | None
 
 
 def check_operands(

@@ -17,7 +17,6 @@ values.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,91 +25,20 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.typing import ArrayLike
 
 from jattn._arrays import CHECKPOINT_NAMES
-from jattn._blockwise import blockwise_attention, choose_tiles
 from jattn._checks import (
     KernelRefusalError,
     Operands,
+    Options,
     check_block_size,
     check_dropout,
     check_operands,
     check_score_mod,
 )
 from jattn._masks import Mask
-from jattn._paths import (
-    candidate_paths,
-    dense_attention,
-    dense_weights,
-    features_used,
-    jax_nn_attention,
-    pallas_attention,
-    refusals,
-)
+from jattn._paths import PATHS, candidate_paths, dense_weights, features_used, refusals
 
 # The table and constants live in jattn._paths.choice; named here too for the modules that import them from the core.
 __all__ = ["CHECKPOINT_NAMES", "attention", "attention_weights", "choose_implementation"]
-
-
-class _Options(NamedTuple):
-    """The checked arguments of one call besides its :class:`jattn._checks.Operands` (what a path reads)."""
-
-    blocks: tuple[int, int] | None
-    precision: jax.lax.PrecisionLike
-    score_mod: Callable[..., Array] | None
-    sinks: Array | None
-    dropout_rate: float
-    dropout_rng: Array | None
-    return_lse: bool
-    return_max_logit: bool
-
-
-def _blockwise(
-    ops: Operands,
-    blocks: tuple[int, int] | None,
-    precision: jax.lax.PrecisionLike,
-    score_mod: Callable[..., Array] | None,
-    sinks: Array | None,
-    dropout_rate: float,
-    dropout_rng: Array | None,
-    dropout_seeds: Array | None = None,
-) -> tuple[Array, Array, Array]:
-    """``implementation='blockwise'`` on checked operands, at the tiles :func:`jattn._blockwise.tiles.choose_tiles` picks.
-
-    Returns ``out (..., T, E)``, ``lse (..., T)`` and ``max_logit (..., T)``. ``dropout_seeds (*lead)``:
-    the rows' dropout seeds, where given (the GPU kernel's second order, :func:`_second_order_path`).
-    """
-    q, k, v, mask, bias = ops.q, ops.k, ops.v, ops.mask, ops.bias
-    split = bias is None and score_mod is None and not dropout_rate
-    (bq, bk), back = choose_tiles(mask, q.shape[-2], k.shape[-2], ops.q_offset, ops.kv_offset, blocks, split)
-    return blockwise_attention(
-        q,
-        k,
-        v,
-        mask=mask,
-        scale=ops.scale,
-        q_offset=ops.q_offset,
-        kv_offset=ops.kv_offset,
-        block_q=bq,
-        block_kv=bk,
-        precision=precision,
-        score_mod=score_mod,
-        sinks=sinks,  # checked against the call's leading dims, mask arrays included, there
-        bias=bias,
-        dropout_rate=dropout_rate,
-        dropout_rng=dropout_rng,
-        backward_block=back,
-        fused=blocks is None,
-        lead=ops.lead,
-        axis=ops.axis,
-        dropout_seeds=dropout_seeds,
-    )
-
-
-def _second_order_path(ops: Operands, score_mod, sinks, dropout_rate: float, seeds: Array) -> tuple[Array, Array]:
-    """``(out (..., T, E), lse (..., T))`` on the blockwise path, with the GPU kernel's own row seeds ``seeds (*lead)``.
-
-    What the GPU kernel's backward is differentiated through (second order, O(T) memory).
-    """
-    return _blockwise(ops, None, None, score_mod, sinks, dropout_rate, None, seeds)[:2]
 
 
 def attention(
@@ -264,73 +192,38 @@ def attention(
     check_score_mod(score_mod)
     sinks = None if sinks is None else jnp.asarray(sinks)
     used = features_used(ops, dropout_rate, precision, return_lse, block_size, score_mod, sinks, return_max_logit)
-    opts = _Options(blocks, precision, score_mod, sinks, dropout_rate, dropout_rng, return_lse, return_max_logit)
+    opts = Options(blocks, precision, score_mod, sinks, dropout_rate, dropout_rng, return_lse, return_max_logit)
     return _first_taker(candidate_paths(implementation, ops.q, ops.k, used), ops, opts)[1]
 
 
-def _first_taker(candidates: tuple[str, ...], ops: Operands, opts: _Options) -> tuple[str, Array | tuple[Array, ...]]:
+def _first_taker(candidates: tuple[str, ...], ops: Operands, opts: Options) -> tuple[str, Array | tuple[Array, ...]]:
     """The first of ``candidates`` that takes the call, and its result (as :func:`attention` returns it).
 
-    A candidate that cannot take this call raises :class:`jattn._checks.KernelRefusalError` and the
-    next one runs; the last candidate's refusal (an explicit ``implementation``'s) reaches the caller.
+    A candidate that cannot take this call raises :class:`jattn._checks.KernelRefusalError` and the next one
+    runs. An explicit ``implementation`` (one candidate) raises its own refusal; where the automatic choice's
+    every candidate refuses, one ``ValueError`` names each with its reason (one message, not an
+    ``ExceptionGroup``: callers catch ``ValueError``, as for every refusal of jattn).
     """
-    for path in candidates[:-1]:
+    refused = []
+    for path in candidates:
         try:
             return path, _run(path, ops, opts)
-        except KernelRefusalError:
-            continue
-    return candidates[-1], _run(candidates[-1], ops, opts)
+        except KernelRefusalError as e:
+            if len(candidates) == 1:
+                raise
+            refused.append(f"{path!r}: {e}")
+    raise ValueError("implementation=None: every candidate path refused this call; " + "; ".join(refused))
 
 
-def _run(path: str, ops: Operands, opts: _Options) -> Array | tuple[Array, ...]:
-    """``path`` on checked operands: ``out (..., T, E)``, then ``lse (..., T)`` and ``max_logit (..., T)`` where asked for."""
-    if path == "pallas":
-        with refusals(path):
-            out = pallas_attention(
-                ops.q,
-                ops.k,
-                ops.v,
-                mask=ops.mask,
-                scale=ops.scale,
-                q_offset=ops.q_offset,
-                kv_offset=ops.kv_offset,
-                blocks=opts.blocks,
-                lead=ops.lead,
-                axis=ops.axis,
-                score_mod=opts.score_mod,
-                sinks=opts.sinks,
-                dropout_rate=opts.dropout_rate,
-                dropout_rng=opts.dropout_rng,
-                return_lse=opts.return_lse,
-                return_max_logit=opts.return_max_logit,
-                second_order=_second_order_path,
-            )
-        out, lse, top = out
-        out, lse = (
-            checkpoint_name(out, CHECKPOINT_NAMES[0]),
-            lse if lse is None else checkpoint_name(lse, CHECKPOINT_NAMES[1]),
-        )
-        extra = ((lse,) if opts.return_lse else ()) + ((top,) if opts.return_max_logit else ())
-        return (out, *extra) if extra else out
-    if path in ("xla", "cudnn"):
-        with refusals(path):
-            out = jax_nn_attention(ops, path, opts.return_lse)
-        names = CHECKPOINT_NAMES[: 1 + opts.return_lse]
-        return tuple(map(checkpoint_name, out, names)) if opts.return_lse else checkpoint_name(out, names[0])
-    if path == "blockwise":
-        out, lse, top = _blockwise(
-            ops, opts.blocks, opts.precision, opts.score_mod, opts.sinks, opts.dropout_rate, opts.dropout_rng
-        )
-    else:
-        out, lse, top = dense_attention(
-            ops,
-            dropout_rate=opts.dropout_rate,
-            dropout_rng=opts.dropout_rng,
-            precision=opts.precision,
-            score_mod=opts.score_mod,
-            sinks=opts.sinks,
-        )
-    out, lse = (checkpoint_name(x, name) for x, name in zip((out, lse), CHECKPOINT_NAMES, strict=True))
+def _run(path: str, ops: Operands, opts: Options) -> Array | tuple[Array, ...]:
+    """``path`` on checked operands: ``out (..., T, E)``, then ``lse (..., T)`` and ``max_logit (..., T)`` where asked for.
+
+    The output and log-sum-exp carry :data:`CHECKPOINT_NAMES` (the backward's residuals too, asked for or not).
+    """
+    with refusals(path):
+        out, lse, top = PATHS[path](ops, opts)
+    out = checkpoint_name(out, CHECKPOINT_NAMES[0])
+    lse = None if lse is None else checkpoint_name(lse, CHECKPOINT_NAMES[1])
     extra = ((lse,) if opts.return_lse else ()) + ((top,) if opts.return_max_logit else ())
     return (out, *extra) if extra else out
 
@@ -372,7 +265,7 @@ def choose_implementation(
         return candidates[0]
     sinks = None if sinks is None else jnp.asarray(sinks)
     rng = jax.random.key(0) if dropout_rate else None
-    opts = _Options(
+    opts = Options(
         check_block_size(block_size), precision, score_mod, sinks, dropout_rate, rng, return_lse, return_max_logit
     )
     taken: list[str] = []

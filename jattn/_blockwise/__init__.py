@@ -1,6 +1,6 @@
 """The blockwise path: a call's plan and tiles, the sweeps over them, their derivatives, the fused CPU kernels.
 
-``attention`` is the entry (:func:`blockwise_attention`); ``plan`` a call's frozen plan, ``tiles``
+``attention`` is the entry (:func:`blockwise_attention`), ``path`` the path :func:`jattn.attention` runs; ``plan`` a call's frozen plan, ``tiles``
 the tiles a mask leaves and their size, ``tile_loops`` and ``tile_ops`` the loops and one tile;
 ``forward``, ``backward`` and ``tangent`` the sweeps of one group of rows, ``kernels`` one plan's
 kernels group by group, ``rules`` the derivatives at every order;
@@ -13,4 +13,5 @@ below, and nothing else. Its files import each other directly, never through the
 """
 
 from jattn._blockwise.attention import blockwise_attention
+from jattn._blockwise.path import blockwise_path
 from jattn._blockwise.tiles import choose_tiles

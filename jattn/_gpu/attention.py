@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax import Array
 
 from jattn._arrays import flat_lead, head_rows
-from jattn._checks import KernelRefusalError, check_sinks
+from jattn._checks import KernelRefusalError, Operands, Options, check_sinks
 from jattn._dropout import row_seeds
 from jattn._gpu.kernels import Spec
 from jattn._gpu.rules import attend
@@ -85,36 +85,24 @@ def _pad(x: Array, rows: int, cols: int) -> Array:
 
 
 def gpu_attention(
-    q: Array,
-    k: Array,
-    v: Array,
-    *,
-    mask: Mask | None,
-    scale,
-    q_offset: int | None,
-    kv_offset: int,
-    blocks: tuple[int, int] | None,
-    lead: tuple[int, ...],
-    axis: int,
-    score_mod=None,
-    sinks: Array | None = None,
-    dropout_rate: float = 0.0,
-    dropout_rng: Array | None = None,
-    interpret: bool,
-    reference: Callable | None = None,
+    ops: Operands, opts: Options, *, interpret: bool, reference: Callable | None = None
 ) -> tuple[Array, Array, Array]:
     """``(out (..., T, E), lse (..., T), max logit (..., T))`` through jattn's GPU kernel (``interpret``: Pallas interpret mode).
 
-    q ``(..., T, D)``, k ``(..., S, D)``, v ``(..., S, E)``; ``lead`` and ``axis`` as in
-    :class:`jattn._checks.Operands`; ``scale`` a value (a traced one is folded into q); ``mask``
-    any position predicate with padding() and segment_ids() in any ``&``, ``|``, ``~``;
-    ``score_mod``, ``sinks`` and dropout as for :func:`jattn.attention` (dropout's bits the blockwise
-    path's, from each flat leading row's seed); ``blocks`` the kernel's ``(bq, bk)``.
+    q ``(..., T, D)``, k ``(..., S, D)``, v ``(..., S, E)`` and the rest of a call's :class:`jattn._checks.Operands`
+    (``scale`` a value, a traced one folded into q; the mask any position predicate with padding() and
+    segment_ids() in any ``&``, ``|``, ``~``; static offsets); of its :class:`jattn._checks.Options`, ``blocks``
+    the kernel's ``(bq, bk)``, ``score_mod``, ``sinks`` and dropout as for :func:`jattn.attention` (dropout's bits
+    the blockwise path's, from each flat leading row's seed).
     ``reference(q, k, v, sinks, seeds, scale, score_mod, rows) -> (out, lse)``: the same call on another
     path (XLA, differentiable to any order, ``seeds (*lead)`` the rows' dropout seeds, ``score_mod`` the
     modification reading the kernel's row values, ``rows`` the mask the kernel reads, in row form) that
     the backward's own derivative (grad of grad) is taken through; None refuses it.
     """
+    q, k, v, mask, _, scale, q_offset, kv_offset, lead, axis = ops
+    blocks, score_mod, sinks, dropout_rate, dropout_rng = (
+        opts.blocks, opts.score_mod, opts.sinks, opts.dropout_rate, opts.dropout_rng
+    )  # fmt: skip
     T, S, D, E = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
     refuse(mask, q_offset, kv_offset, D, E)
     b = math.prod(lead)

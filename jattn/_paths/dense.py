@@ -19,12 +19,12 @@ from jax import Array
 from jax.typing import ArrayLike
 
 from jattn._arrays import compute_dtype, lead_index
-from jattn._checks import Operands, check_sinks
+from jattn._checks import Operands, Options, Result, check_sinks
 from jattn._dropout import keep_mask, keep_scale, row_seeds
 from jattn._masks import Mask, as_rows, query_offset
 from jattn._softmax import SoftmaxParts, softmax_parts
 
-__all__ = ["dense_attention", "dense_lse", "dense_mask", "dense_weights"]
+__all__ = ["dense_attention", "dense_lse", "dense_mask", "dense_path", "dense_weights"]
 
 
 def dense_mask(
@@ -188,6 +188,20 @@ def dense_attention(
     out = out.astype(v.dtype)
     rows = out.shape[:-1]
     return out, jnp.broadcast_to(parts.logsumexp(), rows), jnp.broadcast_to(top, rows)
+
+
+def dense_path(ops: Operands, opts: Options) -> Result:
+    """``implementation='dense'`` as :func:`jattn.attention` runs it (:func:`dense_attention`; no tiles)."""
+    return Result(
+        *dense_attention(
+            ops,
+            dropout_rate=opts.dropout_rate,
+            dropout_rng=opts.dropout_rng,
+            precision=opts.precision,
+            score_mod=opts.score_mod,
+            sinks=opts.sinks,
+        )
+    )
 
 
 def dense_weights(

@@ -15,19 +15,19 @@ no sinks and no log-sum-exp. Which kernel:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
 
 import jax
 from jax import Array
 
 from jattn import _platform
-from jattn._checks import Operands
+from jattn._blockwise import blockwise_path
+from jattn._checks import Operands, Options, Result
 from jattn._gpu import gpu_attention
-from jattn._masks import Mask
 from jattn._paths.choice import kernel_refusal
 from jattn._paths.splash import splash_attention
 
-__all__ = ["kernel_platform", "pallas_attention"]
+__all__ = ["kernel_platform", "pallas_path"]
 
 
 def kernel_platform() -> tuple[str, bool]:
@@ -53,52 +53,30 @@ def _splash_refusals(sinks, dropout_rate: float, return_lse: bool, return_max_lo
             raise kernel_refusal("pallas", name, "on TPU splash attention takes none")
 
 
-def pallas_attention(
-    q: Array,
-    k: Array,
-    v: Array,
-    *,
-    mask: Mask | None,
-    scale,
-    q_offset: int | None,
-    kv_offset: int,
-    blocks: tuple[int, int] | None,
-    lead: tuple[int, ...],
-    axis: int,
-    score_mod=None,
-    sinks: Array | None = None,
-    dropout_rate: float = 0.0,
-    dropout_rng: Array | None = None,
-    return_lse: bool = False,
-    return_max_logit: bool = False,
-    second_order: Callable | None = None,
-) -> tuple[Array, Array | None, Array | None]:
-    """``(out (..., T, E), lse (..., T), max logit (..., T))`` through the platform's Pallas kernel (TPU: ``lse``, ``max logit`` None).
+def pallas_path(ops: Operands, opts: Options) -> Result:
+    """``implementation='pallas'``: the platform's Pallas kernel (TPU: ``lse`` and ``max_logit`` None).
 
-    q ``(..., T, D)``, k ``(..., S, D)``, v ``(..., S, E)``.
-
-    ``scale`` is a value, ``lead`` the call's leading shape and ``axis`` the axis of it where q's
-    first axis (a per-example mask's batch) lands (:class:`jattn._checks.Operands`); offsets are
-    static ints; ``blocks`` the kernel's ``(block_q, block_kv)``. Out is in the dtype of v; lse
-    (float32, differentiable) and the max logit (float32, each row's largest kept logit, a monitor
-    whose derivative is 0) only on GPU, None on TPU. ``score_mod``: on GPU any (in the kernel), on TPU
-    :func:`jattn.score_mods.softcap` only. What the kernel cannot take raises
-    :class:`jattn._checks.KernelRefusalError` before anything is built. ``second_order(ops, score_mod, sinks,
-    dropout_rate, seeds) -> (out, lse)``: the path the GPU kernel's backward is differentiated through
-    (second order; None refuses it), on operands whose mask is in row form.
+    ``out (..., T, E)`` in the dtype of v; on GPU ``lse`` (float32, differentiable) and the max logit (float32, each
+    row's largest kept logit, a monitor whose derivative is 0). On TPU ``score_mod`` is :func:`jattn.score_mods.softcap`
+    only. What the kernel cannot take raises :class:`jattn._checks.KernelRefusalError` before anything is built.
+    The GPU kernel's backward is differentiated through the blockwise path (second order; :func:`_second_order`).
     """
     kernel, interpret = kernel_platform()
     if kernel == "tpu":
-        _splash_refusals(sinks, dropout_rate, return_lse, return_max_logit)
-        out = splash_attention(q, k, v, mask, scale, q_offset, kv_offset, blocks, interpret, lead, axis, score_mod)
-        return out, None, None
+        _splash_refusals(opts.sinks, opts.dropout_rate, opts.return_lse, opts.return_max_logit)
+        q, k, v, mask, _, scale, q_offset, kv_offset, lead, axis = ops
+        out = splash_attention(q, k, v, mask, scale, q_offset, kv_offset, opts.blocks, interpret, lead, axis,
+                               opts.score_mod)  # fmt: skip
+        return Result(out, None, None)
+    return Result(*gpu_attention(ops, opts, interpret=interpret, reference=functools.partial(_second_order, ops, opts)))
 
-    def reference(q, k, v, sinks, seeds, scale, mod, rows):  # the GPU kernel's backward is differentiated through this
-        ops = Operands(q, k, v, rows, None, scale, q_offset, kv_offset, lead, axis)
-        return second_order(ops, mod, sinks, dropout_rate, seeds)
 
-    return gpu_attention(
-        q, k, v, mask=mask, scale=scale, q_offset=q_offset, kv_offset=kv_offset, blocks=blocks, lead=lead, axis=axis,
-        score_mod=score_mod, sinks=sinks, dropout_rate=dropout_rate, dropout_rng=dropout_rng, interpret=interpret,
-        reference=None if second_order is None else reference,
-    )  # fmt: skip
+def _second_order(ops: Operands, opts: Options, q, k, v, sinks, seeds, scale, score_mod, rows) -> tuple[Array, Array]:
+    """``(out, lse)`` of the GPU kernel's padded call on the blockwise path (its reference, O(T) memory at any order).
+
+    The kernel's operands in place of the call's: q, k, v, ``sinks``, the rows' dropout ``seeds (*lead)``, the
+    traced scale folded into q (``scale``), the score mod reading the kernel's row values and the mask in row form.
+    """
+    ops = Operands(q, k, v, rows, None, scale, ops.q_offset, ops.kv_offset, ops.lead, ops.axis)
+    opts = Options(None, None, score_mod, sinks, opts.dropout_rate, None, True, False, dropout_seeds=seeds)
+    return blockwise_path(ops, opts)[:2]

@@ -17,12 +17,12 @@ import jax.extend
 import jax.numpy as jnp
 from jax import Array
 
-from jattn._checks import KernelRefusalError, Operands
+from jattn._checks import KernelRefusalError, Operands, Options, Result
 from jattn._masks import Causal, Mask, Padding, SlidingWindow, conjuncts, on_batch_axis, query_offset
 from jattn._paths.dense import dense_lse, dense_mask
 from jattn._softmax import zero_empty_rows
 
-__all__ = ["jax_nn_attention"]
+__all__ = ["cudnn_path", "jax_nn_attention", "xla_path"]
 
 
 def _band(mask: Mask | None, d: int) -> tuple[int | None, int | None, Mask | None, list[Padding]]:
@@ -223,3 +223,18 @@ def jax_nn_attention(ops: Operands, path: str, return_lse: bool) -> Array | tupl
     elif lse is not None:
         lse = lse.reshape(*lead, T).astype(jnp.float32)
     return (out, lse) if return_lse else out
+
+
+def xla_path(ops: Operands, opts: Options) -> Result:
+    """``implementation='xla'`` as :func:`jattn.attention` runs it: jax.nn's XLA path, no max logit."""
+    return _jax_nn_path(ops, opts, "xla")
+
+
+def cudnn_path(ops: Operands, opts: Options) -> Result:
+    """``implementation='cudnn'`` as :func:`jattn.attention` runs it: jax.nn's cuDNN path, no max logit."""
+    return _jax_nn_path(ops, opts, "cudnn")
+
+
+def _jax_nn_path(ops: Operands, opts: Options, path: str) -> Result:
+    out = jax_nn_attention(ops, path, opts.return_lse)
+    return Result(*out, None) if opts.return_lse else Result(out, None, None)
