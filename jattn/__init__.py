@@ -10,7 +10,8 @@ layout (top-left causal alignment); :mod:`jattn.flax` has an ``attention_fn`` fo
 ``jattn.nnx``, ``jattn.linen`` and ``jattn.flax`` are imported on first access (PEP 562), so
 ``import jattn`` does not import Flax; they are left out of ``__all__`` for the same reason (a
 ``from jattn import *`` would import them). The linear family (``linear_attention``,
-``gated_linear_attention``, ``log_linear_attention``, ``LinearState``, ``RECURRENT_KINDS``) and ring attention are in
+``gated_linear_attention``, ``log_linear_attention``, ``LinearState``, ``RECURRENT_KINDS``, and a module kind's record:
+``RecurrentKind``, ``Gate``, ``register_kind``) and ring attention are in
 ``__all__`` but load their subpackages on first access too, so a softmax-only program never
 imports them.
 """
@@ -37,7 +38,9 @@ __all__ = [
     "RECURRENT_KINDS",
     "SUPPORT",
     "TRANSFORMS",
+    "Gate",
     "LinearState",
+    "RecurrentKind",
     "SoftmaxParts",
     "attention",
     "attention_weights",
@@ -47,6 +50,7 @@ __all__ = [
     "linear_attention",
     "log_linear_attention",
     "masks",
+    "register_kind",
     "ring_attention",
     "rope",
     "score_mods",
@@ -63,10 +67,13 @@ if TYPE_CHECKING:  # the lazy names, for type checkers (explicit re-exports)
     from jattn import linen as linen
     from jattn import nnx as nnx
     from jattn._linear import RECURRENT_KINDS as RECURRENT_KINDS
+    from jattn._linear import Gate as Gate
     from jattn._linear import LinearState as LinearState
+    from jattn._linear import RecurrentKind as RecurrentKind
     from jattn._linear import gated_linear_attention as gated_linear_attention
     from jattn._linear import linear_attention as linear_attention
     from jattn._linear import log_linear_attention as log_linear_attention
+    from jattn._linear import register_kind as register_kind
     from jattn._ring import ring_attention as ring_attention
     from jattn._ring import sequence_parallel_attention as sequence_parallel_attention
     from jattn._ring import unzigzag as unzigzag
@@ -77,7 +84,10 @@ _LAZY_SUBMODULES = ("flax", "linen", "nnx")  # they import Flax
 #: that a softmax-only user never runs; ``import jattn`` loads 47 of its modules, not 58).
 _LAZY_NAMES = {
     **dict.fromkeys(
-        ("RECURRENT_KINDS", "LinearState", "gated_linear_attention", "linear_attention", "log_linear_attention"),
+        (
+            *("RECURRENT_KINDS", "LinearState", "gated_linear_attention", "linear_attention", "log_linear_attention"),
+            *("Gate", "RecurrentKind", "register_kind"),
+        ),
         "_linear",
     ),
     **dict.fromkeys(("ring_attention", "sequence_parallel_attention", "unzigzag", "zigzag"), "_ring"),

@@ -29,7 +29,6 @@ import jax.numpy as jnp
 from flax import linen as nn
 from jax import Array
 
-from jattn._linear import gate_params
 from jattn._masks import Mask
 from jattn._modules import (
     SELF_ATTENTION_ONLY,
@@ -42,6 +41,7 @@ from jattn._modules import (
     configure,
     document_options,
     forward,
+    gate_params,
     init_cache,
 )
 from jattn._scalars import check_int
@@ -113,12 +113,7 @@ class _Attention(nn.Module):
             norm("query_ln") if o.normalize_qk else None,
             norm("key_ln") if o.normalize_qk else None,
             self.param("sinks", nn.initializers.zeros_init(), (o.num_heads,), self.param_dtype) if o.sinks else None,
-            {
-                name: self.param(name, init, shape, self.param_dtype)
-                for name, (shape, init) in gate_params(
-                    o.kind, o.d_model, o.num_heads, o.head_depth, o.num_householder
-                ).items()
-            }
+            {name: self.param(name, init, shape, self.param_dtype) for name, (shape, init) in gate_params(o).items()}
             or None,
         )
 

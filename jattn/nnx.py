@@ -24,7 +24,6 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import Array
 
-from jattn._linear import gate_params
 from jattn._masks import Mask
 from jattn._modules import (
     CallArguments,
@@ -35,6 +34,7 @@ from jattn._modules import (
     configure,
     document_options,
     forward,
+    gate_params,
     init_cache,
 )
 from jattn._scalars import check_bool
@@ -75,8 +75,7 @@ class _Attention(nnx.Module):
         self.query_ln = self._norm(rngs) if o.normalize_qk else nnx.data(None)
         self.key_ln = self._norm(rngs) if o.normalize_qk else nnx.data(None)
         self.sinks = nnx.Param(jnp.zeros((o.num_heads,), o.param_dtype)) if o.sinks else nnx.data(None)
-        # a recurrent kind's (jattn._linear.kinds)
-        gates = gate_params(o.kind, o.d_model, o.num_heads, o.head_depth, o.num_householder)
+        gates = gate_params(o)  # a recurrent kind's (jattn._linear.kinds)
         self.gate_names = tuple(gates)
         for name, (shape, init) in gates.items():
             setattr(self, name, nnx.Param(init(rngs.params(), shape, o.param_dtype)))

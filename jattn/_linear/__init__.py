@@ -15,15 +15,7 @@ the face.
 """
 
 from jattn._linear.gated import gated_linear_attention
-from jattn._linear.kinds import (
-    DELTAPRODUCT_KINDS,
-    LOG_KINDS,
-    LOG_LEVELS,
-    RECURRENT_KINDS,
-    gate_params,
-    gates,
-    head_inputs,
-)
+from jattn._linear.kinds import RECURRENT, RECURRENT_KINDS, Gate, RecurrentKind, register_kind
 from jattn._linear.linear import LinearState, feature_fn, linear_attention
 from jattn._linear.log_linear.attention import log_linear_attention
 from jattn._linear.log_linear.levels import levels_needed

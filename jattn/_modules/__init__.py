@@ -1,8 +1,9 @@
 """What the Flax modules of :mod:`jattn.nnx` and :mod:`jattn.linen` share.
 
-``options`` holds their options, declared once (``ModuleOptions``), and their checks; ``call`` a
-module call; ``multihead`` attention over the heads of projected activations; ``cache`` the decoding
-cache as pure functions.
+``options`` holds their options, declared once (``ModuleOptions``), and their checks; ``kinds`` the
+module kinds, one record each (what ``kind=`` computes, which options it takes, its cache and decoding);
+``call`` a module call; ``multihead`` attention over the heads of projected activations; ``cache`` the
+decoding cache as pure functions; ``decoding`` one decoding step from each kind of cache.
 
 May import: ``_core``, ``_checks``, ``_scalars``, ``_masks``, ``_linear``, ``_ring``, ``_paths``,
 ``_rope``, ``score_mods``. The rest of jattn imports this subpackage through this face only: the
@@ -10,5 +11,5 @@ names imported below, and nothing else. Its files import each other directly, ne
 face.
 """
 
-from jattn._modules.call import CallArguments, Layers, check_context, check_input, forward, init_cache
+from jattn._modules.call import CallArguments, Layers, check_context, check_input, forward, gate_params, init_cache
 from jattn._modules.options import SELF_ATTENTION_ONLY, ModuleConfig, ModuleOptions, configure, document_options

@@ -10,9 +10,12 @@ the same functions here. The dict describes its own layout (its keys are static)
   ``pinned (P,)`` (global positions kept in slots ``0..P-1``; the newest ``window`` tokens
   rotate through the other slots);
 - linear cache: ``next (B,)`` and the recurrent state ``kv (B, K, G, F, D)``, ``z (B, K, G, F)``;
-- the recurrent kinds' cache (:data:`jattn._linear.kinds.RECURRENT_KINDS`): ``next (B,)`` and ``state (B, N, 1, D, D)``;
-  the log kinds' (``LOG_KINDS``) ``state (B, N, 1, L, D, D)``: a state per Fenwick level, L = ``bit_length(max_length - 1)
-  + 1`` (positions below ``max_length`` rounded up to a power of 2).
+- a recurrent kind's cache: ``next (B,)`` and ``state (B, N, 1, D, D)``; a log kind's ``state (B, N, 1, L, D, D)``:
+  a state per Fenwick level, L = ``bit_length(max_length - 1) + 1`` (positions below ``max_length`` rounded up to a
+  power of 2).
+
+Which one a module keeps is its kind's (:mod:`jattn._modules.kinds`: ``softmax_cache``, ``linear_cache``,
+``state_cache`` here).
 
 Keys are cached after QK normalisation and rotary embedding (at their absolute positions).
 Dimension key: :mod:`jattn._core`.
@@ -28,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
-from jattn._linear import LOG_KINDS, LOG_LEVELS, RECURRENT_KINDS, LinearState, feature_fn, levels_needed
+from jattn._linear import LinearState, feature_fn
 from jattn._masks import Mask
 from jattn._scalars import check_dtype, check_int, int_array, is_traced
 
@@ -36,7 +39,7 @@ Cache = dict[str, Array]
 
 
 def init(
-    kind: str,
+    kind,
     heads: tuple[int, int, int],
     feature_map: str | Callable[[Array], Array],
     batch_size: int,
@@ -45,7 +48,10 @@ def init(
     pinned: Sequence[int],
     dtype: Any,
 ) -> Cache:
-    """An empty cache (see the module docstring) for ``heads = (N, K, D)``; checks ``batch_size`` .. ``dtype`` by name."""
+    """An empty cache (see the module docstring) of the module kind ``kind`` (its record, whose ``cache`` makes it).
+
+    ``heads = (N, K, D)``; checks ``batch_size`` .. ``dtype`` by name.
+    """
     b = check_int("batch_size", batch_size, min=1)
     max_length = check_int("max_length", max_length, min=1)
     check_dtype("dtype", dtype)
@@ -58,27 +64,31 @@ def init(
         raise ValueError(f"pinned positions must be distinct, got {pinned}")
     if pinned and window is None:
         raise ValueError(f"pinned={pinned} needs a window (pinned slots sit beside a ring buffer)")
-    if kind != "softmax" and window is not None:
-        raise ValueError(f"window={window} applies to the softmax kind; the {kind} cache is a recurrent state")
-    num_heads, kv, d = heads
+    if not kind.scores and window is not None:
+        raise ValueError(f"window={window} applies to the softmax kind; the {kind.name} cache is a recurrent state")
     cache: Cache = {"next": jnp.zeros((b,), jnp.int32)}
-    if kind in LOG_KINDS:  # one state per level of the positions up to max_length
-        levels = levels_needed(max_length)
-        if levels > LOG_LEVELS:
-            raise ValueError(
-                f"max_length={max_length} needs {levels} levels; kind={kind!r} has {LOG_LEVELS} (positions below "
-                f"{2 ** (LOG_LEVELS - 1)})"
-            )
-        state = jnp.zeros((b, num_heads, 1, levels, d, d), jnp.promote_types(dtype, jnp.float32))
-        return cache | {"state": state}
-    if kind in RECURRENT_KINDS:  # float32 (float64 for float64): gated_linear_attention's state
-        return cache | {"state": jnp.zeros((b, num_heads, 1, d, d), jnp.promote_types(dtype, jnp.float32))}
-    if kind == "linear":
-        g = num_heads // kv
-        f = jax.eval_shape(feature_fn(feature_map), jax.ShapeDtypeStruct((d,), dtype)).shape[-1]
-        return cache | {"kv": jnp.zeros((b, kv, g, f, d), dtype), "z": jnp.zeros((b, kv, g, f), dtype)}
+    return cache | kind.cache(kind, heads, feature_map, b, max_length, window, pinned, dtype)
+
+
+def state_cache(kind, heads, feature_map, b: int, max_length: int, window, pinned, dtype) -> Cache:
+    """A recurrent kind's ``state`` (its record's :meth:`jattn._linear.kinds.RecurrentKind.state`)."""
+    num_heads, _, d = heads
+    return {"state": kind.recurrent.state(b, num_heads, d, max_length, dtype)}
+
+
+def linear_cache(kind, heads, feature_map, b: int, max_length: int, window, pinned, dtype) -> Cache:
+    """Linear attention's state ``kv (B, K, G, F, D)``, ``z (B, K, G, F)``."""
+    num_heads, kv, d = heads
+    g = num_heads // kv
+    f = jax.eval_shape(feature_fn(feature_map), jax.ShapeDtypeStruct((d,), dtype)).shape[-1]
+    return {"kv": jnp.zeros((b, kv, g, f, d), dtype), "z": jnp.zeros((b, kv, g, f), dtype)}
+
+
+def softmax_cache(kind, heads, feature_map, b: int, max_length: int, window, pinned, dtype) -> Cache:
+    """The softmax kind's slots: ``k``, ``v (B, C, K, D)`` and ``pos (B, C)``, with a ring's ``window`` and ``pinned``."""
+    _, kv, d = heads
     slots = max_length if window is None else window + len(pinned)
-    cache |= {
+    cache = {
         "k": jnp.zeros((b, slots, kv, d), dtype),
         "v": jnp.zeros((b, slots, kv, d), dtype),
         "pos": jnp.full((b, slots), -1, jnp.int32),

@@ -18,15 +18,16 @@ import jax.numpy as jnp
 from jax import Array
 
 from jattn._checks import check_mask
-from jattn._linear import LOG_KINDS, RECURRENT_KINDS, gates
 from jattn._masks import Causal, Mask
 from jattn._modules import cache as _cache
-from jattn._modules.multihead import at_positions, multihead, with_causal
+from jattn._modules.decoding import Step
+from jattn._modules.kinds import module_kind
+from jattn._modules.multihead import multihead, with_causal
 from jattn._modules.options import ModuleConfig, check_path, refuse_path
 from jattn._rope import rope as rotate
 from jattn._scalars import check_bool
 
-__all__ = ["CallArguments", "Layers", "check_context", "check_input", "forward", "init_cache"]
+__all__ = ["CallArguments", "Layers", "check_context", "check_input", "forward", "gate_params", "init_cache"]
 
 
 def check_input(name: str, x: Array, features: int) -> None:
@@ -100,12 +101,21 @@ class Layers:
     gates: dict[str, Array] | None = None  # a recurrent kind's gate parameters (:mod:`jattn._linear.kinds`)
 
 
+def gate_params(config: ModuleConfig) -> dict:
+    """A module's gate parameters, name -> ``(shape, init)``: its recurrent kind's (:mod:`jattn._linear.kinds`), or none."""
+    recurrent = module_kind(config.kind).recurrent
+    if recurrent is None:
+        return {}
+    return recurrent.params(config.d_model, config.num_heads, config.head_depth, config.num_householder)
+
+
 def init_cache(
     config: ModuleConfig, batch_size: int, max_length: int, window: int | None, pinned: tuple[int, ...], dtype: Any
 ) -> _cache.Cache:
     """An empty decoding cache for a module configured as ``config`` (see :mod:`jattn._modules.cache`)."""
     heads = (config.num_heads, config.num_kv_heads, config.head_depth)  # (N, K, D)
-    return _cache.init(config.kind, heads, config.feature_map, batch_size, max_length, window, pinned, dtype)
+    kind = module_kind(config.kind)
+    return _cache.init(kind, heads, config.feature_map, batch_size, max_length, window, pinned, dtype)
 
 
 def _flatten_mask_batch(
@@ -218,22 +228,8 @@ def _decode_step(
     lengths = _lengths(call, batch, b)
     pos, valid, lengths, bad = _cache.positions(cache, t, lengths)  # (B, T), (B, T), (B,), (B, T)
     q, k = _qk(config, layers, q, k, pos, pos)
-    if config.kind == "linear":
-        state = _cache.linear_state(cache)
-        out, weights, state = multihead(q, k, v, mask=mask, kv_mask=valid, linear_state=state, **attend)
-        return out, weights, _cache.write_linear(cache, state, lengths), bad
-    if config.kind in LOG_KINDS:  # the level states sit at the cache's position
-        attend = attend | {"gates": attend["gates"] | {"start": cache["next"][:, None, None]}}
-    if config.kind in RECURRENT_KINDS:
-        out, weights, state = multihead(q, k, v, mask=mask, kv_mask=valid, linear_state=cache["state"], **attend)
-        return out, weights, _cache.write_state(cache, state, lengths), bad
-    keys, values, allowed = _cache.read(cache, k, v, pos, valid, mask)  # (B, C + T, K*D) x2, (B, 1, T, C + T)
-    bad = bad | _cache.dropped_seen(cache, pos, valid, mask)  # a ring that lost what the mask sees
-    mod = config.score_mod
-    if mod is not None:  # the core sees the (T, C + T) grid; the mod gets the tokens' absolute positions
-        mod = at_positions(mod, pos, _cache.key_positions(cache, pos, valid))
-    out, weights, _ = multihead(q, keys, values, mask=allowed, score_mod=mod, **attend)
-    return out, weights, _cache.write(cache, k, v, pos, valid, lengths), bad
+    step = Step(config.score_mod, mask, pos, valid, lengths, bad)
+    return module_kind(config.kind).decode(q, k, v, cache, step, attend)
 
 
 def forward(
@@ -259,7 +255,8 @@ def forward(
     implementation = config.implementation if call.implementation is None else call.implementation
     block_size = config.block_size if call.block_size is None else call.block_size
     check_path(implementation, block_size)
-    refuse_path(config.kind, implementation, block_size)
+    kind = module_kind(config.kind)
+    refuse_path(kind, implementation, block_size)
     check_mask(call.mask)
     batch, t = x.shape[:-2], x.shape[-2]
     ctx = x if context is None else context
@@ -269,7 +266,7 @@ def forward(
     attend = dict(
         num_heads=config.num_heads,
         num_kv_heads=config.num_kv_heads,
-        kind=config.kind,
+        kind=kind,
         feature_map=config.feature_map,
         dropout_rate=config.dropout_rate if dropout_rng is not None else 0.0,
         dropout_rng=dropout_rng,
@@ -280,8 +277,10 @@ def forward(
         sinks=None if layers.sinks is None else jnp.asarray(layers.sinks),
         num_householder=config.num_householder,
     )
-    if config.kind in RECURRENT_KINDS:
-        attend["gates"] = gates(config.kind, layers.gates or {}, xs, config.num_heads, config.head_depth, config.dtype)
+    if kind.recurrent is not None:
+        attend["gates"] = kind.recurrent.compute_gates(
+            layers.gates or {}, xs, config.num_heads, config.head_depth, config.dtype
+        )
     bad = None
     if cache is None:
         out, weights = _full_pass(config, layers, qkv, call, batch, attend)

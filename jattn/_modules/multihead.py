@@ -10,26 +10,19 @@ runs the softmax core, linear attention or ring attention over them. Dimension k
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import Array
 
 from jattn._core import attention, attention_weights
-from jattn._linear import (
-    LOG_KINDS,
-    RECURRENT_KINDS,
-    LinearState,
-    gated_linear_attention,
-    head_inputs,
-    linear_attention,
-    log_linear_attention,
-)
+from jattn._linear import LinearState, linear_attention
 from jattn._masks import Causal, Mask
 from jattn._ring import sequence_parallel_attention
 from jattn.score_mods import ScoreMod
 
-__all__ = ["at_positions", "multihead", "with_causal"]
+__all__ = ["Heads", "at_positions", "linear_heads", "multihead", "recurrent_heads", "softmax_heads", "with_causal"]
 
 
 def _split(x: Array, heads: int, groups: int) -> Array:
@@ -105,97 +98,98 @@ def _ring_size(axis: str | None) -> int:
     return mesh.shape[axis] if axis in mesh.axis_names else 1
 
 
-def _linear_heads(
-    qh: Array,
-    kh: Array,
-    vh: Array,
-    *,
-    mask: Array | Mask | None,
-    valid: Array | None,
-    feature_map: str | Callable[[Array], Array],
-    state: LinearState | None,
-    precision: jax.lax.PrecisionLike,
-    return_weights: bool,
-    score_mod: ScoreMod | None,
-    sinks: Array | None,
-) -> tuple[Array, LinearState]:
-    """Linear attention over the heads ``(B, K, G, T, D)``; ``valid (B, 1, 1, S)``; the state continues a causal sequence."""
-    if score_mod is not None or sinks is not None:
+class Heads(NamedTuple):
+    """What a kind's attention over the heads reads besides ``qh (B, K, G, T, D)``, ``kh``, ``vh (B, K, 1, S, ·)``.
+
+    ``shape = (B, N, T, S)``; ``mask`` as :func:`multihead` takes it (``causal`` and-ed in already for the
+    kinds that form no scores and for ring attention, :func:`multihead`); ``valid (B, 1, 1, S)`` (or None) from
+    ``kv_mask (B, S)``; ``state`` the cache's (linear: a :class:`jattn.LinearState`, a recurrent kind: its array);
+    ``start (B, 1, 1)`` the cache's position (a log kind's level states sit there); ``kind`` the module kind's record.
+    """
+
+    kind: object  # jattn._modules.kinds.ModuleKind (typed loosely: that module imports this one)
+    shape: tuple[int, int, int, int]
+    num_kv_heads: int
+    mask: Array | Mask | None
+    kv_mask: Array | None
+    valid: Array | None
+    causal: bool
+    state: LinearState | Array | None
+    start: Array | None
+    gates: dict[str, Array] | None
+    feature_map: str | Callable[[Array], Array]
+    dropout_rate: float
+    dropout_rng: Array | None
+    precision: jax.lax.PrecisionLike
+    return_weights: bool
+    sequence_axis: str | None
+    implementation: str | None
+    block_size: int | tuple[int, int] | None
+    score_mod: ScoreMod | None
+    sinks: Array | None
+    num_householder: int
+
+
+def linear_heads(qh: Array, kh: Array, vh: Array, h: Heads) -> tuple[Array, None, LinearState]:
+    """Linear attention over the heads: ``out (B, K, G, T, E)``, no weights, the state (it continues a causal sequence)."""
+    if h.score_mod is not None or h.sinks is not None:
         raise ValueError("score_mod and sinks need kind='softmax'; linear attention forms no scores")
-    if return_weights:
+    if h.return_weights:
         raise ValueError("return_weights needs kind='softmax'; linear attention forms no weights")
-    if mask is not None and not isinstance(mask, Causal):
-        raise ValueError(f"kind='linear' takes mask=None or masks.causal(), got {mask!r}")
-    return linear_attention(
-        qh,
-        kh,
-        vh,
-        feature_map=feature_map,
-        causal=mask is not None,
-        kv_mask=valid,
-        initial_state=state,
-        return_state=True,
-        precision=precision,
-    )
-
-
-def _recurrent_heads(
-    qh: Array,
-    kh: Array,
-    vh: Array,
-    *,
-    kind: str,
-    gates: dict[str, Array],
-    mask: Array | Mask | None,
-    valid: Array | None,
-    state: Array | None,
-    precision: jax.lax.PrecisionLike,
-    return_weights: bool,
-    num_householder: int,
-) -> tuple[Array, Array]:
-    """A recurrent kind over the heads ``(B, N, 1, T, D)`` (K = N); ``valid (B, 1, 1, T)``; the gates ``(B, N, 1, T[, D])``.
-
-    DeltaProduct (``num_householder`` n_h > 1): k, v and ``beta`` have ``T·n_h`` sub-steps.
-
-    Returns ``out (B, N, 1, T, E)`` and the state after the last step ``(B, N, 1, D, E)``.
-    """
-    if mask is not None and not isinstance(mask, Causal):
-        raise ValueError(f"kind={kind!r} is causal: it takes mask=None or masks.causal(), got {mask!r}")
-    if return_weights:
-        raise ValueError(f"return_weights needs kind='softmax'; kind={kind!r} forms no weights")
-    qh, kh, gates = head_inputs(kind, qh, kh, gates)
-    if kind in LOG_KINDS:
-        return _log_heads(qh, kh, vh, gates, valid, state, precision)
-    one_step = qh.shape[-2] == 1
-    return gated_linear_attention(
-        qh,
-        kh,
-        vh,
-        **gates,
-        num_householder=num_householder,
-        kv_mask=valid,
-        initial_state=state,
-        return_state=True,
-        mode="recurrent" if one_step else "chunk",
-        precision=precision,
-    )
-
-
-def _log_heads(
-    qh: Array, kh: Array, vh: Array, gates: dict[str, Array], valid: Array | None, state: Array | None, precision
-) -> tuple[Array, Array | None]:
-    """A log kind over the heads ``(B, N, 1, T, D)``: ``out`` and the level states (None without a cache).
-
-    Without a cache the chunk form over the whole sequence; with one the recurrent form from the cache's level
-    states ``(B, N, 1, L, D, E)`` at position ``gates['start'] (B, 1, 1)``, the level weights cut to its L.
-    """
-    if state is None:
-        return log_linear_attention(qh, kh, vh, **gates, kv_mask=valid, precision=precision), None
-    gates = gates | {"level_weights": gates["level_weights"][..., : state.shape[-3]]}
-    return log_linear_attention(
-        qh, kh, vh, **gates, kv_mask=valid, initial_state=state, return_state=True, mode="recurrent",
-        precision=precision,
+    if h.mask is not None and not isinstance(h.mask, Causal):
+        raise ValueError(f"kind='linear' takes mask=None or masks.causal(), got {h.mask!r}")
+    out, state = linear_attention(
+        qh, kh, vh, feature_map=h.feature_map, causal=h.mask is not None, kv_mask=h.valid, initial_state=h.state,
+        return_state=True, precision=h.precision,
     )  # fmt: skip
+    return out, None, state
+
+
+def recurrent_heads(qh: Array, kh: Array, vh: Array, h: Heads) -> tuple[Array, None, Array | None]:
+    """A recurrent kind over the heads ``(B, N, 1, T, D)`` (K = N), its gates ``(B, N, 1, T[, D])``: out, no weights, the state.
+
+    DeltaProduct (``num_householder`` n_h > 1): k, v and ``beta`` have ``T·n_h`` sub-steps. The state after the
+    last step ``(B, N, 1, D, E)`` (or the level states; None for a log kind without a cache).
+    """
+    if h.mask is not None and not isinstance(h.mask, Causal):
+        raise ValueError(f"kind={h.kind.name!r} is causal: it takes mask=None or masks.causal(), got {h.mask!r}")
+    if h.return_weights:
+        raise ValueError(f"return_weights needs kind='softmax'; kind={h.kind.name!r} forms no weights")
+    out, state = h.kind.recurrent.attend(
+        qh, kh, vh, h.gates or {}, valid=h.valid, state=h.state, start=h.start, num_householder=h.num_householder,
+        precision=h.precision,
+    )  # fmt: skip
+    return out, None, state
+
+
+def softmax_heads(qh: Array, kh: Array, vh: Array, h: Heads) -> tuple[Array, Array | None, None]:
+    """Softmax attention over the heads (ring attention over ``sequence_axis`` where the mesh has it): out, weights."""
+    sinks = None if h.sinks is None else h.sinks.reshape(h.num_kv_heads, -1)  # (N,) -> (K, G): head n = k·G + g
+    scores = dict(precision=h.precision, return_weights=h.return_weights, score_mod=h.score_mod, sinks=sinks)
+    if _ring_size(h.sequence_axis) > 1:
+        out, weights = _ring_heads(
+            qh, kh, vh, sequence_axis=h.sequence_axis, mask=h.mask, kv_mask=h.kv_mask, dropout_rate=h.dropout_rate,
+            **scores,
+        )  # fmt: skip
+        return out, weights, None
+    mask = _core_mask(h.mask, h.valid, h.shape, h.num_kv_heads, h.causal)
+    out = attention(
+        qh,
+        kh,
+        vh,
+        mask=mask,
+        dropout_rate=h.dropout_rate,
+        dropout_rng=h.dropout_rng,
+        precision=h.precision,
+        implementation=h.implementation,
+        block_size=h.block_size if h.implementation in (None, "blockwise") else None,  # tiles of the blockwise path
+        score_mod=h.score_mod,
+        sinks=sinks,
+    )
+    weights = None
+    if h.return_weights:  # the weights the core applies to v, before dropout (a sink's share left out)
+        weights = attention_weights(qh, kh, mask=mask, precision=h.precision, score_mod=h.score_mod, sinks=sinks)
+    return out, weights, None
 
 
 def _ring_heads(
@@ -254,17 +248,18 @@ def multihead(
     k: Array,
     v: Array,
     *,
+    kind,
     num_heads: int,
     num_kv_heads: int,
     mask: Array | Mask | None,
     kv_mask: Array | None = None,
-    kind: str = "softmax",
     feature_map: str | Callable[[Array], Array] = "elu",
     dropout_rate: float = 0.0,
     dropout_rng: Array | None = None,
     precision: jax.lax.PrecisionLike = None,
     return_weights: bool = False,
     linear_state: LinearState | Array | None = None,
+    start: Array | None = None,
     gates: dict[str, Array] | None = None,
     causal: bool = False,
     sequence_axis: str | None = None,
@@ -273,21 +268,23 @@ def multihead(
     score_mod: ScoreMod | None = None,
     sinks: Array | None = None,
     num_householder: int = 1,
-) -> tuple[Array, Array | None, LinearState | None]:
-    """Attention over heads of projected ``q (B, T, N*D)``, ``k, v (B, S, K*D)``.
+) -> tuple[Array, Array | None, LinearState | Array | None]:
+    """Attention over heads of projected ``q (B, T, N*D)``, ``k, v (B, S, K*D)``, as the module ``kind`` computes it.
 
+    ``kind``: the module kind's record (:class:`jattn._modules.kinds.ModuleKind`), whose ``heads`` attends.
     ``mask`` is a boolean ``(T, S)``, ``(B, T, S)`` (per example, broadcast over heads) or
     ``(B, N, T, S)`` array (any axis may be 1), or a :class:`~jattn.masks.Mask`, which goes to
     the core as it is (so the blockwise path can skip its empty tiles); ``kv_mask (B, S)`` marks
     valid keys (context padding). ``implementation`` and ``block_size`` are those of
     :func:`jattn.attention` (``block_size`` is dropped for a path other than the blockwise one). For ``kind='linear'`` the mask must
-    be None or ``causal()`` and ``linear_state`` continues a causal sequence. ``score_mod`` goes to
+    be None or ``causal()`` and ``linear_state`` continues a causal sequence (a recurrent kind's state likewise,
+    ``start (B, 1, 1)`` its position). ``score_mod`` goes to
     the core as it is (its ``head`` is the query head n = k·G + g) and ``sinks (N,)`` as ``(K, G)``
     (softmax kind, not over a ring). ``causal`` ands ``masks.causal()`` into ``mask`` (None included).
     ``num_householder``: the DeltaProduct kinds' ``n_h``, k and v then ``(B, S, n_h·K·D)`` (sub-step outermost).
 
     Returns ``out (B, T, N*E)``, the weights ``(B, N, T, S)`` (before dropout) if asked, and
-    the linear state after the last key (linear kind only).
+    the state after the last key (the kinds that keep one).
 
     With ``sequence_axis`` naming an axis of more than one device in the current mesh
     (``jax.set_mesh``), softmax attention runs as ring attention over it
@@ -301,42 +298,14 @@ def multihead(
     kh = _split(k, num_kv_heads, 1)  # (B, K, 1, S, D); S·n_h sub-steps for DeltaProduct
     vh = _split(v, num_kv_heads, 1)  # (B, K, 1, S, E)
     valid = None if kv_mask is None else jnp.asarray(kv_mask).reshape(b, 1, 1, s)  # (B, 1, 1, S)
-    state, weights = None, None
-    sinks = None if sinks is None else sinks.reshape(num_kv_heads, groups)  # (N,) -> (K, G): head n = k·G + g
-    scores = dict(precision=precision, return_weights=return_weights, score_mod=score_mod, sinks=sinks)
-    if causal and (kind != "softmax" or _ring_size(sequence_axis) > 1):  # the core's mask: _core_mask
+    if causal and (not kind.scores or _ring_size(sequence_axis) > 1):  # else the core's mask: _core_mask
         mask = with_causal(mask)
-    if kind == "linear":
-        out, state = _linear_heads(
-            qh, kh, vh, mask=mask, valid=valid, feature_map=feature_map, state=linear_state, **scores
-        )
-    elif kind in RECURRENT_KINDS:
-        out, state = _recurrent_heads(
-            qh, kh, vh, kind=kind, gates=gates or {}, mask=mask, valid=valid, state=linear_state, precision=precision,
-            return_weights=return_weights, num_householder=num_householder,
-        )  # fmt: skip
-    elif _ring_size(sequence_axis) > 1:
-        out, weights = _ring_heads(
-            qh, kh, vh, sequence_axis=sequence_axis, mask=mask, kv_mask=kv_mask, dropout_rate=dropout_rate, **scores
-        )
-    else:
-        mask = _core_mask(mask, valid, (b, num_heads, t, s), num_kv_heads, causal)
-        out = attention(
-            qh,
-            kh,
-            vh,
-            mask=mask,
-            dropout_rate=dropout_rate,
-            dropout_rng=dropout_rng,
-            precision=precision,
-            implementation=implementation,
-            block_size=block_size if implementation in (None, "blockwise") else None,  # tiles of the blockwise path
-            score_mod=score_mod,
-            sinks=sinks,
-        )
-        weights = None
-        if return_weights:  # the weights the core applies to v, before dropout (a sink's share left out)
-            weights = attention_weights(qh, kh, mask=mask, precision=precision, score_mod=score_mod, sinks=sinks)
+    heads = Heads(
+        kind, (b, num_heads, t, s), num_kv_heads, mask, kv_mask, valid, causal, linear_state, start, gates,
+        feature_map, dropout_rate, dropout_rng, precision, return_weights, sequence_axis, implementation, block_size,
+        score_mod, sinks, num_householder,
+    )  # fmt: skip
+    out, weights, state = kind.heads(qh, kh, vh, heads)
     weights = None if weights is None else weights.reshape(b, num_heads, t, s)  # (B, K, G, T, S) -> (B, N, T, S)
     out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, -1)  # (B, K, G, T, E) -> (B, T, N*E)
     return out, weights, state

@@ -26,14 +26,13 @@ import jax.numpy as jnp
 from jax import Array
 
 from jattn._checks import check_block_size, check_score_mod
-from jattn._linear import DELTAPRODUCT_KINDS, RECURRENT_KINDS, feature_fn
+from jattn._linear import feature_fn
+from jattn._modules.kinds import ModuleKind, kind_names, module_kind
 from jattn._paths import check_implementation
 from jattn._scalars import check_bool, check_dtype, check_int, check_real
 from jattn.score_mods import ScoreMod
 
 __all__ = [
-    "CROSS_KINDS",
-    "KINDS",
     "OPTION_DOCS",
     "SELF_ATTENTION_ONLY",
     "ModuleConfig",
@@ -46,8 +45,6 @@ __all__ = [
     "refuse_path",
 ]
 
-KINDS = ("softmax", "linear", *RECURRENT_KINDS)
-CROSS_KINDS = ("softmax", "linear")  # the recurrent kinds are causal recurrences over x's own sequence
 SELF_ATTENTION_ONLY = ("rope", "rope_base", "decode", "causal", "num_householder")  # cross-attention takes none
 SOFTMAX_ONLY = (
     "dropout_rate",
@@ -274,22 +271,23 @@ def check_heads(d_model: int, num_heads: int, num_kv_heads: int | None, qkv_feat
     return kv, features // num_heads
 
 
-def check_kind(kind: str, feature_map: object, *, cross: bool = False) -> None:
-    """Validates the attention kind (``cross``: of a cross-attention module) and, for ``'linear'``, its feature map."""
-    if not isinstance(kind, str) or kind not in KINDS:
-        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    if cross and kind not in CROSS_KINDS:
+def check_kind(kind: str, feature_map: object, *, cross: bool = False) -> ModuleKind:
+    """The record of the attention kind (``cross``: of a cross-attention module); checks a feature map it reads."""
+    record = module_kind(kind)
+    if cross and not record.cross:
+        takes = [name for name in kind_names() if module_kind(name).cross]
         raise ValueError(
             f"kind={kind!r} is causal self-attention (a recurrence along x's own sequence, with gates computed "
-            f"from x): CrossAttention takes kind {' or '.join(map(repr, CROSS_KINDS))}; use SelfAttention for it"
+            f"from x): CrossAttention takes kind {' or '.join(map(repr, takes))}; use SelfAttention for it"
         )
-    if kind == "linear":
+    if record.feature_map:
         feature_fn(feature_map)
     elif not (isinstance(feature_map, str) and feature_map == "elu"):
         raise ValueError(
             f"feature_map={feature_map!r} is the feature map of kind='linear' (linear attention); kind={kind!r} "
             "takes none (leave it at its default)"
         )
+    return record
 
 
 def check_path(implementation: str | None, block_size: int | tuple[int, int] | None) -> None:
@@ -298,12 +296,12 @@ def check_path(implementation: str | None, block_size: int | tuple[int, int] | N
     check_block_size(block_size)
 
 
-def refuse_path(kind: str, implementation: str | None, block_size: int | tuple[int, int] | None) -> None:
-    """Raises unless ``implementation`` and ``block_size`` are None for a kind other than softmax (they choose its path)."""
-    if kind != "softmax" and (implementation is not None or block_size is not None):
+def refuse_path(kind: ModuleKind, implementation: str | None, block_size: int | tuple[int, int] | None) -> None:
+    """Raises unless ``implementation`` and ``block_size`` are None for a kind that forms no scores (they choose its path)."""
+    if not kind.scores and (implementation is not None or block_size is not None):
         raise ValueError(
             f"implementation and block_size choose the path of softmax attention (jattn.attention, "
-            f"kind='softmax'); kind={kind!r} has one path and takes neither, got implementation={implementation!r}, "
+            f"kind='softmax'); kind={kind.name!r} has one path and takes neither, got implementation={implementation!r}, "
             f"block_size={block_size!r}"
         )
 
@@ -330,10 +328,12 @@ def _check_types(o: ModuleOptions) -> None:
     check_bool("sinks", o.sinks)
 
 
-def _check_recurrent(o: ModuleOptions, kv_heads: int) -> None:
-    """A recurrent kind (:data:`jattn._linear.kinds.RECURRENT_KINDS`) runs one state a head, with no scores to modify."""
+def _check_scores(o: ModuleOptions, kind: ModuleKind, kv_heads: int) -> None:
+    """A kind that forms no scores refuses what acts on them (:data:`SOFTMAX_ONLY`), and a state a head fewer kv heads."""
+    if kind.scores:
+        return
     refused = {
-        "num_kv_heads": kv_heads != o.num_heads,
+        "num_kv_heads": kind.same_heads and kv_heads != o.num_heads,
         "score_mod": o.score_mod is not None,
         "sinks": o.sinks,
         "dropout_rate": o.dropout_rate != 0,
@@ -342,42 +342,28 @@ def _check_recurrent(o: ModuleOptions, kv_heads: int) -> None:
         "block_size": o.block_size is not None,
     }
     names = [name for name, bad in refused.items() if bad]
-    if names:
-        got = ", ".join(f"{name}={getattr(o, name)!r}" for name in names)
+    if not names:
+        return
+    got = ", ".join(f"{name}={getattr(o, name)!r}" for name in names)
+    if kind.same_heads:
         raise ValueError(
-            f"kind={o.kind!r} (gated_linear_attention: a state per head, no scores) takes num_kv_heads = num_heads "
-            f"and no score_mod, sinks, dropout_rate, sequence_axis, implementation or block_size (those are "
-            f"softmax attention's: kind='softmax'); got {got}"
+            f"kind={o.kind!r} ({kind.what}) takes num_kv_heads = num_heads and no score_mod, sinks, dropout_rate, "
+            f"sequence_axis, implementation or block_size (those are softmax attention's: kind='softmax'); got {got}"
         )
+    raise ValueError(
+        f"kind={o.kind!r} ({kind.what}) forms no attention weights and has one path: dropout_rate, implementation, "
+        f"block_size, sequence_axis (ring attention), score_mod and sinks need kind='softmax'; got {got}"
+    )
 
 
-def _check_linear(o: ModuleOptions) -> None:
-    """Linear attention forms no scores: what acts on them (:data:`SOFTMAX_ONLY`) needs the softmax kind."""
-    refused = {
-        "dropout_rate": o.dropout_rate != 0,
-        "implementation": o.implementation is not None,
-        "block_size": o.block_size is not None,
-        "score_mod": o.score_mod is not None,
-        "sinks": o.sinks,
-        "sequence_axis": o.sequence_axis is not None,
-    }
-    names = [name for name, bad in refused.items() if bad]
-    if names:
-        got = ", ".join(f"{name}={getattr(o, name)!r}" for name in names)
-        raise ValueError(
-            "kind='linear' (linear_attention) forms no attention weights and has one path: dropout_rate, "
-            f"implementation, block_size, sequence_axis (ring attention), score_mod and sinks need kind='softmax'; "
-            f"got {got}"
-        )
-
-
-def _householder(o: ModuleOptions) -> int:
+def _householder(o: ModuleOptions, kind: ModuleKind) -> int:
     """The DeltaProduct kinds' ``n_h`` (default 2), 1 for the other kinds, which refuse any but None."""
-    if o.kind in DELTAPRODUCT_KINDS:
+    if kind.householder:
         return 2 if o.num_householder is None else check_int("num_householder", o.num_householder, min=1)
     if o.num_householder is not None:
+        takes = " or ".join(repr(name) for name in kind_names() if module_kind(name).householder)
         raise ValueError(
-            f"num_householder is DeltaProduct's (kind='deltaproduct' or 'gated_deltaproduct'): kind={o.kind!r} takes "
+            f"num_householder is DeltaProduct's (kind={takes}): kind={o.kind!r} takes "
             f"none (leave it None), got num_householder={o.num_householder!r}"
         )
     return 1
@@ -391,14 +377,11 @@ def configure(d_model: int, kv_features: int, options: ModuleOptions, *, cross: 
     """
     o = options
     kv_heads, depth = check_heads(d_model, o.num_heads, o.num_kv_heads, o.qkv_features)
-    check_kind(o.kind, o.feature_map, cross=cross)
+    kind = check_kind(o.kind, o.feature_map, cross=cross)
     check_int("context_features (kv features)", kv_features, min=1)
     _check_types(o)
-    if o.kind in RECURRENT_KINDS:
-        _check_recurrent(o, kv_heads)
-    if o.kind == "linear":
-        _check_linear(o)
-    householder = _householder(o)
+    _check_scores(o, kind, kv_heads)
+    householder = _householder(o, kind)
     rope_base = check_real("rope_base", o.rope_base, low=0.0, open_low=True)
     if o.rope and depth % 2:
         raise ValueError(f"rope=True needs an even head depth D = qkv_features / num_heads, got D={depth}")
