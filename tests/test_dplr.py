@@ -1,4 +1,14 @@
-"""jattn.gated_linear_attention's diagonal-plus-low-rank transition (a, b; RWKV-7): both forms against float64 NumPy."""
+"""jattn.gated_linear_attention's diagonal-plus-low-rank transition (a, b; RWKV-7): both forms against float64 NumPy.
+
+The tests every kind passes are :class:`tests.linear_family.LinearFamilyTests`, run here over the row ``rwkv7``
+(``a = -κ̂``, ``b = κ̂ ⊙ α``, ``gk`` and ``g``; chunks of 1, 8, 16 and 64): both forms and the gradients against the
+float64 step-by-step loop and its hand-written adjoint, float32 at T = 2048, decoding in pieces, jit and vmap, the
+``rwkv7`` module kind written out and decoding from its cache. Beside them the special cases: DeltaNet, Gated
+DeltaNet and GLA as DPLR, repeated and correlated removal keys at every chunk size, the backward's memory, strong
+decays over 16384 steps and bad arguments.
+"""
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -7,73 +17,29 @@ import pytest
 
 import jattn
 from tests import reference as ref
+from tests.linear_family import DPLR_KINDS, LinearFamilyTests, as_jax, documents
 
-B, N, T, D, E = 2, 3, 37, 5, 7  # odd, distinct sizes; T is not a multiple of the chunks below
+B, N, T, D, E = 2, 3, 37, 5, 7  # the row's sizes: odd, distinct; T is not a multiple of the chunks
+RWKV7 = DPLR_KINDS[0]
+
+
+class TestLowRankKinds(LinearFamilyTests):
+    KINDS = DPLR_KINDS
 
 
 def _inputs(seed=0, lead=(B, N), T=T, dtype=jnp.float64):
     """q, k, v and RWKV-7's transition: ``a = -κ̂``, ``b = κ̂ ⊙ α`` (κ̂ unit, α in [0, 1]), log decays in [-1, 0]."""
-    r = np.random.default_rng(seed)
-    q, k, v = (r.standard_normal((*lead, T, x)) for x in (D, D, E))
-    kappa = r.standard_normal((*lead, T, D))
-    kappa /= np.linalg.norm(kappa, axis=-1, keepdims=True)
-    gates = {"gk": -r.uniform(0, 1, (*lead, T, D)), "a": -kappa, "b": kappa * r.uniform(0, 1, (*lead, T, D))}
-    cast = lambda x: jnp.asarray(x, dtype)  # noqa: E731
-    return tuple(cast(x) for x in (q, k, v)), {n: cast(x) for n, x in gates.items()}
+    args = as_jax(RWKV7.example(seed=seed, lead=lead, T=T, state=False), dtype)
+    del args["g"]  # the row's decay per head and step, beside gk
+    return (args.pop("q"), args.pop("k"), args.pop("v")), args
 
 
-def _documents(seed=2):
-    r = np.random.default_rng(seed)
-    ids = jnp.asarray(np.cumsum(r.uniform(size=(B, 1, T)) < 0.15, axis=-1), jnp.int32)
-    keep = jnp.asarray(np.arange(T) < np.array([T, T - 6])[:, None, None])  # the second example is padded
-    return {"segment_ids": ids, "kv_mask": keep}
+def _documents():
+    return {n: jnp.asarray(x) for n, x in documents(T, 6).items()}
 
 
 def _state(dtype=jnp.float64):
-    return jnp.asarray(np.random.default_rng(3).standard_normal((N, D, E)), dtype)
-
-
-@pytest.mark.parametrize("mode", ["chunk", "recurrent"])
-@pytest.mark.parametrize("chunk_size", [1, 8, 16, 64])
-def test_both_forms_equal_the_float64_recurrence(mode, chunk_size):
-    """float64 inputs: chunkwise and recurrent equal the step-by-step loop to 1e-12, with documents, padding, a state."""
-    if mode == "recurrent" and chunk_size != 8:
-        pytest.skip("the recurrent form has no chunks")
-    with jax.enable_x64(True):
-        (q, k, v), gates = _inputs()
-        g = jnp.asarray(-np.random.default_rng(4).uniform(0, 0.5, (N, T)))  # a decay per step and head adds to gk
-        out, final = jattn.gated_linear_attention(
-            q, k, v, **gates, g=g, **_documents(), initial_state=_state(), return_state=True, mode=mode,
-            chunk_size=chunk_size,
-        )  # fmt: skip
-        want, want_final = ref.dplr(q, k, v, **gates, g=g, **_documents(), state=_state())
-        np.testing.assert_allclose(out, want, **ref.tol(jnp.float64))
-        np.testing.assert_allclose(final, want_final, **ref.tol(jnp.float64))
-        assert not np.allclose(want, ref.dplr(q, k, v, **gates, g=g, state=_state())[0])  # the documents matter
-
-
-@pytest.mark.parametrize("mode", ["chunk", "recurrent"])
-def test_gradients_equal_the_hand_written_adjoint(mode):
-    """Every input's gradient (q, k, v, gk, g, a, b, initial_state) to 1e-12 of the float64 adjoint recurrence."""
-    with jax.enable_x64(True):
-        (q, k, v), gates = _inputs()
-        args = {"q": q, "k": k, "v": v, **gates, "initial_state": jnp.broadcast_to(_state(), (B, N, D, E))}
-        args["g"] = jnp.asarray(-np.random.default_rng(4).uniform(0, 0.5, (B, N, T)))
-        r = np.random.default_rng(5)
-        dout, dfinal = r.standard_normal((B, N, T, E)), r.standard_normal((B, N, D, E))
-
-        def loss(args):
-            out, final = jattn.gated_linear_attention(
-                **args, **_documents(), return_state=True, mode=mode, chunk_size=8
-            )
-            return jnp.sum(dout * out) + jnp.sum(dfinal * final)
-
-        got = jax.grad(loss)(args)
-        moved = {n: x for n, x in args.items() if n != "initial_state"}
-        want = ref.dplr(**moved, **_documents(), state=args["initial_state"], grads_of=(dout, dfinal))
-        want["initial_state"], want["g"] = want.pop("state"), np.sum(want["gk"], axis=-1)
-        for name in args:
-            ref.assert_grad_close(got[name], want[name], jnp.float64)
+    return jnp.asarray(RWKV7.state(), dtype)
 
 
 def test_its_special_cases_are_deltanet_gated_deltanet_and_gla():
@@ -89,34 +55,22 @@ def test_its_special_cases_are_deltanet_gated_deltanet_and_gla():
             ({"beta": beta}, {"a": k, "b": -beta[..., None] * k}),
             ({"beta": beta, "g": g}, {"a": jnp.exp(g)[..., None] * k, "b": -beta[..., None] * k, "g": g}),
         ]
-        for mode in ("chunk", "recurrent"):
-            for delta, low_rank in cases:
-                want = jattn.gated_linear_attention(q, k, v, **delta, **kw, mode=mode)
-                got = jattn.gated_linear_attention(q, k, beta[..., None] * v, **low_rank, **kw, mode=mode)
-                for x, y in zip(got, want, strict=True):
-                    np.testing.assert_allclose(x, y, **ref.tol(jnp.float64))
-            zero = jnp.zeros_like(k)
-            want = jattn.gated_linear_attention(q, k, v, gk=gates["gk"], **kw, mode=mode)
-            got = jattn.gated_linear_attention(q, k, v, gk=gates["gk"], a=zero, b=zero, **kw, mode=mode)
+
+        def pairs(q, k, v, gk, beta, g):
+            out = []
+            for mode in ("chunk", "recurrent"):
+                for delta, low_rank in cases:
+                    want = jattn.gated_linear_attention(q, k, v, **delta, **kw, mode=mode)
+                    got = jattn.gated_linear_attention(q, k, beta[..., None] * v, **low_rank, **kw, mode=mode)
+                    out.append((got, want))
+                zero = jnp.zeros_like(k)
+                want = jattn.gated_linear_attention(q, k, v, gk=gk, **kw, mode=mode)
+                out.append((jattn.gated_linear_attention(q, k, v, gk=gk, a=zero, b=zero, **kw, mode=mode), want))
+            return out
+
+        for got, want in jax.jit(pairs)(q, k, v, gates["gk"], beta, g):
             for x, y in zip(got, want, strict=True):
                 np.testing.assert_allclose(x, y, **ref.tol(jnp.float64))
-
-
-def test_float32_at_2048_steps_is_within_1e3_of_float64():
-    """RWKV-7's transition over 2048 steps: float32 within 1e-3 (relative to the output's size) of float64."""
-    with jax.enable_x64(True):
-        (q, k, v), gates = _inputs(lead=(1, 2), T=2048)
-        want, want_final = jattn.gated_linear_attention(q, k, v, **gates, return_state=True)
-        np.testing.assert_allclose(want, ref.dplr(q, k, v, **gates)[0], **ref.tol(jnp.float64))
-        f32 = {n: x.astype(jnp.float32) for n, x in gates.items()}
-        for mode in ("chunk", "recurrent"):
-            out, final = jattn.gated_linear_attention(
-                q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), **f32, return_state=True,
-                mode=mode,
-            )  # fmt: skip
-            assert out.dtype == jnp.float32
-            assert np.max(np.abs(ref.f64(out) - want)) <= 1e-3 * np.max(np.abs(want))
-            assert np.max(np.abs(ref.f64(final) - want_final)) <= 1e-3 * np.max(np.abs(want_final))
 
 
 def _structured(T: int, seed: int = 8):
@@ -146,6 +100,15 @@ def _structured(T: int, seed: int = 8):
     return (q, k, np.where(rwkv7, v, 0.9 * v)), gates
 
 
+@functools.cache
+def _structured_reference(T_long: int) -> tuple:
+    """:func:`_structured`'s inputs (float64), a cotangent, and the float64 loop's output and gradients (once a run)."""
+    (q, k, v), gates = _structured(T_long)
+    dout = np.random.default_rng(9).standard_normal((12, T_long, E))
+    with jax.enable_x64(True):
+        return (q, k, v), gates, dout, ref.dplr(q, k, v, **gates)[0], ref.dplr(q, k, v, **gates, grads_of=(dout, 0.0))
+
+
 @pytest.mark.parametrize("chunk_size", [1, 8, 16, 32, 64, 128, 256])
 def test_repeated_and_correlated_keys_at_every_chunk_size_float64(chunk_size):
     """Chunks of 1 to 256 (past T) equal the float64 loop to 1e-12 in values and in every input's gradient.
@@ -154,12 +117,8 @@ def test_repeated_and_correlated_keys_at_every_chunk_size_float64(chunk_size):
     binomial-sized powers that cancel (a relative error of 0.125 at chunks of 32 in float32, 1e-4 at 64 in
     float64); the chunk form solves it by forward substitution.
     """
-    T_long = 150
-    (q, k, v), gates = _structured(T_long)
-    dout = np.random.default_rng(9).standard_normal((12, T_long, E))
+    (q, k, v), gates, dout, want, grads_want = _structured_reference(150)
     with jax.enable_x64(True):
-        want = ref.dplr(q, k, v, **gates)[0]
-        grads_want = ref.dplr(q, k, v, **gates, grads_of=(dout, 0.0))
 
         def loss(q, k, v, gates):
             out = jattn.gated_linear_attention(q, k, v, **gates, chunk_size=chunk_size)
@@ -187,28 +146,9 @@ def test_repeated_and_correlated_keys_float32_at_2048_steps():
         assert np.all(err <= 1e-4), (mode, chunk_size, err)
 
 
-def test_decoding_in_pieces_equals_the_full_pass():
-    """The state after a prefix, passed back, continues the sequence: a chunk, then one token at a time."""
-    (q, k, v), gates = _inputs(dtype=jnp.float32)
-    full, final = jattn.gated_linear_attention(q, k, v, **gates, return_state=True)
-    state, outs = None, []
-    for t0, t1 in [(0, 20), *((t, t + 1) for t in range(20, T))]:
-        out, state = jattn.gated_linear_attention(
-            q[..., t0:t1, :], k[..., t0:t1, :], v[..., t0:t1, :], **{n: x[..., t0:t1, :] for n, x in gates.items()},
-            initial_state=state, return_state=True, mode="recurrent" if t1 - t0 == 1 else "chunk",
-        )  # fmt: skip
-        outs.append(out)
-    np.testing.assert_allclose(jnp.concatenate(outs, axis=-2), full, **ref.tol(jnp.float32))
-    np.testing.assert_allclose(state, final, **ref.tol(jnp.float32))
-
-
-def test_jit_vmap_and_one_state_per_chunk():
-    (q, k, v), gates = _inputs(dtype=jnp.float32)
-    f = jax.jit(lambda q, k, v, gates: jattn.gated_linear_attention(q, k, v, **gates))
-    eager = jattn.gated_linear_attention(q, k, v, **gates)
-    np.testing.assert_allclose(f(q, k, v, gates), eager, **ref.tol(jnp.float32))
-    np.testing.assert_allclose(jax.vmap(f)(q, k, v, gates), eager, **ref.tol(jnp.float32))
-    sizes = []  # the backward keeps the state at each chunk's start: scratch grows as T, not as T D E
+def test_the_backward_keeps_one_state_per_chunk():
+    """The gradient's compiled scratch grows as T (a state per chunk), not as T D E (a state per step)."""
+    sizes = []
     for t in (512, 2048):
         x = jnp.zeros((1, t, 32))
 
@@ -266,57 +206,4 @@ def test_bad_arguments_are_named(kw, error, match):
 
 
 # -- the modules' 'rwkv7' kind ---------------------------------------------------------------------------------
-
-F_MODEL, HEADS, DEPTH = 24, 3, 8
-
-
-def _np_rwkv7(m, x):
-    """The 'rwkv7' kind written out in float64 NumPy from the module's parameters (jattn._linear.kinds)."""
-    p = {name: ref.f64(getattr(m, name)[...]) for name in m.gate_names}
-    x = ref.f64(x)
-    sigmoid = lambda z: 1 / (1 + np.exp(-z))  # noqa: E731
-    heads = lambda y: y.reshape(*x.shape[:2], HEADS, -1).transpose(0, 2, 1, 3)  # noqa: E731  (B, N, T, D)
-    q, k, v = (heads(x @ ref.f64(getattr(m, w).kernel[...])) for w in ("wq", "wk", "wv"))
-    gk = -np.exp(-0.5) * sigmoid(np.tanh(x @ p["w_decay_down"]) @ p["w_decay_up"] + p["b_decay"])
-    rate = heads(sigmoid(x @ p["w_iclr_down"] @ p["w_iclr_up"] + p["b_iclr"]))
-    k_k, k_a = (p[n].reshape(HEADS, 1, DEPTH) for n in ("k_k", "k_a"))
-    kappa = k * k_k / np.sqrt(np.sum((k * k_k) ** 2, -1, keepdims=True))
-    out, _ = ref.dplr(q, k * (1 + (rate - 1) * k_a), v, a=-kappa, b=kappa * rate, gk=heads(gk))
-    return out.transpose(0, 2, 1, 3).reshape(*x.shape[:2], -1) @ ref.f64(m.wo.kernel[...])
-
-
-def test_the_rwkv7_kind_equals_its_gates_written_out():
-    """NNX (float32 and float64) and Linen: projections, RWKV-7's gates and transition, the float64 recurrence."""
-    from flax import nnx
-
-    m = jattn.nnx.SelfAttention(F_MODEL, num_heads=HEADS, kind="rwkv7", rngs=nnx.Rngs(0))
-    x = jax.random.normal(jax.random.key(1), (2, 11, F_MODEL))
-    np.testing.assert_allclose(m(x), _np_rwkv7(m, x), rtol=1e-4, atol=1e-5)
-    linen = jattn.linen.SelfAttention(F_MODEL, num_heads=HEADS, kind="rwkv7")
-    np.testing.assert_allclose(linen.apply({"params": ref.linen_params(m)}, x), m(x), **ref.tol(jnp.float32))
-    with jax.enable_x64(True):
-        m = jattn.nnx.SelfAttention(F_MODEL, num_heads=HEADS, kind="rwkv7", param_dtype=jnp.float64, rngs=nnx.Rngs(0))
-        x = jax.random.normal(jax.random.key(1), (2, 11, F_MODEL), jnp.float64)
-        got = m(x)
-        assert got.dtype == jnp.float64
-        np.testing.assert_allclose(got, _np_rwkv7(m, x), **ref.tol(jnp.float64))
-
-
-def test_rwkv7_decoding_from_the_cache_equals_the_full_pass():
-    from flax import nnx
-
-    m = jattn.nnx.SelfAttention(F_MODEL, num_heads=HEADS, kind="rwkv7", rngs=nnx.Rngs(0))
-    x = jax.random.normal(jax.random.key(1), (2, 11, F_MODEL))
-    m.init_cache(2, 11)
-    pieces = [m(x[:, :4], decode=True)] + [m(x[:, t : t + 1], decode=True) for t in range(4, 11)]
-    np.testing.assert_allclose(jnp.concatenate(pieces, axis=1), m(x), **ref.tol(jnp.float32))
-    linen = jattn.linen.SelfAttention(F_MODEL, num_heads=HEADS, kind="rwkv7")
-    cache = linen.init(jax.random.key(0), 2, 11, method="init_cache")["cache"]
-    outs = []
-    for t in range(11):
-        y, state = linen.apply(
-            {"params": ref.linen_params(m), "cache": cache}, x[:, t : t + 1], decode=True, mutable=["cache"]
-        )
-        outs.append(y)
-        cache = state["cache"]
-    np.testing.assert_allclose(jnp.concatenate(outs, axis=1), m(x), **ref.tol(jnp.float32))
+# Written out (NNX float32 and float64, Linen) and decoding from its cache: the row's module tests above.

@@ -35,20 +35,28 @@ def _per_example(B, seed=1):
 
 
 @pytest.mark.parametrize("lead", [(2, 2), (2, 3), (3, 2)])  # B == N is where a per-head reading would hide
-@pytest.mark.parametrize("mode", ["chunk", "recurrent"])
-def test_per_example_ids_and_padding_are_read_batch_first(lead, mode):
-    """``(B, T)`` as ``masks.segment_ids`` reads it; written out per leading index (NumPy's reading) the same."""
+def test_per_example_ids_and_padding_are_read_batch_first(lead):
+    """``(B, T)`` as ``masks.segment_ids`` reads it; written out per leading index (NumPy's reading) the same; both
+    forms."""
     q, k, v = _qkv(lead)
     ids, keep = _per_example(lead[0])
     g = jnp.asarray(-np.random.default_rng(2).uniform(0, 1, (*lead, T)), jnp.float32)
-    out = jattn.gated_linear_attention(q, k, v, g=g, segment_ids=ids, kv_mask=keep, mode=mode, chunk_size=8)
     want, _ = ref.gated_linear(q, k, v, g=g, segment_ids=ids[:, None, :], kv_mask=keep[:, None, :])
-    np.testing.assert_allclose(out, want, **ref.tol(jnp.float32))
-    full = jattn.gated_linear_attention(
-        q, k, v, g=g, segment_ids=jnp.broadcast_to(ids[:, None, :], (*lead, T)), kv_mask=keep[:, None, :],
-        mode=mode, chunk_size=8,
-    )  # fmt: skip
-    np.testing.assert_allclose(full, out, **ref.tol(jnp.float32))
+
+    def both(q, k, v, g, ids, keep):
+        out = []
+        for mode in ("chunk", "recurrent"):
+            read = jattn.gated_linear_attention(q, k, v, g=g, segment_ids=ids, kv_mask=keep, mode=mode, chunk_size=8)
+            full = jattn.gated_linear_attention(
+                q, k, v, g=g, segment_ids=jnp.broadcast_to(ids[:, None, :], (*lead, T)), kv_mask=keep[:, None, :],
+                mode=mode, chunk_size=8,
+            )  # fmt: skip
+            out.append((read, full))
+        return out
+
+    for (out, full), mode in zip(jax.jit(both)(q, k, v, g, ids, keep), ("chunk", "recurrent"), strict=True):
+        np.testing.assert_allclose(out, want, **ref.tol(jnp.float32), err_msg=mode)
+        np.testing.assert_allclose(full, out, **ref.tol(jnp.float32), err_msg=mode)
 
 
 def test_the_gates_stay_per_head_from_the_right():
@@ -56,7 +64,11 @@ def test_the_gates_stay_per_head_from_the_right():
     q, k, v = _qkv((3, 3))
     ids, keep = _per_example(3)
     g = jnp.asarray(np.log(1 - 2.0 ** -np.arange(5, 8))[:, None], jnp.float32)  # (N, 1)
-    out = jattn.gated_linear_attention(q, k, v, g=g, segment_ids=ids, kv_mask=keep, chunk_size=8)
+    out = jax.jit(
+        lambda q, k, v, g, ids, keep: jattn.gated_linear_attention(
+            q, k, v, g=g, segment_ids=ids, kv_mask=keep, chunk_size=8
+        )
+    )(q, k, v, g, ids, keep)
     want, _ = ref.gated_linear(q, k, v, g=g[None], segment_ids=ids[:, None, :], kv_mask=keep[:, None, :])
     np.testing.assert_allclose(out, want, **ref.tol(jnp.float32))
 
@@ -72,7 +84,7 @@ def _dense_linear(q, k, v, keep):
 def test_linear_attention_reads_a_per_example_kv_mask_batch_first(lead):
     q, k, v = _qkv(lead)
     _, keep = _per_example(lead[0])
-    out = jattn.linear_attention(q, k, v, kv_mask=keep)
+    out = jax.jit(lambda q, k, v, keep: jattn.linear_attention(q, k, v, kv_mask=keep))(q, k, v, keep)
     np.testing.assert_allclose(out, _dense_linear(q, k, v, np.asarray(keep)[:, None, :]), **ref.tol(jnp.float32))
 
 
@@ -117,16 +129,28 @@ def _big_gates(big, gate, beta, lead=(2, 3), seed=4):
     return kw
 
 
+@jax.jit
+def _chunks_of_8(q, k, v, kw):
+    """The chunk form (chunks of 8) with its state, compiled once for each set of gates (the decays are data)."""
+    return jattn.gated_linear_attention(q, k, v, **kw, return_state=True, chunk_size=8)
+
+
 @pytest.mark.parametrize(("gate", "beta"), [("g", False), ("g", True), ("gk", False)])
 @pytest.mark.parametrize("big", BIG)
 def test_the_chunk_form_is_exact_after_a_huge_log_decay(big, gate, beta):
     q, k, v = _qkv((2, 3))
     kw = _big_gates(big, gate, beta)
-    out, state = jattn.gated_linear_attention(q, k, v, **kw, return_state=True, chunk_size=8)
+    out, state = _chunks_of_8(q, k, v, kw)
     want, want_state = ref.gated_linear(q, k, v, **kw)
     assert np.all(np.isfinite(out)) and np.all(np.isfinite(state))
     np.testing.assert_allclose(out, want, **ref.tol(jnp.float32))
     np.testing.assert_allclose(state, want_state, **ref.tol(jnp.float32))
+
+
+@jax.jit
+def _weighted_grad(args, w):
+    """The gradient of ``Σ w·out`` of the chunk form (chunks of 8), compiled once for each set of gates."""
+    return jax.grad(lambda a: jnp.sum(w * jattn.gated_linear_attention(**a, chunk_size=8)))(args)
 
 
 @pytest.mark.parametrize(("gate", "beta"), [("g", False), ("g", True), ("gk", False)])
@@ -136,7 +160,7 @@ def test_gradients_after_a_huge_log_decay_equal_the_float64_loops(big, gate, bet
     q, k, v = _qkv((2, 3))
     args = {"q": q, "k": k, "v": v} | _big_gates(big, gate, beta)
     w = jnp.asarray(np.random.default_rng(5).standard_normal((2, 3, T, E)), jnp.float32)
-    grads = jax.grad(lambda a: jnp.sum(w * jattn.gated_linear_attention(**a, chunk_size=8)))(args)
+    grads = _weighted_grad(args, w)
     r = np.random.default_rng(6)
     for name, x in args.items():
         assert np.all(np.isfinite(grads[name])), name
@@ -158,6 +182,11 @@ def test_gradients_after_a_huge_log_decay_equal_the_float64_loops(big, gate, bet
 # -- a dropped step's gates are not read, eager or traced -------------------------------------------------------
 
 
+@jax.jit
+def _masked(q, k, v, kw, keep):
+    return jattn.gated_linear_attention(q, k, v, **kw, kv_mask=keep)
+
+
 @pytest.mark.parametrize(("name", "bad"), [("g", 0.5), ("g", np.nan), ("gk", np.inf), ("beta", 2.0), ("beta", np.nan)])
 def test_bad_gates_at_dropped_steps_are_ignored_eagerly_and_under_jit(name, bad):
     q, k, v = _qkv((2, 3))
@@ -171,8 +200,8 @@ def test_bad_gates_at_dropped_steps_are_ignored_eagerly_and_under_jit(name, bad)
     want, _ = ref.gated_linear(q, k, v, **kw, kv_mask=keep[:, None, :])  # the loop never reads a dropped step
     kw[name][1, :, T - 3] = bad  # dropped: example 1's steps from T - 7 on
     kw = {n: jnp.asarray(x, jnp.float32) for n, x in kw.items()}
-    eager = jattn.gated_linear_attention(q, k, v, **kw, kv_mask=keep)
-    traced = jax.jit(lambda kw, keep: jattn.gated_linear_attention(q, k, v, **kw, kv_mask=keep))(kw, keep)
+    eager = jattn.gated_linear_attention(q, k, v, **kw, kv_mask=keep)  # op by op, on purpose
+    traced = _masked(q, k, v, kw, keep)
     np.testing.assert_allclose(eager, want, **ref.tol(jnp.float32))
     np.testing.assert_allclose(traced, eager, **ref.tol(jnp.float32))
 
@@ -193,13 +222,18 @@ def test_bad_gates_at_kept_steps_still_raise_eagerly_and_poison_under_jit():
 # -- scale ----------------------------------------------------------------------------------------------------
 
 
+@jax.jit
+def _scaled(q, k, v, g, scale):
+    return jattn.gated_linear_attention(q, k, v, g=g, scale=scale)
+
+
 @pytest.mark.parametrize("scale", [1 / jnp.sqrt(2.0), jnp.asarray(0.3, jnp.bfloat16), np.asarray(-1.5)])
 def test_array_scales_are_taken_eagerly_and_traced(scale):
     q, k, v = _qkv((2, 3))
     g = jnp.full((T,), -0.2)
     want, _ = ref.gated_linear(q, k, v, g=g, scale=float(scale))
     np.testing.assert_allclose(jattn.gated_linear_attention(q, k, v, g=g, scale=scale), want, **ref.tol(jnp.float32))
-    traced = jax.jit(lambda s: jattn.gated_linear_attention(q, k, v, g=g, scale=s))(jnp.asarray(scale, jnp.float32))
+    traced = _scaled(q, k, v, g, jnp.asarray(scale, jnp.float32))
     np.testing.assert_allclose(traced, want, **ref.tol(jnp.float32))
 
 
@@ -225,10 +259,16 @@ def test_long_delta_rule_keys_overflow_as_documented():
     """With β‖k‖² > 2 the state grows each step and turns non-finite unchecked; the docs say so and name the fix."""
     q, k, v = _qkv((1, 2), T=256)  # ‖k‖ = 1
     beta = jnp.ones((1, 2, 256))
-    for mode in ("chunk", "recurrent"):
-        short = jattn.gated_linear_attention(q, k, v, beta=beta, mode=mode)
-        np.testing.assert_allclose(short, ref.gated_linear(q, k, v, beta=beta)[0], **ref.tol(jnp.float32))
-        long = jattn.gated_linear_attention(q, 4 * k, v, beta=beta, mode=mode)  # β‖k‖² = 16
+
+    def forms(q, k, v, beta):  # per form: unit keys, then keys of length 4 (β‖k‖² = 16)
+        return [
+            [jattn.gated_linear_attention(q, x, v, beta=beta, mode=m) for x in (k, 4 * k)]
+            for m in ("chunk", "recurrent")
+        ]
+
+    want = ref.gated_linear(q, k, v, beta=beta)[0]
+    for short, long in jax.jit(forms)(q, k, v, beta):
+        np.testing.assert_allclose(short, want, **ref.tol(jnp.float32))
         assert not np.all(np.isfinite(long))
     doc = " ".join(jattn.gated_linear_attention.__doc__.split())
     assert "β ‖k‖² > 2" in doc and "L2-normalised keys" in doc and "NaN" in doc
