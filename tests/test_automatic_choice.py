@@ -36,8 +36,9 @@ def _check_choice(kw, want, dtype=jnp.float32, t=T, s=S):
     """``choose_implementation`` names ``want``, the automatic call ran it (same bits) and equals the reference."""
     q, k, v = _operands(dtype, t, s)
     assert jattn.choose_implementation(q, k, v, **kw) == want
-    auto = jattn.attention(q, k, v, **kw)
-    named = jattn.attention(q, k, v, implementation=want, **kw)
+    auto, named = jax.jit(  # one program: the choice is made while tracing, as eagerly
+        lambda q, k, v: (jattn.attention(q, k, v, **kw), jattn.attention(q, k, v, implementation=want, **kw))
+    )(q, k, v)
     np.testing.assert_array_equal(np.asarray(auto, np.float32), np.asarray(named, np.float32))
     mask, bias = kw.get("mask"), kw.get("bias")
     dense = None
@@ -129,10 +130,10 @@ def test_forward_mode_takes_the_gpu_kernel_and_falls_back_from_splash(monkeypatc
     q, k, v = _operands()
     t = _rand(q.shape, 7)
     keep = np.asarray(masks.causal().dense(T, S))
-    with jax.enable_x64(True):
-        want, want_t = jax.jvp(
-            lambda x: ref.dense_jax(x, ref.f64(k), ref.f64(v), keep=keep)[0], (ref.f64(q),), (ref.f64(t),)
-        )
+    with jax.enable_x64(True):  # traced here, under float64
+        want, want_t = jax.jit(
+            lambda q, t: jax.jvp(lambda x: ref.dense_jax(x, ref.f64(k), ref.f64(v), keep=keep)[0], (q,), (t,))
+        )(ref.f64(q), ref.f64(t))
     for platform, kernel in (("gpu", True), ("tpu", False)):
         monkeypatch.setattr(platform_facts, "platform", lambda p=platform: p)
         jvp = lambda x: jax.jvp(lambda x: jattn.attention(x, k, v, mask=masks.causal()), (x,), (t,))  # noqa: E731

@@ -54,18 +54,20 @@ def _nnx(seed=0, **options):
 
 
 def test_rope_matches_float64_reference_and_keeps_relative_scores():
+    rope = jax.jit(jattn.rope, static_argnames="base")
+    score = jax.jit(lambda q, k, pq, pk: jnp.sum(jattn.rope(q, pq) * jattn.rope(k, pk), -1))
     with jax.enable_x64(True):
         x = _rand((2, 5, 3, 6), 0, jnp.float64)  # (B, L, N, D)
         pos = jax.random.randint(jax.random.key(1), (2, 5, 1), 0, 3000)  # (B, L, 1): per example and row
-        np.testing.assert_allclose(jattn.rope(x, pos, base=500.0), ref.rope(x, pos, 500.0), **ref.tol(jnp.float64))
+        np.testing.assert_allclose(rope(x, pos, base=500.0), ref.rope(x, pos, 500.0), **ref.tol(jnp.float64))
         # the score of a rotated query and key depends on the positions only through their difference
         q, k = _rand((7, 8), 2, jnp.float64), _rand((7, 8), 3, jnp.float64)
         pq, pk = jnp.arange(7) * 3, jnp.arange(7)[::-1] * 5
-        s1 = jnp.sum(jattn.rope(q, pq) * jattn.rope(k, pk), -1)
-        s2 = jnp.sum(jattn.rope(q, pq + 1234) * jattn.rope(k, pk + 1234), -1)
+        s1, s2 = score(q, k, pq, pk), score(q, k, pq + 1234, pk + 1234)
+        assert not np.allclose(s1, score(q, k, pq, pk + 1), rtol=1e-6)  # the positions do count
         np.testing.assert_allclose(s1, s2, rtol=1e-9, atol=1e-9)
     x = _rand((4, 10), 4)  # float32, small positions, (L,) positions shared by every row
-    np.testing.assert_allclose(jattn.rope(x, jnp.arange(4)), ref.rope(x, np.arange(4)), **F32)
+    np.testing.assert_allclose(rope(x, jnp.arange(4)), ref.rope(x, np.arange(4)), **F32)
 
 
 @pytest.mark.parametrize(
@@ -101,7 +103,7 @@ def test_module_rope_and_qk_norm_full_pass_match_float64_reference():
     v = (xs @ p["wv"]["kernel"]).reshape(2, T, N, -1).transpose(0, 2, 1, 3)
     o, _, _ = ref.attention(q, k, v, mask=np.tril(np.ones((T, T), bool)))
     want = o.transpose(0, 2, 1, 3).reshape(2, T, D) @ p["wo"]["kernel"]
-    np.testing.assert_allclose(m(x, masks.causal()), want, **F32)
+    np.testing.assert_allclose(nnx.jit(lambda m, x: m(x, masks.causal()))(m, x), want, **F32)
 
 
 def test_normalize_qk_matches_flax_multihead_attention():
@@ -118,7 +120,8 @@ def test_normalize_qk_matches_flax_multihead_attention():
     f.query_ln.scale[...], f.key_ln.scale[...] = m.query_ln.scale[...], m.key_ln.scale[...]
     x = _rand((2, T, D), 2)
     mask = jax.random.bernoulli(jax.random.key(3), 0.6, (2, T, T)) | jnp.eye(T, dtype=bool)[None]  # no empty row
-    np.testing.assert_allclose(m(x, mask), f(x, mask=mask[:, None]), **F32)
+    ours, theirs = nnx.jit(lambda m, f, x, mask: (m(x, mask), f(x, mask=mask[:, None])))(m, f, x, mask)
+    np.testing.assert_allclose(ours, theirs, **F32)
 
 
 # -- the cache: Linen == full causal pass == NNX -------------------------------------------------
@@ -140,23 +143,27 @@ KINDS = [
 
 @pytest.mark.parametrize(("options", "mask", "layout"), KINDS)
 def test_linen_decoding_equals_full_pass_and_nnx(options, mask, layout):
+    """Each step's Linen output equals NNX's, and the steps together the full causal pass (NNX's and Linen's)."""
     steps, B = (5, 1, 1), 2
     T = sum(steps)
     m = _nnx(**options)
     lin = jattn.linen.SelfAttention(D, **options)
     params = _params(m)
     x = _rand((B, T, D), 1)
-    full = jax.jit(lambda p, x: lin.apply({"params": p}, x, mask))(params, x)
-    np.testing.assert_allclose(full, m(x, mask), **F32)
+    full, full_nnx = nnx.jit(lambda m, p, x: (lin.apply({"params": p}, x, mask), m(x, mask)))(m, params, x)
+    np.testing.assert_allclose(full, full_nnx, **F32)
     cache = lin.init(jax.random.key(0), B, T, method="init_cache", **layout)["cache"]
     m.init_cache(B, T, **layout)
-    linen_step = jax.jit(lambda v, x: lin.apply(v, x, mask, decode=True, mutable=["cache"]))
-    nnx_step = nnx.jit(lambda m, x: m(x, mask, decode=True))
+
+    @nnx.jit  # one program a step shape for both modules
+    def step(m, v, x):
+        out, state = lin.apply(v, x, mask, decode=True, mutable=["cache"])
+        return out, state["cache"], m(x, mask, decode=True)
+
     got, t = [], 0
     for n in steps:
-        out, state = linen_step({"params": params, "cache": cache}, x[:, t : t + n])
-        cache = state["cache"]
-        np.testing.assert_allclose(out, nnx_step(m, x[:, t : t + n]), **F32)
+        out, cache, out_nnx = step(m, {"params": params, "cache": cache}, x[:, t : t + n])
+        np.testing.assert_allclose(out, out_nnx, **F32)
         got.append(out)
         t += n
     np.testing.assert_allclose(jnp.concatenate(got, 1), full, **F32)
@@ -182,7 +189,7 @@ def test_linen_decoding_equals_full_pass_and_nnx(options, mask, layout):
 def test_a_ring_that_dropped_keys_the_mask_sees_refuses(mask, layout, row):
     """Eager decoding raises naming the first such query; under jit its output is NaN, earlier ones the full pass's."""
     m, x = _nnx(num_heads=2), _rand((1, 6, D), 1)
-    full = m(x, mask)
+    full = nnx.jit(lambda m, x: m(x, mask))(m, x)
     m.init_cache(1, 6, **layout)
     for t in range(row):
         np.testing.assert_allclose(m(x[:, t : t + 1], mask, decode=True), full[:, t : t + 1], **F32)
@@ -196,31 +203,34 @@ def test_a_ring_that_dropped_keys_the_mask_sees_refuses(mask, layout, row):
 
 
 def test_linen_ragged_prefill_decodes_each_example_like_alone():
+    """A padded prompt of lengths (2, 5), then two tokens each: each example's outputs equal its full causal pass alone."""
     options = dict(num_heads=2, rope=True)
     prompts, T = [2, 5], 7
     lin = jattn.linen.SelfAttention(D, decode=True, **options)  # the field is the call's default
     params = _params(_nnx(**options))
     x = _rand((2, T, D), 2)
     variables = {"params": params} | lin.init(jax.random.key(0), 2, T, method="init_cache")
-    first, state = lin.apply(variables, x[:, :5], lengths=jnp.array(prompts), mutable=["cache"])
+    step = jax.jit(lambda v, x, lengths=None: lin.apply(v, x, lengths=lengths, mutable=["cache"]))
+    first, state = step(variables, x[:, :5], jnp.array(prompts))
     got = [[first[0, :2]], [first[1, :5]]]
-    for step in range(2):  # each example continues from its own position
-        tok = jnp.stack([x[0, 2 + step], x[1, 5 + step]])[:, None]
-        out, state = lin.apply({"params": params} | state, tok, mutable=["cache"])
+    for i in range(2):  # each example continues from its own position
+        tok = jnp.stack([x[0, 2 + i], x[1, 5 + i]])[:, None]
+        out, state = step({"params": params} | state, tok)
         got[0].append(out[0])
         got[1].append(out[1])
+    alone = jax.jit(lambda p, x: lin.apply({"params": p}, x, masks.causal(), decode=False)[0])
     for b, length in enumerate(prompts):
-        alone = lin.apply({"params": params}, x[b : b + 1, : length + 2], masks.causal(), decode=False)[0]
-        np.testing.assert_allclose(jnp.concatenate(got[b]), alone, **F32)
+        np.testing.assert_allclose(jnp.concatenate(got[b]), alone(params, x[b : b + 1, : length + 2]), **F32)
 
 
 def test_decoding_with_leading_batch_dims_equals_full_pass():
     m = _nnx(num_heads=2, rope=True)
     x = _rand((2, 3, 7, D), 3)  # batch dims (2, 3)
-    full = m(x, masks.causal())
+    full = nnx.jit(lambda m, x: m(x, masks.causal()))(m, x)
     m.init_cache(6, 7)
-    a = m(x[..., :5, :], decode=True, lengths=jnp.full((2, 3), 5))
-    b = m(x[..., 5:, :], decode=True)
+    step = nnx.jit(lambda m, x, lengths=None: m(x, decode=True, lengths=lengths))
+    a = step(m, x[..., :5, :], jnp.full((2, 3), 5))
+    b = step(m, x[..., 5:, :])
     np.testing.assert_allclose(jnp.concatenate([a, b], -2), full, **F32)
 
 
@@ -228,49 +238,65 @@ def test_decoding_with_leading_batch_dims_equals_full_pass():
 
 
 def test_leading_batch_dims_and_unbatched_input_nnx_equals_linen():
+    """Batch dims (3, 2) and an unbatched call equal the flattened batch's rows, in NNX and Linen, self and cross."""
     T = 7
     m = _nnx(num_heads=2, normalize_qk=True, rope=True)
     lin = jattn.linen.SelfAttention(D, num_heads=2, normalize_qk=True, rope=True)
-    params = _params(m)
-    x = _rand((3, 2, T, D), 4)  # batch dims (3, 2)
-    mask = jax.random.bernoulli(jax.random.key(5), 0.7, (3, 1, 2, T, T))  # (*batch, N, T, S), axis 1 broadcast
-    out, w = m(x, mask, return_weights=True)
-    assert out.shape == (3, 2, T, D) and w.shape == (3, 2, 2, T, T)
-    flat_mask = jnp.broadcast_to(mask, (3, 2, 2, T, T)).reshape(6, 2, T, T)
-    flat, flat_w = m(x.reshape(6, T, D), flat_mask, return_weights=True)
-    np.testing.assert_allclose(out.reshape(6, T, D), flat, **F32)
-    np.testing.assert_allclose(w.reshape(6, 2, T, T), flat_w, **F32)
-    one, one_w = m(x[2, 1], mask[2, 0], return_weights=True)  # unbatched: (T, F), mask (N, T, S)
-    np.testing.assert_allclose(one, out[2, 1], **F32)
-    np.testing.assert_allclose(one_w, w[2, 1], **F32)
-    np.testing.assert_allclose(lin.apply({"params": params}, x, mask), out, **F32)
-    np.testing.assert_allclose(lin.apply({"params": params}, x[2, 1], mask[2, 0]), one, **F32)
-    per_example = mask[:, :, 0]  # (*batch, T, S): the same for every head
-    np.testing.assert_allclose(
-        m(x, per_example),
-        m(x.reshape(6, T, D), jnp.broadcast_to(per_example, (3, 2, T, T)).reshape(6, T, T)).reshape(out.shape),
-        **F32,
-    )
     cross = jattn.nnx.CrossAttention(D, 5, num_heads=2, normalize_qk=True, rngs=nnx.Rngs(1))
     lin_cross = jattn.linen.CrossAttention(D, num_heads=2, normalize_qk=True, context_features=5)
+    x = _rand((3, 2, T, D), 4)  # batch dims (3, 2)
+    mask = jax.random.bernoulli(jax.random.key(5), 0.7, (3, 1, 2, T, T))  # (*batch, N, T, S), axis 1 broadcast
     ctx, valid = _rand((3, 2, 4, 5), 6), jax.random.bernoulli(jax.random.key(7), 0.7, (3, 2, 4))
-    got = cross(x, ctx, context_mask=valid)
-    np.testing.assert_allclose(
-        got, cross(x.reshape(6, T, D), ctx.reshape(6, 4, 5), context_mask=valid.reshape(6, 4)).reshape(got.shape), **F32
-    )
-    np.testing.assert_allclose(lin_cross.apply({"params": _params(cross)}, x, ctx, context_mask=valid), got, **F32)
+
+    @nnx.jit  # every call of the test in one program
+    def run(m, cross, params, cross_params, x, mask, ctx, valid):
+        flat_mask = jnp.broadcast_to(mask, (3, 2, 2, T, T)).reshape(6, 2, T, T)
+        per_example = mask[:, :, 0]  # (*batch, T, S): the same for every head
+        flat_example = jnp.broadcast_to(per_example, (3, 2, T, T)).reshape(6, T, T)
+        return dict(
+            out=m(x, mask, return_weights=True),
+            flat=m(x.reshape(6, T, D), flat_mask, return_weights=True),
+            one=m(x[2, 1], mask[2, 0], return_weights=True),  # unbatched: (T, F), mask (N, T, S)
+            lin=lin.apply({"params": params}, x, mask),
+            lin_one=lin.apply({"params": params}, x[2, 1], mask[2, 0]),
+            example=m(x, per_example),
+            flat_example=m(x.reshape(6, T, D), flat_example),
+            cross=cross(x, ctx, context_mask=valid),
+            flat_cross=cross(x.reshape(6, T, D), ctx.reshape(6, 4, 5), context_mask=valid.reshape(6, 4)),
+            lin_cross=lin_cross.apply({"params": cross_params}, x, ctx, context_mask=valid),
+        )
+
+    r = run(m, cross, _params(m), _params(cross), x, mask, ctx, valid)
+    out, w = r["out"]
+    assert out.shape == (3, 2, T, D) and w.shape == (3, 2, 2, T, T)
+    np.testing.assert_allclose(out.reshape(6, T, D), r["flat"][0], **F32)
+    np.testing.assert_allclose(w.reshape(6, 2, T, T), r["flat"][1], **F32)
+    np.testing.assert_allclose(r["one"][0], out[2, 1], **F32)
+    np.testing.assert_allclose(r["one"][1], w[2, 1], **F32)
+    np.testing.assert_allclose(r["lin"], out, **F32)
+    np.testing.assert_allclose(r["lin_one"], r["one"][0], **F32)
+    np.testing.assert_allclose(r["example"], r["flat_example"].reshape(out.shape), **F32)
+    got = r["cross"]
+    assert got.shape == (3, 2, T, D)
+    np.testing.assert_allclose(got, r["flat_cross"].reshape(got.shape), **F32)
+    np.testing.assert_allclose(r["lin_cross"], got, **F32)
 
 
 def test_sow_weights_nnx_intermediate_and_linen_intermediates():
     m = _nnx(num_heads=2, rope=True)
     lin = jattn.linen.SelfAttention(D, num_heads=2, rope=True)
     x = _rand((2, 3, 7, D), 8)
-    out, want = m(x, masks.causal(), return_weights=True)
-    got, inter = nnx.capture(m, nnx.Intermediate)(x, masks.causal(), sow_weights=True)
+
+    @nnx.jit
+    def run(m, params, x):
+        sown = nnx.capture(m, nnx.Intermediate)(x, masks.causal(), sow_weights=True)
+        linen = lin.apply({"params": params}, x, masks.causal(), sow_weights=True, mutable=["intermediates"])
+        return m(x, masks.causal(), return_weights=True), sown, linen
+
+    (out, want), (got, inter), (lin_out, state) = run(m, _params(m), x)
     (sown,) = inter["attention_weights"].get_value()
     np.testing.assert_array_equal(got, out)
     np.testing.assert_array_equal(sown, want)
-    lin_out, state = lin.apply({"params": _params(m)}, x, masks.causal(), sow_weights=True, mutable=["intermediates"])
     (lin_sown,) = state["intermediates"]["attention_weights"]
     np.testing.assert_allclose(lin_out, out, **F32)
     np.testing.assert_allclose(lin_sown, want, **F32)
@@ -280,17 +306,24 @@ def test_linen_call_time_dropout_rng():
     """``dropout_rng`` is the key of the core's dropout and takes precedence over the rngs collection."""
     lin = jattn.linen.SelfAttention(D, dropout_rate=0.4)
     x = _rand((2, 7, D), 9)
-    params = lin.init(jax.random.key(0), x)["params"]
+    params = _params(_nnx())  # the same parameters as lin's (one head, no output projection)
     key = jax.random.key(3)
-    got = lin.apply({"params": params}, x, dropout_rng=key)
-    q, k, v = (x @ params[n]["kernel"] for n in ("wq", "wk", "wv"))
-    heads = lambda a: a[:, None, None]  # noqa: E731  (B, T, D) -> (B, K=1, G=1, T, D)
-    want = jattn.attention(heads(q), heads(k), heads(v), dropout_rate=0.4, dropout_rng=key)[:, 0, 0]
+
+    @jax.jit
+    def run(params, x):
+        q, k, v = (x @ params[n]["kernel"] for n in ("wq", "wk", "wv"))
+        heads = lambda a: a[:, None, None]  # noqa: E731  (B, T, D) -> (B, K=1, G=1, T, D)
+        return (
+            lin.apply({"params": params}, x, dropout_rng=key),
+            jattn.attention(heads(q), heads(k), heads(v), dropout_rate=0.4, dropout_rng=key)[:, 0, 0],
+            lin.apply({"params": params}, x, dropout_rng=key, rngs={"dropout": jax.random.key(5)}),
+            lin.apply({"params": params}, x, dropout_rng=jax.random.key(4)),
+        )
+
+    got, want, with_rngs, other_key = run(params, x)
     np.testing.assert_allclose(got, want, **F32)
-    np.testing.assert_array_equal(
-        lin.apply({"params": params}, x, dropout_rng=key, rngs={"dropout": jax.random.key(5)}), got
-    )
-    assert not np.allclose(lin.apply({"params": params}, x, dropout_rng=jax.random.key(4)), got)
+    np.testing.assert_array_equal(with_rngs, got)
+    assert not np.allclose(other_key, got)
 
 
 # -- bad input -------------------------------------------------------------------------------------
@@ -372,20 +405,28 @@ def test_decoding_with_score_mod_and_sinks_equals_full_pass(mask, layout, impl):
     lin = jattn.linen.SelfAttention(D, **options)
     params = _params(m) | {"sinks": m.sinks[...]}
     x = _rand((B, T, D), 8)
-    full, full_w = jax.jit(lambda p, x: lin.apply({"params": p}, x, mask, return_weights=True))(params, x)
-    full_w = np.asarray(full_w)  # (B, N, T, T)
     plain = jattn.linen.SelfAttention(D, **(options | dict(score_mod=None, sinks=False)))
-    assert not np.allclose(plain.apply({"params": _params(m)}, x, mask), full, atol=1e-3)  # both options count
+    full, full_w, without = jax.jit(
+        lambda p, x: (
+            *lin.apply({"params": p}, x, mask, return_weights=True),
+            plain.apply({"params": _params(m)}, x, mask),
+        )
+    )(params, x)
+    full_w = np.asarray(full_w)  # (B, N, T, T)
+    assert not np.allclose(without, full, atol=1e-3)  # both options count
     cache = lin.init(jax.random.key(0), B, T, method="init_cache", **layout)["cache"]
     m.init_cache(B, T, **layout)
-    linen_step = jax.jit(lambda v, x: lin.apply(v, x, mask, decode=True, mutable=["cache"]))
-    nnx_step = nnx.jit(lambda m, x: m(x, mask, decode=True, return_weights=True))
+
+    @nnx.jit  # one program a step shape for both modules
+    def step(m, v, x):
+        out, state = lin.apply(v, x, mask, decode=True, mutable=["cache"])
+        return out, state["cache"], m(x, mask, decode=True, return_weights=True)
+
     got, t = [], 0
     for n in steps:
         slots = np.asarray(cache["pos"])  # (B, C): the position each slot holds before this step (-1: empty)
-        out, state = linen_step({"params": params, "cache": cache}, x[:, t : t + n])
-        cache = state["cache"]
-        out_nnx, w = nnx_step(m, x[:, t : t + n])  # w (B, N, n, C + n)
+        out, cache, (out_nnx, w) = step(m, {"params": params, "cache": cache}, x[:, t : t + n])
+        w = np.asarray(w)  # (B, N, n, C + n)
         np.testing.assert_allclose(out_nnx, out, **F32)
         for b, c in np.ndindex(slots.shape):
             want = full_w[b, :, t : t + n, slots[b, c]] if slots[b, c] >= 0 else np.zeros((4, n))

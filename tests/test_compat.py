@@ -32,11 +32,17 @@ def random_mask(shape, seed=1):
 
 
 def check(kwargs, paths=PATHS, t=T, s=S, n=N, k=K, batch=True, dtype=jnp.float32):
+    """jattn on each path equals jax.nn (xla); all of them traced into one program."""
     q, kk, v = qkv(t, s, n, k, batch=batch, dtype=dtype)
-    with jax.numpy_dtype_promotion("standard"):  # jax.nn promotes bfloat16 against float32 implicitly
-        want = jax.nn.dot_product_attention(q, kk, v, implementation="xla", **kwargs)
-    for path in paths:
-        got = jattn.dot_product_attention(q, kk, v, implementation=path, **kwargs)
+
+    @jax.jit
+    def run(q, kk, v):
+        with jax.numpy_dtype_promotion("standard"):  # jax.nn promotes bfloat16 against float32 implicitly
+            want = jax.nn.dot_product_attention(q, kk, v, implementation="xla", **kwargs)
+        return want, [jattn.dot_product_attention(q, kk, v, implementation=path, **kwargs) for path in paths]
+
+    want, outs = run(q, kk, v)
+    for path, got in zip(paths, outs, strict=True):
         assert got.shape == q.shape and got.dtype == q.dtype, path
         np.testing.assert_allclose(ref.f64(got), ref.f64(want), **ref.tol(dtype), err_msg=str(path))
 
@@ -97,13 +103,20 @@ def test_scale_and_bfloat16():
 def test_return_residual(path):
     q, k, v = qkv()
     kw = dict(is_causal=True, local_window_size=(4, 0), key_value_seq_lengths=jnp.array([11, 6], jnp.int32))
-    out, res = jattn.dot_product_attention(q, k, v, implementation=path, return_residual=True, **kw)
-    want_out, want_res = jax.nn.dot_product_attention(q, k, v, implementation="xla", return_residual=True, **kw)
+
+    @jax.jit
+    def run(q, k, v):
+        return (
+            jattn.dot_product_attention(q, k, v, implementation=path, return_residual=True, **kw),
+            jax.nn.dot_product_attention(q, k, v, implementation="xla", return_residual=True, **kw),
+            jattn.dot_product_attention(q[0], k[0], v[0], implementation=path, return_residual=True)[1],
+            jax.nn.dot_product_attention(q[0], k[0], v[0], implementation="xla", return_residual=True)[1],
+        )
+
+    (out, res), (want_out, want_res), res3, want3 = run(q, k, v)
     assert res.shape == want_res.shape == (B, T, N) and res.dtype == want_res.dtype
     np.testing.assert_allclose(out, want_out, **ref.tol(jnp.float32))
     np.testing.assert_allclose(res, want_res, **ref.tol(jnp.float32))
-    _, res3 = jattn.dot_product_attention(q[0], k[0], v[0], implementation=path, return_residual=True)
-    _, want3 = jax.nn.dot_product_attention(q[0], k[0], v[0], implementation="xla", return_residual=True)
     assert res3.shape == (T, N)
     np.testing.assert_allclose(res3, want3, **ref.tol(jnp.float32))
 
@@ -118,8 +131,12 @@ def test_gradients(path):
     def loss(fn, impl):
         return lambda q, k, v, bias: jnp.sum(fn(q, k, v, bias, implementation=impl, **kw) * w)
 
-    got = jax.grad(loss(jattn.dot_product_attention, path), argnums=(0, 1, 2, 3))(q, k, v, bias)
-    want = jax.grad(loss(jax.nn.dot_product_attention, "xla"), argnums=(0, 1, 2, 3))(q, k, v, bias)
+    got, want = jax.jit(
+        lambda *a: (
+            jax.grad(loss(jattn.dot_product_attention, path), argnums=(0, 1, 2, 3))(*a),
+            jax.grad(loss(jax.nn.dot_product_attention, "xla"), argnums=(0, 1, 2, 3))(*a),
+        )
+    )(q, k, v, bias)
     for name, g, e in zip(["q", "k", "v", "bias"], got, want, strict=True):
         np.testing.assert_allclose(g, e, atol=1e-5, rtol=1e-4, err_msg=name)
 
@@ -131,8 +148,12 @@ def test_gradients_blockwise_window():
     def loss(fn, impl):
         return lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v, implementation=impl, **kw)))
 
-    got = jax.grad(loss(jattn.dot_product_attention, "blockwise"), argnums=(0, 1, 2))(q, k, v)
-    want = jax.grad(loss(jax.nn.dot_product_attention, "xla"), argnums=(0, 1, 2))(q, k, v)
+    got, want = jax.jit(
+        lambda *a: (
+            jax.grad(loss(jattn.dot_product_attention, "blockwise"), argnums=(0, 1, 2))(*a),
+            jax.grad(loss(jax.nn.dot_product_attention, "xla"), argnums=(0, 1, 2))(*a),
+        )
+    )(q, k, v)
     for g, e in zip(got, want, strict=True):
         np.testing.assert_allclose(g, e, atol=1e-5, rtol=1e-4)
 
@@ -144,9 +165,11 @@ def test_fully_masked_rows_are_zero_against_float64(path):
     mask = np.array(random_mask((B, N, T, S)))
     mask[1, 2, 3] = False  # one (example, head, query) row with no key at all
     lengths = jnp.array([0, 11], jnp.int32)  # example 0 has no keys
-    out, res = jattn.dot_product_attention(
-        q, k, v, mask=jnp.asarray(mask), key_value_seq_lengths=lengths, implementation=path, return_residual=True
-    )
+    out, res = jax.jit(
+        lambda q, k, v: jattn.dot_product_attention(
+            q, k, v, mask=jnp.asarray(mask), key_value_seq_lengths=lengths, implementation=path, return_residual=True
+        )
+    )(q, k, v)
     full = mask & (np.arange(S) < np.asarray(lengths)[:, None, None, None])
     g = N // K
     kr, vr = np.repeat(ref.f64(k), g, axis=2), np.repeat(ref.f64(v), g, axis=2)

@@ -50,16 +50,21 @@ def as_dtype(dtype, *xs):
 @given(problems())
 def test_matches_float64_reference(problem):
     dtype, q, k, v, mask, bias, scale = problem
-    with jax.enable_x64(dtype == jnp.float64):
-        q, k, v, b = as_dtype(dtype, q, k, v, bias)
+
+    @jax.jit  # one program an example: the output, its lse and the weights
+    def run(q, k, v, b):
         out, lse = jattn.attention(q, k, v, mask=mask, bias=b, scale=scale, return_lse=True)
+        return out, lse, jattn.attention_weights(q, k, mask=mask, bias=b, scale=scale)
+
+    with jax.enable_x64(dtype == jnp.float64):  # traced here, under float64 where the problem is
+        q, k, v, b = as_dtype(dtype, q, k, v, bias)
+        out, lse, got_w = run(q, k, v, b)
         want, weights, want_lse = ref.attention(q, k, v, mask, None if b is None else ref.f64(b), scale)
         assert out.dtype == dtype and out.shape == want.shape
         np.testing.assert_allclose(ref.f64(out), want, **ref.tol(dtype))
         np.testing.assert_allclose(
             ref.f64(lse), want_lse, **ref.tol(jnp.float64 if dtype == jnp.float64 else jnp.float32)
         )
-        got_w = jattn.attention_weights(q, k, mask=mask, bias=b, scale=scale)
         np.testing.assert_allclose(
             ref.f64(got_w), weights, **ref.tol(jnp.float64 if dtype == jnp.float64 else jnp.float32)
         )
@@ -92,7 +97,6 @@ def test_agrees_with_jax_nn(num_kv_heads, masked):
     q, k, v = _rand((B, T, N, D), 0), _rand((B, S, num_kv_heads, D), 1), _rand((B, S, num_kv_heads, D), 2)
     bias = _rand((B, N, T, S), 3)
     mask = jax.random.bernoulli(jax.random.key(4), 0.7, (B, N, T, S)).at[..., 0].set(True) if masked else None
-    want = jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask)  # (B, T, N, D)
     G = N // num_kv_heads
 
     def heads(x, groups):  # (B, L, N, D) -> (B, K, groups, L, D)
@@ -101,10 +105,15 @@ def test_agrees_with_jax_nn(num_kv_heads, masked):
     def split(m):  # (B, N, T, S) -> (B, K, G, T, S)
         return m.reshape(B, num_kv_heads, G, T, S)
 
-    got = jattn.attention(
-        heads(q, G), heads(k, 1), heads(v, 1), bias=split(bias), mask=None if mask is None else split(mask)
-    )
-    got = got.transpose(0, 3, 1, 2, 4).reshape(B, T, N, D)
+    @jax.jit
+    def run(q, k, v, bias, mask):
+        want = jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask)  # (B, T, N, D)
+        got = jattn.attention(
+            heads(q, G), heads(k, 1), heads(v, 1), bias=split(bias), mask=None if mask is None else split(mask)
+        )
+        return got.transpose(0, 3, 1, 2, 4).reshape(B, T, N, D), want
+
+    got, want = run(q, k, v, bias, mask)
     np.testing.assert_allclose(got, want, **ref.tol(jnp.float32))
 
 
@@ -126,9 +135,9 @@ def test_jit_equals_eager_and_remat():
 def test_vmap_equals_python_loop():
     q, k, v = _rand((4, 3, 7, 5), 0), _rand((4, 3, 13, 5), 1), _rand((4, 3, 13, 6), 2)
     bias = _rand((4, 7, 13), 3)
-    fn = jax.vmap(lambda q, k, v, b: jattn.attention(q, k, v, bias=b))
-    loop = jnp.stack([jattn.attention(q[i], k[i], v[i], bias=bias[i]) for i in range(4)])
-    np.testing.assert_allclose(fn(q, k, v, bias), loop, **ref.tol(jnp.float32))
+    one = jax.jit(lambda q, k, v, b: jattn.attention(q, k, v, bias=b))
+    loop = jnp.stack([one(q[i], k[i], v[i], bias[i]) for i in range(4)])
+    np.testing.assert_allclose(jax.jit(jax.vmap(one))(q, k, v, bias), loop, **ref.tol(jnp.float32))
 
 
 def test_fully_masked_rows_give_zero_and_zero_gradient():
@@ -137,20 +146,27 @@ def test_fully_masked_rows_give_zero_and_zero_gradient():
     mask = np.ones((2, 7, 13), bool)
     mask[:, 3] = False  # query row 3 sees nothing
     mask[:, :, 5] = False  # key 5 is seen by nobody
-    out, lse = jattn.attention(q, k, v, mask=mask, bias=bias, return_lse=True)
-    assert np.all(np.asarray(out[:, 3]) == 0.0) and np.all(np.isneginf(lse[:, 3]))
-    assert np.all(np.isfinite(out))
 
     def loss(q, k, v, b):
         return jnp.sum(jnp.cos(jattn.attention(q, k, v, mask=mask, bias=b)))
 
-    dq, dk, dv, db = jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, bias)
+    @jax.jit
+    def run(q, k, v, bias):
+        minus_inf = jnp.where(jnp.asarray(mask), 0.0, -jnp.inf)
+        return (
+            jattn.attention(q, k, v, mask=mask, bias=bias, return_lse=True),
+            jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, bias),
+            jattn.attention(q, k, v, bias=bias + minus_inf),  # no mask: a -inf bias over a whole row
+        )
+
+    (out, lse), (dq, dk, dv, db), biased = run(q, k, v, bias)
+    assert np.all(np.asarray(out[:, 3]) == 0.0) and np.all(np.isneginf(lse[:, 3]))
+    assert np.all(np.isfinite(out))
     assert np.all(np.asarray(dq[:, 3]) == 0.0)
     assert np.all(np.asarray(dk[:, 5]) == 0.0) and np.all(np.asarray(dv[:, 5]) == 0.0)
     assert np.all(np.asarray(db)[~mask] == 0.0) and np.all(np.asarray(db)[mask] != 0.0)
     # -inf bias over a whole row is the same defined case.
-    minus_inf = jnp.where(jnp.asarray(mask), 0.0, -jnp.inf)
-    np.testing.assert_array_equal(jattn.attention(q, k, v, bias=bias + minus_inf), out)
+    np.testing.assert_array_equal(biased, out)
 
 
 @pytest.mark.parametrize("impl", ["dense", "blockwise", "xla"])
@@ -204,12 +220,13 @@ def test_the_lse_is_differentiable_and_the_max_logit_is_a_monitor(impl, case):
 
 def test_nan_in_unmasked_input_propagates_and_masked_logits_do_not_leak():
     q, k, v = _rand((7, 5), 0), _rand((13, 5), 1), _rand((13, 4), 2)
-    assert np.all(np.isnan(jattn.attention(q.at[2, 0].set(jnp.nan), k, v)[2]))
-    assert np.all(np.isnan(jattn.attention(q, k.at[4, 1].set(jnp.nan), v)))
-    assert np.all(np.isnan(jattn.attention(q, k, v.at[4, 1].set(jnp.nan))[:, 1]))
+    attend = jax.jit(jattn.attention)
+    assert np.all(np.isnan(attend(q.at[2, 0].set(jnp.nan), k, v)[2]))
+    assert np.all(np.isnan(attend(q, k.at[4, 1].set(jnp.nan), v)))
+    assert np.all(np.isnan(attend(q, k, v.at[4, 1].set(jnp.nan))[:, 1]))
     mask = jnp.ones((7, 13), bool).at[:, 4].set(False)
     bias = jnp.zeros((7, 13)).at[:, 4].set(jnp.nan)
-    out = jattn.attention(q, k, v, mask=mask, bias=bias)
+    out = attend(q, k, v, mask=mask, bias=bias)
     want, _, _ = ref.attention(q, k, v, mask=np.asarray(mask))
     np.testing.assert_allclose(out, want, **ref.tol(jnp.float32))
 
@@ -220,7 +237,7 @@ def test_low_precision_accumulates_in_float32(dtype):
     q = _rand((7, 16), 0, dtype) * 60
     k = _rand((13, 16), 1, dtype) * 60
     v = _rand((13, 4), 2, dtype)
-    out, lse = jattn.attention(q, k, v, scale=8.0, return_lse=True)
+    out, lse = jax.jit(lambda q, k, v: jattn.attention(q, k, v, scale=8.0, return_lse=True))(q, k, v)
     want, _, want_lse = ref.attention(q, k, v, scale=8.0)
     assert out.dtype == dtype and lse.dtype == jnp.float32
     assert np.max(np.abs(want_lse)) > 7e4
@@ -231,8 +248,12 @@ def test_low_precision_accumulates_in_float32(dtype):
 def test_dropout_is_unbiased_and_needs_a_key():
     q, k, v = _rand((7, 5), 0), _rand((13, 5), 1), _rand((13, 4), 2)
     keys = jax.random.split(jax.random.key(9), 4000)
-    outs = jax.vmap(lambda r: jattn.attention(q, k, v, dropout_rate=0.3, dropout_rng=r))(keys)
-    exact = jattn.attention(q, k, v)
+    outs, exact = jax.jit(
+        lambda keys: (
+            jax.vmap(lambda r: jattn.attention(q, k, v, dropout_rate=0.3, dropout_rng=r))(keys),
+            jattn.attention(q, k, v),
+        )
+    )(keys)
     assert np.max(np.abs(outs.std(0))) > 0.05  # it does drop
     np.testing.assert_allclose(outs.mean(0), exact, atol=4 * float(outs.std(0).max()) / np.sqrt(4000))
     with pytest.raises(ValueError, match="dropout_rng"):

@@ -4,6 +4,8 @@ reference that applies the same materialised mask; unbiased; vmap; empty rows st
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -44,33 +46,40 @@ def test_every_block_size_drops_what_dense_drops():
     assert not np.array_equal(keep, _factor(lead_q, lead_kv, T, S, jax.random.key(12), implementation="dense") != 0)
 
 
-@pytest.mark.parametrize("bs", BLOCKS)
-def test_outputs_and_gradients_match_the_reference_with_the_same_mask(bs):
-    """out = (P ∘ Z) v and its gradients, dense and blockwise, against float64 with Z materialised; empty rows 0."""
+@functools.cache
+def _same_mask_reference():
+    """The inputs, Z of the dense path and the float64 out = (P ∘ Z) v and its gradients, computed once."""
     key = jax.random.key(5)
     q, k, v = _rand((2, 3, 11, 5), 0), _rand((2, 1, 13, 5), 1), _rand((2, 1, 13, 4), 2)
     d_out = _rand((2, 3, 11, 4), 3)
-    mask = masks.causal()
-    kw = dict(mask=mask, q_offset=-2, dropout_rate=RATE, dropout_rng=key)  # rows 0 and 1 see no key
     drop = _factor((2, 3), (2, 1), 11, 13, key, implementation="dense")
-    dense_mask = np.asarray(mask.dense(11, 13, q_offset=-2))
+    dense_mask = np.asarray(masks.causal().dense(11, 13, q_offset=-2))
     _, w, _ = ref.attention(q, k, v, dense_mask)
     want = np.matmul(w * drop, ref.f64(v))
     want_grads = ref.attention_grads(q, k, v, d_out, dense_mask, drop=drop)[:3]
+    return key, (q, k, v), d_out, want, want_grads
 
-    def loss(impl, q, k, v):
-        extra = dict(block_size=bs) if impl == "blockwise" else {}
-        return jnp.sum(jattn.attention(q, k, v, implementation=impl, **kw, **extra) * d_out)
 
-    for impl in ("dense", "blockwise"):
-        extra = dict(block_size=bs) if impl == "blockwise" else {}
-        out = jattn.attention(q, k, v, implementation=impl, **kw, **extra)
-        np.testing.assert_allclose(ref.f64(out), want, **ref.tol(jnp.float32))
-        assert np.all(np.asarray(out[..., :2, :]) == 0)
-        grads = jax.jit(jax.grad(lambda *a, impl=impl: loss(impl, *a), argnums=(0, 1, 2)))(q, k, v)
-        for got, exp in zip(grads, want_grads, strict=True):
-            ref.assert_grad_close(got, exp, jnp.float32)
-        assert np.all(np.asarray(grads[0][..., :2, :]) == 0)  # the empty rows' dq is exactly 0
+@pytest.mark.parametrize(("impl", "bs"), [("dense", None), *(("blockwise", bs) for bs in BLOCKS)])
+def test_outputs_and_gradients_match_the_reference_with_the_same_mask(impl, bs):
+    """out = (P ∘ Z) v and its gradients, dense and blockwise, against float64 with Z materialised; empty rows 0."""
+    key, (q, k, v), d_out, want, want_grads = _same_mask_reference()
+    extra = dict(block_size=bs) if impl == "blockwise" else {}
+    kw = dict(mask=masks.causal(), q_offset=-2, dropout_rate=RATE, dropout_rng=key, **extra)  # rows 0, 1 see no key
+
+    def loss(q, k, v):
+        return jnp.sum(jattn.attention(q, k, v, implementation=impl, **kw) * d_out)
+
+    @jax.jit
+    def run(q, k, v):
+        return jattn.attention(q, k, v, implementation=impl, **kw), jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    out, grads = run(q, k, v)
+    np.testing.assert_allclose(ref.f64(out), want, **ref.tol(jnp.float32))
+    assert np.all(np.asarray(out[..., :2, :]) == 0)
+    for got, exp in zip(grads, want_grads, strict=True):
+        ref.assert_grad_close(got, exp, jnp.float32)
+    assert np.all(np.asarray(grads[0][..., :2, :]) == 0)  # the empty rows' dq is exactly 0
 
 
 def test_blockwise_dropout_is_unbiased_and_vmaps():
@@ -79,7 +88,7 @@ def test_blockwise_dropout_is_unbiased_and_vmaps():
     kw = dict(implementation="blockwise", block_size=(4, 3), dropout_rate=RATE)
     keys = jax.random.split(jax.random.key(9), 1000)
     outs = jax.jit(jax.vmap(lambda r: jattn.attention(q, k, v, dropout_rng=r, **kw)))(keys)
-    exact = jattn.attention(q, k, v, implementation="dense")
+    exact = jax.jit(lambda q, k, v: jattn.attention(q, k, v, implementation="dense"))(q, k, v)
     assert np.max(np.abs(outs.std(0))) > 0.05  # it does drop
     np.testing.assert_allclose(outs.mean(0), exact, atol=4 * float(outs.std(0).max()) / np.sqrt(len(keys)))
     dense = jax.jit(lambda r: jattn.attention(q, k, v, dropout_rng=r, implementation="dense", dropout_rate=RATE))
@@ -97,8 +106,13 @@ def test_blockwise_dropout_is_unbiased_and_vmaps():
 def test_rate_zero_is_no_dropout():
     q, k, v = _rand((2, 7, 5), 0), _rand((2, 9, 5), 1), _rand((2, 9, 4), 2)
     for impl in ("dense", "blockwise"):
-        got = jattn.attention(q, k, v, implementation=impl, dropout_rate=0.0, dropout_rng=jax.random.key(0))
-        np.testing.assert_array_equal(got, jattn.attention(q, k, v, implementation=impl))
+        got, want = jax.jit(
+            lambda q, k, v, impl=impl: (
+                jattn.attention(q, k, v, implementation=impl, dropout_rate=0.0, dropout_rng=jax.random.key(0)),
+                jattn.attention(q, k, v, implementation=impl),
+            )
+        )(q, k, v)
+        np.testing.assert_array_equal(got, want)
 
 
 def test_blockwise_dropout_gradients_equal_dense_with_bias_sinks_and_score_mod():

@@ -327,12 +327,18 @@ def test_numpy_integers_are_integers():
         (masks.global_tokens(np.array([0, 4])), masks.global_tokens([0, 4])),
     ]:
         assert np_mask == int_mask
-        np.testing.assert_array_equal(jattn.attention(q, k, v, mask=np_mask), jattn.attention(q, k, v, mask=int_mask))
+        got, same = jax.jit(
+            lambda q, k, v, np_mask=np_mask, int_mask=int_mask: (
+                jattn.attention(q, k, v, mask=np_mask),
+                jattn.attention(q, k, v, mask=int_mask),
+            )
+        )(q, k, v)
+        np.testing.assert_array_equal(got, same)
         want, _, _ = ref.attention(q, k, v, mask=np.asarray(int_mask.dense(6, 6)))
-        np.testing.assert_allclose(jattn.attention(q, k, v, mask=np_mask), want, **ref.tol(jnp.float32))
+        np.testing.assert_allclose(got, want, **ref.tol(jnp.float32))
     a = jattn.nnx.SelfAttention(np.int64(D), num_heads=np.int64(2), rngs=nnx.Rngs(0))
     b = jattn.nnx.SelfAttention(D, num_heads=2, rngs=nnx.Rngs(0))
-    np.testing.assert_array_equal(a(X), b(X))
+    np.testing.assert_array_equal(*nnx.jit(lambda a, b, x: (a(x), b(x)))(a, b, X))
     a.init_cache(np.int64(2), np.int64(4), window=np.int64(2), pinned=np.array([0]))
     assert a.cache["k"].shape == (2, 3, 2, 6)
 
@@ -343,27 +349,35 @@ def test_3d_module_mask_is_per_example_even_when_batch_equals_heads():
     m = jattn.nnx.SelfAttention(D, num_heads=N, rngs=nnx.Rngs(3))
     x = _rand((B, T, D), 4)
     mask = jnp.stack([jnp.tril(jnp.ones((T, T), bool)), jnp.triu(jnp.ones((T, T), bool))])  # (B, T, S)
-    out = m(x, mask)
-    for b in range(B):  # an explicit loop: example b with its own (T, S) mask
-        np.testing.assert_allclose(out[b], m(x[b : b + 1], mask[b])[0], **ref.tol(jnp.float32))
+    lin = jattn.linen.SelfAttention(D, num_heads=N)
+    params = {n: {"kernel": getattr(m, n).kernel[...]} for n in ("wq", "wk", "wv", "wo")}
+
+    @nnx.jit
+    def run(m, params, x, mask):  # an explicit loop: example b with its own (T, S) mask
+        alone = [m(x[b : b + 1], mask[b])[0] for b in range(B)]
+        return m(x, mask), alone, lin.apply({"params": params}, x, mask)
+
+    out, alone, out_linen = run(m, params, x, mask)
+    for b in range(B):
+        np.testing.assert_allclose(out[b], alone[b], **ref.tol(jnp.float32))
     # the float64 reference: heads of the projections, mask broadcast over heads, then wo
     w = {n: ref.f64(getattr(m, n).kernel[...]) for n in ("wq", "wk", "wv", "wo")}
     heads = [(ref.f64(x) @ w[n]).reshape(B, T, N, D // N).transpose(0, 2, 1, 3) for n in ("wq", "wk", "wv")]
     o, _, _ = ref.attention(*heads, mask=np.asarray(mask)[:, None])
     want = o.transpose(0, 2, 1, 3).reshape(B, T, D) @ w["wo"]
     np.testing.assert_allclose(out, want, **ref.tol(jnp.float32))
-    lin = jattn.linen.SelfAttention(D, num_heads=N)
-    params = {n: {"kernel": getattr(m, n).kernel[...]} for n in ("wq", "wk", "wv", "wo")}
-    np.testing.assert_allclose(lin.apply({"params": params}, x, mask), out, **ref.tol(jnp.float32))
+    np.testing.assert_allclose(out_linen, out, **ref.tol(jnp.float32))
 
 
 def test_decoding_to_exact_capacity_equals_full_pass_and_one_more_raises():
+    """The steps under nnx.jit fill the cache exactly; the next call, eager, raises and leaves the cache as it was."""
     T = 6
     m = _nnx()
     x = _rand((2, T, D), 5)
-    full = m(x, masks.causal())
+    full = nnx.jit(lambda m, x: m(x, masks.causal()))(m, x)
     m.init_cache(2, T)
-    outs = [m(x[:, :4], decode=True), m(x[:, 4:5], decode=True), m(x[:, 5:], decode=True)]
+    step = nnx.jit(lambda m, x: m(x, decode=True))
+    outs = [step(m, x[:, :4]), step(m, x[:, 4:5]), step(m, x[:, 5:])]
     np.testing.assert_allclose(jnp.concatenate(outs, 1), full, **ref.tol(jnp.float32))
     before = {n: v[...] for n, v in m.cache.items()}
     with pytest.raises(ValueError, match=r"decoding past init_cache\(max_length=6\)"):
@@ -378,19 +392,21 @@ def _decode_step(m, x, lengths):
 
 
 def test_traced_faults_in_decoding_give_nan():
-    """Under jit, past-capacity positions and out-of-range lengths cannot raise: they give NaN."""
-    m, eager = _cached(max_length=4), _cached(max_length=4)
+    """Under jit, past-capacity positions and out-of-range lengths cannot raise: they give NaN.
+
+    The valid outputs are the full causal pass's (every module here has the same weights, ``nnx.Rngs(0)``).
+    """
+    m = _cached(max_length=4)
     x = _rand((2, 3, D), 6)
+    full = nnx.jit(lambda m, x: m(x, masks.causal()))(_nnx(), x)
     got = _decode_step(m, x, jnp.array([3, 3]))
-    np.testing.assert_allclose(got, eager(x, decode=True), **ref.tol(jnp.float32))
+    np.testing.assert_allclose(got, full, **ref.tol(jnp.float32))
     got = _decode_step(m, x, jnp.array([3, 1]))  # positions 3..5 of example 0, position 3 of example 1
     assert np.all(np.isfinite(got[0, :1])) and np.all(np.isnan(got[0, 1:]))  # position 3 fits, 4 and 5 do not
     assert np.all(np.isfinite(got[1]))
     bad = _cached(max_length=20)
     got = _decode_step(bad, x, jnp.array([2, -2]))  # example 1 has a negative length
-    np.testing.assert_allclose(
-        got[0, :2], _cached(max_length=20)(x[:1].repeat(2, 0), decode=True)[0, :2], **ref.tol(jnp.float32)
-    )
+    np.testing.assert_allclose(got[0, :2], full[0, :2], **ref.tol(jnp.float32))
     assert np.all(np.isnan(got[1])) and int(bad.cache["next"][1]) == 0  # clipped to 0: nothing cached
 
 
@@ -487,12 +503,19 @@ def test_bad_core_input_is_named(call, error, match):
 def test_empty_sequences_are_defined(impl):
     """T = 0 gives an empty output; S = 0 leaves every row without keys: 0, log-sum-exp -inf, zero gradient."""
     q, k = _rand((2, 3, 4), 0), _rand((2, 0, 4), 1)
-    out, lse = jattn.attention(q, k, k, return_lse=True, implementation=impl)
+
+    @jax.jit
+    def run(q, k):
+        return (
+            jattn.attention(q, k, k, return_lse=True, implementation=impl),
+            jax.grad(lambda q: jnp.sum(jattn.attention(q, k, k, implementation=impl)))(q),
+            jattn.attention(k, q, q, implementation=impl),
+        )
+
+    (out, lse), dq, empty = run(q, k)
     assert out.shape == (2, 3, 4) and np.all(np.asarray(out) == 0) and np.all(np.isneginf(lse))
-    dq = jax.grad(lambda q: jnp.sum(jattn.attention(q, k, k, implementation=impl)))(q)
     assert np.all(np.asarray(dq) == 0)
-    out = jattn.attention(k, q, q, implementation=impl)
-    assert out.shape == (2, 0, 4)
+    assert empty.shape == (2, 0, 4)
 
 
 # -- what a newcomer brings (issue #31): another layout, a mask constructor uncalled, torch's masks -----
@@ -683,10 +706,10 @@ def test_layouts_are_not_guessed_from_shapes():
     for q_shape, kv_shape in [((1, 32, 1, 16), (1, 32, 7, 16)), ((2, 8, 4, 16), (2, 8, 4, 16))]:
         q, k, v = _rand(q_shape, 40), _rand(kv_shape, 41), _rand(kv_shape, 42)
         want, _, _ = ref.attention(q, k, v)
-        np.testing.assert_allclose(jattn.attention(q, k, v), want, **ref.tol(jnp.float32))
+        np.testing.assert_allclose(jax.jit(jattn.attention)(q, k, v), want, **ref.tol(jnp.float32))
     # the same (2, 8, 4, 16) as jax.nn's (B, T=8, N=4, H): the reference runs on it swapped to (B, N, T, H)
     want, _, _ = ref.attention(*(np.swapaxes(ref.f64(x), 1, 2) for x in (q, k, v)))
-    got = jattn.dot_product_attention(q, k, v)
+    got = jax.jit(jattn.dot_product_attention)(q, k, v)
     np.testing.assert_allclose(got, np.swapaxes(want, 1, 2), **ref.tol(jnp.float32))
 
 
@@ -695,14 +718,27 @@ def test_the_fixes_the_messages_name_are_right():
     q, k, v = _TORCH  # torch's grouped heads: query head n reads kv head n // G
     kr, vr = (np.repeat(ref.f64(x), 2, axis=1) for x in (k, v))
     keep = jnp.arange(5)[None] < jnp.array([[3], [5]])  # torch's key padding (B, S), True = attend here
-    for mask in (None, keep[:, None, None, None, :], masks.padding(kv_lengths=jnp.array([3, 5]))):
+    jax_nn = tuple(x.swapaxes(1, 2) for x in _TORCH)  # the same heads in jax.nn's (B, T, N, H)
+    grouped = (None, keep[:, None, None, None, :], masks.padding(kv_lengths=jnp.array([3, 5])))
+    expanded = (dict(mask=keep[:, None, None, :]), dict(key_value_seq_lengths=jnp.array([3, 5])))
+
+    @jax.jit
+    def run(q, k, v, jq, jk, jv):
+        return (
+            [
+                jattn.attention(q.reshape(2, 2, 2, 6, 8), k[:, :, None], v[:, :, None], mask=m).reshape(q.shape)
+                for m in grouped
+            ],
+            [jattn.dot_product_attention(jq, jk, jv, **kwargs) for kwargs in expanded],
+        )
+
+    got_grouped, got_expanded = run(q, k, v, *jax_nn)
+    for mask, got in zip(grouped, got_grouped, strict=True):
         want, _, _ = ref.attention(q, kr, vr, mask=None if mask is None else np.asarray(keep)[:, None, None, :])
-        got = jattn.attention(q.reshape(2, 2, 2, 6, 8), k[:, :, None], v[:, :, None], mask=mask).reshape(q.shape)
         np.testing.assert_allclose(got, want, **ref.tol(jnp.float32))
     want = np.swapaxes(ref.attention(q, kr, vr, mask=np.asarray(keep)[:, None, None, :])[0], 1, 2)
-    q, k, v = (x.swapaxes(1, 2) for x in _TORCH)  # the same heads in jax.nn's (B, T, N, H)
-    for kwargs in (dict(mask=keep[:, None, None, :]), dict(key_value_seq_lengths=jnp.array([3, 5]))):
-        np.testing.assert_allclose(jattn.dot_product_attention(q, k, v, **kwargs), want, **ref.tol(jnp.float32))
+    for got in got_expanded:
+        np.testing.assert_allclose(got, want, **ref.tol(jnp.float32))
 
 
 # -- options a kind cannot honour (issue #43 item 4): refused when the module is built -----------------
@@ -730,8 +766,9 @@ def test_options_a_kind_cannot_honour_are_refused_when_built(kind, option, value
 
 @pytest.mark.parametrize("kind", _OTHER_KINDS)
 def test_a_call_choosing_a_path_for_a_kind_without_one_is_refused(kind):
+    """The public call refuses before any computing; the Linen weights are the NNX module's (no init pass needed)."""
     m = _nnx(kind=kind)
-    params = _linen(kind=kind)
+    params = {"params": ref.linen_params(m)}
     lin = jattn.linen.SelfAttention(D, num_heads=2, kind=kind)
     for option, value in (("implementation", "blockwise"), ("block_size", (4, 4))):
         named = rf"(?=.*kind='{kind}')(?=.*kind='softmax')(?=.*{re.escape(f'{option}={value!r}')})"

@@ -57,8 +57,9 @@ def test_nnx_equals_flax_default(case):
         is_causal=((x,), dict(is_causal=True)),
         cross_padding=((x, kv), dict(mask=pad_mask())),
     )[case]
-    want = flax_mha(*args[0], decode=False, **args[1])
-    got = jattn_mha(*args[0], decode=False, **args[1])
+    want, got = nnx.jit(lambda f, j, a: (f(*a, decode=False, **args[1]), j(*a, decode=False, **args[1])))(
+        flax_mha, jattn_mha, args[0]
+    )
     np.testing.assert_allclose(got, want, **TOL)
 
 
@@ -68,29 +69,31 @@ def test_nnx_dropout_and_sown_weights_equal_flax(broadcast_dropout):
     x = inputs()
     mask = nnx.make_causal_mask(x[..., 0])
     kw = dict(mask=mask, decode=False, deterministic=False, sow_weights=True)
-    want, w_flax = nnx.capture(flax_mha, nnx.Intermediate)(x, **kw)
-    got, w_jattn = nnx.capture(jattn_mha, nnx.Intermediate)(x, **kw)
+
+    @nnx.jit
+    def run(f, j, x):
+        off = dict(mask=mask, decode=False, deterministic=True)
+        captured = nnx.capture(f, nnx.Intermediate)(x, **kw), nnx.capture(j, nnx.Intermediate)(x, **kw)
+        return captured, f(x, **off), j(x, **off)
+
+    ((want, w_flax), (got, w_jattn)), free_flax, free_jattn = run(flax_mha, jattn_mha, x)
     np.testing.assert_allclose(got, want, **TOL)
     (w_flax,), (w_jattn,) = w_flax["attention_weights"].get_value(), w_jattn["attention_weights"].get_value()
     assert w_jattn.shape == w_flax.shape == (B, 6, T, T)
     np.testing.assert_allclose(w_jattn, w_flax, **TOL)
     # deterministic: no dropout, same output again
-    np.testing.assert_allclose(
-        jattn_mha(x, mask=mask, decode=False, deterministic=True),
-        flax_mha(x, mask=mask, decode=False, deterministic=True),
-        **TOL,
-    )
+    np.testing.assert_allclose(free_jattn, free_flax, **TOL)
 
 
 def test_nnx_decoding_equals_flax_and_the_full_pass():
     flax_mha, jattn_mha = nnx_pair()
     x = inputs()
-    full = flax_mha(x, decode=False, is_causal=True)
+    full = nnx.jit(lambda m, x: m(x, decode=False, is_causal=True))(flax_mha, x)
     for m in (flax_mha, jattn_mha):
         m.init_cache(x.shape)
+    step = nnx.jit(lambda f, j, x: (f(x, decode=True), j(x, decode=True)))  # both modules, one program
     for t in range(T):
-        want = flax_mha(x[:, t : t + 1], decode=True)
-        got = jattn_mha(x[:, t : t + 1], decode=True)
+        want, got = step(flax_mha, jattn_mha, x[:, t : t + 1])
         np.testing.assert_allclose(got, want, **TOL)
         np.testing.assert_allclose(got, full[:, t : t + 1], **TOL)
 
@@ -112,8 +115,9 @@ def test_linen_equals_flax_default(case):
         causal_mask=((x,), dict(mask=nn.make_causal_mask(x[..., 0]))),
         cross_padding=((x, kv), dict(mask=pad_mask())),
     )[case]
-    params = flax_mha.init(jax.random.key(0), *args)
-    np.testing.assert_allclose(jattn_mha.apply(params, *args, **kw), flax_mha.apply(params, *args, **kw), **TOL)
+    params = jax.jit(flax_mha.init)(jax.random.key(0), *args)
+    got, want = jax.jit(lambda p, a: (jattn_mha.apply(p, *a, **kw), flax_mha.apply(p, *a, **kw)))(params, args)
+    np.testing.assert_allclose(got, want, **TOL)
 
 
 @pytest.mark.parametrize("broadcast_dropout", [True, False])
@@ -121,12 +125,13 @@ def test_linen_dropout_and_sown_weights_equal_flax(broadcast_dropout):
     flax_mha, jattn_mha = linen_pair(dropout_rate=0.3, broadcast_dropout=broadcast_dropout)
     x = inputs()
     mask = nn.make_causal_mask(x[..., 0])
-    params = flax_mha.init(jax.random.key(0), x, deterministic=True)
+    params = jax.jit(lambda key, x: flax_mha.init(key, x, deterministic=True))(jax.random.key(0), x)
     kw = dict(
         mask=mask, deterministic=False, sow_weights=True, rngs={"dropout": jax.random.key(5)}, mutable=["intermediates"]
     )
-    want, w_flax = flax_mha.apply(params, x, **kw)
-    got, w_jattn = jattn_mha.apply(params, x, **kw)
+    (want, w_flax), (got, w_jattn) = jax.jit(lambda p, x: (flax_mha.apply(p, x, **kw), jattn_mha.apply(p, x, **kw)))(
+        params, x
+    )
     np.testing.assert_allclose(got, want, **TOL)
     (wf,), (wj,) = w_flax["intermediates"]["attention_weights"], w_jattn["intermediates"]["attention_weights"]
     assert wj.shape == wf.shape == (B, 3, T, T)
@@ -136,17 +141,22 @@ def test_linen_dropout_and_sown_weights_equal_flax(broadcast_dropout):
 def test_linen_decoding_equals_flax_and_the_full_pass():
     flax_mha, _ = linen_pair()
     x = inputs()
-    params = flax_mha.init(jax.random.key(0), x)
-    full = flax_mha.apply(params, x, mask=nn.make_causal_mask(x[..., 0]))
+    params = jax.jit(flax_mha.init)(jax.random.key(0), x)
+    full = jax.jit(lambda p, x: flax_mha.apply(p, x, mask=nn.make_causal_mask(x[..., 0])))(params, x)
     dec_flax, dec_jattn = linen_pair(decode=True)
-    cache = dec_flax.init(jax.random.key(0), x)["cache"]
-    caches = {id(dec_flax): cache, id(dec_jattn): cache}
+    cache = jax.jit(dec_flax.init)(jax.random.key(0), x)["cache"]
+
+    @jax.jit  # both modules' steps, one program
+    def step(params, caches, x):
+        outs = [
+            m.apply({**params, "cache": c}, x, mutable=["cache"])
+            for m, c in zip((dec_flax, dec_jattn), caches, strict=True)
+        ]
+        return [y for y, _ in outs], [mut["cache"] for _, mut in outs]
+
+    caches = [cache, cache]
     for t in range(T):
-        outs = []
-        for m in (dec_flax, dec_jattn):
-            y, mut = m.apply({**params, "cache": caches[id(m)]}, x[:, t : t + 1], mutable=["cache"])
-            caches[id(m)] = mut["cache"]
-            outs.append(y)
+        outs, caches = step(params, caches, x[:, t : t + 1])
         np.testing.assert_allclose(outs[1], outs[0], **TOL)
         np.testing.assert_allclose(outs[1], full[:, t : t + 1], **TOL)
 
@@ -159,17 +169,26 @@ def test_function_with_bias_gqa_and_top_left_causal_equals_flax():
     v = jnp.asarray(r.normal(size=(2, B, S, 3, 5)), jnp.float32)
     bias = jnp.asarray(r.normal(size=(2, B, 6, T, S)), jnp.float32)  # Flax flattens batch dims: give them all
     mask = jnp.broadcast_to(pad_mask(), (2, B, 1, T, S))
-    for kw in (dict(bias=bias), dict(is_causal=True), dict(bias=bias, is_causal=True, mask=mask)):
-        want = nnx.dot_product_attention(q, k, v, **kw)
-        np.testing.assert_allclose(jattn.flax.attention_fn(q, k, v, **kw), want, **TOL, err_msg=str(kw.keys()))
+    cases = (dict(bias=bias), dict(is_causal=True), dict(bias=bias, is_causal=True, mask=mask))
+    outs = jax.jit(
+        lambda q, k, v: [
+            (jattn.flax.attention_fn(q, k, v, **kw), nnx.dot_product_attention(q, k, v, **kw)) for kw in cases
+        ]
+    )(q, k, v)
+    for kw, (got, want) in zip(cases, outs, strict=True):
+        np.testing.assert_allclose(got, want, **TOL, err_msg=str(kw.keys()))
 
 
 def test_dtype_and_unbatched():
     r = np.random.default_rng(4)
     q, k, v = (jnp.asarray(r.normal(size=(T, 3, 5)), jnp.float32) for _ in range(3))
-    out = jattn.flax.attention_fn(q, k, v, dtype=jnp.bfloat16)
+    out, want = jax.jit(
+        lambda q, k, v: (
+            jattn.flax.attention_fn(q, k, v, dtype=jnp.bfloat16),
+            nn.dot_product_attention(q, k, v, force_fp32_for_softmax=True),
+        )
+    )(q, k, v)
     assert out.dtype == jnp.bfloat16 and out.shape == (T, 3, 5)
-    want = nn.dot_product_attention(q, k, v, force_fp32_for_softmax=True)
     np.testing.assert_allclose(ref.f64(out), want, **ref.tol(jnp.bfloat16))
 
 

@@ -101,18 +101,8 @@ def test_score_mods_match_the_reference(impl, case):
     _, mod, np_mod = _mods()[case]
     q, k, v = _rand((B, N, T, D), 1), _rand((B, N, S, D), 2), _rand((B, N, S, E), 3)
     sinks = np.asarray([0.3, -1.2, 1.1], np.float32)
-    out, lse, top = _call(
-        impl,
-        q,
-        k,
-        v,
-        mask=masks.causal(),
-        q_offset=2,
-        score_mod=mod,
-        sinks=sinks,
-        return_lse=True,
-        return_max_logit=True,
-    )
+    kw = dict(mask=masks.causal(), q_offset=2, score_mod=mod, sinks=sinks, return_lse=True, return_max_logit=True)
+    out, lse, top = jax.jit(lambda q, k, v: _call(impl, q, k, v, **kw))(q, k, v)
     dense = np.asarray(masks.causal().dense(T, S, q_offset=2))
     want, _, want_lse, want_top = ref.attention(q, k, v, dense, score_mod=np_mod, sinks=sinks, q_offset=2, stats=True)
     tol = ref.tol(jnp.float32)
@@ -131,7 +121,7 @@ def test_head_is_flattened_over_the_grouped_layout(impl):
     def mod(s, b, h, qp, kp):
         return s * jnp.asarray(w)[h] + b.astype(s.dtype)
 
-    out = _call(impl, q, k, v, score_mod=mod)
+    out = jax.jit(lambda q, k, v: _call(impl, q, k, v, score_mod=mod))(q, k, v)
     want = ref.attention(q, k, v, score_mod=lambda s, b, h, qp, kp: s * w[h] + b)[0]
     np.testing.assert_allclose(ref.f64(out), want, **ref.tol(jnp.float32))
 
@@ -142,7 +132,7 @@ def test_max_logit_without_modification(impl):
     q, k, v = _rand((N, T, D), 7), _rand((N, S, D), 8), _rand((N, S, E), 9)
     mask = np.array(jax.random.bernoulli(jax.random.key(10), 0.5, (N, T, S)))
     mask[1, 2] = False
-    _, top = _call(impl, q, k, v, mask=mask, return_max_logit=True)
+    _, top = jax.jit(lambda q, k, v: _call(impl, q, k, v, mask=mask, return_max_logit=True))(q, k, v)
     _, _, _, want_top = ref.attention(q, k, v, mask, stats=True)
     assert np.isneginf(np.asarray(top)[1, 2])
     np.testing.assert_allclose(ref.f64(top), want_top, **ref.tol(jnp.float32))
@@ -198,7 +188,7 @@ def test_gradients_to_captured_arrays_and_sinks(impl, fd_grads):
             mod = score_mods.compose(score_mods.relative_position_bias(table, NB, MAXD), score_mods.alibi(slopes))
             return jnp.sum(_call(impl, q, k, v, mask=mask, score_mod=mod, sinks=sinks) * dout)
 
-        got = jax.grad(loss, (0, 1, 2))(table, slopes, sinks)
+        got = jax.jit(jax.grad(loss, (0, 1, 2)))(table, slopes, sinks)  # traced here, under float64
         for g, want in zip(got, fd_grads, strict=True):
             np.testing.assert_allclose(ref.f64(g), want, rtol=1e-6, atol=1e-7)
 
@@ -209,7 +199,9 @@ def test_sink_gradients_match_the_hand_backward(impl):
     q, k, v = _rand((B, N, T, D), 16), _rand((B, N, S, D), 17), _rand((B, N, S, E), 18)
     sinks, dout = _rand((N,), 19) * 2, _rand((B, N, T, E), 20)
     mask = masks.causal()
-    got = jax.grad(lambda *a: jnp.sum(_call(impl, *a[:3], mask=mask, sinks=a[3]) * dout), (0, 1, 2, 3))(q, k, v, sinks)
+    got = jax.jit(jax.grad(lambda *a: jnp.sum(_call(impl, *a[:3], mask=mask, sinks=a[3]) * dout), (0, 1, 2, 3)))(
+        q, k, v, sinks
+    )
     want = ref.attention_grads(q, k, v, dout, np.asarray(mask.dense(T, S)), sinks=sinks)
     for g, w in zip(got, (*want[:3], want[4]), strict=True):
         ref.assert_grad_close(g, w, jnp.float32)
@@ -230,17 +222,23 @@ def test_fully_masked_rows_stay_zero_with_sinks_and_mods(impl):
         mod = score_mods.compose(score_mods.relative_position_bias(table, NB, MAXD), score_mods.softcap(2.0))
         return _call(impl, q, k, v, mask=mask, score_mod=mod, sinks=sinks, **kw)
 
-    out, lse, top = run(q, table, sinks, return_lse=True, return_max_logit=True)
+    pick = jnp.asarray(empty)[:, None]
+
+    @jax.jit
+    def outputs_and_grads(q, table, sinks):
+        empty_rows = lambda *a: jnp.sum(jnp.where(pick, run(*a), 0.0) ** 2 + jnp.where(pick, run(*a), 0.0))  # noqa: E731
+        return (
+            run(q, table, sinks, return_lse=True, return_max_logit=True),
+            jax.grad(empty_rows, (0, 1, 2))(q, table, sinks),
+            jax.grad(lambda q: jnp.sum(run(q, table, sinks)))(q),
+        )
+
+    (out, lse, top), grads, dq = outputs_and_grads(q, table, sinks)
     assert np.all(np.asarray(out)[:, :, empty] == 0)
     np.testing.assert_array_equal(np.asarray(lse)[:, :, empty], np.broadcast_to(np.asarray(sinks)[:, None], (B, N, 2)))
     assert np.all(np.isneginf(np.asarray(top)[:, :, empty]))
-    pick = jnp.asarray(empty)[:, None]
-    grads = jax.grad(lambda *a: jnp.sum(jnp.where(pick, run(*a), 0.0) ** 2 + jnp.where(pick, run(*a), 0.0)), (0, 1, 2))(
-        q, table, sinks
-    )
     for g in grads:
         assert np.all(np.asarray(g) == 0)
-    dq = jax.grad(lambda q: jnp.sum(run(q, table, sinks)))(q)
     assert np.all(np.asarray(dq)[:, :, empty] == 0)
 
 
@@ -305,14 +303,19 @@ def test_blockwise_bias_matches_the_hand_backward(bias_shape):
     q, k, v = _rand((B, N, T, D), 31), _rand((B, N, S, D), 32), _rand((B, N, S, E), 33)
     bias, dout = _rand(bias_shape, 34) * 2, _rand((B, N, T, E), 35)
     mask = masks.causal()
-    out, lse = _call("blockwise", q, k, v, bias=bias, mask=mask, return_lse=True)
+
+    @jax.jit
+    def outputs_and_grads(q, k, v, bias):
+        loss = lambda *a: jnp.sum(_call("blockwise", *a[:3], bias=a[3], mask=mask) * dout)  # noqa: E731
+        return _call("blockwise", q, k, v, bias=bias, mask=mask, return_lse=True), jax.grad(loss, (0, 1, 2, 3))(
+            q, k, v, bias
+        )
+
+    (out, lse), got = outputs_and_grads(q, k, v, bias)
     dense = np.asarray(mask.dense(T, S))
     want, _, want_lse = ref.attention(q, k, v, dense, np.asarray(bias))
     np.testing.assert_allclose(ref.f64(out), want, **ref.tol(jnp.float32))
     np.testing.assert_allclose(ref.f64(lse), want_lse, **ref.tol(jnp.float32))
-    got = jax.grad(lambda *a: jnp.sum(_call("blockwise", *a[:3], bias=a[3], mask=mask) * dout), (0, 1, 2, 3))(
-        q, k, v, bias
-    )
     for g, w in zip(got, ref.attention_grads(q, k, v, dout, dense, np.asarray(bias)), strict=True):
         assert g.shape == np.shape(w)
         ref.assert_grad_close(g, w, jnp.float32)
@@ -332,11 +335,18 @@ def test_blockwise_bias_with_mods_sinks_and_empty_rows():
     def run(impl, q, bias):
         return _call(impl, q, k, v, bias=bias, **kw)
 
-    np.testing.assert_allclose(run("blockwise", q, bias), run("dense", q, bias), **ref.tol(jnp.float32))
+    @jax.jit
+    def outputs_and_grads(q, bias):
+        return {
+            impl: (run(impl, q, bias), jax.grad(lambda q, b, impl=impl: jnp.sum(run(impl, q, b) ** 2), (0, 1))(q, bias))
+            for impl in IMPLS
+        }
+
+    got = outputs_and_grads(q, jnp.asarray(bias))
+    np.testing.assert_allclose(got["blockwise"][0], got["dense"][0], **ref.tol(jnp.float32))
     for impl in IMPLS:
-        out = run(impl, q, bias)
+        out, (dq, db) = got[impl]
         assert np.all(np.asarray(out)[:, :, [3, 5]] == 0)
-        dq, db = jax.grad(lambda q, b, impl=impl: jnp.sum(run(impl, q, b) ** 2), (0, 1))(q, jnp.asarray(bias))
         assert np.all(np.asarray(dq)[:, :, [3, 5]] == 0) and np.all(np.asarray(db)[:, [3, 5]] == 0)
 
 
@@ -373,7 +383,12 @@ def test_blockwise_bias_under_vmap_equals_dense():
         def loss(q, b):
             return jnp.sum(_call(impl, q, k, v, bias=b, mask=masks.causal()) ** 2)
 
-        return jax.vmap(jax.grad(loss, (0, 1)))(q, biases), jax.vmap(jax.grad(loss, (0, 1)), (0, None))(q, biases[0])
+        return jax.jit(
+            lambda q, biases: (
+                jax.vmap(jax.grad(loss, (0, 1)))(q, biases),
+                jax.vmap(jax.grad(loss, (0, 1)), (0, None))(q, biases[0]),
+            )
+        )(q, biases)
 
     for got, want in zip(jax.tree.leaves(grads("blockwise")), jax.tree.leaves(grads("dense")), strict=True):
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)

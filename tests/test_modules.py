@@ -36,7 +36,7 @@ def test_default_is_the_article_module_hand_computed():
     a, b = 1 / math.sqrt(2), 4 / math.sqrt(2)
     row0 = np.array([math.exp(a), 2 * 1.0]) / (math.exp(a) + 1)  # weights [e^a, 1]/(e^a+1) times V rows
     row1 = np.array([1.0, 2 * math.exp(b)]) / (1 + math.exp(b))
-    np.testing.assert_allclose(m(x)[0], np.stack([row0, row1]), rtol=1e-6)
+    np.testing.assert_allclose(nnx.jit(lambda m, x: m(x))(m, x)[0], np.stack([row0, row1]), rtol=1e-6)
 
 
 def test_default_matches_article_reference_on_random_weights():
@@ -45,7 +45,7 @@ def test_default_matches_article_reference_on_random_weights():
     want = ref.article_self_attention(
         x, *(np.asarray(getattr(m, n).kernel[...], np.float64) for n in ("wq", "wk", "wv"))
     )
-    np.testing.assert_allclose(m(x), want, **ref.tol(jnp.float32))
+    np.testing.assert_allclose(nnx.jit(lambda m, x: m(x))(m, x), want, **ref.tol(jnp.float32))
 
 
 CONFIGS = [
@@ -63,11 +63,12 @@ def test_nnx_and_linen_agree_and_match_reference(config):
     mask = jax.random.bernoulli(jax.random.key(5), 0.6, (2, 1, 7, 7)).at[1, 0, 4].set(False)
     m = jattn.nnx.SelfAttention(D_MODEL, rngs=nnx.Rngs(0), **config)
     lin = jattn.linen.SelfAttention(D_MODEL, **config)
-    init = lin.init(jax.random.key(0), x)["params"]
+    init = jax.eval_shape(lin.init, jax.random.key(0), x)["params"]  # the shapes Linen's own init gives
     params = ref.linen_params(m)
     assert jax.tree.map(jnp.shape, init) == jax.tree.map(jnp.shape, params)
-    out, w = m(x, mask, return_weights=True)
-    out_l, w_l = lin.apply({"params": params}, x, mask, return_weights=True)
+    (out, w), (out_l, w_l) = nnx.jit(
+        lambda m, p, x, mask: (m(x, mask, return_weights=True), lin.apply({"params": p}, x, mask, return_weights=True))
+    )(m, params, x, mask)
     np.testing.assert_allclose(out, out_l, **ref.tol(jnp.float32))
     np.testing.assert_allclose(w, w_l, **ref.tol(jnp.float32))
     # Independent reference: per-head float64 attention with k/v heads repeated for GQA.
@@ -96,7 +97,7 @@ def test_linen_gradients_float64():
     with jax.enable_x64(True):
         x = _x().astype(jnp.float64)
         lin = jattn.linen.SelfAttention(D_MODEL, num_heads=3, use_bias=True, param_dtype=jnp.float64)
-        params = lin.init(jax.random.key(0), x)["params"]
+        params = jax.jit(lin.init)(jax.random.key(0), x)["params"]
         check_grads(jax.jit(lambda p, x: lin.apply({"params": p}, x)), (params, x), order=1, modes=["rev"])
 
 
@@ -107,9 +108,9 @@ def test_nnx_jit_vmap_grad():
     np.testing.assert_allclose(nnx.jit(lambda m, x: m(x))(m, x[0]), eager[0], **ref.tol(jnp.float32))
     vmapped = nnx.vmap(lambda m, x: m(x), in_axes=(None, 0))(m, x)
     np.testing.assert_allclose(vmapped, eager, **ref.tol(jnp.float32))
-    grads = nnx.grad(lambda m: jnp.sum(m(x[0]) ** 2))(m)
+    grads = nnx.jit(nnx.grad(lambda m: jnp.sum(m(x[0]) ** 2)))(m)
     lin = jattn.linen.SelfAttention(D_MODEL, num_heads=4)
-    want = jax.grad(lambda p: jnp.sum(lin.apply({"params": p}, x[0]) ** 2))(ref.linen_params(m))
+    want = jax.jit(jax.grad(lambda p: jnp.sum(lin.apply({"params": p}, x[0]) ** 2)))(ref.linen_params(m))
     np.testing.assert_allclose(grads.wq.kernel[...], want["wq"]["kernel"], **ref.tol(jnp.float32))
     np.testing.assert_allclose(grads.wo.kernel[...], want["wo"]["kernel"], **ref.tol(jnp.float32))
 
@@ -145,19 +146,20 @@ def test_linen_scan_remat_vmap_compose():
     params = scanned.init(jax.random.key(0), x, None)["params"]
     got, _ = jax.jit(lambda p, x: scanned.apply({"params": p}, x, None))(params, x)
     single = jattn.linen.SelfAttention(D_MODEL, num_heads=2)
+    apply = jax.jit(lambda p, x: single.apply({"params": p}, x))
     h = x
     for i in range(3):
         layer = jax.tree.map(lambda a, i=i: a[i], params["SelfAttention_0"])
-        h = h + single.apply({"params": layer}, h)
+        h = h + apply(layer, h)
     np.testing.assert_allclose(got, h, **ref.tol(jnp.float32))
     # nn.vmap over a leading axis with shared parameters equals the plain call per slice.
     vm = nn.vmap(
         jattn.linen.SelfAttention, in_axes=0, out_axes=0, variable_axes={"params": None}, split_rngs={"params": False}
     )(D_MODEL, num_heads=2)
     xs = _x((3, 2, 7, D_MODEL))
-    vparams = vm.init(jax.random.key(1), xs)["params"]
-    loop = jnp.stack([single.apply({"params": vparams}, xi) for xi in xs])
-    np.testing.assert_allclose(vm.apply({"params": vparams}, xs), loop, **ref.tol(jnp.float32))
+    vparams = jax.jit(vm.init)(jax.random.key(1), xs)["params"]
+    loop = jnp.stack([apply(vparams, xi) for xi in xs])
+    np.testing.assert_allclose(jax.jit(vm.apply)({"params": vparams}, xs), loop, **ref.tol(jnp.float32))
 
 
 def test_dropout_switch_and_rng():
@@ -251,19 +253,27 @@ def test_module_implementation_and_block_size_keep_the_result(mask):
         D_MODEL, num_heads=4, num_kv_heads=2, implementation="blockwise", block_size=4, rngs=nnx.Rngs(0)
     )
     dense = jattn.nnx.SelfAttention(D_MODEL, num_heads=4, num_kv_heads=2, rngs=nnx.Rngs(0))
-    want = dense(x, m, implementation="dense")
-    np.testing.assert_allclose(blockwise(x, m), want, **ref.tol(jnp.float32))
-    np.testing.assert_allclose(blockwise(x, m, implementation="dense"), want, **ref.tol(jnp.float32))
-    np.testing.assert_allclose(dense(x, m, implementation="blockwise", block_size=(3, 5)), want, **ref.tol(jnp.float32))
     linen = jattn.linen.SelfAttention(D_MODEL, num_heads=4, num_kv_heads=2, implementation="blockwise", block_size=4)
-    np.testing.assert_allclose(linen.apply({"params": ref.linen_params(dense)}, x, m), want, **ref.tol(jnp.float32))
     cross = jattn.nnx.CrossAttention(D_MODEL, 5, num_heads=4, rngs=nnx.Rngs(0))
     valid = jnp.arange(9)[None] < jnp.array([[4], [9]])  # (B, S)
     pred = m if mask != "array" else masks.causal()
-    got = cross(x, ctx, pred, context_mask=valid, implementation="blockwise", block_size=4)
-    np.testing.assert_allclose(
-        got, cross(x, ctx, pred, context_mask=valid, implementation="dense"), **ref.tol(jnp.float32)
-    )
+
+    @nnx.jit  # every call in one program
+    def run(blockwise, dense, cross, params, x, ctx):
+        return (
+            dense(x, m, implementation="dense"),
+            blockwise(x, m),
+            blockwise(x, m, implementation="dense"),
+            dense(x, m, implementation="blockwise", block_size=(3, 5)),
+            linen.apply({"params": params}, x, m),
+            cross(x, ctx, pred, context_mask=valid, implementation="blockwise", block_size=4),
+            cross(x, ctx, pred, context_mask=valid, implementation="dense"),
+        )
+
+    want, *same, got, cross_dense = run(blockwise, dense, cross, ref.linen_params(dense), x, ctx)
+    for i, out in enumerate(same):
+        np.testing.assert_allclose(out, want, **ref.tol(jnp.float32), err_msg=f"call {i}")
+    np.testing.assert_allclose(got, cross_dense, **ref.tol(jnp.float32))
 
 
 def test_module_path_arguments_are_checked():
@@ -330,17 +340,25 @@ def test_module_score_mod_and_sinks_match_float64_reference(impl):
     m = _flex_nnx(score_mod=_flex_mod(), sinks=True, implementation=impl, block_size=(4, 3))
     params = _flex_params(m)
     want, want_w = _flex_reference(params, x, causal, _np_flex_mod, np.asarray(params["sinks"], np.float64))
-    out, w = m(x, masks.causal(), return_weights=True)
-    np.testing.assert_allclose(out, want, **ref.tol(jnp.float32))
-    np.testing.assert_allclose(w, want_w, **ref.tol(jnp.float32))  # the weights carry the mod and the sinks
-    assert np.all(np.asarray(w).sum(-1) < 1)  # a sink takes a share of every row
     lin = jattn.linen.SelfAttention(
         D_MODEL, score_mod=_flex_mod(), sinks=True, implementation=impl, block_size=(4, 3), **FLEX
     )
-    init = lin.init(jax.random.key(0), x)["params"]
+
+    @nnx.jit
+    def run(m, params, x):
+        nnx_out = m(x, masks.causal(), return_weights=True)
+        return (
+            nnx_out,
+            lin.init(jax.random.key(0), x)["params"],
+            lin.apply({"params": params}, x, masks.causal(), return_weights=True),
+        )
+
+    (out, w), init, (out_l, w_l) = run(m, params, x)
+    np.testing.assert_allclose(out, want, **ref.tol(jnp.float32))
+    np.testing.assert_allclose(w, want_w, **ref.tol(jnp.float32))  # the weights carry the mod and the sinks
+    assert np.all(np.asarray(w).sum(-1) < 1)  # a sink takes a share of every row
     assert jax.tree.map(jnp.shape, init) == jax.tree.map(jnp.shape, params)  # sinks (N,), the same name
     np.testing.assert_array_equal(init["sinks"], np.zeros(6))
-    out_l, w_l = lin.apply({"params": params}, x, masks.causal(), return_weights=True)
     np.testing.assert_allclose(out_l, want, **ref.tol(jnp.float32))
     np.testing.assert_allclose(w_l, want_w, **ref.tol(jnp.float32))
 
@@ -349,35 +367,46 @@ def test_module_softcap_equals_the_core_called_by_hand_with_its_projections():
     """Each option alone, against jattn.attention on the module's own projections (grouped layout)."""
     x = _x((3, 5, D_MODEL), seed=4)
     for options in (dict(score_mod=score_mods.softcap(0.7)), dict(sinks=True)):
-        m = _flex_nnx(**options)
-        q, k, v = m.wq(x), m.wk(x), m.wv(x)
-        split = lambda a, g: a.reshape(3, 5, 2, g, 3).transpose(0, 2, 3, 1, 4)  # noqa: E731  (B, K, G, T, D)
-        sinks = None if m.sinks is None else m.sinks[...].reshape(2, 3)  # (N,) -> (K, G)
-        o = jattn.attention(split(q, 3), split(k, 1), split(v, 1), score_mod=options.get("score_mod"), sinks=sinks)
-        want = m.wo(o.transpose(0, 3, 1, 2, 4).reshape(3, 5, 18))
-        np.testing.assert_allclose(m(x), want, **ref.tol(jnp.float32))
-        assert not np.allclose(m(x), _flex_nnx()(x), atol=1e-3)  # the option changes the result
+
+        @nnx.jit
+        def run(m, plain, x, options=options):
+            q, k, v = m.wq(x), m.wk(x), m.wv(x)
+            split = lambda a, g: a.reshape(3, 5, 2, g, 3).transpose(0, 2, 3, 1, 4)  # noqa: E731  (B, K, G, T, D)
+            sinks = None if m.sinks is None else m.sinks[...].reshape(2, 3)  # (N,) -> (K, G)
+            o = jattn.attention(split(q, 3), split(k, 1), split(v, 1), score_mod=options.get("score_mod"), sinks=sinks)
+            return m(x), m.wo(o.transpose(0, 3, 1, 2, 4).reshape(3, 5, 18)), plain(x)
+
+        got, want, without = run(_flex_nnx(**options), _flex_nnx(), x)
+        np.testing.assert_allclose(got, want, **ref.tol(jnp.float32))
+        assert not np.allclose(got, without, atol=1e-3)  # the option changes the result
 
 
 def test_module_sinks_get_the_cores_gradient_in_nnx_and_linen():
     x, dout = _x((2, 7, D_MODEL), seed=5), _x((2, 7, D_MODEL), seed=6)
     m = _flex_nnx(sinks=True, score_mod=score_mods.softcap(1.5))
-    grads = nnx.grad(lambda m: jnp.sum(m(x, masks.causal()) * dout))(m)
-    q, k, v = m.wq(x), m.wk(x), m.wv(x)
+    lin = jattn.linen.SelfAttention(D_MODEL, sinks=True, score_mod=score_mods.softcap(1.5), **FLEX)
     split = lambda a, g: a.reshape(2, 7, 2, g, 3).transpose(0, 2, 3, 1, 4)  # noqa: E731  (B, K, G, T, D)
 
-    def core(sinks):  # (N,) sinks through jattn.attention with the module's projections
-        o = jattn.attention(
-            split(q, 3), split(k, 1), split(v, 1), mask=masks.causal(), score_mod=score_mods.softcap(1.5),
-            sinks=sinks.reshape(2, 3),
-        )  # fmt: skip
-        return jnp.sum(m.wo(o.transpose(0, 3, 1, 2, 4).reshape(2, 7, 18)) * dout)
+    @nnx.jit
+    def run(m, params):
+        q, k, v = m.wq(x), m.wk(x), m.wv(x)
 
-    want = jax.grad(core)(m.sinks[...])
+        def core(sinks):  # (N,) sinks through jattn.attention with the module's projections
+            o = jattn.attention(
+                split(q, 3), split(k, 1), split(v, 1), mask=masks.causal(), score_mod=score_mods.softcap(1.5),
+                sinks=sinks.reshape(2, 3),
+            )  # fmt: skip
+            return jnp.sum(m.wo(o.transpose(0, 3, 1, 2, 4).reshape(2, 7, 18)) * dout)
+
+        return (
+            nnx.grad(lambda m: jnp.sum(m(x, masks.causal()) * dout))(m),
+            jax.grad(core)(m.sinks[...]),
+            jax.grad(lambda p: jnp.sum(lin.apply({"params": p}, x, masks.causal()) * dout))(params),
+        )
+
+    grads, want, g = run(m, _flex_params(m))
     assert np.all(np.abs(np.asarray(want)) > 1e-4)  # every head's sink is used
     np.testing.assert_allclose(grads.sinks[...], want, **ref.tol(jnp.float32))
-    lin = jattn.linen.SelfAttention(D_MODEL, sinks=True, score_mod=score_mods.softcap(1.5), **FLEX)
-    g = jax.grad(lambda p: jnp.sum(lin.apply({"params": p}, x, masks.causal()) * dout))(_flex_params(m))
     np.testing.assert_allclose(g["sinks"], want, **ref.tol(jnp.float32))
     np.testing.assert_allclose(g["wq"]["kernel"], grads.wq.kernel[...], **ref.tol(jnp.float32))
 
@@ -391,8 +420,10 @@ def test_cross_attention_score_mod_and_sinks_nnx_equals_linen():
     m.sinks[...] = jax.random.normal(jax.random.key(9), (6,))
     lin = jattn.linen.CrossAttention(D_MODEL, context_features=4, **options)
     params = ref.linen_params(m) | {"sinks": m.sinks[...]}
-    out = m(x, ctx, context_mask=valid)
-    np.testing.assert_allclose(lin.apply({"params": params}, x, ctx, context_mask=valid), out, **ref.tol(jnp.float32))
+    out, out_l = nnx.jit(
+        lambda m, p, x, ctx: (m(x, ctx, context_mask=valid), lin.apply({"params": p}, x, ctx, context_mask=valid))
+    )(m, params, x, ctx)
+    np.testing.assert_allclose(out_l, out, **ref.tol(jnp.float32))
     # float64 by hand: queries of x, keys and values of the context
     c = np.asarray(ctx, np.float64)
     heads = lambda a, h: a.reshape(*a.shape[:2], h, -1).transpose(0, 2, 1, 3)  # noqa: E731
@@ -515,26 +546,38 @@ def test_causal_option_ands_causal_into_every_mask_nnx_and_linen():
         (masks.sliding_window(2, 2), (np.abs(t - s) <= 2)[None, None]),
     ]
     lin = jattn.linen.SelfAttention(D_MODEL, **FLEX, causal=True)
-    for mask, allowed in cases:
+
+    @nnx.jit  # every full pass in one program
+    def run(m, plain, params, x):
+        outs = [(m(x, mask), lin.apply({"params": params}, x, mask)) for mask, _ in cases]
+        return outs, plain(x), m(x)
+
+    outs, plain_out, no_mask = run(m, _flex_nnx(), params, x)
+    for (got, got_linen), (_, allowed) in zip(outs, cases, strict=True):
         want, _ = _flex_reference(params, x, allowed & (s <= t), None, None)
-        np.testing.assert_allclose(m(x, mask), want, **ref.tol(jnp.float32))
-        np.testing.assert_allclose(lin.apply({"params": params}, x, mask), want, **ref.tol(jnp.float32))
+        np.testing.assert_allclose(got, want, **ref.tol(jnp.float32))
+        np.testing.assert_allclose(got_linen, want, **ref.tol(jnp.float32))
     bidirectional, _ = _flex_reference(params, x, None, None, None)  # the default: Flax's convention
-    np.testing.assert_allclose(_flex_nnx()(x), bidirectional, **ref.tol(jnp.float32))
-    assert not np.allclose(bidirectional, m(x), atol=1e-3)
+    np.testing.assert_allclose(plain_out, bidirectional, **ref.tol(jnp.float32))
+    assert not np.allclose(bidirectional, no_mask, atol=1e-3)
     # decoding: a chunk of 4 then single tokens, the window and-ed with causal() as in the full pass
     window = masks.sliding_window(2, 2)
+    full = nnx.jit(lambda m, x: m(x, window))(m, x)
     m.init_cache(2, 16)
-    steps = [m(x[:, :4], window, decode=True)] + [m(x[:, i : i + 1], window, decode=True) for i in range(4, 7)]
-    np.testing.assert_allclose(jnp.concatenate(steps, axis=1), m(x, window), **ref.tol(jnp.float32))
+    step = nnx.jit(lambda m, x: m(x, window, decode=True))
+    steps = [step(m, x[:, :4])] + [step(m, x[:, i : i + 1]) for i in range(4, 7)]
+    np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, **ref.tol(jnp.float32))
 
 
 def test_causal_option_of_linear_attention_is_its_causal_mask():
     x = _x((3, 5, D_MODEL), seed=9)
     causal = jattn.nnx.SelfAttention(D_MODEL, num_heads=2, kind="linear", causal=True, rngs=nnx.Rngs(4))
     plain = jattn.nnx.SelfAttention(D_MODEL, num_heads=2, kind="linear", rngs=nnx.Rngs(4))
-    np.testing.assert_allclose(causal(x), plain(x, masks.causal()), **ref.tol(jnp.float32))
-    assert not np.allclose(plain(x), plain(x, masks.causal()), atol=1e-3)
+    got, want, bidirectional = nnx.jit(lambda causal, plain, x: (causal(x), plain(x, masks.causal()), plain(x)))(
+        causal, plain, x
+    )
+    np.testing.assert_allclose(got, want, **ref.tol(jnp.float32))
+    assert not np.allclose(bidirectional, want, atol=1e-3)
 
 
 # -- attention_weights with score_mod and sinks (issue #43) -------------------------------------------
@@ -554,13 +597,14 @@ def test_attention_weights_take_score_mod_and_sinks_as_attention(offset):
 
     mask = masks.causal() & masks.padding(q_lengths=np.array([5, 3]))  # example 1: rows 3, 4 see nothing
     kw = dict(mask=mask, score_mod=mod, sinks=sinks, q_offset=offset)
-    got = jattn.attention_weights(q, k, **kw)
+    got, out = jax.jit(
+        lambda q, k, v: (jattn.attention_weights(q, k, **kw), jattn.attention(q, k, v, implementation="dense", **kw))
+    )(q, k, v)
     dense = np.asarray(mask.dense(t, s, q_offset=offset))  # (B, 1, T, S)
     _, want, _ = ref.attention(q, k, v, mask=dense, score_mod=np_mod, sinks=sinks, q_offset=offset)
     np.testing.assert_allclose(got, want, **ref.tol(jnp.float32))
     rows = np.asarray(got).sum(-1)
     assert np.all(rows[0] < 1) and np.all(rows[1, :, :3] < 1) and np.all(rows[1, :, 3:] == 0)
-    out = jattn.attention(q, k, v, implementation="dense", **kw)
     np.testing.assert_allclose(jnp.einsum("bnts,bnse->bnte", got, v), out, **ref.tol(jnp.float32))
 
 

@@ -16,22 +16,32 @@ def test_parts_match_reference(rows, cols, seed, magnitude):
     x = rng.normal(size=(rows, cols)) * magnitude
     where = rng.random((rows, cols)) < 0.7
     where[0] = False  # an empty row
-    parts = jattn.softmax_parts(jnp.asarray(x, jnp.float32), jnp.asarray(where))
+
+    @jax.jit  # one program an example
+    def run(x, where):
+        parts = jattn.softmax_parts(x, where)
+        return parts.weights(), parts.logsumexp(), parts.exp, parts.sum, jattn.softmax(x[1:])
+
+    weights, lse, exp, total, plain = run(jnp.asarray(x, jnp.float32), jnp.asarray(where))
     want, want_lse, _ = ref.softmax(np.asarray(jnp.asarray(x, jnp.float32), np.float64), where)
-    np.testing.assert_allclose(parts.weights(), want, **ref.tol(jnp.float32))
-    np.testing.assert_allclose(parts.logsumexp(), want_lse, rtol=1e-6)
-    assert np.all(np.asarray(parts.exp)[~where] == 0.0) and np.all(np.asarray(parts.exp) <= 1.0)
-    np.testing.assert_array_equal(np.asarray(parts.sum)[0], 0.0)
-    np.testing.assert_allclose(jattn.softmax(jnp.asarray(x[1:], jnp.float32)), ref.softmax(x[1:])[0], atol=1e-6)
+    np.testing.assert_allclose(weights, want, **ref.tol(jnp.float32))
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-6)
+    assert np.all(np.asarray(exp)[~where] == 0.0) and np.all(np.asarray(exp) <= 1.0)
+    np.testing.assert_array_equal(np.asarray(total)[0], 0.0)
+    np.testing.assert_allclose(plain, ref.softmax(x[1:])[0], atol=1e-6)
 
 
 def test_gradient_ignores_masked_entries_even_when_nan():
     x = jnp.array([[1.0, jnp.nan, 2.0, jnp.inf], [jnp.nan, jnp.nan, jnp.nan, jnp.nan]])
     where = jnp.array([[True, False, True, False], [False, False, False, False]])
-    w = jattn.softmax(x, where)
+    w, g = jax.jit(
+        lambda x: (
+            jattn.softmax(x, where),
+            jax.grad(lambda x: jnp.sum(jattn.softmax(x, where) * jnp.arange(4.0)[None]))(x),
+        )
+    )(x)
     np.testing.assert_allclose(w[0], [1 / (1 + np.e), 0, np.e / (1 + np.e), 0], rtol=1e-6)
     np.testing.assert_array_equal(w[1], 0.0)
-    g = jax.grad(lambda x: jnp.sum(jattn.softmax(x, where) * jnp.arange(4.0)[None]))(x)
     assert np.all(np.isfinite(g)) and np.all(np.asarray(g)[~np.asarray(where)] == 0.0)
 
 

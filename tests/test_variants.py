@@ -28,13 +28,17 @@ def test_gqa_is_broadcasting_and_kv_grads_are_group_sums():
     B, K, G, T, S, D = 2, 3, 4, 7, 11, 5
     q, k, v = _rand((B, K, G, T, D), 0), _rand((B, K, 1, S, D), 1), _rand((B, K, 1, S, D), 2)
     rep = lambda x: jnp.repeat(x, G, axis=2)  # noqa: E731  multi-head attention with k/v repeated
-    np.testing.assert_allclose(jattn.attention(q, k, v), jattn.attention(q, rep(k), rep(v)), **ref.tol(jnp.float32))
 
-    def loss(k, v, expand):
-        return jnp.sum(jnp.tanh(jattn.attention(q, expand(k), expand(v), mask=masks.causal())))
+    def loss(k, v):
+        return jnp.sum(jnp.tanh(jattn.attention(q, k, v, mask=masks.causal())))
 
-    dk, dv = jax.grad(loss, argnums=(0, 1))(k, v, lambda x: x)
-    dk_rep, dv_rep = jax.grad(loss, argnums=(0, 1))(rep(k), rep(v), lambda x: x)
+    @jax.jit
+    def run(q, k, v):
+        grouped, repeated = jattn.attention(q, k, v), jattn.attention(q, rep(k), rep(v))
+        return grouped, repeated, jax.grad(loss, argnums=(0, 1))(k, v), jax.grad(loss, argnums=(0, 1))(rep(k), rep(v))
+
+    grouped, repeated, (dk, dv), (dk_rep, dv_rep) = run(q, k, v)
+    np.testing.assert_allclose(grouped, repeated, **ref.tol(jnp.float32))
     np.testing.assert_allclose(dk, dk_rep.sum(2, keepdims=True), **ref.tol(jnp.float32))
     np.testing.assert_allclose(dv, dv_rep.sum(2, keepdims=True), **ref.tol(jnp.float32))
 
@@ -50,8 +54,15 @@ def test_cross_attention_nnx_linen_reference_and_context_padding():
     lin = jattn.linen.CrossAttention(d, num_heads=3, num_kv_heads=1, out_proj=False, context_features=c)
     params = ref.linen_params(m)
     assert jax.tree.map(jnp.shape, lin.init(jax.random.key(0), x, ctx)["params"]) == jax.tree.map(jnp.shape, params)
-    out = m(x, ctx, context_mask=context_mask)
-    np.testing.assert_allclose(out, lin.apply({"params": params}, x, ctx, context_mask=context_mask), atol=1e-6)
+
+    @nnx.jit
+    def run(m, params, x, ctx):
+        out = m(x, ctx, context_mask=context_mask)
+        grad = jax.grad(lambda c: jnp.sum(m(x, c, context_mask=context_mask) ** 2))(ctx)
+        return out, lin.apply({"params": params}, x, ctx, context_mask=context_mask), grad
+
+    out, out_linen, g = run(m, params, x, ctx)
+    np.testing.assert_allclose(out, out_linen, atol=1e-6)
     p = {n: np.asarray(params[n]["kernel"], np.float64) for n in params}
     heads = lambda a, h: a.reshape(B, a.shape[1], h, -1).transpose(0, 2, 1, 3)  # noqa: E731
     want, _, _ = ref.attention(
@@ -62,7 +73,6 @@ def test_cross_attention_nnx_linen_reference_and_context_padding():
     )
     np.testing.assert_allclose(out, want.transpose(0, 2, 1, 3).reshape(B, T, -1), **ref.tol(jnp.float32))
     assert np.all(np.asarray(out[1]) == 0.0)
-    g = jax.grad(lambda c: jnp.sum(m(x, c, context_mask=context_mask) ** 2))(ctx)
     assert np.all(np.asarray(g[0, 6:]) == 0.0) and np.all(np.asarray(g[1]) == 0.0)
     with pytest.raises(ValueError, match=r"context must have shape \(\.\.\., length >= 1, 7\), got \(2, 9, 6\)"):
         m(x, ctx[..., :6])
@@ -92,9 +102,11 @@ def test_linear_attention_equals_its_quadratic_form(causal, feature_map, chunk_s
         q, k = _rand((2, 3, 13, 5), 0, jnp.float64), _rand((2, 1, 13, 5), 1, jnp.float64)
         v = _rand((2, 1, 13, 6), 2, jnp.float64)
         kv_mask = np.arange(13)[None, None] < np.array([13, 9])[:, None, None]  # (B, 1, S)
-        out = jattn.linear_attention(
-            q, k, v, feature_map=feature_map, causal=causal, chunk_size=chunk_size, kv_mask=kv_mask
-        )
+        out = jax.jit(
+            lambda q, k, v: jattn.linear_attention(
+                q, k, v, feature_map=feature_map, causal=causal, chunk_size=chunk_size, kv_mask=kv_mask
+            )
+        )(q, k, v)
         want = _quadratic_linear(q, k, v, PHI[feature_map], causal, kv_mask=kv_mask)
         np.testing.assert_allclose(out, want, rtol=1e-10, atol=1e-12)
         f = jax.jit(lambda q, k, v: jattn.linear_attention(q, k, v, causal=causal, chunk_size=chunk_size))
@@ -103,25 +115,27 @@ def test_linear_attention_equals_its_quadratic_form(causal, feature_map, chunk_s
 
 def test_linear_attention_state_continues_and_user_feature_map():
     q, k, v = _rand((2, 20, 4), 0), _rand((2, 20, 4), 1), _rand((2, 20, 3), 2)
-    full = jattn.linear_attention(q, k, v, causal=True, chunk_size=8)
-    a, state = jattn.linear_attention(q[:, :7], k[:, :7], v[:, :7], causal=True, return_state=True)
+    full = jax.jit(lambda q, k, v: jattn.linear_attention(q, k, v, causal=True, chunk_size=8))(q, k, v)
+    prompt = jax.jit(lambda q, k, v: jattn.linear_attention(q, k, v, causal=True, return_state=True))
+    step = jax.jit(
+        lambda q, k, v, state: jattn.linear_attention(q, k, v, causal=True, initial_state=state, return_state=True)
+    )
+    a, state = prompt(q[:, :7], k[:, :7], v[:, :7])
     outs = [a]
     for t in range(7, 20):  # one token at a time from the recurrent state
-        o, state = jattn.linear_attention(
-            q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1], causal=True, initial_state=state, return_state=True
-        )
+        o, state = step(q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1], state)
         outs.append(o)
     np.testing.assert_allclose(jnp.concatenate(outs, 1), full, **ref.tol(jnp.float32))
-    square = jattn.linear_attention(q, k, v, feature_map=jnp.square)
+    square = jax.jit(lambda q, k, v: jattn.linear_attention(q, k, v, feature_map=jnp.square))(q, k, v)
     np.testing.assert_allclose(square, _quadratic_linear(q, k, v, np.square, False), rtol=1e-4, atol=1e-5)
 
 
 def test_linear_attention_guard_on_vanishing_feature_sums():
     q = -jnp.abs(_rand((6, 4), 0)) - 1e-3  # relu features of q are exactly zero
     k, v = _rand((6, 4), 1), _rand((6, 3), 2)
-    out = jattn.linear_attention(q, k, v, feature_map="relu")
+    out = jax.jit(lambda q, k, v: jattn.linear_attention(q, k, v, feature_map="relu"))(q, k, v)
     assert np.all(np.asarray(out) == 0.0)
-    g = jax.grad(lambda k: jnp.sum(jattn.linear_attention(q + 1e-3, k * 1e-20, v, feature_map="relu")))(k)
+    g = jax.jit(jax.grad(lambda k: jnp.sum(jattn.linear_attention(q + 1e-3, k * 1e-20, v, feature_map="relu"))))(k)
     assert np.all(np.isfinite(g))
     with pytest.raises(ValueError, match="causal linear attention needs T == S"):
         jattn.linear_attention(q, k[:5], v[:5], causal=True)
@@ -134,8 +148,10 @@ def test_linear_kind_in_modules():
     m = jattn.nnx.SelfAttention(12, num_heads=2, kind="linear", rngs=nnx.Rngs(0))
     lin = jattn.linen.SelfAttention(12, num_heads=2, kind="linear")
     params = ref.linen_params(m)
-    out = m(x, masks.causal())
-    np.testing.assert_allclose(out, lin.apply({"params": params}, x, masks.causal()), atol=1e-6)
+    out, out_linen = nnx.jit(lambda m, p, x: (m(x, masks.causal()), lin.apply({"params": p}, x, masks.causal())))(
+        m, params, x
+    )
+    np.testing.assert_allclose(out, out_linen, atol=1e-6)
     qh = (x @ params["wq"]["kernel"]).reshape(2, 9, 2, 6).transpose(0, 2, 1, 3)
     kh = (x @ params["wk"]["kernel"]).reshape(2, 9, 2, 6).transpose(0, 2, 1, 3)
     vh = (x @ params["wv"]["kernel"]).reshape(2, 9, 2, 6).transpose(0, 2, 1, 3)
@@ -156,7 +172,7 @@ def test_receptive_field_is_exactly_the_mask(mask, kind):
     T, d = 8, 6
     m = jattn.nnx.SelfAttention(d, num_heads=2, kind=kind, rngs=nnx.Rngs(0))
     x = _rand((1, T, d), 1)
-    jac = jax.jacobian(lambda x: m(x, mask)[0])(x)[:, :, 0]  # (T, d, T, d): d out[t] / d x[s]
+    jac = nnx.jit(lambda m, x: jax.jacobian(lambda x: m(x, mask)[0])(x))(m, x)[:, :, 0]  # (T, d, T, d)
     reach = np.abs(np.asarray(jac)).sum(axis=(1, 3)) > 0
     np.testing.assert_array_equal(reach, np.asarray(mask.dense(T, T)))
 
@@ -185,7 +201,7 @@ def test_decoding_equals_the_full_causal_pass(options, mask, cache, steps, jit):
     T, d = sum(steps), 12
     m = jattn.nnx.SelfAttention(d, rngs=nnx.Rngs(0), **options)
     x = _rand((2, T, d), 1)
-    full = m(x, mask)
+    full = nnx.jit(lambda m, x: m(x, mask))(m, x)  # the reference: one program
     m.init_cache(2, T, **cache)
     step = lambda m, x: m(x, mask, decode=True)  # noqa: E731
     if jit:  # the module called both ways; under nnx.jit one compile a call shape, not one an operation
@@ -205,13 +221,16 @@ def test_ragged_batch_decodes_each_example_like_alone(options, cache):
     m = jattn.nnx.SelfAttention(d, rngs=nnx.Rngs(0), **options)
     x = _rand((2, T, d), 2)
     m.init_cache(2, T)
-    first = m(x[:, :6], masks.causal(), decode=True, lengths=jnp.array(prompts))  # padded prompt
+    step = nnx.jit(lambda m, x, lengths=None: m(x, masks.causal(), decode=True, lengths=lengths))
+    first = step(m, x[:, :6], jnp.array(prompts))  # padded prompt
     got = [[first[0, :3]], [first[1, :6]]]
-    for step in range(3):  # each example continues from its own position
-        tok = jnp.stack([x[0, 3 + step], x[1, 6 + step]])[:, None]
-        out = m(tok, masks.causal(), decode=True)
+    for i in range(3):  # each example continues from its own position
+        tok = jnp.stack([x[0, 3 + i], x[1, 6 + i]])[:, None]
+        out = step(m, tok)
         got[0].append(out[0])
         got[1].append(out[1])
+    alone = nnx.jit(lambda m, x: m(x, masks.causal())[0])
     for b, length in enumerate(prompts):
-        alone = m(x[b : b + 1, : length + 3], masks.causal())[0]
-        np.testing.assert_allclose(jnp.concatenate(got[b]), alone, **ref.tol(jnp.float32))
+        np.testing.assert_allclose(
+            jnp.concatenate(got[b]), alone(m, x[b : b + 1, : length + 3]), **ref.tol(jnp.float32)
+        )
