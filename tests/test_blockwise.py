@@ -24,10 +24,15 @@ def _rand(shape, seed, dtype=jnp.float32):
 
 
 def _both(q, k, v, **kw):
+    """The dense and the blockwise path's ``(out, lse)`` of one call, compiled as one program."""
     bs = kw.pop("block_size", (4, 3))
-    dense = jattn.attention(q, k, v, return_lse=True, implementation="dense", **kw)
-    block = jattn.attention(q, k, v, return_lse=True, implementation="blockwise", block_size=bs, **kw)
-    return dense, block
+
+    def both(q, k, v):
+        dense = jattn.attention(q, k, v, return_lse=True, implementation="dense", **kw)
+        block = jattn.attention(q, k, v, return_lse=True, implementation="blockwise", block_size=bs, **kw)
+        return dense, block
+
+    return jax.jit(both)(q, k, v)
 
 
 def _close_lse(a, b, dtype):
@@ -48,7 +53,7 @@ def test_a_traced_scale_is_folded_into_q():
     want, _, _ = ref.attention(q, k, v, dense, scale=0.7)
     np.testing.assert_allclose(jax.jit(call)(0.7), want, **ref.tol(jnp.float32))
     cot = np.asarray(_rand(want.shape, 3), np.float64)
-    got = jax.grad(lambda s: jnp.sum(call(s) * cot))(jnp.float32(0.7))
+    got = jax.jit(jax.grad(lambda s: jnp.sum(call(s) * cot)))(jnp.float32(0.7))
 
     def ref_loss(scale):
         return np.sum(ref.attention(q, k, v, dense, scale=scale)[0] * cot)
@@ -98,9 +103,10 @@ def test_blockwise_gradients_equal_dense(mask):
             out = jattn.attention(q, k, v, mask=mask, implementation=impl, **blocks)
             return jnp.sum(jnp.sin(out) * jnp.arange(3.0)[None, None, None])
 
-        return jax.grad(f, argnums=(0, 1, 2))(q, k, v)
+        return jax.grad(f, argnums=(0, 1, 2))
 
-    for a, b in zip(loss("blockwise"), loss("dense"), strict=True):
+    block, dense = jax.jit(lambda *a: (loss("blockwise")(*a), loss("dense")(*a)))(q, k, v)  # one program
+    for a, b in zip(block, dense, strict=True):
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)
         assert np.all(np.isfinite(a))
 
@@ -108,9 +114,13 @@ def test_blockwise_gradients_equal_dense(mask):
 def test_fully_masked_rows_and_blocks_give_zero_and_zero_gradient():
     q, k, v = _rand((1, 8, 4), 0), _rand((1, 8, 4), 1), _rand((1, 8, 4), 2)
     mask = masks.causal() & ~masks.chunked(4)  # rows 0..3 see nothing: whole blocks are empty
-    out, lse = jattn.attention(q, k, v, mask=mask, return_lse=True, implementation="blockwise", block_size=4)
+    out, lse = jax.jit(
+        lambda q: jattn.attention(q, k, v, mask=mask, return_lse=True, implementation="blockwise", block_size=4)
+    )(q)
     assert np.all(np.asarray(out[0, :4]) == 0) and np.all(np.isneginf(lse[0, :4]))
-    dq = jax.grad(lambda q: jnp.sum(jattn.attention(q, k, v, mask=mask, implementation="blockwise", block_size=4)))(q)
+    dq = jax.jit(
+        jax.grad(lambda q: jnp.sum(jattn.attention(q, k, v, mask=mask, implementation="blockwise", block_size=4)))
+    )(q)
     assert np.all(np.asarray(dq[0, :4]) == 0)
 
 
@@ -226,17 +236,26 @@ def test_auto_chooses_blockwise_for_long_sequences():
 
 def test_xla_handover_matches_and_keeps_the_contract():
     q, k, v = _rand((2, 3, 9, 8), 0), _rand((2, 3, 9, 8), 1), _rand((2, 3, 9, 8), 2)
-    for mask in (None, masks.causal(), masks.sliding_window(2, 1)):
-        np.testing.assert_allclose(
-            jattn.attention(q, k, v, mask=mask, implementation="xla"),
-            jattn.attention(q, k, v, mask=mask, implementation="dense"),
-            **ref.tol(jnp.float32),
-        )
     dense_mask = np.ones((9, 9), bool)
     dense_mask[4] = False  # a fully masked row: 0, not the mean of v
-    out = jattn.attention(q, k, v, mask=dense_mask, implementation="xla")
+
+    @jax.jit  # one program
+    def calls(q, k, v):
+        pairs = [
+            [jattn.attention(q, k, v, mask=m, implementation=i) for i in ("xla", "dense")]
+            for m in (None, masks.causal(), masks.sliding_window(2, 1))
+        ]
+        return (
+            pairs,
+            jattn.attention(q, k, v, mask=dense_mask, implementation="xla"),
+            jattn.attention(q, k, v, mask=dense_mask),
+        )
+
+    pairs, out, auto = calls(q, k, v)
+    for xla, dense in pairs:
+        np.testing.assert_allclose(xla, dense, **ref.tol(jnp.float32))
     assert np.all(np.asarray(out[:, :, 4]) == 0)
-    np.testing.assert_allclose(out, jattn.attention(q, k, v, mask=dense_mask), **ref.tol(jnp.float32))
+    np.testing.assert_allclose(out, auto, **ref.tol(jnp.float32))
 
 
 @pytest.mark.parametrize(
@@ -308,8 +327,13 @@ def test_automatic_tiles_shrink_for_narrow_windows_and_keep_the_result(monkeypat
         assert max(auto(masks.sliding_window(256), tiling)) < 512
     mask = masks.sliding_window(40)
     q, k, v = _rand((1, 2, 1031, 8), 0), _rand((1, 2, 1031, 8), 1), _rand((1, 2, 1031, 8), 2)
-    dense = jattn.attention(q, k, v, mask=mask, implementation="dense")
-    block = jattn.attention(q, k, v, mask=mask, implementation="blockwise")  # 128 x 128 tiles, a ragged last one
+
+    @jax.jit
+    def both(q, k, v):
+        dense = jattn.attention(q, k, v, mask=mask, implementation="dense")
+        return dense, jattn.attention(q, k, v, mask=mask, implementation="blockwise")  # 128² tiles, a ragged last one
+
+    dense, block = both(q, k, v)
     np.testing.assert_allclose(block, dense, **ref.tol(jnp.float32))
 
 
@@ -321,12 +345,22 @@ def test_cpu_tiles_follow_the_threads(monkeypatch, threads, want):
     monkeypatch.setattr(platform_facts, "platform", lambda: "cpu")
     monkeypatch.setattr(platform_facts, "cpu_threads", lambda: threads)
     assert _auto_tile(monkeypatch, None, 4096, "cpu", threads) == want
-    q, k, v = _rand((1, 3, 1100, 8), 0), _rand((1, 3, 1100, 8), 1), _rand((1, 3, 1100, 8), 2)
-    for mask in (None, masks.causal()):
-        got = jattn.attention(q, k, v, mask=mask, implementation="blockwise")
-        dense_mask = None if mask is None else np.asarray(mask.dense(1100, 1100))
-        want_out, _, _ = ref.attention(q, k, v, mask=dense_mask)
+    q, k, v = _threads_case()
+    mask_list = (None, masks.causal())
+    calls = jax.jit(lambda q, k, v: [jattn.attention(q, k, v, mask=m, implementation="blockwise") for m in mask_list])
+    for got, want_out in zip(calls(q, k, v), _threads_reference(), strict=True):  # traced here: under the patches
         np.testing.assert_allclose(ref.f64(got), want_out, **ref.tol(jnp.float32))
+
+
+def _threads_case():
+    return _rand((1, 3, 1100, 8), 0), _rand((1, 3, 1100, 8), 1), _rand((1, 3, 1100, 8), 2)
+
+
+@functools.cache
+def _threads_reference():
+    """The float64 outputs of :func:`_threads_case` without a mask and causal (an explicit mask), computed once."""
+    q, k, v = _threads_case()
+    return [ref.attention(q, k, v, mask=m)[0] for m in (None, np.tril(np.ones((1100, 1100), bool)))]
 
 
 @pytest.mark.parametrize("case", ["causal", "window&padding", "bias&sinks", "dropout", "score_mod", "none"])
@@ -374,9 +408,9 @@ def test_the_backward_takes_its_own_tiles_on_several_threads(monkeypatch, case):
         out = jattn.attention(q, k, v, **{**kw, "bias": bias}, implementation="blockwise", block_size=block_size)
         return jnp.sum(out * g)
 
-    grads = jax.grad(loss, argnums=(0, 1, 2, 3) if bias is not None else (0, 1, 2))(q, k, v, bias)
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3) if bias is not None else (0, 1, 2)))(q, k, v, bias)
     if case == "dropout":  # the same bits on the forward's tiles
-        want = jax.grad(loss, argnums=(0, 1, 2))(q, k, v, block_size=(16, 16))
+        want = jax.jit(jax.grad(functools.partial(loss, block_size=(16, 16)), argnums=(0, 1, 2)))(q, k, v)
         for got, w in zip(grads, want, strict=True):
             np.testing.assert_allclose(got, w, **ref.tol(jnp.float32))
     else:
@@ -393,16 +427,29 @@ def test_the_backward_takes_its_own_tiles_on_several_threads(monkeypatch, case):
 @pytest.mark.parametrize("mask", ["causal", "window", "causal-q_offset"])
 def test_the_automatic_tile_shapes_equal_the_reference(block, mask):
     """The CPU tilings' tall, narrow and wide tiles at their real sizes (LOWER diagonal tiles included), T != S."""
-    T, S = 1100, 1037
-    m, kw, shift = {
-        "causal": (masks.causal(), {}, S - T),
-        "window": (masks.sliding_window(300, 20), {}, S - T),
-        "causal-q_offset": (masks.causal(), {"q_offset": 40}, 40),
+    m, kw = {
+        "causal": (masks.causal(), {}),
+        "window": (masks.sliding_window(300, 20), {}),
+        "causal-q_offset": (masks.causal(), {"q_offset": 40}),
     }[mask]
-    t, s = np.arange(T)[:, None] + shift, np.arange(S)[None, :]
+    q, k, v, g, dense = _tile_shape_case(mask)
+    _match_reference(q, k, v, g, dense, reference=_tile_shape_reference(mask), mask=m, block_size=block, **kw)
+
+
+def _tile_shape_case(mask: str):
+    """q, k, v, the cotangent and the explicit mask of :func:`test_the_automatic_tile_shapes_equal_the_reference`."""
+    T, S = 1100, 1037
+    t, s = np.arange(T)[:, None] + (40 if mask == "causal-q_offset" else S - T), np.arange(S)[None, :]
     dense = (s >= t - 300) & (s <= t + 20) if mask == "window" else s <= t
     q, k, v, g = _rand((1, 1, T, 8), 0), _rand((1, 1, S, 8), 1), _rand((1, 1, S, 4), 2), _rand((1, 1, T, 4), 3)
-    _match_reference(q, k, v, g, dense, mask=m, block_size=block, **kw)
+    return q, k, v, g, dense
+
+
+@functools.cache
+def _tile_shape_reference(mask: str):
+    """The float64 output and gradients of a :func:`_tile_shape_case`, once a mask (its three tilings share them)."""
+    q, k, v, g, dense = _tile_shape_case(mask)
+    return ref.attention(q, k, v, dense)[0], ref.attention_grads(q, k, v, g, dense)[:3]
 
 
 @pytest.mark.parametrize(
@@ -420,30 +467,48 @@ def test_both_platform_tilings_equal_the_reference(monkeypatch, platform, thread
     monkeypatch.setattr(platform_facts, "TILE_BYTES", tile_bytes)
     assert platform_facts.group_size(6, 4, 3, 4, platform, threads) == group
     with jax.enable_x64(dtype == jnp.float64):
-        q, k, v = _rand((2, 3, 11, 5), 0, dtype), _rand((2, 3, 7, 5), 1, dtype), _rand((2, 1, 7, 4), 2, dtype)
-        m = {
-            "causal-window": masks.causal() & masks.sliding_window(3),
-            "array": jnp.asarray(np.random.default_rng(0).random((2, 3, 11, 7)) > 0.4),
-            "empty-rows": masks.causal() & ~masks.chunked(4),
-        }[mask]
-
-        def loss(impl):
-            def f(q, k, v):
-                kw = {"block_size": (4, 3)} if impl == "blockwise" else {}
-                out = jattn.attention(q, k, v, mask=m, implementation=impl, **kw)
-                return jnp.sum(out.astype(jnp.float32) * jnp.arange(4, dtype=jnp.float32)[None, None, None]), out
-
-            return jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)(q, k, v)
-
-        (_, out_b), grads_b = loss("blockwise")
-        (_, out_d), grads_d = loss("dense")
-        dense_mask = m if not isinstance(m, masks.Mask) else np.asarray(m.dense(11, 7))
-        want, _, _ = ref.attention(q, k, v, mask=dense_mask)
+        out_b, grads_b = _tiling_run("blockwise", dtype, mask)  # traced here: under the patches
+        want, out_d, grads_d = _tiling_references(dtype, mask)
         np.testing.assert_allclose(ref.f64(out_b), want, **ref.tol(dtype))
-        np.testing.assert_allclose(ref.f64(out_b), ref.f64(out_d), **ref.tol(dtype))
+        np.testing.assert_allclose(ref.f64(out_b), out_d, **ref.tol(dtype))
         for a, b in zip(grads_b, grads_d, strict=True):
             assert a.dtype == dtype and np.all(np.isfinite(ref.f64(a)))
-            np.testing.assert_allclose(ref.f64(a), ref.f64(b), **ref.tol(dtype))
+            np.testing.assert_allclose(ref.f64(a), b, **ref.tol(dtype))
+
+
+def _tiling_case(dtype, mask: str):
+    """q, k, v and the mask of :func:`test_both_platform_tilings_equal_the_reference`."""
+    q, k, v = _rand((2, 3, 11, 5), 0, dtype), _rand((2, 3, 7, 5), 1, dtype), _rand((2, 1, 7, 4), 2, dtype)
+    m = {
+        "causal-window": masks.causal() & masks.sliding_window(3),
+        "array": jnp.asarray(np.random.default_rng(0).random((2, 3, 11, 7)) > 0.4),
+        "empty-rows": masks.causal() & ~masks.chunked(4),
+    }[mask]
+    return q, k, v, m
+
+
+def _tiling_run(impl: str, dtype, mask: str):
+    """``impl``'s output and the gradients of ``sum(out · [0, 1, 2, 3])`` on the tiling case, one program."""
+    q, k, v, m = _tiling_case(dtype, mask)
+
+    def f(q, k, v):
+        kw = {"block_size": (4, 3)} if impl == "blockwise" else {}
+        out = jattn.attention(q, k, v, mask=m, implementation=impl, **kw)
+        return jnp.sum(out.astype(jnp.float32) * jnp.arange(4, dtype=jnp.float32)[None, None, None]), out
+
+    (_, out), grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    return out, grads
+
+
+@functools.cache
+def _tiling_references(dtype, mask: str):
+    """The float64 output and the dense path's output and gradients, as float64 NumPy: the same for every tiling
+    (the dense path reads no platform fact), computed once a dtype and mask."""
+    q, k, v, m = _tiling_case(dtype, mask)
+    out, grads = _tiling_run("dense", dtype, mask)
+    dense_mask = m if not isinstance(m, masks.Mask) else np.asarray(m.dense(11, 7))
+    want, _, _ = ref.attention(q, k, v, mask=dense_mask)
+    return want, ref.f64(out), [ref.f64(g) for g in grads]
 
 
 def test_cpu_tiles_are_fitted_to_tile_bytes():
@@ -457,18 +522,19 @@ def test_cpu_tiles_are_fitted_to_tile_bytes():
     assert group_size(32, 128, 128, 4, "cpu", 1) == TILE_BYTES // 8 // (128 * 128 * 4)
 
 
-def _match_reference(q, k, v, g, dense, **kw):
+def _match_reference(q, k, v, g, dense, reference=None, **kw):
     """Blockwise ``attention(q, k, v, **kw)`` and the gradients of ``sum(out * g)`` against float64
-    with the explicit mask ``dense`` (float32 tolerances); returns that loss of (q, k, v)."""
+    with the explicit mask ``dense`` (float32 tolerances); returns that loss of (q, k, v). ``reference``: that
+    float64 output and gradients where already computed."""
 
     def loss(q, k, v):
         out = jattn.attention(q, k, v, implementation="blockwise", **kw)
         return jnp.sum(out * g), out
 
-    (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
-    want, _, _ = ref.attention(q, k, v, dense)
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    want, want_grads = reference or (ref.attention(q, k, v, dense)[0], ref.attention_grads(q, k, v, g, dense)[:3])
     np.testing.assert_allclose(ref.f64(out), want, **ref.tol(jnp.float32))
-    for got, w in zip(grads, ref.attention_grads(q, k, v, g, dense)[:3], strict=True):
+    for got, w in zip(grads, want_grads, strict=True):
         ref.assert_grad_close(got, w, jnp.float32)
     return lambda q, k, v: loss(q, k, v)[0]
 
@@ -492,23 +558,34 @@ def test_vmap_equals_a_loop_and_tiles_like_an_explicit_batch(monkeypatch, mapped
     in_axes = axes[mapped]
     args = tuple(x if a == 0 else x[0] for x, a in zip((q, k, v, arr), in_axes, strict=True))
 
+    array_mask = mapped == "array-mask"
+
     def f(q, k, v, m):
-        mask = masks.causal() if mapped != "array-mask" else m
+        mask = m if array_mask else masks.causal()
         return jattn.attention(q, k, v, mask=mask, implementation="blockwise", block_size=(4, 3))
 
     def loss(*a):
         return jnp.sum(jnp.sin(jax.vmap(f, in_axes=in_axes)(*a)))
 
-    def loop_loss(*a):
-        pick = [[x[i] if ax == 0 else x for x, ax in zip(a, in_axes, strict=True)] for i in range(3)]
-        return sum(jnp.sum(jnp.sin(f(*p))) for p in pick)
+    def one_loss(*a):
+        return jnp.sum(jnp.sin(f(*a)))
 
-    mapped, looped = (jax.jit(jax.value_and_grad(fn, (0, 1, 2)))(*args) for fn in (loss, loop_loss))  # one compile each
-    np.testing.assert_allclose(mapped[0], looped[0], rtol=1e-5)
-    for a, b in zip(mapped[1], looped[1], strict=True):
+    # the loop: one call a mapped index (one program for the three); its loss is their sum, its gradient in a
+    # mapped argument their stack, in a shared one their sum
+    one = jax.jit(jax.value_and_grad(one_loss, (0, 1, 2)))
+    steps = [one(*(x[i] if ax == 0 else x for x, ax in zip(args, in_axes, strict=True))) for i in range(3)]
+    looped_grads = [
+        jnp.stack([s[1][j] for s in steps]) if in_axes[j] == 0 else sum(s[1][j] for s in steps) for j in range(3)
+    ]
+    value, grads = jax.jit(jax.value_and_grad(loss, (0, 1, 2)))(*args)
+    np.testing.assert_allclose(value, sum(s[0] for s in steps), rtol=1e-5)
+    for a, b in zip(grads, looped_grads, strict=True):
         np.testing.assert_allclose(a, b, **ref.tol(jnp.float32))
-    per_example = jax.jit(jax.vmap(jax.grad(lambda *a: jnp.sum(jnp.sin(f(*a))), (0, 1, 2)), in_axes=in_axes))(*args)
+    per_example = jax.jit(jax.vmap(jax.grad(one_loss, (0, 1, 2)), in_axes=in_axes))(*args)
     assert [g.shape[0] for g in per_example] == [3, 3, 3]
+    for i, s in enumerate(steps):  # each index's gradients are its own call's
+        for a, b in zip(per_example, s[1], strict=True):
+            np.testing.assert_allclose(a[i], b, **ref.tol(jnp.float32))
     # A mapped array mask keeps its per-row tile kinds: it folds into the batch too.
     batch = (q.reshape(6, 2, 11, 5), k.reshape(6, 1, 7, 5), v.reshape(6, 1, 7, 4), arr.reshape(6, 2, 11, 7))
     assert _dot_shapes(jax.vmap(f, in_axes=in_axes), *args) == _dot_shapes(f, *batch)
@@ -596,7 +673,7 @@ def test_tiles_computed_in_parts_equal_the_reference(monkeypatch, dtype, case, b
         out, lse = jattn.attention(q, k, v, mask=mask, **kw)
         return jnp.sum(out.astype(jnp.float32) * g.astype(jnp.float32)), (out, lse)
 
-    (_, (out, lse)), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    (_, (out, lse)), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
     want, _, want_lse = ref.attention(q, k, v, dense, sinks=sinks)
     np.testing.assert_allclose(ref.f64(out), want, **ref.tol(dtype))
     _close_lse(lse, want_lse, dtype)
@@ -675,8 +752,12 @@ def test_lower_tiles_stay_whole_where_a_tile_carries_more_than_the_mask(monkeypa
     q, k, v = _rand((2, 3, 13, 5), 0), _rand((2, 3, 13, 5), 1), _rand((2, 3, 13, 4), 2)
     bias = _rand((1, 3, 13, 13), 4)
     kw = {"bias": dict(bias=bias), "score_mod": dict(score_mod=jattn.score_mods.softcap(2.0))}[extra]
-    got = jattn.attention(q, k, v, mask=masks.causal(), implementation="blockwise", block_size=(6, 4), **kw)
-    want = jattn.attention(q, k, v, mask=masks.causal(), implementation="dense", **kw)
+    got, want = jax.jit(  # one program, traced here: under the patch
+        lambda q, k, v: [
+            jattn.attention(q, k, v, mask=masks.causal(), implementation=i, block_size=b, **kw)
+            for i, b in (("blockwise", (6, 4)), ("dense", None))
+        ]
+    )(q, k, v)
     np.testing.assert_allclose(got, want, **ref.tol(jnp.float32))
     if extra == "bias":
         causal = np.tril(np.ones((13, 13), bool))
@@ -692,11 +773,11 @@ def test_lower_tiles_split_at_the_default_threshold():
     half = SPLIT_MIN // 2
     assert {f"f32[2,{half},{half}]", f"f32[2,{half},{SPLIT_MIN}]"} <= _dot_shapes(fn, q, q, q)
     want = ref.attention(q, q, q, np.tril(np.ones((333, 333), bool)))[0]
-    np.testing.assert_allclose(ref.f64(fn(q, q, q)), want, **ref.tol(jnp.float32))
+    np.testing.assert_allclose(ref.f64(jax.jit(fn)(q, q, q)), want, **ref.tol(jnp.float32))
     k = _rand((1, 2, 300, 8), 1)  # no mask: the last key block holds 44 keys of 128, then padding
     fn = functools.partial(jattn.attention, implementation="blockwise", block_size=SPLIT_MIN)
     assert f"f32[2,{half},{half}]" in _dot_shapes(fn, q, k, k)
-    np.testing.assert_allclose(ref.f64(fn(q, k, k)), ref.attention(q, k, k)[0], **ref.tol(jnp.float32))
+    np.testing.assert_allclose(ref.f64(jax.jit(fn)(q, k, k)), ref.attention(q, k, k)[0], **ref.tol(jnp.float32))
 
 
 @pytest.mark.parametrize("platform, tile_bytes", [("cpu", 4 * 3 * 4), ("cpu", 10**9), ("gpu", 4 * 3 * 4)])
@@ -765,9 +846,10 @@ def test_vmap_over_per_example_masks_equals_a_loop():
         mask = masks.segment_ids(ids) & masks.causal()
         return jattn.attention(q, k, v, mask=mask, implementation="blockwise", block_size=(4, 3))
 
-    mapped = jax.vmap(f)(q, k, v, ids)
-    for n in range(3):
-        dense = np.asarray((masks.segment_ids(ids[n]) & masks.causal()).dense(11, 11))
+    mapped = jax.jit(jax.vmap(f))(q, k, v, ids)
+    for n in range(3):  # the explicit mask from the ids themselves: (B, 1, T, S)
+        same = np.asarray(ids)[n][:, :, None] == np.asarray(ids)[n][:, None, :]
+        dense = same[:, None] & np.tril(np.ones((11, 11), bool))
         np.testing.assert_allclose(
             ref.f64(mapped[n]), ref.attention(q[n], k[n], v[n], dense)[0], **ref.tol(jnp.float32)
         )
@@ -795,7 +877,9 @@ def test_per_example_batch_is_qs_first_axis_when_k_has_more_leading_axes():
         masks.segment_ids(np.array([[0, 0, 1, 1, 1]] * 2), np.eye(2, 7, 3, int)),
     ):
         dense = np.asarray(mask.dense(5, 7))[:, 0]  # (B, T, S): batch on q's first axis
-        got = jattn.attention(q, k, v, mask=mask, implementation="blockwise", block_size=(2, 3))
+        got = jax.jit(
+            lambda q, k, v, m=mask: jattn.attention(q, k, v, mask=m, implementation="blockwise", block_size=(2, 3))
+        )(q, k, v)
         np.testing.assert_allclose(ref.f64(got), ref.attention(q, k, v, dense)[0], **ref.tol(jnp.float32))
 
 
@@ -848,8 +932,9 @@ def test_predicate_under_vmap_of_its_closed_over_array_equals_a_loop():
         return jattn.attention(q, k, v, mask=mask, implementation=impl, **kw)
 
     mapped = jax.jit(jax.vmap(lambda w: f(w, "blockwise")))(windows)
+    dense = jax.jit(lambda w: f(w, "dense"))  # one program for the loop's three calls
     for n in range(3):
-        np.testing.assert_allclose(mapped[n], f(windows[n], "dense"), **ref.tol(jnp.float32))
+        np.testing.assert_allclose(mapped[n], dense(windows[n]), **ref.tol(jnp.float32))
 
 
 def test_predicate_refuses_bad_input():
@@ -867,12 +952,18 @@ def test_fuzz_finds_on_the_blockwise_path():
     q, k, v = _rand((5, 3), 0), _rand((7, 3), 1), _rand((7, 3), 2)
     arr = np.random.default_rng(10).random((1, 5, 7)) < 0.6
     sinks = jnp.array([0.5])
-    want = jattn.attention(q, k, v, mask=arr, sinks=sinks, implementation="dense")
-    got = jattn.attention(q, k, v, mask=arr, sinks=sinks, implementation="blockwise", block_size=(2, 3))
+    want, got = jax.jit(
+        lambda q, k, v: [
+            jattn.attention(q, k, v, mask=arr, sinks=sinks, implementation=i, block_size=b)
+            for i, b in (("dense", None), ("blockwise", (2, 3)))
+        ]
+    )(q, k, v)
     np.testing.assert_allclose(got, want, **ref.tol(jnp.float32))
     with jax.enable_x64(True):
         q, k = _rand((2, 5, 3), 0, jnp.float64), _rand((2, 7, 3), 1, jnp.float64)
         mask = masks.padding(q_lengths=np.array([2, 5]), kv_lengths=np.array([0, 6]))
         want = ref.attention(q, k, k, np.asarray(mask.dense(5, 7))[:, 0])[0]
-        got = jattn.attention(q, k, k, mask=mask, implementation="blockwise", block_size=(2, 3))
+        got = jax.jit(lambda q, k: jattn.attention(q, k, k, mask=mask, implementation="blockwise", block_size=(2, 3)))(
+            q, k
+        )
         np.testing.assert_allclose(ref.f64(got), want, **ref.tol(jnp.float64))

@@ -68,10 +68,10 @@ def test_bf16_gradients_no_worse_than_jax_nn():
 
     with jax.numpy_dtype_promotion("standard"):  # jax.nn's own backward promotes bf16 with f32 implicitly
         nn_dx, nn_db = grads(_jax_nn, x, bias)
-        nn_dx_nobias = jax.grad(lambda x: jnp.sum(_jax_nn(x, x, x).astype(jnp.float32) * g))(x)
+        nn_dx_nobias = jax.jit(jax.grad(lambda x: jnp.sum(_jax_nn(x, x, x).astype(jnp.float32) * g)))(x)
     dx, db = grads(ours("dense"), x, bias)
     assert err(dx, want_dx) <= err(nn_dx, want_dx) and err(db, want_db) <= err(nn_db, want_db)
-    dx = jax.grad(lambda x: jnp.sum(ours("blockwise")(x, x, x).astype(jnp.float32) * g))(x)
+    dx = jax.jit(jax.grad(lambda x: jnp.sum(ours("blockwise")(x, x, x).astype(jnp.float32) * g)))(x)
     assert err(dx, want_dx_nobias) <= err(nn_dx_nobias, want_dx_nobias)
 
 
@@ -84,7 +84,7 @@ def test_a_row_that_sees_one_key_has_zero_query_gradient(impl):
     mask[3] = False
     mask[3, 5] = True
     g = jnp.asarray(rng.normal(size=(2, 9, 8)), jnp.float32)
-    dq = jax.grad(_loss(impl, g, mask=mask))(q, k, v)
+    dq = jax.jit(jax.grad(_loss(impl, g, mask=mask)))(q, k, v)
     assert np.all(np.asarray(dq[:, 3], np.float32) == 0)
 
 
@@ -96,7 +96,7 @@ def test_a_row_that_sees_one_key_has_zero_query_gradient(impl):
 def test_xla_takes_offsets_through_jax_nn_arguments(mask, q_offset):
     rng = np.random.default_rng(2)
     q, k, v = (jnp.asarray(rng.normal(size=(2, n, 6)), jnp.float32) for n in (7, 11, 11))
-    got = jattn.attention(q, k, v, mask=mask, q_offset=q_offset, implementation="xla")
+    got = jax.jit(lambda q, k, v: jattn.attention(q, k, v, mask=mask, q_offset=q_offset, implementation="xla"))(q, k, v)
     dense = np.asarray(mask.dense(7, 11, q_offset=q_offset))
     np.testing.assert_allclose(got, ref.attention(q, k, v, dense)[0], **ref.tol(jnp.float32))
 
@@ -110,7 +110,9 @@ def test_padding_lengths_lie_on_the_batch_axis_of_q(impl):
     pad = masks.padding(q_lengths=jnp.array([1, 5, 3]), kv_lengths=jnp.array([7, 2, 4]))
     dense = np.asarray(pad.dense(5, 7)).reshape(3, 5, 7)  # batch first, broadcasting like q
     want = ref.attention(q, k, v, dense)[0]
-    got = jattn.attention(*(jnp.asarray(x, jnp.float32) for x in (q, k, v)), mask=pad, implementation=impl)
+    got = jax.jit(lambda *a: jattn.attention(*a, mask=pad, implementation=impl))(
+        *(jnp.asarray(x, jnp.float32) for x in (q, k, v))
+    )
     np.testing.assert_allclose(ref.f64(got), want, **ref.tol(jnp.float32))
 
 
@@ -123,7 +125,9 @@ def test_padding_batch_broadcasts_against_a_unit_batch(impl):
     pad = masks.padding(q_lengths=jnp.array([2, 5]), kv_lengths=jnp.array([7, 3]))
     dense = np.asarray(pad.dense(5, 7)).reshape(2, 1, 5, 7)
     want = ref.attention(q, k, v, dense)[0]
-    got = jattn.attention(*(jnp.asarray(x, jnp.float32) for x in (q, k, v)), mask=pad, implementation=impl)
+    got = jax.jit(lambda *a: jattn.attention(*a, mask=pad, implementation=impl))(
+        *(jnp.asarray(x, jnp.float32) for x in (q, k, v))
+    )
     assert got.shape == want.shape == (2, 3, 5, 4)
     np.testing.assert_allclose(ref.f64(got), want, **ref.tol(jnp.float32))
 
@@ -153,7 +157,7 @@ def test_one_dimensional_mask_and_bias_broadcast_like_numpy(impl):
     keys = np.array([True, False, True, True, False, True, True])
     bias = rng.normal(size=(7,)).astype(np.float32)
     kw = {} if impl == "blockwise" else {"bias": bias}
-    got = jattn.attention(q, k, v, mask=keys, implementation=impl, **kw)
+    got = jax.jit(lambda q, k, v: jattn.attention(q, k, v, mask=keys, implementation=impl, **kw))(q, k, v)
     want = ref.attention(q, k, v, np.broadcast_to(keys, (4, 7)), None if impl == "blockwise" else bias)[0]
     np.testing.assert_allclose(got, want, **ref.tol(jnp.float32))
 
@@ -173,10 +177,15 @@ def test_array_masks_combine_with_predicates(impl, op):
     dense_pred = np.asarray(pred.dense(9, 13))
     want_mask = {"and": arr & dense_pred, "or": arr | dense_pred, "not": ~arr & dense_pred}[op]
     kw = {"block_size": (4, 3)} if impl == "blockwise" else {}
-    got = jattn.attention(q, k, v, mask=mask, implementation=impl, **kw)
-    np.testing.assert_allclose(got, ref.attention(q, k, v, want_mask)[0], **ref.tol(jnp.float32))
     g = jnp.asarray(rng.normal(size=(2, 3, 9, 5)), jnp.float32)
-    grads = jax.grad(_loss(impl, g, mask=mask, **kw), argnums=(0, 1, 2))(q, k, v)
+
+    @jax.jit  # one program: the values and the gradients
+    def call(q, k, v):
+        out = jattn.attention(q, k, v, mask=mask, implementation=impl, **kw)
+        return out, jax.grad(_loss(impl, g, mask=mask, **kw), argnums=(0, 1, 2))(q, k, v)
+
+    got, grads = call(q, k, v)
+    np.testing.assert_allclose(got, ref.attention(q, k, v, want_mask)[0], **ref.tol(jnp.float32))
     for a, b in zip(grads, ref.attention_grads(q, k, v, g, want_mask)[:3], strict=True):
         ref.assert_grad_close(a, b, jnp.float32)
 
@@ -263,8 +272,8 @@ def test_every_cell_of_the_support_table(row, impl):
             return
         if impl == "cudnn":
             pytest.skip("cuDNN needs an NVIDIA GPU; its translations are tested by their refusals and on 'xla'")
-        try:
-            got = jattn.attention(q, k, v, implementation=impl, **kw)
+        try:  # one program (a refusal is raised while tracing)
+            got = jax.jit(lambda q, k, v: jattn.attention(q, k, v, implementation=impl, **kw))(q, k, v)
         except KernelRefusalError as err:  # "partly": this platform's kernel refuses this call, naming the row
             assert cell.startswith("partly") and f"implementation='{impl}' cannot take {row.split(' (')[0]}" in str(err)
             return
@@ -277,8 +286,8 @@ def test_every_cell_of_the_support_table(row, impl):
             q, k, v, None if dense is None else np.asarray(dense), bias, stats=True, **extra
         )
         if row == "dropout_rate":  # unbiased: dropout averages out over many draws
-            draws = jax.vmap(
-                lambda key: jattn.attention(q, k, v, implementation=impl, dropout_rate=0.3, dropout_rng=key)
+            draws = jax.jit(
+                jax.vmap(lambda key: jattn.attention(q, k, v, implementation=impl, dropout_rate=0.3, dropout_rng=key))
             )(jax.random.split(jax.random.key(2), 2000))
             np.testing.assert_allclose(np.mean(np.asarray(draws), 0), want, atol=0.08)
             return

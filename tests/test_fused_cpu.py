@@ -10,6 +10,7 @@ Skipped where the kernels cannot run (no g++, or a CPU with none of their vector
 
 from __future__ import annotations
 
+import functools
 import os
 import pathlib
 import shutil
@@ -134,14 +135,30 @@ def test_the_fused_forward_matches_float64(case):
     _close(top, want_top * np.ones_like(want_lse), jnp.float32)
 
 
+@functools.cache
+def _tangent_reference(name: str) -> tuple[np.ndarray, np.ndarray]:
+    """JAX's jvp of the float64 dense reference on case ``name``'s inputs and tangents: ``(d out, d lse)``, once a
+    case (both forms of :func:`test_the_fused_tangent_matches_float64` compare with it)."""
+    mask, (T, S), q_offset, kv_offset, dtype, (lq, lk), (D, E) = CASES[name]
+    q, k, v = _rand((*lq, T, D), 0, dtype), _rand((*lk, S, D), 1, dtype), _rand((*lk, S, E), 2, dtype)
+    t = (_rand((*lq, T, D), 3, dtype), _rand((*lk, S, D), 4, dtype), _rand((*lk, S, E), 5, dtype))
+    keep = None if mask is None else np.asarray(mask.dense(T, S, q_offset=q_offset, kv_offset=kv_offset))
+    with jax.enable_x64(True):
+        up = tuple(jnp.asarray(ref.f64(x)) for x in (q, k, v, *t))
+        _, (d_out, d_lse) = jax.jit(lambda a, t: jax.jvp(lambda q, k, v: ref.dense_jax(q, k, v, keep=keep), a, t))(
+            up[:3], up[3:]
+        )
+        return np.asarray(d_out), np.asarray(d_lse)
+
+
 @pytest.mark.parametrize("form", ["jvp", "linearize"])
-@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
-def test_the_fused_tangent_matches_float64(case, form):
+@pytest.mark.parametrize("name", CASES)
+def test_the_fused_tangent_matches_float64(name, form):
     """Forward mode where the forward is the kernel's, against JAX's jvp of the float64 dense reference (rows
     without keys: tangent 0; 16-bit inputs): jvp runs the forward and the tangent in one pass (its primal is the
     forward's, bit for bit); linearize's linear map the tangent with the lse known (each kernel's custom call
     in its program)."""
-    mask, (T, S), q_offset, kv_offset, dtype, (lq, lk), (D, E) = case
+    mask, (T, S), q_offset, kv_offset, dtype, (lq, lk), (D, E) = CASES[name]
     q, k, v = _rand((*lq, T, D), 0, dtype), _rand((*lk, S, D), 1, dtype), _rand((*lk, S, E), 2, dtype)
     t = (_rand((*lq, T, D), 3, dtype), _rand((*lk, S, D), 4, dtype), _rand((*lk, S, E), 5, dtype))
     kw = dict(mask=mask, q_offset=q_offset, kv_offset=kv_offset, implementation="blockwise", return_lse=True)
@@ -157,13 +174,11 @@ def test_the_fused_tangent_matches_float64(case, form):
             np.testing.assert_array_equal(got, want)
     else:
         primal, linear = jax.linearize(f, q, k, v)
-        assert "custom_call @jattn_fused_tangent(" in jax.jit(linear).lower(*t).as_text()
+        linear = jax.jit(linear)  # the linear map as one program
+        assert "custom_call @jattn_fused_tangent(" in linear.lower(*t).as_text()
         d_out, d_lse = linear(*t)
     lse = np.asarray(primal[1])
-    keep = None if mask is None else np.asarray(mask.dense(T, S, q_offset=q_offset, kv_offset=kv_offset))
-    with jax.enable_x64(True):
-        up = tuple(jnp.asarray(ref.f64(x)) for x in (q, k, v, *t))
-        _, (want_out, want_lse) = jax.jvp(lambda q, k, v: ref.dense_jax(q, k, v, keep=keep), up[:3], up[3:])
+    want_out, want_lse = _tangent_reference(name)
     assert d_out.dtype == dtype and d_lse.dtype == jnp.float32
     ref.assert_grad_close(d_out, want_out, dtype)
     ref.assert_grad_close(d_lse, np.where(np.isneginf(lse), 0, want_lse), dtype)
@@ -193,7 +208,9 @@ def test_the_fused_backward_matches_float64(case):
     keep = None if mask is None else np.asarray(mask.dense(T, S, q_offset=q_offset, kv_offset=kv_offset))
     got = jax.jit(ours)(q, k, v)
     with jax.enable_x64(True):
-        want = loss(lambda q, k, v: ref.dense_jax(q, k, v, keep=keep))(*(jnp.asarray(ref.f64(x)) for x in (q, k, v)))
+        want = jax.jit(loss(lambda q, k, v: ref.dense_jax(q, k, v, keep=keep)))(
+            *(jnp.asarray(ref.f64(x)) for x in (q, k, v))
+        )
     for g, w, x in zip(got, want, (q, k, v), strict=True):
         assert g.dtype == x.dtype and g.shape == x.shape
         ref.assert_grad_close(g, w, dtype)
@@ -257,7 +274,7 @@ def test_packed_documents_fold_under_vmap_and_export_keeps_their_mask():
 
     assert _fused(jax.vmap(call), q, k, v, seg)
     for f in (call, grad):
-        looped = [f(q[i], k[i], v[i], seg[i]) for i in range(3)]
+        looped = [jax.jit(f)(q[i], k[i], v[i], seg[i]) for i in range(3)]  # one program for the loop's calls
         mapped = jax.jit(jax.vmap(f))(q, k, v, seg)
         want = jax.tree.map(lambda *xs: jnp.stack(xs), *looped)
         for a, b in zip(jax.tree.leaves(mapped), jax.tree.leaves(want), strict=True):
@@ -290,16 +307,23 @@ def test_grouped_heads_read_k_and_v_unrepeated():
     program = jax.jit(jax.grad(loss(fused), argnums=(0, 1, 2))).lower(q, k, v).as_text()
     calls = [line for line in program.splitlines() if "custom_call @jattn_fused" in line]
     assert calls and all(f"tensor<{B * K}x" in line and f"tensor<{B * K * G}x" in line for line in calls)
-    np.testing.assert_allclose(jax.jit(fused)(q, k, v), dense(q, k, v), **ref.tol(jnp.float32))
+    t = (_rand(q.shape, 4), _rand(k.shape, 5), _rand(v.shape, 6))
+
+    @jax.jit
+    def dense_path(q, k, v, t):  # the dense path's forward, gradient and second-order product: one program
+        grad = jax.grad(loss(dense), argnums=(0, 1, 2))
+        return dense(q, k, v), grad(q, k, v), jax.jvp(grad, (q, k, v), t)[1]
+
+    want_out, want_grads, want_hvp = dense_path(q, k, v, t)
+    np.testing.assert_allclose(jax.jit(fused)(q, k, v), want_out, **ref.tol(jnp.float32))
     grads = jax.jit(jax.grad(loss(fused), argnums=(0, 1, 2)))(q, k, v)
-    for got, want in zip(grads, jax.grad(loss(dense), argnums=(0, 1, 2))(q, k, v), strict=True):
+    for got, want in zip(grads, want_grads, strict=True):
         ref.assert_grad_close(got, want, jnp.float32)
     mapped = jax.jit(jax.vmap(jax.grad(loss(fused), argnums=(0, 1, 2))))(q[None], k[None], v[None])
     for got, want in zip(mapped, grads, strict=True):
         np.testing.assert_allclose(got[0], want, rtol=1e-5, atol=1e-6)
-    t = (_rand(q.shape, 4), _rand(k.shape, 5), _rand(v.shape, 6))
-    hvp = [jax.jvp(jax.grad(loss(f), argnums=(0, 1, 2)), (q, k, v), t)[1] for f in (fused, dense)]
-    for got, want in zip(*hvp, strict=True):
+    hvp = jax.jit(lambda q, k, v, t: jax.jvp(jax.grad(loss(fused), argnums=(0, 1, 2)), (q, k, v), t)[1])(q, k, v, t)
+    for got, want in zip(hvp, want_hvp, strict=True):
         ref.assert_grad_close(got, want, jnp.float32)
 
 
@@ -382,6 +406,7 @@ def test_the_result_does_not_depend_on_the_thread_count(monkeypatch):
             np.testing.assert_array_equal(a, b)
 
 
+@functools.cache  # this process's build: computed once for every other layer's comparison
 def _layer_case() -> list[np.ndarray]:
     """Forward (out, lse), jvp's tangents and grad of a causal sliding-window call crossing every block, as numpy."""
     T, S = 300, 530

@@ -176,7 +176,7 @@ def test_softcap_and_sinks():
         )
         return jnp.sum(out * jnp.asarray(g, jnp.float32)), out
 
-    (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, sinks)
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(q, k, v, sinks)
     dense = np.asarray(mask.dense(13, 17))
     cap = lambda s, *_: 2.5 * np.tanh(s / 2.5)  # noqa: E731
     want, _, _ = ref.attention(q, k, v, dense, score_mod=cap, sinks=sinks)
@@ -202,7 +202,7 @@ def test_lse_values_and_gradients():
         _, lse = jattn.attention(q, k, v, mask=mask, return_lse=True, implementation="pallas", block_size=8, **kw)
         return jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * jnp.asarray(gl, jnp.float32)), lse
 
-    (_, lse), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    (_, lse), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
     _, _, want = ref.attention(q, k, v, dense, q_offset=-2)
     np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want))
     np.testing.assert_allclose(
@@ -232,7 +232,7 @@ def test_max_logit_is_each_rows_largest_kept_modified_logit():
             return_max_logit=True, implementation="pallas", block_size=8, **kw,
         )  # fmt: skip
 
-    (out, lse, top), (_, _, d_top) = jax.jvp(f, (q, k, v), _tangents((q, k, v), 10))
+    (out, lse, top), (_, _, d_top) = jax.jit(lambda a, t: jax.jvp(f, a, t))((q, k, v), _tangents((q, k, v), 10))
     dense = np.asarray(masks.causal().dense(T, S, **kw))
     cap = lambda s, *_: 2.5 * np.tanh(s / 2.5)  # noqa: E731
     want, _, want_lse, want_top = ref.attention(q, k, v, dense, score_mod=cap, sinks=sinks, q_offset=-2, stats=True)
@@ -339,7 +339,7 @@ def test_jvp_equals_the_reference(case):
         wide = (scale or 1 / np.sqrt(D)) * np.sqrt(D)  # dense_jax scales by 1/sqrt(D)
         args = (jnp.asarray(ref.f64(q)) * wide, *(jnp.asarray(ref.f64(x)) for x in (k, v)))
         dt = (jnp.asarray(ref.f64(tangents[0])) * wide, *(jnp.asarray(ref.f64(t)) for t in tangents[1:]))
-        want, d_want = jax.jvp(lambda q, k, v: ref.dense_jax(q, k, v, keep=dense), args, dt)
+        want, d_want = jax.jit(lambda a, t: jax.jvp(lambda q, k, v: ref.dense_jax(q, k, v, keep=dense), a, t))(args, dt)
     assert d_out.dtype == dtype and d_out.shape == want[0].shape and d_lse.dtype == jnp.float32
     np.testing.assert_allclose(ref.f64(out), np.asarray(want[0]), **ref.tol(dtype))
     ref.assert_grad_close(d_out, np.asarray(d_want[0]), dtype)
@@ -369,20 +369,20 @@ def test_jvp_in_sinks_softcap_and_the_arrays_a_score_mod_closes_over():
         mod = score_mods.alibi(slopes)
         return jattn.attention(q, k, v, mask=mask, score_mod=mod, scale=0.5, implementation="pallas", block_size=8)
 
-    got_cap = jax.jvp(capped, (q, k, v, sinks), tangents[:4])
+    got_cap = jax.jvp(capped, (q, k, v, sinks), tangents[:4])  # eagerly (the kernel's jvp outside jit)
     got_alibi = jax.jit(lambda a, t: jax.jvp(alibi, a, t))((q, k, v, slopes), (*tangents[:3], tangents[4]))
     with jax.enable_x64(True):
         wide = lambda xs: tuple(jnp.asarray(ref.f64(x)) for x in xs)  # noqa: E731
-        want_cap = jax.jvp(
-            lambda q, k, v, s: ref.dense_jax(q, k, v, keep=keep, sinks=s, softcap=2.5)[0],
-            wide((q, k, v, sinks)),
-            wide(tangents[:4]),
-        )
-        want_alibi = jax.jvp(
-            lambda q, k, v, t: _dense_jax64(q, k, v, keep, 0.5, score_mods.alibi(t), (B, K, G)),
-            wide((q, k, v, slopes)),
-            wide((*tangents[:3], tangents[4])),
-        )
+        want_cap, want_alibi = jax.jit(  # one program
+            lambda a, t: (
+                jax.jvp(lambda q, k, v, s: ref.dense_jax(q, k, v, keep=keep, sinks=s, softcap=2.5)[0], a[:4], t[:4]),
+                jax.jvp(
+                    lambda q, k, v, t: _dense_jax64(q, k, v, keep, 0.5, score_mods.alibi(t), (B, K, G)),
+                    (*a[:3], a[4]),
+                    (*t[:3], t[4]),
+                ),
+            )
+        )(wide((q, k, v, sinks, slopes)), wide(tangents))
     for got, want in ((got_cap, want_cap), (got_alibi, want_alibi)):
         np.testing.assert_allclose(ref.f64(got[0]), np.asarray(want[0]), **ref.tol(jnp.float32))
         ref.assert_grad_close(got[1], np.asarray(want[1]), jnp.float32)
@@ -405,9 +405,10 @@ def test_jvp_vmapped_equals_a_loop():
 
         return jax.jvp(call, (q, k, v), (tq, k, v))
 
-    mapped = jax.vmap(f)(q, ids, tq)
+    mapped = jax.jit(jax.vmap(f))(q, ids, tq)
+    call = jax.jit(f)  # one program for the loop's calls
     for i in range(n):
-        for a, b in zip(mapped, f(q[i], ids[i], tq[i]), strict=True):
+        for a, b in zip(mapped, call(q[i], ids[i], tq[i]), strict=True):
             np.testing.assert_allclose(a[i], b, **ref.tol(jnp.float32))
 
 
@@ -461,8 +462,8 @@ def test_second_order_through_the_dense_path():
 
     q5, slopes = _rand((2, 5, 6, 8), 3, jnp.float32), jnp.asarray([1.0, 0.5, 0.25, 0.125, 0.0625], jnp.float32)
 
-    def constant(impl, q, slopes):  # slopes closed over as constants: no share of the second derivative
-        return (jax.grad(lambda q: jnp.sum(jax.grad(alibi_loss)(q, slopes, impl) ** 2))(q),)
+    def constant(impl, q, slopes):  # slopes closed over as constants (under jit too): no share of the second derivative
+        return jax.jit(lambda q: (jax.grad(lambda q: jnp.sum(jax.grad(alibi_loss)(q, slopes, impl) ** 2))(q),))(q)
 
     def learned(impl, q, slopes):  # the first gradient's norm in (q, slopes), differentiated in both
         def norm(q, slopes):
@@ -471,6 +472,7 @@ def test_second_order_through_the_dense_path():
 
         return jax.jit(jax.grad(norm, argnums=(0, 1)))(q, slopes)
 
+    @functools.partial(jax.jit, static_argnums=0)
     def hvp(impl, q, slopes):  # forward over reverse, along (q, ones) in (q, slopes)
         grads = functools.partial(jax.grad(alibi_loss, argnums=(0, 1)), impl=impl)
         return jax.jvp(grads, (q, slopes), (q, jnp.ones_like(slopes)))[1]
@@ -603,7 +605,7 @@ def test_dropout_jvp_and_second_order():
             return jnp.einsum("...ts,...se->...te", w * drop, v), lse
 
         wide = lambda xs: tuple(jnp.asarray(ref.f64(x)) for x in xs)  # noqa: E731
-        want, d_want = jax.jvp(want_f, wide((q, k, v)), wide(tangents))
+        want, d_want = jax.jit(lambda a, t: jax.jvp(want_f, a, t))(wide((q, k, v)), wide(tangents))
     np.testing.assert_allclose(ref.f64(out), np.asarray(want[0]), **ref.tol(jnp.float32))
     ref.assert_grad_close(d_out, np.asarray(d_want[0]), jnp.float32)
     seen = np.isfinite(np.asarray(want[1]))
@@ -635,10 +637,12 @@ def test_dropout_vmapped_equals_a_loop():
             q, k, v, mask=masks.causal(), dropout_rate=_RATE, dropout_rng=key, implementation="pallas", block_size=8
         )
 
-    for mapped, rng in ((jax.vmap(f)(q, keys), keys), (jax.vmap(f, (0, None))(q, keys[0]), [keys[0]] * n)):
+    each, one = jax.jit(jax.vmap(f))(q, keys), jax.jit(jax.vmap(f, (0, None)))(q, keys[0])
+    call = jax.jit(f)  # one program for the loop's calls
+    for mapped, rng in ((each, keys), (one, [keys[0]] * n)):
         for i in range(n):
-            np.testing.assert_allclose(mapped[i], f(q[i], rng[i]), **ref.tol(jnp.float32))
-    assert not np.allclose(jax.vmap(f)(q, keys)[1], jax.vmap(f, (0, None))(q, keys[0])[1])
+            np.testing.assert_allclose(mapped[i], call(q[i], rng[i]), **ref.tol(jnp.float32))
+    assert not np.allclose(each[1], one[1])
 
 
 def test_second_order_of_a_vmapped_call_equals_the_dense_paths():
@@ -652,14 +656,15 @@ def test_second_order_of_a_vmapped_call_equals_the_dense_paths():
         def loss(q):
             return jnp.sum(jax.grad(lambda q: jnp.sum(jax.vmap(one)(q)))(q) ** 2)
 
-        return jax.grad(loss)(q)
+        return jax.jit(jax.grad(loss))(q)
 
     ref.assert_grad_close(second("pallas", block_size=8), ref.f64(second("dense")), jnp.float32)
 
 
 def test_second_order_with_a_batched_mask_inside_and_outside_vmap_is_dense():
     """A vmap mapping the mask's arrays, inside the derivatives (its copies folded into the kernel's rows,
-    the reference path reading the folded arrays) or over the second-order function, equals the dense path's."""
+    the reference path reading the folded arrays) or over the second-order function, equals the dense path's
+    in float64 (each one program; the ids closed over, as constants)."""
     q = _rand((3, 2, 2, 9, 8), 0, jnp.float32)
     ids = jnp.asarray(np.random.default_rng(1).integers(0, 2, size=(3, 2, 9)))
 
@@ -668,15 +673,17 @@ def test_second_order_with_a_batched_mask_inside_and_outside_vmap_is_dense():
         mask = masks.causal() & masks.segment_ids(ids, ids)
         return jnp.sum(jnp.sin(jattn.attention(q, q, q, mask=mask, implementation=impl, **kw)))
 
-    def outside(impl):
+    def outside(impl, q):
         return jax.vmap(jax.grad(lambda q, ids: jnp.sum(jax.grad(one, argnums=1)(impl, q, ids) ** 2)))(q, ids)
 
-    ref.assert_grad_close(outside("pallas"), ref.f64(outside("dense")), jnp.float32)
-
-    def inside(impl):
+    def inside(impl, q):
         def loss(q):
             return jnp.sum(jax.grad(lambda q: jnp.sum(jax.vmap(lambda q, i: one(impl, q, i))(q, ids)))(q) ** 2)
 
         return jax.grad(loss)(q)
 
-    ref.assert_grad_close(inside("pallas"), ref.f64(inside("dense")), jnp.float32)
+    for second in (outside, inside):
+        got = jax.jit(functools.partial(second, "pallas"))(q)
+        with jax.enable_x64(True):
+            want = np.asarray(jax.jit(functools.partial(second, "dense"))(jnp.asarray(ref.f64(q))))
+        ref.assert_grad_close(got, want, jnp.float32)

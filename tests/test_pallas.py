@@ -74,7 +74,7 @@ def test_pallas_equals_the_reference(case):
         out = jattn.attention(q, k, v, mask=mask, scale=scale, implementation="pallas", block_size=8, **kw)
         return jnp.sum(out.astype(jnp.float32) * jnp.asarray(g, jnp.float32)), out
 
-    (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
     want, _, _ = ref.attention(q, k, v, dense, None, scale)
     assert out.dtype == dtype and out.shape == want.shape
     np.testing.assert_allclose(ref.f64(out), want, **ref.tol(dtype))
@@ -160,7 +160,7 @@ def test_splash_translation_equals_the_reference(monkeypatch, case):
         out = jattn.attention(q, k, v, mask=mask, scale=scale, implementation="pallas", **kw)
         return jnp.sum(out.astype(jnp.float32) * jnp.asarray(g, jnp.float32)), out
 
-    (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
     want, _, _ = ref.attention(q, k, v, dense, None, scale)
     assert out.dtype == dtype
     np.testing.assert_allclose(ref.f64(out), want, **ref.tol(dtype))
@@ -238,7 +238,7 @@ def test_splash_grouped_heads_and_softcap_equal_the_reference(monkeypatch, case)
     monkeypatch.setattr(platform_facts, "platform", lambda: "tpu")
     (q, k, v), loss, g, dense = _gqa_call(case)
     cap, dtype = GQA_CASES[case][-1], q.dtype
-    (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
     mod = None if cap is None else (lambda s, *_: cap * np.tanh(s / cap))
     want, _, _ = ref.attention(q, k, v, dense, None, None, score_mod=mod)
     assert out.dtype == dtype and out.shape == want.shape
@@ -282,9 +282,9 @@ def test_splash_grouped_heads_under_jit_and_vmap_equal_eager_and_a_loop(monkeypa
         mod = jattn.score_mods.softcap(cap)
         return jattn.attention(q, k, v, mask=mask, score_mod=mod, implementation="pallas", **kw)
 
-    eager = f(q, k, v)
-    np.testing.assert_allclose(jax.jit(f)(q, k, v), eager, **ref.tol(jnp.float32))
-    mapped = jax.vmap(f)(q, k, v)  # over B: each call is then (K, G) against (K, 1)
-    for b in range(q.shape[0]):
-        np.testing.assert_allclose(mapped[b], f(q[b], k[b], v[b]), **ref.tol(jnp.float32))
+    eager, jitted = f(q, k, v), jax.jit(f)
+    np.testing.assert_allclose(jitted(q, k, v), eager, **ref.tol(jnp.float32))
+    mapped = jax.jit(jax.vmap(f))(q, k, v)  # over B: each call is then (K, G) against (K, 1)
+    for b in range(q.shape[0]):  # the loop's calls: one program
+        np.testing.assert_allclose(mapped[b], jitted(q[b], k[b], v[b]), **ref.tol(jnp.float32))
     np.testing.assert_allclose(mapped, eager, **ref.tol(jnp.float32))

@@ -1,10 +1,10 @@
 """jattn.TRANSFORMS cell by cell: each transformation on each path, against the float64 dense reference.
 
-A "yes" cell runs the transformation on the path and compares it with the same transformation of
-:func:`tests.reference.dense_jax` (the modules' column: the same module on the dense path in float64,
-itself checked against the references throughout the suite); a "no" cell raises the table's
-``ValueError``. The ring column and the shard_map row run on simulated devices
-(tests/multidevice/test_transforms_sharded.py); the cuDNN column needs a GPU.
+A "yes" cell runs the transformation on the path (one program; the hessian eagerly) and compares it
+with the same transformation of :func:`tests.reference.dense_jax` (the modules' column: the same module
+on the dense path in float64, itself checked against the references throughout the suite), computed
+once a row and kept; a "no" cell raises the table's ``ValueError``. The ring column and the shard_map
+row run on simulated devices (tests/multidevice/test_transforms_sharded.py); the cuDNN column needs a GPU.
 """
 
 from __future__ import annotations
@@ -50,15 +50,30 @@ def _up(f):
 
 
 def _path(path: str):
-    """``f(q, k, v) -> out`` on ``path`` (causal), and the float64 reference."""
+    """``f(q, k, v) -> out`` on ``path`` (causal); its reference is :func:`_reference`."""
     if path == "fused" and "jattn_fused_forward" not in str(jax.make_jaxpr(_call("fused"))(*_args(3))):
         pytest.skip(
             "the fused CPU forward is not built here (it needs a CPU backend, g++ and AVX-512, AVX2 + FMA or NEON)"
         )
     if path == "modules":  # SelfAttention of x = q as (B, T, N·D), its output as q's shape; k and v unused
-        ours, ref = _modules(KWARGS["blockwise"])
-        return _as_qkv(ours), _up(_as_qkv(ref))
-    return _call(path), _up(lambda q, k, v: dense_jax(q, k, v, keep=CAUSAL)[0])
+        return _as_qkv(_modules(KWARGS["blockwise"])[0])
+    return _call(path)
+
+
+def _reference(kind: str):
+    """The float64 reference of a path: causal :func:`dense_jax`, or (``"modules"``) the module on the dense path."""
+    if kind == "modules":
+        return _up(_as_qkv(_modules(KWARGS["blockwise"])[1]))
+    return _up(lambda q, k, v: dense_jax(q, k, v, keep=CAUSAL)[0])
+
+
+@functools.cache
+def _reference_run(row: str, kind: str, x64: bool) -> list:
+    """The leaves of ``row``'s transformation of the :func:`_reference` ``kind``, computed once a row (float64, or
+    float32 where x64 is off: the Pallas column), as NumPy arrays; run as :func:`test_cell` runs the paths."""
+    q, k, v, *t = _args()
+    run = TRANSFORM_RUNS[row] if row == "hessian" else jax.jit(TRANSFORM_RUNS[row], static_argnums=0)
+    return [np.asarray(x) for x in jax.tree.leaves(run(_reference(kind), (q, k, v), tuple(t)))]
 
 
 def _modules(kw: dict):
@@ -90,7 +105,7 @@ def _cells(paths=LOCAL):
 @pytest.mark.parametrize(("row", "path"), _cells())
 def test_cell(row, path, capsys):
     cell = jattn.TRANSFORMS[row][path]
-    f, ref = _path(path)
+    f = _path(path)
     q, k, v, *t = _args()
     args, tangents = (q, k, v), tuple(t)
     if cell.startswith("no"):  # the table's error, or JAX's where the cell says so
@@ -101,7 +116,8 @@ def test_cell(row, path, capsys):
         return
     if row.startswith("jax.checkpoint"):
         own = path in ("blockwise", "fused", "modules")  # the backward's own residuals are out and lse
-        _checkpoint(f, ref, args, capsys, jattn.CHECKPOINT_NAMES if own else jattn.CHECKPOINT_NAMES[:1])
+        want = _reference_run("grad", "modules" if path == "modules" else "dense", jax.config.jax_enable_x64)
+        _checkpoint(f, want, args, capsys, jattn.CHECKPOINT_NAMES if own else jattn.CHECKPOINT_NAMES[:1])
     elif row.startswith("jax.export"):
         _export(f, args, path)
     elif row == "eval_shape":
@@ -109,17 +125,19 @@ def test_cell(row, path, capsys):
     else:
         run = jax.jit(TRANSFORM_RUNS[row], static_argnums=0)  # one program a cell: eager, each operation compiles alone
         run = TRANSFORM_RUNS[row] if row == "hessian" else run  # under jit: test_higher_order's known failure
-        got, want = run(f, args, tangents), run(ref, args, tangents)
-        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        got = run(f, args, tangents)
+        want = _reference_run(row, "modules" if path == "modules" else "dense", jax.config.jax_enable_x64)
+        for g, w in zip(jax.tree.leaves(got), want, strict=True):
             assert g.shape == w.shape
             assert_grad_close(g, f64(w), jnp.float32)
 
 
-def _checkpoint(f, ref, args, capsys, names: tuple[str, ...]) -> None:
-    """grad under save_only_these_names(*CHECKPOINT_NAMES) equals the reference's, and ``names`` are among what it saves."""
+def _checkpoint(f, want: list, args, capsys, names: tuple[str, ...]) -> None:
+    """grad under save_only_these_names(*CHECKPOINT_NAMES) equals the reference's (``want``, the grad row's), and
+    ``names`` are among what it saves."""
     policy = jax.checkpoint_policies.save_only_these_names(*jattn.CHECKPOINT_NAMES)
     loss = jax.checkpoint(transform_loss(f), policy=policy)
-    for g, w in zip(jax.grad(loss, (0, 1, 2))(*args), jax.grad(transform_loss(ref), (0, 1, 2))(*args), strict=True):
+    for g, w in zip(jax.jit(jax.grad(loss, (0, 1, 2)))(*args), want, strict=True):
         assert_grad_close(g, f64(w), jnp.float32)
     jax.ad_checkpoint.print_saved_residuals(loss, *args)
     saved = capsys.readouterr().out
@@ -168,11 +186,22 @@ def test_module_cells(run, path):
     """The module row: NNX SelfAttention on each path under nnx's transformations, against its dense float64 self."""
     if path == "fused":
         _path("fused")  # skips where the kernel is not built
-    x = jax.random.normal(jax.random.key(1), (2, T, 8), jnp.float32)
-    ours, ref = _modules(KWARGS[path])
-    got, want = MODULE_RUN[run](ours, x), MODULE_RUN[run](ref, x.astype(wide()))
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    ours, _ = _modules(KWARGS[path])
+    got = nnx.jit(MODULE_RUN[run])(ours, _module_input())  # one program a cell
+    for g, w in zip(jax.tree.leaves(got), _module_reference(run, jax.config.jax_enable_x64), strict=True):
         assert_grad_close(g, f64(w), jnp.float32)
+
+
+def _module_input():
+    return jax.random.normal(jax.random.key(1), (2, T, 8), jnp.float32)
+
+
+@functools.cache
+def _module_reference(run: str, x64: bool) -> list:
+    """The leaves of ``run`` on the module's dense float64 self (float32 where x64 is off), once a run: every path's
+    module starts from the same parameters (``nnx.Rngs(0)``)."""
+    _, ref = _modules(KWARGS["dense"])
+    return [np.asarray(x) for x in jax.tree.leaves(nnx.jit(MODULE_RUN[run])(ref, _module_input().astype(wide())))]
 
 
 def test_every_row_and_column_is_tested():
