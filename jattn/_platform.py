@@ -20,6 +20,7 @@ __all__ = [
     "STAIRS_MIN",
     "TILE_BYTES",
     "TILINGS",
+    "compute_capability",
     "cores",
     "cpu_threads",
     "group_size",
@@ -54,6 +55,23 @@ STAIRS_MIN = 1024
 def platform() -> str:
     """The platform the tiles are shaped for: JAX's default backend at trace time (``'cpu'``, ``'gpu'``, ``'tpu'``)."""
     return jax.default_backend()
+
+
+def compute_capability() -> int:
+    """The NVIDIA compute capability GPU kernels are lowered for at trace time, as an int (90 for sm_90).
+
+    The abstract device of an enclosing abstract mesh where it names a GPU (ahead-of-time lowering for
+    another chip: ``jax.sharding.AbstractDevice(device_kind="NVIDIA A100", ...)``, jax 0.11+), else the
+    default device's; 90 where neither is a GPU (jax 0.10's Pallas lowers for sm_90 without one).
+    """
+    try:
+        from jax._src import gpu_info  # jax 0.11+: JAX's own reading of the target, its table of device kinds
+
+        return int(gpu_info.get_gpu_info().compute_capability) or 90
+    except (ImportError, ValueError, RuntimeError, AttributeError):
+        pass
+    cc = getattr(jax.devices()[0], "compute_capability", None)  # a CUDA device: "9.0"
+    return round(float(cc) * 10) if isinstance(cc, str) and cc[:1].isdigit() else 90
 
 
 def cores() -> int:
