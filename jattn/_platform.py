@@ -9,6 +9,7 @@ the tests patch. None of it changes a result, only the tiles a result is compute
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 
@@ -24,6 +25,7 @@ __all__ = [
     "cores",
     "cpu_threads",
     "group_size",
+    "has_pallas_triton",
     "platform",
     "tiling",
 ]
@@ -72,6 +74,11 @@ def compute_capability() -> int:
         pass
     cc = getattr(jax.devices()[0], "compute_capability", None)  # a CUDA device: "9.0"
     return round(float(cc) * 10) if isinstance(cc, str) and cc[:1].isdigit() else 90
+
+
+def has_pallas_triton() -> bool:
+    """Whether the installed JAX has Pallas' Triton backend (deprecated in jax 0.11; a later release removes it)."""
+    return importlib.util.find_spec("jax._src.pallas.triton") is not None
 
 
 def cores() -> int:

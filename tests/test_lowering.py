@@ -18,7 +18,11 @@ GPU): tests/cuda_lowering.py.
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +33,8 @@ import jattn
 import jattn._platform as platform_facts
 from jattn import masks, score_mods
 from tests.cuda_lowering import ARCHS, cuda_text
+
+ROOT = Path(__file__).resolve().parents[1]
 
 TPU_CASES = {
     # name: (mask, score_mod, q lead, kv lead): grouped heads B=2, K=3, G=4 (q_offset 6: T=131, S=97)
@@ -157,3 +163,45 @@ def test_second_order_keeps_the_first_order_kernels_and_no_score_matrix(on_gpu):
     text = cuda_text(jax.grad(norm, argnums=(0, 1)), q, jnp.ones((N,), jnp.float32))
     assert text.count("__gpu$xla.gpu.triton") >= 3
     assert not re.search(rf"\b{T2}x{S2}x", text), "a (T, S) array in the second-order program"
+
+
+_NOTICE_SCRIPT = """
+import logging, jax, jax.numpy as jnp, jattn, jattn._platform as facts
+from tests.cuda_lowering import ARCHS, cuda_text
+facts.platform = lambda: "gpu"; jax.default_backend = lambda: "gpu"
+logging.basicConfig(format="NOTICE %(name)s %(message)s")
+q = jnp.zeros((2, 6, 21, 16), jnp.bfloat16)
+for arch in ARCHS * 2:
+    assert cuda_text(lambda q: jattn.attention(q, q, q, implementation="pallas"), q, arch=arch).count("triton") >= 1
+"""
+
+
+def test_the_triton_deprecation_reaches_the_user_as_one_notice():
+    """jax 0.11+ deprecates Pallas' Triton backend. A user running with DeprecationWarnings as errors lowers jattn's
+    kernel twice for each arch without one, and sees one notice a compute capability on the ``jattn`` logger (in a
+    fresh process, as a user does); jax 0.10 has nothing to answer."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run(
+        [sys.executable, "-W", "error::DeprecationWarning", "-c", _NOTICE_SCRIPT],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    notices = [line for line in run.stderr.splitlines() if line.startswith("NOTICE jattn")]
+    if jax.__version_info__ < (0, 11):
+        assert notices == []
+    else:
+        assert len(notices) == len(ARCHS), run.stderr[-3000:]
+        assert all("deprecates" in n for n in notices) and {n.split("capability ")[1][:3] for n in notices} == {
+            f"{a[3]}.{a[4]}" for a in ARCHS
+        }
+
+
+def test_a_jax_without_pallas_triton_refuses_the_kernel_by_name(on_gpu, monkeypatch):
+    """Where JAX has dropped Pallas' Triton backend, implementation='pallas' raises a refusal naming it, and the
+    automatic choice lowers without the kernel."""
+    monkeypatch.setattr(platform_facts, "has_pallas_triton", lambda: False)
+    q = jnp.zeros((B, K * G, T, D), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"lowers on Pallas' Triton backend, which jax .* no longer has") as e:
+        cuda_text(lambda q: jattn.attention(q, q, q, implementation="pallas"), q)
+    assert type(e.value).__name__ == "KernelRefusalError"
+    assert "__gpu$xla.gpu.triton" not in cuda_text(lambda q: jattn.attention(q, q, q), q)

@@ -23,9 +23,11 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
+from jattn import _platform
 from jattn._arrays import flat_lead, head_rows
 from jattn._checks import KernelRefusalError, Operands, Options, check_sinks
 from jattn._dropout import row_seeds
+from jattn._gpu.deprecation import answer_triton_deprecation
 from jattn._gpu.kernels import Spec
 from jattn._gpu.rules import attend
 from jattn._gpu.score_mod import convert, on_rows, pointwise, unlowerable
@@ -57,6 +59,19 @@ def refuse(mask: Mask | None, q_offset, kv_offset, D: int, E: int) -> None:
             raise KernelRefusalError(f"{where} takes static int offsets, got {name} {x!r}; {_TAKE}")
     if max(D, E) > MAX_DEPTH:
         raise KernelRefusalError(f"{where} takes head depths D, E up to {MAX_DEPTH}, got D={D}, E={E}; {_TAKE}")
+
+
+def _lowered_on_triton() -> None:
+    """Refuses the kernel lowered on Pallas' Triton backend where JAX has none, else answers its deprecation.
+
+    (:mod:`jattn._gpu.deprecation`; only where the kernel is lowered, not interpreted.)
+    """
+    if not _platform.has_pallas_triton():
+        raise KernelRefusalError(
+            f"implementation='pallas' (jattn's GPU kernel) lowers on Pallas' Triton backend, which jax {jax.__version__} "
+            "no longer has; use implementation='cudnn' or 'blockwise'"
+        )
+    answer_triton_deprecation(_platform.compute_capability())
 
 
 def _pow2(n: int) -> int:
@@ -105,6 +120,8 @@ def gpu_attention(
     )  # fmt: skip
     T, S, D, E = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
     refuse(mask, q_offset, kv_offset, D, E)
+    if not interpret:
+        _lowered_on_triton()
     b = math.prod(lead)
     if sinks is not None:
         check_sinks(sinks, lead, q.dtype)
