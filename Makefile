@@ -69,7 +69,7 @@ test: $(VENV)/.installed
 	exit $$status
 
 # The newest JAX (its own venv, Python 3.12+): the heavy tests (training to a verdict, the differential fuzz,
-# sharded training) and the files tests/conftest.py names in NEWEST (those that exercise JAX's
+# sharded training, and the tests tests/tiers.py names SLOW) and the files it names in NEWEST (those that exercise JAX's
 # transformations, lowering, compilers and shard_map most), on one device then 8 simulated ones. Both
 # sessions run and report.
 test-newest: export JAX_COMPILATION_CACHE_DIR := $(CACHE)-newest

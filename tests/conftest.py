@@ -8,6 +8,8 @@ import jax
 import pytest
 from hypothesis import HealthCheck, settings
 
+from tests.tiers import NEWEST, SLOW
+
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 
@@ -32,37 +34,11 @@ def pytest_configure(config) -> None:
         os.environ["JATTN_SLOW"] = "1"  # read by tests/test_contract.py when it is imported
 
 
-#: The files ``make test-newest`` runs on the newest JAX (``-m "heavy or newest"``), besides every ``heavy`` test:
-#: those that exercise JAX's transformations, lowering and compilers most. ``make test`` runs every file on the
-#: oldest JAX but the ``heavy`` tests.
-NEWEST = {
-    "test_core.py",
-    "test_transforms.py",
-    "test_higher_order.py",
-    "test_fused_cpu.py",
-    "test_blockwise.py",
-    "test_gated_linear.py",
-    "test_log_linear.py",
-    "test_dplr.py",
-    "test_deltaproduct.py",
-    "test_linear_family_inputs.py",
-    "test_modules.py",
-    "test_cache.py",
-    "test_flax.py",
-    "test_gpu_kernel.py",
-    "test_lowering.py",
-    "test_pallas.py",
-    "test_xla_flags.py",
-    "test_errors.py",
-    "test_compat.py",
-    "test_shard_map.py",  # tests/multidevice: shard_map's API
-    "test_transforms_sharded.py",
-}
-
-
 @pytest.hookimpl(tryfirst=True)  # before pytest's -m deselects by marker
 def pytest_collection_modifyitems(config, items) -> None:
-    """Marks the tests of the :data:`NEWEST` files ``newest``; tests marked ``long`` run first.
+    """Marks the tests of :data:`tests.tiers.NEWEST` files ``newest`` and those :data:`tests.tiers.SLOW` names ``heavy``.
+
+    Tests marked ``long`` run first.
 
     ``long`` first, so none starts near the end while the other worker idles.
 
@@ -74,6 +50,8 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if item.path.name in NEWEST:
             item.add_marker("newest")
+        if item.nodeid.removeprefix("tests/") in SLOW:
+            item.add_marker("heavy")
     items.sort(key=lambda item: item.get_closest_marker("long") is None)  # stable: file order otherwise
 
 

@@ -19,8 +19,9 @@ def read(path: Path) -> dict[str, float]:
     """Seconds per test id (``file::name[params]``) in one junit XML file."""
     times: dict[str, float] = collections.defaultdict(float)
     for case in ET.parse(path).iter("testcase"):
-        module = case.get("classname", "").replace(".", "/") + ".py"
-        times[f"{module}::{case.get('name')}"] += float(case.get("time", 0.0))
+        parts = case.get("classname", "").split(".")  # tests.test_x or tests.test_x.TestClass
+        cls = [parts.pop()] if parts and parts[-1][:1].isupper() else []
+        times["::".join(["/".join(parts) + ".py", *cls, case.get("name", "")])] += float(case.get("time", 0.0))
     return times
 
 
