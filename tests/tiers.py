@@ -31,8 +31,8 @@ NEWEST = {
 
 #: Tests of 9 s or more of one xdist worker (``python -m tests.durations`` after ``make test``, 2-core AMD EPYC
 #: Zen 4 with other work beside it, 2026-12-07): run once, on the newest JAX, so that ``make test`` stays within
-#: 15 minutes. Their node ids without ``tests/``. Not the docs' examples (75 s): run on both, since a user runs them
-on either.
+#: 15 minutes. Their node ids without ``tests/``. Not the docs' examples (75 s): they run on both, as users run
+#: them on either.
 SLOW = {
     "test_gpu_kernel.py::test_second_order_with_learned_slopes_under_vmap_equals_a_loop",  # 47 s
     "test_log_linear.py::TestLogLinearKinds::test_jit_and_vmap_equal_the_eager_call_and_a_loop[log linear]",  # 35 s
