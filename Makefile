@@ -1,9 +1,9 @@
 # Two commands, each setting itself up in a virtual env inside the repo:
 #   make train   the default training run
-#   make test    lint + the docs site + the whole test suite (single device, then 8 simulated devices)
-# and more: make test-newest (the suite's named subset on the newest JAX, Python 3.12+), make ci (what
-# .ci/run runs: test, then test-newest), make docs (the docs site into site/), make fuzz (the slow
-# differential fuzz), make bench (benchmarks, ARGS=...).
+#   make test    lint + the docs site + the test suite but its heavy tests (one device, then 8 simulated ones)
+# and more: make test-heavy (the heavy tests, tests/tiers.py), make test-newest (the files tests/tiers.py names,
+# on the newest JAX, Python 3.12+), make ci (what .ci/run runs: test, test-heavy, test-newest), make docs (the
+# docs site into site/), make fuzz (the slow differential fuzz), make bench (benchmarks, ARGS=...).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # The newest JAX needs Python >= 3.12 (pip gives Python 3.11 jax 0.10.2, the oldest CI tests): its own venv,
@@ -28,7 +28,7 @@ $(NEWEST_VENV)/.installed: pyproject.toml
 	$(NEWEST_PY) -m pip install -q --upgrade -e ".[dev]"
 	touch $@
 
-.PHONY: train test test-newest ci docs fuzz bench
+.PHONY: train test test-heavy test-newest ci docs fuzz bench
 train: $(VENV)/.installed
 	$(PY) -m train $(ARGS)
 
@@ -57,36 +57,43 @@ DURATIONS := $(CURDIR)/.durations
 test: export JAX_COMPILATION_CACHE_DIR := $(CACHE)
 test: export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS := 0.2
 
+# One venv's pytest over a marker expression, on one device then on 8 simulated ones (tests/multidevice); both
+# sessions run and report. $(call sessions,PYTHON,MARKERS,NAME): NAME.xml and NAME-multidevice.xml in $(DURATIONS).
+sessions = status=0; \
+	$(1) -m pytest -n 2 -m "$(2)" --durations=15 --junitxml=$(DURATIONS)/$(3).xml || status=1; \
+	$(1) -m pytest -n 2 -m "$(2)" --durations=5 --junitxml=$(DURATIONS)/$(3)-multidevice.xml tests/multidevice || status=1; \
+	exit $$status
+
 test: $(VENV)/.installed
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(DOCS_BUILD)
 	rm -rf "$(CACHE)"
 	export JATTN_FAST_XLA_FLAGS="$(KNOWN_FAST)" && export XLA_FLAGS="$$JATTN_FAST_XLA_FLAGS$$XLA_FLAGS" && \
-	status=0; \
-	$(PY) -m pytest -n 2 -m "not heavy" --durations=15 --junitxml=$(DURATIONS)/test.xml || status=1; \
-	$(PY) -m pytest -n 2 -m "not heavy" --durations=5 --junitxml=$(DURATIONS)/test-multidevice.xml tests/multidevice || status=1; \
-	exit $$status
+	$(call sessions,$(PY),not heavy,test)
 
-# The newest JAX (its own venv, Python 3.12+): the heavy tests (training to a verdict, the differential fuzz,
-# sharded training, and the tests tests/tiers.py names SLOW) and the files it names in NEWEST (those that exercise JAX's
-# transformations, lowering, compilers and shard_map most), on one device then 8 simulated ones. Both
-# sessions run and report.
+# The heavy tests (tests/tiers.py: training to a verdict, the differential fuzz, sharded training, and the tests
+# named SLOW there), on the oldest JAX: it compiles the same tests in half the CPU time of the newest. Shares
+# make test's compilation cache.
+test-heavy: export JAX_COMPILATION_CACHE_DIR := $(CACHE)
+test-heavy: export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS := 0.2
+test-heavy: $(VENV)/.installed
+	export JATTN_FAST_XLA_FLAGS="$(KNOWN_FAST)" && export XLA_FLAGS="$$JATTN_FAST_XLA_FLAGS$$XLA_FLAGS" && \
+	$(call sessions,$(PY),heavy,test-heavy)
+
+# The newest JAX (its own venv, Python 3.12+): the files tests/tiers.py names in NEWEST (those that exercise
+# JAX's transformations, lowering, Pallas, compilers, Flax, orbax and shard_map most) but their heavy tests.
 test-newest: export JAX_COMPILATION_CACHE_DIR := $(CACHE)-newest
 test-newest: export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS := 0.2
 test-newest: $(NEWEST_VENV)/.installed
 	rm -rf "$(CACHE)-newest"
 	@$(NEWEST_PY) -c 'import jax, sys; print("jax", jax.__version__, "on Python", sys.version.split()[0])'
 	export JATTN_FAST_XLA_FLAGS="$(KNOWN_FAST_NEWEST)" && export XLA_FLAGS="$$JATTN_FAST_XLA_FLAGS$$XLA_FLAGS" && \
-	status=0; \
-	$(NEWEST_PY) -m pytest -n 2 -m "heavy or newest" --durations=10 --junitxml=$(DURATIONS)/test-newest.xml || status=1; \
-	$(NEWEST_PY) -m pytest -n 2 -m "heavy or newest" --durations=5 --junitxml=$(DURATIONS)/test-newest-multidevice.xml \
-	  tests/multidevice || status=1; \
-	exit $$status
+	$(call sessions,$(NEWEST_PY),newest and not heavy,test-newest)
 
-# What CI runs (.ci/run): the suite on the oldest JAX, then on the newest; both run and report
+# What CI runs (.ci/run): every test once at least: make test, the heavy tests, the newest JAX; all run and report
 ci:
-	status=0; $(MAKE) test || status=1; $(MAKE) test-newest || status=1; exit $$status
+	status=0; $(MAKE) test || status=1; $(MAKE) test-heavy || status=1; $(MAKE) test-newest || status=1; exit $$status
 
 # The differential fuzz's slow mode: 5,000 cases, about an hour on 2 cores (README: chunks, progress log).
 fuzz: $(VENV)/.installed
