@@ -1,10 +1,12 @@
-"""jattn's own fused attention kernel for GPU, in Pallas (Triton lowering; interpret mode on CPU).
+"""jattn's own fused attention kernel for GPU, in Pallas (Triton or Mosaic GPU lowering; interpret mode on CPU).
 
 ``attention`` is the entry (:func:`gpu_attention`: the call's refusals, its operands); ``rules``
 the derivatives at every order (a custom JVP whose tangent is a linear pair); ``kernels`` the
 forward, tangent, dq and dk/dv ``pallas_call`` bodies; ``tiles`` the grid of tiles,
 their kinds computed outside the kernel and a partial tile's mask inside it; ``score_mod`` a
-score modification read in the kernel.
+score modification read in the kernel. ``gpu_attention(..., backend="mosaic_gpu")`` runs the kernels of
+``mosaic_kernels`` (Pallas' Mosaic GPU backend for Hopper: TMA and ``wgmma``, ``mosaic_forward``,
+``mosaic_tile``, ``mosaic_support``) on the same operands; ``backend="triton"`` (the default) those of ``kernels``.
 
 May import: ``_autodiff``, ``_checks``, ``_dropout``, ``_masks``, ``_arrays``. The rest of jattn imports this subpackage
 through this face only: the names imported below, and nothing else. Its files import each other directly,

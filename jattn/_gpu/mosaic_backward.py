@@ -1,0 +1,198 @@
+"""The Mosaic GPU backward kernels: dq (grid ``(b, nq)``) and dk/dv (grid ``(b/G, nk)``), flash attention 2.
+
+Operands as :func:`jattn._gpu.kernels.dq`'s and :func:`jattn._gpu.kernels.dkdv`'s (dimension key in
+:mod:`jattn._core`): q ``(b, Tp, Dp)``, k ``(b/G, Sp, Dp)``, v ``(b/G, Sp, Ep)``, ``do`` like q's rows with
+Ep columns, ``lse`` and ``delta = rowsum(do o) - d lse`` ``(b, Tp)`` float32. Each tile recomputes its weights
+``p = exp(x - lse)`` from the scores (``wgmma`` of shared-memory tiles that TMA copies in); dq accumulates
+``ds k``, dk/dv (the key block's tile transposed, keys on the accumulator's rows) ``ds^T q`` and ``p^T do``
+over the G query rows the key block serves and their non-empty query blocks.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import Array, lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jattn._gpu.mosaic_support import accumulate, depth, launch, load, product, swizzled
+from jattn._gpu.mosaic_tile import Ids, tile_keep, windows
+from jattn._masks import EMPTY, PARTIAL
+
+__all__ = ["dkdv", "dq"]
+
+_NEG = -float("inf")
+_L = plgpu.Layout.WGMMA
+
+
+def _copy_in(pairs, barriers) -> None:
+    """TMA copies ``(global slice, shared tile)``, each on its barrier, then waits for them all."""
+    for (src, dst), bar in zip(pairs, barriers, strict=True):
+        plgpu.copy_gmem_to_smem(src, dst, bar)
+    for bar in barriers:
+        plgpu.barrier_wait(bar)
+
+
+def _stats(lse_s, delta_s, axis: int) -> tuple[Array, Array]:
+    """A query block's ``lse`` (``+inf`` for a row that sees no key: weights 0) and ``delta``, along tile ``axis``."""
+    layout = _L.reduce(1 - axis)
+    lse = load(lse_s, layout)
+    return jnp.where(lse == _NEG, jnp.inf, lse), load(delta_s, layout)
+
+
+def _weights(spec, x, kind, keep, lse, delta, dp, axis: int):
+    """``(p, ds)`` of scaled scores ``x``: ``p = exp(x - lse)`` (masked on PARTIAL tiles), ``ds = p (dp - delta)``."""
+    x = lax.cond(kind == PARTIAL, lambda x: jnp.where(keep(), x, _NEG), lambda x: x, x)
+    along = lambda y: lax.broadcast_in_dim(y, x.shape, [axis])  # noqa: E731
+    p = jnp.exp(x - along(lse))
+    return p, p * (dp() - along(delta))
+
+
+def _dq_kernel(spec, kinds_of, *refs):
+    """One query block of row ``r``: ``dq (bq, Dp)`` over its non-empty key blocks."""
+    nm, g = spec.n_mask, spec.grid
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kinds_ref, bounds_ref, *refs = refs
+    masks, dq_ref, (q_s, do_s, k_s, v_s, dq_s, lse_s, delta_s, *bars), id_s = (
+        refs[:nm],
+        refs[nm],
+        refs[nm + 1 :][:14],
+        refs[nm + 15 :],
+    )
+    r, i = lax.axis_index("r"), lax.axis_index("i")
+    kr, rows = (r if kinds_ref.shape[0] > 1 else 0), pl.ds(i * g.bq, g.bq)
+    ins = (
+        (q_ref.at[r, rows], q_s),
+        (do_ref.at[r, rows], do_s),
+        (lse_ref.at[r, rows], lse_s),
+        (delta_ref.at[r, rows], delta_s),
+    )
+    _copy_in(ins, bars[:4])
+    lse, delta = _stats(lse_s, delta_s, 0)
+    ids = Ids(masks, dict(zip((n for n, w in enumerate(kinds_of) if w), id_s, strict=True)), bars[6], kinds_of)
+
+    def tile(j, acc):
+        at = (lax.div(r, spec.G), pl.ds(j * g.bk, g.bk))
+        _copy_in(((k_ref.at[at], k_s), (v_ref.at[at], v_s)), bars[4:6])
+        x = product(q_s, k_s.T, (g.bq, g.bk)) * spec.scale
+        keep = lambda: tile_keep(g, ids, r, i, j)  # noqa: E731
+        _, ds = _weights(spec, x, kinds_ref[kr, i, j], keep, lse, delta, lambda: product(do_s, v_s.T, x.shape), 0)
+        return accumulate(acc, (ds * spec.scale).astype(k_s.dtype), k_s)
+
+    step = lambda j, acc: lax.cond(kinds_ref[kr, i, j] == EMPTY, lambda a: a, functools.partial(tile, j), acc)  # noqa: E731
+    init = plgpu.layout_cast(jnp.zeros(dq_s.shape, jnp.float32), _L)
+    acc = lax.fori_loop(bounds_ref[kr, i, 0], bounds_ref[kr, i, 1], step, init)
+    dq_s[...] = acc.astype(dq_s.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(dq_s, dq_ref.at[r, rows])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _dkdv_tile(spec, refs, r, kr, j, i, carry):
+    """Query block ``i`` of row ``r``'s share of key block ``j``'s ``(dk, dv)``, the tile transposed ``(bk, bq)``."""
+    g, (q_ref, do_ref, lse_ref, delta_ref, kinds_ref, ids), (q_s, do_s, k_s, v_s, lse_s, delta_s, bars) = (
+        spec.grid,
+        *refs,
+    )
+    rows = pl.ds(i * g.bq, g.bq)
+    ins = (
+        (q_ref.at[r, rows], q_s),
+        (do_ref.at[r, rows], do_s),
+        (lse_ref.at[r, rows], lse_s),
+        (delta_ref.at[r, rows], delta_s),
+    )
+    _copy_in(ins, bars)
+    lse, delta = _stats(lse_s, delta_s, 1)
+    x = product(k_s, q_s.T, (g.bk, g.bq)) * spec.scale
+    keep = lambda: tile_keep(g, ids, r, i, j, transposed=True)  # noqa: E731
+    p, ds = _weights(spec, x, kinds_ref[kr, i, j], keep, lse, delta, lambda: product(v_s, do_s.T, x.shape), 1)
+    dk, dv = carry
+    dv = accumulate(dv, p.astype(do_s.dtype), do_s)
+    return accumulate(dk, (ds * spec.scale).astype(q_s.dtype), q_s), dv
+
+
+def _dkdv_kernel(spec, kinds_of, *refs):
+    """One key block of kv row ``rk``: ``dk (bk, Dp)`` and ``dv (bk, Ep)`` over the G query rows it serves."""
+    nm, g = spec.n_mask, spec.grid
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kinds_ref, tbounds_ref, *refs = refs
+    masks, (dk_ref, dv_ref), (q_s, do_s, k_s, v_s, dk_s, dv_s, lse_s, delta_s, *bars) = (
+        refs[:nm],
+        refs[nm : nm + 2],
+        refs[nm + 2 :][:15],
+    )
+    id_s = refs[nm + 17 :]
+    rk, j = lax.axis_index("r"), lax.axis_index("j")
+    cols = pl.ds(j * g.bk, g.bk)
+    _copy_in(((k_ref.at[rk, cols], k_s), (v_ref.at[rk, cols], v_s)), bars[4:6])
+    ids = Ids(masks, dict(zip((n for n, w in enumerate(kinds_of) if w), id_s, strict=True)), bars[6], kinds_of)
+    refs = ((q_ref, do_ref, lse_ref, delta_ref, kinds_ref, ids), (q_s, do_s, k_s, v_s, lse_s, delta_s, bars[:4]))
+
+    def group(gi, carry):
+        r = rk * spec.G + gi
+        kr = r if kinds_ref.shape[0] > 1 else 0
+        tile = functools.partial(_dkdv_tile, spec, refs, r, kr, j)
+        step = lambda i, c: lax.cond(kinds_ref[kr, i, j] == EMPTY, lambda c: c, functools.partial(tile, i), c)  # noqa: E731
+        return lax.fori_loop(tbounds_ref[kr, j, 0], tbounds_ref[kr, j, 1], step, carry)
+
+    init = tuple(plgpu.layout_cast(jnp.zeros(s.shape, jnp.float32), _L) for s in (dk_s, dv_s))
+    dk, dv = lax.fori_loop(0, spec.G, group, init)
+    dk_s[...], dv_s[...] = dk.astype(dk_s.dtype), dv.astype(dv_s.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(dk_s, dk_ref.at[rk, cols])
+    plgpu.copy_smem_to_gmem(dv_s, dv_ref.at[rk, cols])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _widened(spec, q, k, v, do):
+    """q, k padded to the ``wgmma`` depth of D and v, ``do`` to E's (:func:`jattn._gpu.mosaic_support.depth`)."""
+    Dw, Ew = depth(spec.Dp), depth(spec.Ep)
+    pad = lambda x, n: jnp.pad(x, ((0, 0), (0, 0), (0, n - x.shape[-1])))  # noqa: E731
+    return pad(q, Dw), pad(k, Dw), pad(v, Ew), pad(do, Ew)
+
+
+def _id_scratch(spec) -> tuple[tuple, list]:
+    """The mask arrays' windows (:func:`jattn._gpu.mosaic_tile.windows`) and a shared tile for each windowed one."""
+    g = spec.grid
+    kinds_of = windows(g.mask, spec.n_mask)
+    return kinds_of, [plgpu.SMEM((g.bq if w == "q" else g.bk,), jnp.int32) for w in kinds_of if w]
+
+
+def dq(spec, q, k, v, do, lse, delta, kinds, bounds, sinks, seeds, masks, consts) -> tuple[Array, tuple]:
+    """``(dq (b, Tp, Dp), ())`` as :func:`jattn._gpu.kernels.dq` (no score modification: no row values' gradients)."""
+    del sinks, seeds, consts  # sinks' gradient is outside; dropout and score mods are refused before
+    g, b = spec.grid, q.shape[0]
+    q, k, v, do = _widened(spec, q, k, v, do)
+    kinds_of, ids = _id_scratch(spec)
+    rows = plgpu.SMEM((g.bq,), jnp.float32)
+    tiles = ((g.bq, q.shape[2]), (g.bq, v.shape[2]), (g.bk, q.shape[2]), (g.bk, v.shape[2]), (g.bq, q.shape[2]))
+    out = launch(
+        functools.partial(_dq_kernel, spec, kinds_of),
+        out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        scratch_types=[*(swizzled(s, q.dtype) for s in tiles), rows, rows, *(plgpu.Barrier() for _ in range(7)), *ids],
+        grid=(b, g.nq),
+        grid_names=("r", "i"),
+        interpret=spec.interpret,
+    )(q, k, v, do, lse, delta, kinds, bounds, *masks)
+    return out[..., : spec.Dp], ()
+
+
+def dkdv(spec, q, k, v, do, lse, delta, kinds, tbounds, sinks, seeds, masks, consts) -> tuple[Array, Array]:
+    """``(dk (b/G, Sp, Dp), dv (b/G, Sp, Ep))`` as :func:`jattn._gpu.kernels.dkdv`; ``tbounds`` over query blocks."""
+    del sinks, seeds, consts
+    g = spec.grid
+    q, k, v, do = _widened(spec, q, k, v, do)
+    kinds_of, ids = _id_scratch(spec)
+    rows = plgpu.SMEM((g.bq,), jnp.float32)
+    Dw, Ew = q.shape[2], v.shape[2]
+    tiles = ((g.bq, Dw), (g.bq, Ew), (g.bk, Dw), (g.bk, Ew), (g.bk, Dw), (g.bk, Ew))
+    dk, dv = launch(
+        functools.partial(_dkdv_kernel, spec, kinds_of),
+        out_type=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        scratch_types=[*(swizzled(s, q.dtype) for s in tiles), rows, rows, *(plgpu.Barrier() for _ in range(7)), *ids],
+        grid=(k.shape[0], g.nk),
+        grid_names=("r", "j"),
+        interpret=spec.interpret,
+    )(q, k, v, do, lse, delta, kinds, tbounds, *masks)
+    return dk[..., : spec.Dp], dv[..., : spec.Ep]

@@ -1,0 +1,211 @@
+"""jattn's GPU kernel on Pallas' Mosaic GPU backend (Hopper sm_90), in Mosaic GPU's interpret mode and lowered for CUDA.
+
+JAX deprecated the Pallas Triton backend (0.11+); the Mosaic GPU kernels (:mod:`jattn._gpu.mosaic_kernels`:
+TMA copies into shared memory, ``wgmma`` products, 64 by 64 tiles) read the Triton kernel's operands (tile
+kinds and bounds, the mask's arrays, sinks). Values, the log-sum-exp and the max logit against the float64
+references of tests/reference.py, through ``jattn.attention(..., implementation="pallas")``: every mask kind
+the kernel reads per tile (causal, a sliding window with static offsets, segment ids with padding), grouped
+heads with distinct sizes (B != N != G != T != S, T and S not multiples of 64 so EMPTY tiles are skipped and
+PARTIAL ones masked), head dims 64, 128 and padded ones (40, 24), sinks, bfloat16 and float16. What it does
+not take is refused by name. Interpreting needs jax 0.12 (jax 0.10's Mosaic GPU interpreter has no register
+layouts): those tests skip on older JAX; the lowering tests run on both.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jattn
+import jattn._paths.pallas as pallas_path
+import jattn._platform as platform_facts
+from jattn import masks, score_mods
+from jattn._checks import KernelRefusalError
+from jattn._gpu import gpu_attention
+from tests import reference as ref
+from tests.cuda_lowering import cuda_text
+
+INTERPRETS = jax.__version_info__ >= (0, 12)
+needs_interpreter = pytest.mark.skipif(
+    not INTERPRETS, reason=f"Mosaic GPU's interpreter runs jattn's kernel from jax 0.12 (here {jax.__version__})"
+)
+
+
+@pytest.fixture(autouse=True)
+def mosaic_gpu(monkeypatch):
+    """The GPU kernel on its Mosaic GPU backend.
+
+    Until the automatic choice by compute capability (sm_90 / sm_100: Mosaic GPU) is wired into
+    jattn._paths.pallas, the path's entry is the face's gpu_attention with backend="mosaic_gpu".
+    """
+    monkeypatch.setattr(platform_facts, "platform", lambda: "gpu")
+    monkeypatch.setattr(pallas_path, "gpu_attention", functools.partial(gpu_attention, backend="mosaic_gpu"))
+
+
+def _rand(shape, seed, dtype):
+    return jnp.asarray(np.random.default_rng(seed).normal(size=shape), dtype)
+
+
+_T, _S = 130, 150
+_IDS_Q = np.repeat(np.array([[0, 1, 2], [0, 0, 1]]), [50, 45, 35], axis=1)  # (B=2, T): documents
+_IDS_KV = np.repeat(np.array([[0, 1, 2], [0, 0, 1]]), [60, 50, 40], axis=1)  # (B=2, S)
+
+CASES = {
+    # name: (mask, kw, q lead, kv lead, D, E, dtype, scale)
+    "causal-gqa-bf16": (masks.causal(), {}, (2, 3, 2), (2, 3, 1), 64, 64, jnp.bfloat16, 0.2),
+    "window-offsets-f16-depth-128": (
+        masks.sliding_window(40) & masks.causal(),
+        dict(q_offset=30, kv_offset=10),
+        (3, 2),
+        (3, 2),
+        128,
+        128,
+        jnp.float16,
+        None,
+    ),
+    "segments-padding-causal-gqa-depth-40": (
+        masks.segment_ids(_IDS_Q, _IDS_KV) & masks.padding(kv_lengths=np.array([140, 0])) & masks.causal(),
+        {},
+        (2, 3),
+        (2, 1),
+        40,
+        24,
+        jnp.float16,
+        None,
+    ),
+}
+
+
+def _dense(mask, kw, lq):
+    """The mask as an explicit boolean array against q's leading dims (per example: (B, 1, ..., T, S))."""
+    dense = np.asarray(mask.dense(_T, _S, **kw))
+    return dense.reshape(dense.shape[0], *(1,) * (len(lq) - 1), _T, _S) if dense.ndim == 4 else dense
+
+
+@needs_interpreter
+@pytest.mark.parametrize("case", list(CASES))
+def test_values_lse_and_max_logit_equal_the_reference(case):
+    """Out, the log-sum-exp and the max logit against float64 NumPy (GQA: k, v read by row, never repeated)."""
+    mask, kw, lq, lkv, D, E, dtype, scale = CASES[case]
+    q, k, v = _rand((*lq, _T, D), 0, dtype), _rand((*lkv, _S, D), 1, dtype), _rand((*lkv, _S, E), 2, dtype)
+
+    def f(q, k, v):
+        return jattn.attention(
+            q, k, v, mask=mask, scale=scale, implementation="pallas", return_lse=True, return_max_logit=True, **kw
+        )
+
+    out, lse, top = jax.jit(f)(q, k, v)
+    want, _, want_lse, want_top = ref.attention(
+        q, k, v, _dense(mask, kw, lq), None, scale, q_offset=kw.get("q_offset"), stats=True
+    )
+    assert out.dtype == dtype and out.shape == want.shape
+    np.testing.assert_allclose(ref.f64(out), want, **ref.tol(dtype))
+    np.testing.assert_allclose(np.asarray(lse), want_lse, **ref.tol(dtype))
+    np.testing.assert_allclose(np.asarray(top), want_top, **ref.tol(dtype))
+    assert np.isneginf(want_lse).any() == (
+        "segments" in case
+    )  # a row with no key (kv length 0): -inf, as the reference
+
+
+@needs_interpreter
+def test_sinks_join_every_row():
+    """Sinks (one per head) in every row's denominator: out, lse, dq, dk, dv and d sinks against float64 NumPy."""
+    q, k, v = (
+        _rand((2, 3, _T, 64), 0, jnp.bfloat16),
+        _rand((2, 3, _S, 64), 1, jnp.bfloat16),
+        _rand((2, 3, _S, 64), 2, jnp.bfloat16),
+    )
+    sinks = _rand((3,), 4, jnp.float32) + 2.0  # large enough to move the weights
+    g = np.random.default_rng(3).normal(size=(2, 3, _T, 64))
+
+    def loss(q, k, v, sinks):
+        out, lse = jattn.attention(q, k, v, sinks=sinks, implementation="pallas", return_lse=True)
+        return jnp.sum(out.astype(jnp.float32) * jnp.asarray(g, jnp.float32)), (out, lse)
+
+    ((_, (out, lse)), grads) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(q, k, v, sinks)
+    want, _, want_lse = ref.attention(q, k, v, sinks=sinks)
+    np.testing.assert_allclose(ref.f64(out), want, **ref.tol(jnp.bfloat16))
+    np.testing.assert_allclose(np.asarray(lse), want_lse, **ref.tol(jnp.bfloat16))
+    wants = ref.attention_grads(q, k, v, g, sinks=sinks)
+    for got, w in zip(grads, (*wants[:3], wants[4]), strict=True):
+        ref.assert_grad_close(got, w, jnp.bfloat16)
+
+
+REFUSED = {
+    # name: (call keywords, dtype, the words the refusal names)
+    "float32": ({}, jnp.float32, "bfloat16 and float16"),
+    "dropout": (dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), jnp.bfloat16, "dropout_rate"),
+    "score-mod": (dict(score_mod=score_mods.softcap(5.0)), jnp.bfloat16, "score_mod"),
+    "blocks": (dict(block_size=32), jnp.bfloat16, r"blocks \(64, 64\)"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_what_the_kernel_cannot_take_is_refused_by_name(case):
+    """float32, dropout, score mods and other blocks: a KernelRefusalError naming the argument, before any kernel."""
+    kw, dtype, words = REFUSED[case]
+    q = _rand((2, 3, 70, 64), 0, dtype)
+    with pytest.raises(KernelRefusalError, match=words):
+        jattn.attention(q, q, q, implementation="pallas", **kw)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("case", list(CASES))
+def test_gradients_equal_the_reference(case):
+    """dq, dk and dv (the dq and dk/dv kernels; k, v unrepeated under GQA: their gradients sum the group)."""
+    mask, kw, lq, lkv, D, E, dtype, scale = CASES[case]
+    q, k, v = _rand((*lq, _T, D), 0, dtype), _rand((*lkv, _S, D), 1, dtype), _rand((*lkv, _S, E), 2, dtype)
+    g = np.random.default_rng(3).normal(size=(*np.broadcast_shapes(lq, lkv), _T, E))
+
+    def loss(q, k, v):
+        out = jattn.attention(q, k, v, mask=mask, scale=scale, implementation="pallas", **kw)
+        return jnp.sum(out.astype(jnp.float32) * jnp.asarray(g, jnp.float32))
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    wants = ref.attention_grads(q, k, v, g, _dense(mask, kw, lq), None, scale)[:3]
+    for got, want in zip(grads, wants, strict=True):
+        assert got.shape == want.shape and got.dtype == dtype
+        ref.assert_grad_close(got, want, dtype)
+
+
+@needs_interpreter
+def test_jvp_is_refused_by_name():
+    """Forward mode: refused by name while the Mosaic GPU kernel has no tangent kernel."""
+    q = _rand((2, 3, 70, 64), 0, jnp.bfloat16)
+    f = functools.partial(jattn.attention, mask=masks.causal(), implementation="pallas")
+    with pytest.raises(KernelRefusalError, match="no tangent"):
+        jax.jvp(lambda q: f(q, q, q), (q,), (q,))
+
+
+@pytest.mark.skipif(INTERPRETS, reason="jax 0.12+ interprets the Mosaic GPU kernel")
+def test_interpreting_on_old_jax_is_refused_by_name():
+    """jax 0.10: the kernel would be interpreted (CPU) by an interpreter without layouts: refused by name."""
+    q = _rand((2, 3, 70, 64), 0, jnp.bfloat16)
+    with pytest.raises(KernelRefusalError, match=r"interpreted on CPU from jax 0\.12"):
+        jattn.attention(q, q, q, implementation="pallas")
+
+
+LOWERED = {
+    "causal-gqa-sinks": dict(mask=masks.causal(), sinks=jnp.ones((6,), jnp.float32)),
+    "segments-padding": dict(
+        mask=masks.segment_ids(_IDS_Q, _IDS_KV) & masks.padding(q_lengths=np.array([130, 100])),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(LOWERED))
+def test_forward_and_grad_lower_to_mosaic_gpu_for_hopper(monkeypatch, case):
+    """Lowered for CUDA sm_90 without a GPU: Mosaic GPU custom calls (forward; forward, dq, dk/dv), no Triton, no (T, S)."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # lowered, not interpreted
+    q, k = jnp.zeros((2, 6, _T, 64), jnp.bfloat16), jnp.zeros((2, 6, _S, 64), jnp.bfloat16)
+    kw = LOWERED[case]
+    f = lambda q, k: jattn.attention(q, k, k, implementation="pallas", **kw)  # noqa: E731
+    grad = jax.grad(lambda q, k: jnp.sum(f(q, k).astype(jnp.float32)), argnums=(0, 1))
+    for fn, kernels in ((f, 1), (grad, 3)):
+        text = cuda_text(fn, q, k, arch="sm_90")
+        assert text.count("@mosaic_gpu") == kernels and "triton" not in text.lower()
+        assert f"{_T}x{_S}x" not in text and "192x192x" not in text
