@@ -172,13 +172,37 @@ def test_gradients_equal_the_reference(case):
         ref.assert_grad_close(got, want, dtype)
 
 
+def _jvp_reference(mask, kw, lq, scale, args, tangents):
+    """``((out, lse), (d out, d lse))``: jvp of float64 dense JAX (:func:`tests.reference.dense_jax`) at the call's scale."""
+    D = args[0].shape[-1]
+    with jax.enable_x64(True):
+        wide = (scale or 1 / np.sqrt(D)) * np.sqrt(D)  # dense_jax scales by 1/sqrt(D)
+        a = (jnp.asarray(ref.f64(args[0])) * wide, *(jnp.asarray(ref.f64(x)) for x in args[1:]))
+        t = (jnp.asarray(ref.f64(tangents[0])) * wide, *(jnp.asarray(ref.f64(x)) for x in tangents[1:]))
+        dense = _dense(mask, kw, lq)
+        return jax.jit(lambda a, t: jax.jvp(lambda q, k, v: ref.dense_jax(q, k, v, keep=dense), a, t))(a, t)
+
+
 @needs_interpreter
-def test_jvp_is_refused_by_name():
-    """Forward mode: refused by name while the Mosaic GPU kernel has no tangent kernel."""
-    q = _rand((2, 3, 70, 64), 0, jnp.bfloat16)
-    f = functools.partial(jattn.attention, mask=masks.causal(), implementation="pallas")
-    with pytest.raises(KernelRefusalError, match="no tangent"):
-        jax.jvp(lambda q: f(q, q, q), (q,), (q,))
+@pytest.mark.parametrize("case", list(CASES))
+def test_jvp_and_linearize_equal_the_reference(case):
+    """Forward mode: jvp (the forward and tangent in one kernel) and linearize (the tangent kernel from lse)."""
+    mask, kw, lq, lkv, D, E, dtype, scale = CASES[case]
+    args = (_rand((*lq, _T, D), 0, dtype), _rand((*lkv, _S, D), 1, dtype), _rand((*lkv, _S, E), 2, dtype))
+    tangents = tuple(_rand(x.shape, 10 + n, dtype) for n, x in enumerate(args))
+
+    def f(q, k, v):
+        return jattn.attention(q, k, v, mask=mask, scale=scale, return_lse=True, implementation="pallas", **kw)
+
+    one_pass = jax.jit(lambda a, t: jax.jvp(f, a, t))(args, tangents)
+    two_pass = jax.jit(lambda a, t: jax.linearize(f, *a)[1](*t))(args, tangents)
+    (want, want_lse), (d_want, d_want_lse) = _jvp_reference(mask, kw, lq, scale, args, tangents)
+    seen = np.isfinite(np.asarray(want_lse))
+    np.testing.assert_allclose(ref.f64(one_pass[0][0]), np.asarray(want), **ref.tol(dtype))
+    for d_out, d_lse in (one_pass[1], two_pass):
+        assert d_out.dtype == dtype and d_out.shape == want.shape and d_lse.dtype == jnp.float32
+        ref.assert_grad_close(d_out, np.asarray(d_want), dtype)
+        ref.assert_grad_close(np.where(seen, d_lse, 0), np.where(seen, np.asarray(d_want_lse), 0), dtype)
 
 
 @pytest.mark.skipif(INTERPRETS, reason="jax 0.12+ interprets the Mosaic GPU kernel")
@@ -198,14 +222,15 @@ LOWERED = {
 
 
 @pytest.mark.parametrize("case", list(LOWERED))
-def test_forward_and_grad_lower_to_mosaic_gpu_for_hopper(monkeypatch, case):
-    """Lowered for CUDA sm_90 without a GPU: Mosaic GPU custom calls (forward; forward, dq, dk/dv), no Triton, no (T, S)."""
+def test_forward_grad_and_jvp_lower_to_mosaic_gpu_for_hopper(monkeypatch, case):
+    """Lowered for CUDA sm_90 without a GPU: Mosaic GPU calls (forward; forward, dq, dk/dv; jvp's one), no Triton or (T, S)."""
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # lowered, not interpreted
     q, k = jnp.zeros((2, 6, _T, 64), jnp.bfloat16), jnp.zeros((2, 6, _S, 64), jnp.bfloat16)
     kw = LOWERED[case]
     f = lambda q, k: jattn.attention(q, k, k, implementation="pallas", **kw)  # noqa: E731
     grad = jax.grad(lambda q, k: jnp.sum(f(q, k).astype(jnp.float32)), argnums=(0, 1))
-    for fn, kernels in ((f, 1), (grad, 3)):
+    jvp = lambda q, k: jax.jvp(f, (q, k), (q, k))  # noqa: E731
+    for fn, kernels in ((f, 1), (grad, 3), (jvp, 1)):
         text = cuda_text(fn, q, k, arch="sm_90")
         assert text.count("@mosaic_gpu") == kernels and "triton" not in text.lower()
         assert f"{_T}x{_S}x" not in text and "192x192x" not in text
