@@ -135,18 +135,112 @@ def test_sinks_join_every_row():
         ref.assert_grad_close(got, w, jnp.bfloat16)
 
 
+@needs_interpreter
+def test_softcap_values_and_gradients():
+    """A soft cap in the kernel (tanh of whole tiles): out, dq, dk, dv against float64 NumPy, a sliding window."""
+    q, k, v = (
+        _rand((2, 3, _T, 64), 0, jnp.float16) * 3,
+        _rand((2, 3, _S, 64), 1, jnp.float16),
+        _rand((2, 3, _S, 64), 2, jnp.float16),
+    )
+    g = np.random.default_rng(3).normal(size=(2, 3, _T, 64))
+    mask = masks.sliding_window(60)
+
+    def loss(q, k, v):
+        out = jattn.attention(q, k, v, mask=mask, score_mod=score_mods.softcap(2.5), implementation="pallas")
+        return jnp.sum(out.astype(jnp.float32) * jnp.asarray(g, jnp.float32)), out
+
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    dense = np.asarray(mask.dense(_T, _S))
+    want, _, _ = ref.attention(q, k, v, dense, score_mod=lambda s, *_: 2.5 * np.tanh(s / 2.5))
+    np.testing.assert_allclose(ref.f64(out), want, **ref.tol(jnp.float16))
+    for got, w in zip(grads, ref.attention_grads(q, k, v, g, dense, softcap=2.5)[:3], strict=True):
+        ref.assert_grad_close(got, w, jnp.float16)
+
+
+@needs_interpreter
+def test_alibi_values_and_gradients_in_its_slopes():
+    """ALiBi (a slope per head, read per row): out, dq, dk, dv and d slopes against float64 JAX (dense, a bias)."""
+    q, k, v = (
+        _rand((2, 3, 2, _T, 64), 0, jnp.bfloat16),
+        _rand((2, 3, 1, _S, 64), 1, jnp.bfloat16),
+        _rand((2, 3, 1, _S, 64), 2, jnp.bfloat16),
+    )
+    slopes = jnp.asarray([0.05, 0.1, 0.2, 0.3, 0.5, 0.8], jnp.float32)  # (K G,) heads
+    g = np.random.default_rng(3).normal(size=(2, 3, 2, _T, 64))
+    keep = np.asarray(masks.causal().dense(_T, _S, q_offset=0))  # query t at position t: the distances below
+
+    def loss(f, q, k, v, slopes):
+        return jnp.sum(f(q, k, v, slopes).astype(ref.wide()) * jnp.asarray(g, ref.wide()))
+
+    def kernel(q, k, v, slopes):
+        alibi = score_mods.alibi(slopes)
+        return jattn.attention(q, k, v, mask=masks.causal(), q_offset=0, score_mod=alibi, implementation="pallas")
+
+    def dense(q, k, v, slopes):
+        distance = jnp.asarray(np.abs(np.arange(_T)[:, None] - np.arange(_S)[None, :]), slopes.dtype)
+        return ref.dense_jax(q, k, v, keep=keep, bias=-slopes.reshape(1, 3, 2, 1, 1) * distance[None, None, None])[0]
+
+    got = jax.jit(jax.value_and_grad(functools.partial(loss, kernel), argnums=(0, 1, 2, 3)))(q, k, v, slopes)
+    with jax.enable_x64(True):
+        wide = tuple(jnp.asarray(ref.f64(x)) for x in (q, k, v, slopes))
+        want = jax.jit(jax.value_and_grad(functools.partial(loss, dense), argnums=(0, 1, 2, 3)))(*wide)
+        out = dense(*wide)
+    np.testing.assert_allclose(ref.f64(kernel(q, k, v, slopes)), np.asarray(out), **ref.tol(jnp.bfloat16))
+    for a, w in zip(got[1], want[1], strict=True):
+        ref.assert_grad_close(a, np.asarray(w), jnp.bfloat16)
+
+
+_RATE = 0.3
+
+
+def _drop_factor(lq, lkv, key, **kw):
+    """The dropout factor Z ``(*lead, T, S)`` of a call (q = k = 0: weights 1 / S; v = I puts weight s in out[..., s])."""
+    q, k = jnp.zeros((*lq, _T, 64), jnp.float16), jnp.zeros((*lkv, _S, 64), jnp.float16)
+    v = jnp.broadcast_to(jnp.eye(_S, dtype=jnp.float16), (*lkv, _S, _S))
+    out = jattn.attention(q, k, v, dropout_rate=_RATE, dropout_rng=key, **kw)
+    return np.asarray(out, np.float64) * _S
+
+
+@needs_interpreter
+def test_dropout_drops_what_the_dense_path_drops_and_its_gradients():
+    """The kernel's keep bits are the dense path's (grouped rows); out = (P ∘ Z) v, dq, dk, dv against float64 NumPy."""
+    lq, lkv, key = (2, 3, 2), (2, 3, 1), jax.random.key(11)
+    want = _drop_factor(lq, lkv, key, implementation="dense")
+    got = _drop_factor(lq, lkv, key, implementation="pallas")
+    np.testing.assert_array_equal(got != 0, want != 0)
+    assert 0.5 < np.mean(want != 0) < 0.9  # a real draw (keep_prob 0.7)
+    q, k, v = (
+        _rand((*lq, _T, 64), 0, jnp.float16),
+        _rand((*lkv, _S, 64), 1, jnp.float16),
+        _rand((*lkv, _S, 64), 2, jnp.float16),
+    )
+    g = np.random.default_rng(3).normal(size=(*lq, _T, 64))
+    mask = masks.causal()
+    drop = np.where(want != 0, 1 / (1 - _RATE), 0.0)
+
+    def loss(q, k, v):
+        out = jattn.attention(q, k, v, mask=mask, dropout_rate=_RATE, dropout_rng=key, implementation="pallas")
+        return jnp.sum(out.astype(jnp.float32) * jnp.asarray(g, jnp.float32)), out
+
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    keep = np.asarray(mask.dense(_T, _S))
+    _, w, _ = ref.attention(q, k, v, keep)
+    np.testing.assert_allclose(ref.f64(out), np.matmul(w * drop, ref.f64(v)), **ref.tol(jnp.float16))
+    for a, w in zip(grads, ref.attention_grads(q, k, v, g, keep, drop=drop)[:3], strict=True):
+        ref.assert_grad_close(a, w, jnp.float16)
+
+
 REFUSED = {
     # name: (call keywords, dtype, the words the refusal names)
     "float32": ({}, jnp.float32, "bfloat16 and float16"),
-    "dropout": (dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), jnp.bfloat16, "dropout_rate"),
-    "score-mod": (dict(score_mod=score_mods.softcap(5.0)), jnp.bfloat16, "score_mod"),
     "blocks": (dict(block_size=32), jnp.bfloat16, r"blocks \(64, 64\)"),
 }
 
 
 @pytest.mark.parametrize("case", list(REFUSED))
 def test_what_the_kernel_cannot_take_is_refused_by_name(case):
-    """float32, dropout, score mods and other blocks: a KernelRefusalError naming the argument, before any kernel."""
+    """float32 and other blocks: a KernelRefusalError naming the argument, before any kernel."""
     kw, dtype, words = REFUSED[case]
     q = _rand((2, 3, 70, 64), 0, dtype)
     with pytest.raises(KernelRefusalError, match=words):
@@ -214,6 +308,13 @@ def test_interpreting_on_old_jax_is_refused_by_name():
 
 
 LOWERED = {
+    "window-softcap-dropout": dict(
+        mask=masks.sliding_window(40),
+        score_mod=score_mods.softcap(20.0),
+        dropout_rate=0.1,
+        dropout_rng=jax.random.key(0),
+    ),
+    "alibi-causal": dict(mask=masks.causal(), score_mod=score_mods.alibi(jnp.linspace(0.1, 1.0, 6))),
     "causal-gqa-sinks": dict(mask=masks.causal(), sinks=jnp.ones((6,), jnp.float32)),
     "segments-padding": dict(
         mask=masks.segment_ids(_IDS_Q, _IDS_KV) & masks.padding(q_lengths=np.array([130, 100])),

@@ -18,8 +18,9 @@ from jax import Array, lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jattn._gpu.mosaic_mod import check_mod, dropped, modified, row_values
 from jattn._gpu.mosaic_support import accumulate, depth, launch, product, swizzled
-from jattn._gpu.mosaic_tile import Ids, tile_keep, windows
+from jattn._gpu.mosaic_tile import Ids, positions, tile_keep, windows
 from jattn._masks import EMPTY, PARTIAL
 
 __all__ = ["forward"]
@@ -35,14 +36,14 @@ def _rows(x: Array, shape) -> Array:
 
 def _tile(spec, refs, r, i, j, carry):
     """One key block's step of the online softmax: ``(max, denominator, acc)`` updated by tile ``(i, j)``."""
-    g, (q_s, k_s, v_s, bar_k, bar_v), (k_ref, v_ref, kinds_ref, ids) = spec.grid, refs[0], refs[1]
+    g, (q_s, k_s, v_s, bar_k, bar_v), (k_ref, v_ref, kinds_ref, ids, seed, values) = spec.grid, refs[0], refs[1]
     m, den, acc = carry
     at = (lax.div(r, spec.G), pl.ds(j * g.bk, g.bk))
     plgpu.copy_gmem_to_smem(k_ref.at[at], k_s, bar_k)
     plgpu.copy_gmem_to_smem(v_ref.at[at], v_s, bar_v)
     plgpu.barrier_wait(bar_k)
-
-    x = product(q_s, k_s.T, (g.bq, g.bk)) * spec.scale
+    t, s = positions(g, i, j)
+    x = modified(spec, product(q_s, k_s.T, (g.bq, g.bk)) * spec.scale, g.q_offset + t, g.kv_offset + s, values)
     kr = r if kinds_ref.shape[0] > 1 else 0
     masked = lambda x: jnp.where(tile_keep(g, ids, r, i, j), x, _NEG)  # noqa: E731
     x = lax.cond(kinds_ref[kr, i, j] == PARTIAL, masked, lambda x: x, x)
@@ -50,7 +51,8 @@ def _tile(spec, refs, r, i, j, carry):
     safe = jnp.where(top == _NEG, 0.0, top)  # a row masked so far: its weights are 0, not NaN
     p, alpha = jnp.exp(x - _rows(safe, x.shape)), jnp.exp(m - safe)
     plgpu.barrier_wait(bar_v)
-    acc = accumulate(acc * _rows(alpha, acc.shape), p.astype(v_s.dtype), v_s)
+    pz = dropped(spec, seed, t, s, p)  # the sum of undropped p normalises
+    acc = accumulate(acc * _rows(alpha, acc.shape), pz.astype(v_s.dtype), v_s)
     return top, alpha * den + p.sum(axis=1), acc
 
 
@@ -69,15 +71,21 @@ def _finish(spec, sinks_ref, r, m, den, acc):
 def _kernel(spec, kinds, *refs):
     """One query block of row ``r``: ``o``, ``lse`` and the max logit through shared memory."""
     nm = spec.n_mask
-    q_ref, k_ref, v_ref, kinds_ref, bounds_ref, sinks_ref, *refs = refs
-    masks, (o_ref, lse_ref, top_ref), scratch = refs[:nm], refs[nm : nm + 3], refs[nm + 3 :]
+    q_ref, k_ref, v_ref, kinds_ref, bounds_ref, sinks_ref, seeds_ref, *refs = refs
+    nc = spec.mod_count
+    masks, consts, (o_ref, lse_ref, top_ref), scratch = (
+        refs[:nm],
+        refs[nm : nm + nc],
+        refs[nm + nc : nm + nc + 3],
+        refs[nm + nc + 3 :],
+    )
     q_s, k_s, v_s, o_s, lse_s, top_s, bar_q, bar_k, bar_v, bar_ids, *id_s = scratch
     g, r, i = spec.grid, lax.axis_index("r"), lax.axis_index("i")
     plgpu.copy_gmem_to_smem(q_ref.at[r, pl.ds(i * g.bq, g.bq)], q_s, bar_q)
     plgpu.barrier_wait(bar_q)
     smem_ids = dict(zip((n for n, w in enumerate(kinds) if w), id_s, strict=True))
     ids = Ids(masks, smem_ids, bar_ids, kinds)
-    refs = ((q_s, k_s, v_s, bar_k, bar_v), (k_ref, v_ref, kinds_ref, ids))
+    refs = ((q_s, k_s, v_s, bar_k, bar_v), (k_ref, v_ref, kinds_ref, ids, seeds_ref[r], row_values(consts, r)))
     kr = r if kinds_ref.shape[0] > 1 else 0
 
     def step(j, carry):
@@ -101,7 +109,7 @@ def _kernel(spec, kinds, *refs):
 
 def forward(spec, q, k, v, kinds, bounds, sinks, seeds, masks, consts) -> tuple[Array, Array, Array]:
     """``(o (b, Tp, Ep), lse (b, Tp), max logit (b, Tp))`` as :func:`jattn._gpu.kernels.forward`, on Mosaic GPU."""
-    del seeds, consts  # no dropout, no score_mod (refused before: jattn._gpu.mosaic_support.refuse_mosaic)
+    check_mod(spec)
     g, b = spec.grid, q.shape[0]
     Dw, Ew = depth(spec.Dp), depth(spec.Ep)
     q, k = (jnp.pad(x, ((0, 0), (0, 0), (0, Dw - spec.Dp))) for x in (q, k))
@@ -123,5 +131,5 @@ def forward(spec, q, k, v, kinds, bounds, sinks, seeds, masks, consts) -> tuple[
         grid=(b, g.nq),
         grid_names=("r", "i"),
         interpret=spec.interpret,
-    )(q, k, v, kinds, bounds, sinks, *masks)
+    )(q, k, v, kinds, bounds, sinks, seeds, *masks, *consts)
     return o[..., : spec.Ep], lse, top

@@ -46,10 +46,6 @@ def refuse_mosaic(dtype, D: int, E: int, *, interpret: bool, dropout: float, sco
         )
     if max(D, E) > 256:
         raise KernelRefusalError(f"{_WHERE} takes head depths up to 256, got D={D}, E={E}; {_TAKE}")
-    if dropout:
-        raise KernelRefusalError(f"{_WHERE} takes no dropout_rate yet, got {dropout}; {_TAKE}")
-    if score_mod is not None:
-        raise KernelRefusalError(f"{_WHERE} takes no score_mod yet; {_TAKE}")
     if blocks is not None and tuple(blocks) != (BLOCK, BLOCK):
         raise KernelRefusalError(
             f"{_WHERE} takes blocks ({BLOCK}, {BLOCK}) only (one warpgroup), got {blocks}; {_TAKE}"

@@ -17,8 +17,9 @@ from jax import Array, lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jattn._gpu.mosaic_mod import check_mod, dropped, modified_jvp, row_values
 from jattn._gpu.mosaic_support import accumulate, depth, launch, load, product, swizzled
-from jattn._gpu.mosaic_tile import Ids, tile_keep, windows
+from jattn._gpu.mosaic_tile import Ids, positions, tile_keep, windows
 from jattn._masks import EMPTY, PARTIAL
 
 __all__ = ["forward_tangent", "tangent"]
@@ -33,7 +34,8 @@ def _rows(x: Array, shape) -> Array:
 
 def _tile(spec, fixed: bool, refs, r, i, j, carry):
     """Tile ``(i, j)``'s step: ``(max, denominator, acc, tangent acc, d lse)``; ``fixed``: the max is ``lse``."""
-    g, (q_s, dq_s, k_s, v_s, dk_s, dv_s, bars), (k_ref, v_ref, dk_ref, dv_ref, kinds_ref, ids) = spec.grid, *refs
+    g, (q_s, dq_s, k_s, v_s, dk_s, dv_s, bars), (k_ref, v_ref, dk_ref, dv_ref, kinds_ref, ids, row) = spec.grid, *refs
+    seed, values, dvalues = row
     at = (lax.div(r, spec.G), pl.ds(j * g.bk, g.bk))
     for (src, dst), bar in zip(((k_ref, k_s), (v_ref, v_s), (dk_ref, dk_s), (dv_ref, dv_s)), bars, strict=True):
         plgpu.copy_gmem_to_smem(src.at[at], dst, bar)
@@ -41,6 +43,8 @@ def _tile(spec, fixed: bool, refs, r, i, j, carry):
         plgpu.barrier_wait(bar)
     x = product(q_s, k_s.T, (g.bq, g.bk)) * spec.scale
     dx = accumulate(product(dq_s, k_s.T, x.shape), q_s, dk_s.T) * spec.scale
+    t, s = positions(g, i, j)
+    x, dx = modified_jvp(spec, x, dx, g.q_offset + t, g.kv_offset + s, values, dvalues)
 
     def keep(xs):
         kept = tile_keep(g, ids, r, i, j)
@@ -51,11 +55,11 @@ def _tile(spec, fixed: bool, refs, r, i, j, carry):
     top = m if fixed else jnp.maximum(m, x.max(axis=1))
     safe = jnp.where(top == _NEG, 0.0, top)
     p, alpha = jnp.exp(x - _rows(safe, x.shape)), (1.0 if fixed else jnp.exp(m - safe))
-    pdx, dt = p * dx, v_s.dtype
+    pdx, pz, dt = p * dx, dropped(spec, seed, t, s, p), v_s.dtype  # d lse sums the undropped weights' tangents
     tacc = accumulate(
-        accumulate(tacc * (1.0 if fixed else _rows(alpha, tacc.shape)), pdx.astype(dt), v_s), p.astype(dt), dv_s
+        accumulate(tacc * (1.0 if fixed else _rows(alpha, tacc.shape)), (pz * dx).astype(dt), v_s), pz.astype(dt), dv_s
     )
-    acc = acc if fixed else accumulate(acc * _rows(alpha, acc.shape), p.astype(dt), v_s)
+    acc = acc if fixed else accumulate(acc * _rows(alpha, acc.shape), pz.astype(dt), v_s)
     return top, (den if fixed else alpha * den + p.sum(axis=1)), acc, tacc, alpha * dlse + pdx.sum(axis=1)
 
 
@@ -64,7 +68,7 @@ def _sweep(spec, fixed, scratch, gm, r, i, init):
     g = spec.grid
     (
         (q_s, dq_s, k_s, v_s, dk_s, dv_s, bars, bar_ids, id_s),
-        (q_ref, dq_ref, k_ref, v_ref, dk_ref, dv_ref, kinds_ref, bounds_ref, masks, kinds_of),
+        (q_ref, dq_ref, k_ref, v_ref, dk_ref, dv_ref, kinds_ref, bounds_ref, masks, kinds_of, row),
     ) = scratch, gm
     rows = pl.ds(i * g.bq, g.bq)
     plgpu.copy_gmem_to_smem(q_ref.at[r, rows], q_s, bars[0])
@@ -72,11 +76,19 @@ def _sweep(spec, fixed, scratch, gm, r, i, init):
     plgpu.barrier_wait(bars[0])
     plgpu.barrier_wait(bars[1])
     ids = Ids(masks, dict(zip((n for n, w in enumerate(kinds_of) if w), id_s, strict=True)), bar_ids, kinds_of)
-    refs = ((q_s, dq_s, k_s, v_s, dk_s, dv_s, bars), (k_ref, v_ref, dk_ref, dv_ref, kinds_ref, ids))
+    refs = ((q_s, dq_s, k_s, v_s, dk_s, dv_s, bars), (k_ref, v_ref, dk_ref, dv_ref, kinds_ref, ids, row))
     kr = r if kinds_ref.shape[0] > 1 else 0
     tile = functools.partial(_tile, spec, fixed, refs, r, i)
     step = lambda j, c: lax.cond(kinds_ref[kr, i, j] == EMPTY, lambda c: c, functools.partial(tile, j), c)  # noqa: E731
     return lax.fori_loop(bounds_ref[kr, i, 0], bounds_ref[kr, i, 1], step, init)
+
+
+def _split(spec, refs, seeds_ref, n_out: int) -> tuple:
+    """``(masks, (seed, values, dvalues) of row r, outputs, scratch)`` from the refs after the seeds."""
+    nm, nc, nf = spec.n_mask, spec.mod_count, 0 if spec.mod is None else sum(spec.mod.floats)
+    r = lax.axis_index("r")
+    masks, consts, dconsts, refs = refs[:nm], refs[nm : nm + nc], refs[nm + nc : nm + nc + nf], refs[nm + nc + nf :]
+    return masks, (seeds_ref[r], row_values(consts, r), row_values(dconsts, r)), refs[:n_out], refs[n_out:]
 
 
 def _init(g, width: int, m) -> tuple:
@@ -102,16 +114,13 @@ def _store(pairs, rows) -> None:
 
 def _one_pass_kernel(spec, kinds_of, *refs):
     """One query block: ``o``, ``lse``, the max logit, ``d o`` and ``d lse`` in one sweep."""
-    nm, g = spec.n_mask, spec.grid
-    q_ref, k_ref, v_ref, dq_ref, dk_ref, dv_ref, kinds_ref, bounds_ref, sinks_ref, dsinks_ref, *refs = refs
-    masks, outs, (q_s, dq_s, k_s, v_s, dk_s, dv_s, o_s, do_s, lse_s, top_s, dlse_s, *bars) = (
-        refs[:nm],
-        refs[nm : nm + 5],
-        refs[nm + 5 :][:16],
-    )
+    g = spec.grid
+    q_ref, k_ref, v_ref, dq_ref, dk_ref, dv_ref, kinds_ref, bounds_ref, sinks_ref, dsinks_ref, seeds_ref, *refs = refs
+    masks, row, outs, refs = _split(spec, refs, seeds_ref, 5)
+    q_s, dq_s, k_s, v_s, dk_s, dv_s, o_s, do_s, lse_s, top_s, dlse_s, *bars = refs[:16]
     r, i = lax.axis_index("r"), lax.axis_index("i")
-    gm = (q_ref, dq_ref, k_ref, v_ref, dk_ref, dv_ref, kinds_ref, bounds_ref, masks, kinds_of)
-    scratch = (q_s, dq_s, k_s, v_s, dk_s, dv_s, bars[:4], bars[4], refs[nm + 21 :])
+    gm = (q_ref, dq_ref, k_ref, v_ref, dk_ref, dv_ref, kinds_ref, bounds_ref, masks, kinds_of, row)
+    scratch = (q_s, dq_s, k_s, v_s, dk_s, dv_s, bars[:4], bars[4], refs[16:])
     m0 = plgpu.layout_cast(jnp.full((g.bq,), _NEG, jnp.float32), _L.reduce(1))
     m, den, acc, tacc, dlse = _sweep(spec, False, scratch, gm, r, i, _init(g, o_s.shape[1], m0))
     seen = den > 0
@@ -136,20 +145,31 @@ def _one_pass_kernel(spec, kinds_of, *refs):
 
 def _tangent_kernel(spec, kinds_of, *refs):
     """One query block: ``sum p dx v + p dv`` ``(bq, Ep)`` float32 and ``d lse`` from the forward's ``lse``."""
-    nm, g = spec.n_mask, spec.grid
-    q_ref, k_ref, v_ref, lse_ref, dq_ref, dk_ref, dv_ref, kinds_ref, bounds_ref, sinks_ref, dsinks_ref, *refs = refs
-    masks, (acc_ref, dlse_ref), (q_s, dq_s, k_s, v_s, dk_s, dv_s, acc_s, lse_s, dlse_s, *bars) = (
-        refs[:nm],
-        refs[nm : nm + 2],
-        refs[nm + 2 :][:15],
-    )
+    g = spec.grid
+    (
+        q_ref,
+        k_ref,
+        v_ref,
+        lse_ref,
+        dq_ref,
+        dk_ref,
+        dv_ref,
+        kinds_ref,
+        bounds_ref,
+        sinks_ref,
+        dsinks_ref,
+        seeds_ref,
+        *refs,
+    ) = refs
+    masks, row, (acc_ref, dlse_ref), refs = _split(spec, refs, seeds_ref, 2)
+    q_s, dq_s, k_s, v_s, dk_s, dv_s, acc_s, lse_s, dlse_s, *bars = refs[:15]
     r, i = lax.axis_index("r"), lax.axis_index("i")
     plgpu.copy_gmem_to_smem(lse_ref.at[r, pl.ds(i * g.bq, g.bq)], lse_s, bars[5])
     plgpu.barrier_wait(bars[5])
     lse = load(lse_s, _L.reduce(1))
     lse = jnp.where(lse == _NEG, jnp.inf, lse)  # a row that sees no key: weights 0
-    gm = (q_ref, dq_ref, k_ref, v_ref, dk_ref, dv_ref, kinds_ref, bounds_ref, masks, kinds_of)
-    scratch = (q_s, dq_s, k_s, v_s, dk_s, dv_s, bars[:4], bars[4], refs[nm + 17 :])
+    gm = (q_ref, dq_ref, k_ref, v_ref, dk_ref, dv_ref, kinds_ref, bounds_ref, masks, kinds_of, row)
+    scratch = (q_s, dq_s, k_s, v_s, dk_s, dv_s, bars[:4], bars[4], refs[15:])
     _, _, _, tacc, dlse = _sweep(spec, True, scratch, gm, r, i, _init(g, acc_s.shape[1], lse))
     dlse = _sink(spec, sinks_ref, dsinks_ref, r, lse, dlse)
     _store(((tacc, acc_s, acc_ref.at[r]), (dlse, dlse_s, dlse_ref.at[r])), pl.ds(i * g.bq, g.bq))
@@ -168,7 +188,7 @@ def _operands(spec, q, k, v, dq, dk, dv):
 
 def forward_tangent(spec, q, k, v, dq, dk, dv, kinds, bounds, sinks, seeds, dsinks, masks, consts, dconsts) -> list:
     """``[o, lse, max logit, d o, d lse]`` as :func:`jattn._gpu.kernels.forward_tangent`, on Mosaic GPU."""
-    del seeds, consts, dconsts  # dropout and score mods are refused before
+    check_mod(spec)
     g, b = spec.grid, q.shape[0]
     (q, k, v, dq, dk, dv), tiles, kinds_of, ids = _operands(spec, q, k, v, dq, dk, dv)
     row, o = plgpu.SMEM((g.bq,), jnp.float32), jax.ShapeDtypeStruct((b, g.t_pad, v.shape[2]), v.dtype)
@@ -188,14 +208,14 @@ def forward_tangent(spec, q, k, v, dq, dk, dv, kinds, bounds, sinks, seeds, dsin
         grid=(b, g.nq),
         grid_names=("r", "i"),
         interpret=spec.interpret,
-    )(q, k, v, dq, dk, dv, kinds, bounds, sinks, dsinks, *masks)
+    )(q, k, v, dq, dk, dv, kinds, bounds, sinks, dsinks, seeds, *masks, *consts, *dconsts)
     o, lse, top, d_o, d_lse = outs
     return [o[..., : spec.Ep], lse, top, d_o[..., : spec.Ep], d_lse]
 
 
 def tangent(spec, q, k, v, o, lse, dq, dk, dv, kinds, bounds, sinks, seeds, dsinks, masks, consts, dconsts):
     """``(d o (b, Tp, Ep), d lse (b, Tp))`` as :func:`jattn._gpu.kernels.tangent`: ``d o = acc - d lse o`` outside."""
-    del seeds, consts, dconsts
+    check_mod(spec)
     g, b = spec.grid, q.shape[0]
     (q, k, v, dq, dk, dv), tiles, kinds_of, ids = _operands(spec, q, k, v, dq, dk, dv)
     row = plgpu.SMEM((g.bq,), jnp.float32)
@@ -216,6 +236,6 @@ def tangent(spec, q, k, v, o, lse, dq, dk, dv, kinds, bounds, sinks, seeds, dsin
         grid=(b, g.nq),
         grid_names=("r", "i"),
         interpret=spec.interpret,
-    )(q, k, v, lse, dq, dk, dv, kinds, bounds, sinks, dsinks, *masks)
+    )(q, k, v, lse, dq, dk, dv, kinds, bounds, sinks, dsinks, seeds, *masks, *consts, *dconsts)
     d_o = acc[..., : spec.Ep] - d_lse[..., None] * o.astype(jnp.float32)
     return d_o.astype(o.dtype), d_lse
