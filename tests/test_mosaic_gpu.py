@@ -195,7 +195,7 @@ _RATE = 0.3
 
 
 def _drop_factor(lq, lkv, key, **kw):
-    """The dropout factor Z ``(*lead, T, S)`` of a call (q = k = 0: weights 1 / S; v = I puts weight s in out[..., s])."""
+    """The dropout factor Z ``(*lead, T, S)`` of a call (q = k = 0: weights 1 / S; v = I: weight s in out[..., s])."""
     q, k = jnp.zeros((*lq, _T, 64), jnp.float16), jnp.zeros((*lkv, _S, 64), jnp.float16)
     v = jnp.broadcast_to(jnp.eye(_S, dtype=jnp.float16), (*lkv, _S, _S))
     out = jattn.attention(q, k, v, dropout_rate=_RATE, dropout_rng=key, **kw)
@@ -204,7 +204,7 @@ def _drop_factor(lq, lkv, key, **kw):
 
 @needs_interpreter
 def test_dropout_drops_what_the_dense_path_drops_and_its_gradients():
-    """The kernel's keep bits are the dense path's (grouped rows); out = (P ∘ Z) v, dq, dk, dv against float64 NumPy."""
+    """The kernel's keep bits are the dense path's (grouped rows); out = (P ∘ Z) v, dq, dk, dv vs float64 NumPy."""
     lq, lkv, key = (2, 3, 2), (2, 3, 1), jax.random.key(11)
     want = _drop_factor(lq, lkv, key, implementation="dense")
     got = _drop_factor(lq, lkv, key, implementation="pallas")
@@ -233,7 +233,7 @@ def test_dropout_drops_what_the_dense_path_drops_and_its_gradients():
 
 REFUSED = {
     # name: (call keywords, dtype, the words the refusal names)
-    "float32": ({}, jnp.float32, "bfloat16 and float16"),
+    "float32": ({}, jnp.float32, "bfloat16 and float16, got float32: wgmma multiplies float32 as tf32"),
     "blocks": (dict(block_size=32), jnp.bfloat16, r"blocks \(64, 64\)"),
 }
 
@@ -267,7 +267,7 @@ def test_gradients_equal_the_reference(case):
 
 
 def _jvp_reference(mask, kw, lq, scale, args, tangents):
-    """``((out, lse), (d out, d lse))``: jvp of float64 dense JAX (:func:`tests.reference.dense_jax`) at the call's scale."""
+    """``((out, lse), (d out, d lse))``: jvp of float64 dense JAX (:func:`tests.reference.dense_jax`)."""
     D = args[0].shape[-1]
     with jax.enable_x64(True):
         wide = (scale or 1 / np.sqrt(D)) * np.sqrt(D)  # dense_jax scales by 1/sqrt(D)
@@ -324,7 +324,7 @@ LOWERED = {
 
 @pytest.mark.parametrize("case", list(LOWERED))
 def test_forward_grad_and_jvp_lower_to_mosaic_gpu_for_hopper(monkeypatch, case):
-    """Lowered for CUDA sm_90 without a GPU: Mosaic GPU calls (forward; forward, dq, dk/dv; jvp's one), no Triton or (T, S)."""
+    """Lowered for sm_90, no GPU: Mosaic GPU calls (forward; forward, dq, dk/dv; jvp's one), no Triton, no (T, S)."""
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # lowered, not interpreted
     q, k = jnp.zeros((2, 6, _T, 64), jnp.bfloat16), jnp.zeros((2, 6, _S, 64), jnp.bfloat16)
     kw = LOWERED[case]

@@ -5,8 +5,9 @@ the derivatives at every order (a custom JVP whose tangent is a linear pair); ``
 forward, tangent, dq and dk/dv ``pallas_call`` bodies; ``tiles`` the grid of tiles,
 their kinds computed outside the kernel and a partial tile's mask inside it; ``score_mod`` a
 score modification read in the kernel. ``gpu_attention(..., backend="mosaic_gpu")`` runs the kernels of
-``mosaic_kernels`` (Pallas' Mosaic GPU backend for Hopper: TMA and ``wgmma``, ``mosaic_forward``,
-``mosaic_tile``, ``mosaic_support``) on the same operands; ``backend="triton"`` (the default) those of ``kernels``.
+``mosaic_kernels`` (Pallas' Mosaic GPU backend for Hopper: TMA and ``wgmma``; ``mosaic_forward``,
+``mosaic_backward``, ``mosaic_tangent``, ``mosaic_tile``, ``mosaic_mod``, ``mosaic_support``) on the same operands;
+``backend="triton"`` (the default) those of ``kernels``.
 
 May import: ``_autodiff``, ``_checks``, ``_dropout``, ``_masks``, ``_arrays``. The rest of jattn imports this subpackage
 through this face only: the names imported below, and nothing else. Its files import each other directly,

@@ -20,8 +20,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jattn._gpu.mosaic_mod import check_mod, dropped, modified_vjp, row_values
 from jattn._gpu.mosaic_support import accumulate, depth, launch, load, product, swizzled
-from jattn._gpu.mosaic_tile import Ids, positions, tile_keep, windows
-from jattn._masks import EMPTY, PARTIAL
+from jattn._gpu.mosaic_tile import Ids, positions, tile_keep, unless_empty, windows
+from jattn._masks import PARTIAL
 
 __all__ = ["dkdv", "dq"]
 
@@ -99,7 +99,7 @@ def _dq_kernel(spec, kinds_of, *refs):
         (k_ref, v_ref, kinds_ref, ids, seeds_ref[r], row_values(consts, r)),
     )
     tile = functools.partial(_dq_tile, spec, refs, r, i)
-    step = lambda j, c: lax.cond(kinds_ref[kr, i, j] == EMPTY, lambda c: c, functools.partial(tile, j), c)  # noqa: E731
+    step = lambda j, c: unless_empty(kinds_ref, r, i, j, functools.partial(tile, j), c)  # noqa: E731
     zero_rows = plgpu.layout_cast(jnp.zeros((g.bq,), jnp.float32), _L.reduce(1))
     init = (plgpu.layout_cast(jnp.zeros(dq_s.shape, jnp.float32), _L), (zero_rows,) * nf)
     acc, dvalues = lax.fori_loop(bounds_ref[kr, i, 0], bounds_ref[kr, i, 1], step, init)
@@ -163,7 +163,7 @@ def _dkdv_kernel(spec, kinds_of, *refs):
         kr = r if kinds_ref.shape[0] > 1 else 0
         gm = (q_ref, do_ref, lse_ref, delta_ref, kinds_ref, ids, seeds_ref[r], row_values(consts, r))
         tile = functools.partial(_dkdv_tile, spec, (gm, (q_s, do_s, k_s, v_s, lse_s, delta_s, bars[:4])), r, j)
-        step = lambda i, c: lax.cond(kinds_ref[kr, i, j] == EMPTY, lambda c: c, functools.partial(tile, i), c)  # noqa: E731
+        step = lambda i, c: unless_empty(kinds_ref, r, i, j, functools.partial(tile, i), c)  # noqa: E731
         return lax.fori_loop(tbounds_ref[kr, j, 0], tbounds_ref[kr, j, 1], step, carry)
 
     init = tuple(plgpu.layout_cast(jnp.zeros(s.shape, jnp.float32), _L) for s in (dk_s, dv_s))

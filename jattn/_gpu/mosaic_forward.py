@@ -20,8 +20,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jattn._gpu.mosaic_mod import check_mod, dropped, modified, row_values
 from jattn._gpu.mosaic_support import accumulate, depth, launch, product, swizzled
-from jattn._gpu.mosaic_tile import Ids, positions, tile_keep, windows
-from jattn._masks import EMPTY, PARTIAL
+from jattn._gpu.mosaic_tile import Ids, positions, tile_keep, unless_empty, windows
+from jattn._masks import PARTIAL
 
 __all__ = ["forward"]
 
@@ -89,7 +89,7 @@ def _kernel(spec, kinds, *refs):
     kr = r if kinds_ref.shape[0] > 1 else 0
 
     def step(j, carry):
-        return lax.cond(kinds_ref[kr, i, j] == EMPTY, lambda c: c, functools.partial(_tile, spec, refs, r, i, j), carry)
+        return unless_empty(kinds_ref, r, i, j, functools.partial(_tile, spec, refs, r, i, j), carry)
 
     init = (
         plgpu.layout_cast(jnp.full((g.bq,), _NEG, jnp.float32), _L.reduce(1)),

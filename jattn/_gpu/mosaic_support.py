@@ -42,7 +42,8 @@ def refuse_mosaic(dtype, D: int, E: int, *, interpret: bool, dropout: float, sco
     """Raises :class:`KernelRefusalError` naming what the Mosaic GPU kernels cannot take, else nothing."""
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         raise KernelRefusalError(
-            f"{_WHERE} takes bfloat16 and float16 (the tensor cores' wgmma operands), got {jnp.dtype(dtype)}; {_TAKE}"
+            f"{_WHERE} takes bfloat16 and float16, got {jnp.dtype(dtype)}: wgmma multiplies float32 as tf32 (a 10-bit "
+            f"mantissa), below the float32 precision jattn's kernels keep; {_TAKE}"
         )
     if max(D, E) > 256:
         raise KernelRefusalError(f"{_WHERE} takes head depths up to 256, got D={D}, E={E}; {_TAKE}")
@@ -87,7 +88,7 @@ def swizzled(shape: tuple[int, ...], dtype) -> plgpu.SMEM:
 
 
 def product(a, b, shape: tuple[int, int]) -> Array:
-    """``a @ b`` ``(m, n)`` float32 by ``wgmma``: ``a`` a shared-memory tile (or 16-bit registers), ``b`` one (``.T`` allowed)."""
+    """``a @ b`` ``(m, n)`` float32 by ``wgmma``: ``a`` a shared tile or 16-bit registers, ``b`` a tile (or ``.T``)."""
 
     def run(acc_ref):
         plgpu.wgmma(acc_ref, a, b)

@@ -19,8 +19,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jattn._gpu.mosaic_mod import check_mod, dropped, modified_jvp, row_values
 from jattn._gpu.mosaic_support import accumulate, depth, launch, load, product, swizzled
-from jattn._gpu.mosaic_tile import Ids, positions, tile_keep, windows
-from jattn._masks import EMPTY, PARTIAL
+from jattn._gpu.mosaic_tile import Ids, positions, tile_keep, unless_empty, windows
+from jattn._masks import PARTIAL
 
 __all__ = ["forward_tangent", "tangent"]
 
@@ -79,7 +79,7 @@ def _sweep(spec, fixed, scratch, gm, r, i, init):
     refs = ((q_s, dq_s, k_s, v_s, dk_s, dv_s, bars), (k_ref, v_ref, dk_ref, dv_ref, kinds_ref, ids, row))
     kr = r if kinds_ref.shape[0] > 1 else 0
     tile = functools.partial(_tile, spec, fixed, refs, r, i)
-    step = lambda j, c: lax.cond(kinds_ref[kr, i, j] == EMPTY, lambda c: c, functools.partial(tile, j), c)  # noqa: E731
+    step = lambda j, c: unless_empty(kinds_ref, r, i, j, functools.partial(tile, j), c)  # noqa: E731
     return lax.fori_loop(bounds_ref[kr, i, 0], bounds_ref[kr, i, 1], step, init)
 
 

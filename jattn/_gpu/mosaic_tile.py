@@ -18,9 +18,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jattn._gpu.mosaic_support import load
 from jattn._gpu.tiles import Grid, _Local
-from jattn._masks import Mask, RowPadding, RowSegments, map_slots
+from jattn._masks import EMPTY, Mask, RowPadding, RowSegments, map_slots
 
-__all__ = ["Ids", "tile_keep", "windows"]
+__all__ = ["Ids", "positions", "tile_keep", "unless_empty", "windows"]
 
 _L = plgpu.Layout.WGMMA
 
@@ -45,7 +45,7 @@ class Ids:
         self.refs, self.smem, self.barrier, self.kinds = refs, smem, barrier, kinds
 
     def read(self, n: int, r, i, j, grid: Grid, transposed: bool = False) -> Array:
-        """Array ``n`` at row ``r``: the length (a scalar), or the tile's ids broadcast to ``(bq, bk)`` (``(bk, bq)``)."""
+        """Array ``n`` at row ``r``: a length (a scalar), or the tile's ids broadcast over it (transposed too)."""
         ref = self.refs[n]
         row = r if ref.shape[0] > 1 else 0
         if self.kinds[n] is None:
@@ -61,7 +61,7 @@ class Ids:
 
 
 def positions(grid: Grid, i, j, transposed: bool = False) -> tuple[Array, Array]:
-    """The tile's grid positions: query ``t`` and key ``s``, ``(bq, bk)`` (``(bk, bq)``) int32 in the ``wgmma`` layout."""
+    """The tile's grid positions: query ``t``, key ``s``, ``(bq, bk)`` (transposed ``(bk, bq)``), ``wgmma`` layout."""
     shape = (grid.bk, grid.bq) if transposed else (grid.bq, grid.bk)
     t = plgpu.broadcasted_iota(jnp.int32, shape, int(transposed), layout=_L) + i * grid.bq
     s = plgpu.broadcasted_iota(jnp.int32, shape, 1 - int(transposed), layout=_L) + j * grid.bk
@@ -85,3 +85,9 @@ def tile_keep(grid: Grid, ids: Ids, r, i, j, transposed: bool = False) -> Array:
         raise AssertionError(f"no tile form for {slot.kind}")  # refused before (jattn._gpu.attention)
 
     return map_slots(grid.mask, local).allowed(grid.q_offset + t, grid.kv_offset + s)
+
+
+def unless_empty(kinds_ref, r, i, j, tile, carry):
+    """``tile(carry)`` on tile ``(i, j)`` of row ``r`` unless its kind is EMPTY (then ``carry``)."""
+    kind = kinds_ref[r if kinds_ref.shape[0] > 1 else 0, i, j]
+    return lax.cond(kind == EMPTY, lambda c: c, tile, carry)
