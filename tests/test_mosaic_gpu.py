@@ -191,6 +191,33 @@ def test_alibi_values_and_gradients_in_its_slopes():
         ref.assert_grad_close(a, np.asarray(w), jnp.bfloat16)
 
 
+@needs_interpreter
+def test_grad_of_grad_equals_the_dense_path():
+    """Second order: the kernels' derivatives differentiated through the reference path, as float64 dense's."""
+    q, k, v = (
+        _rand((2, 3, 70, 64), 0, jnp.float16),
+        _rand((2, 3, 90, 64), 1, jnp.float16),
+        _rand((2, 3, 90, 64), 2, jnp.float16),
+    )
+
+    def outer(implementation, q, k, v):
+        def inner(*args):
+            out = jattn.attention(*args, mask=masks.causal(), implementation=implementation)
+            return jnp.sum(jnp.sin(out.astype(ref.wide())))
+
+        def loss(q, k, v):
+            dq, dk, dv = (d.astype(ref.wide()) for d in jax.grad(inner, argnums=(0, 1, 2))(q, k, v))
+            return jnp.sum(dq**2) + jnp.sum(dk**2) + jnp.sum(jnp.sin(dv))
+
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+    got = outer("pallas", q, k, v)
+    with jax.enable_x64(True):
+        want = outer("dense", *(jnp.asarray(ref.f64(x)) for x in (q, k, v)))
+    for a, w in zip(got, want, strict=True):
+        ref.assert_grad_close(a, np.asarray(w), jnp.float16)
+
+
 _RATE = 0.3
 
 
