@@ -261,7 +261,7 @@ def test_dropout_drops_what_the_dense_path_drops_and_its_gradients():
 REFUSED = {
     # name: (call keywords, dtype, the words the refusal names)
     "float32": ({}, jnp.float32, "bfloat16 and float16, got float32: wgmma multiplies float32 as tf32"),
-    "blocks": (dict(block_size=32), jnp.bfloat16, r"blocks \(64, 64\)"),
+    "blocks": (dict(block_size=32), jnp.bfloat16, r"blocks \(64, 64\) only \(wgmma"),
 }
 
 
@@ -328,10 +328,15 @@ def test_jvp_and_linearize_equal_the_reference(case):
 
 @pytest.mark.skipif(INTERPRETS, reason="jax 0.12+ interprets the Mosaic GPU kernel")
 def test_interpreting_on_old_jax_is_refused_by_name():
-    """jax 0.10: the kernel would be interpreted (CPU) by an interpreter without layouts: refused by name."""
+    """jax 0.10: interpreting (no register layouts there) and the tcgen05 kernel (layouts it cannot lower): refused."""
     q = _rand((2, 3, 70, 64), 0, jnp.bfloat16)
     with pytest.raises(KernelRefusalError, match=r"interpreted on CPU from jax 0\.12"):
         jattn.attention(q, q, q, implementation="pallas")
+    with pytest.MonkeyPatch.context() as m:  # Blackwell's tcgen05 kernel: refused on old JAX, lowered or not
+        m.setattr(pallas_path, "gpu_attention", functools.partial(gpu_attention, backend="mosaic_gpu_tcgen05"))
+        m.setattr(jax, "default_backend", lambda: "gpu")
+        with pytest.raises(KernelRefusalError, match=r"tcgen05 kernel \(sm_100\) needs jax 0\.12"):
+            jattn.attention(q, q, q, implementation="pallas")
 
 
 LOWERED = {
@@ -362,3 +367,74 @@ def test_forward_grad_and_jvp_lower_to_mosaic_gpu_for_hopper(monkeypatch, case):
         text = cuda_text(fn, q, k, arch="sm_90")
         assert text.count("@mosaic_gpu") == kernels and "triton" not in text.lower()
         assert f"{_T}x{_S}x" not in text and "192x192x" not in text
+
+
+# Blackwell (sm_100): tcgen05 products into tensor memory, 128 by 128 tiles. T = S = 300: three blocks each; the
+# window and the documents leave EMPTY tiles above and below the diagonal, PARTIAL and FULL ones between.
+_BW = 300
+_BW_IDS = np.repeat(np.array([[0, 1], [0, 0]]), [170, 130], axis=1)  # (B=2, T): two documents, or one
+_BW_MASK = masks.causal() & masks.sliding_window(100) & masks.segment_ids(_BW_IDS, _BW_IDS)
+
+
+@pytest.fixture
+def blackwell(monkeypatch):
+    """The kernels' tcgen05 target (the automatic choice by compute capability: sm_100 once wired)."""
+    monkeypatch.setattr(pallas_path, "gpu_attention", functools.partial(gpu_attention, backend="mosaic_gpu_tcgen05"))
+
+
+@needs_interpreter
+def test_blackwell_values_and_gradients_equal_the_reference(blackwell):
+    """tcgen05: out, lse, dq, dk, dv against float64 NumPy (grouped heads, window, documents), bfloat16."""
+    lq, lkv = (2, 3, 2), (2, 3, 1)
+    q, k, v = (
+        _rand((*lq, _BW, 64), 0, jnp.bfloat16),
+        _rand((*lkv, _BW, 64), 1, jnp.bfloat16),
+        _rand((*lkv, _BW, 64), 2, jnp.bfloat16),
+    )
+    g = np.random.default_rng(3).normal(size=(*lq, _BW, 64))
+
+    def loss(q, k, v):
+        out, lse = jattn.attention(q, k, v, mask=_BW_MASK, return_lse=True, implementation="pallas")
+        return jnp.sum(out.astype(jnp.float32) * jnp.asarray(g, jnp.float32)), (out, lse)
+
+    (_, (out, lse)), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    dense = np.asarray(_BW_MASK.dense(_BW, _BW)).reshape(2, 1, 1, _BW, _BW)
+    want, _, want_lse = ref.attention(q, k, v, dense)
+    np.testing.assert_allclose(ref.f64(out), want, **ref.tol(jnp.bfloat16))
+    np.testing.assert_allclose(np.asarray(lse), want_lse, **ref.tol(jnp.bfloat16))
+    for got, w in zip(grads, ref.attention_grads(q, k, v, g, dense)[:3], strict=True):
+        ref.assert_grad_close(got, w, jnp.bfloat16)
+
+
+@needs_interpreter
+def test_blackwell_jvp_with_softcap_and_dropout(blackwell):
+    """tcgen05, forward mode with a soft cap and dropout: as the Hopper kernels' (wgmma), which the tests above check."""
+    q, k, v = (_rand((2, 3, _BW, 64), n, jnp.float16) for n in range(3))
+    tangents = tuple(_rand(x.shape, 10 + n, jnp.float16) for n, x in enumerate((q, k, v)))
+    kw = dict(mask=_BW_MASK, score_mod=score_mods.softcap(3.0), dropout_rate=0.2, dropout_rng=jax.random.key(1))
+
+    def f(q, k, v):
+        return jattn.attention(q, k, v, return_lse=True, implementation="pallas", **kw)
+
+    got = jax.jit(lambda a, t: jax.jvp(f, a, t))((q, k, v), tangents)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(pallas_path, "gpu_attention", functools.partial(gpu_attention, backend="mosaic_gpu"))
+        want = jax.jit(lambda a, t: jax.jvp(f, a, t))((q, k, v), tangents)
+    for a, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        ref.assert_grad_close(a, ref.f64(w), jnp.float16)
+
+
+@pytest.mark.skipif(not INTERPRETS, reason=f"the tcgen05 kernel lowers from jax 0.12 (here {jax.__version__})")
+def test_blackwell_lowers_to_mosaic_gpu_for_b200(monkeypatch, blackwell):
+    """Lowered for an abstract B200 (sm_100): forward one Mosaic GPU call, grad three, jvp one; no Triton."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    q = jnp.zeros((2, 6, _BW, 64), jnp.bfloat16)
+    f = lambda q, k: jattn.attention(q, k, k, mask=_BW_MASK, score_mod=score_mods.softcap(5.0), implementation="pallas")  # noqa: E731
+    grad = jax.grad(lambda q, k: jnp.sum(f(q, k).astype(jnp.float32)), argnums=(0, 1))
+    jvp = lambda q, k: jax.jvp(f, (q, k), (q, k))  # noqa: E731
+    device = jax.sharding.AbstractDevice(device_kind="NVIDIA B200", num_cores=None, platform="gpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("_",), (jax.sharding.AxisType.Auto,), abstract_device=device)
+    for fn, kernels in ((f, 1), (grad, 3), (jvp, 1)):
+        with jax.sharding.use_abstract_mesh(mesh):
+            text = jax.jit(fn).trace(q, q).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("@mosaic_gpu") == kernels and "triton" not in text.lower()

@@ -27,7 +27,7 @@ from jattn._arrays import flat_lead, head_rows
 from jattn._checks import KernelRefusalError, Operands, Options, check_sinks
 from jattn._dropout import row_seeds
 from jattn._gpu.kernels import Spec
-from jattn._gpu.mosaic_support import BLOCK, refuse_mosaic
+from jattn._gpu.mosaic_support import TARGETS, refuse_mosaic
 from jattn._gpu.rules import attend
 from jattn._gpu.score_mod import convert, on_rows, pointwise, unlowerable
 from jattn._gpu.tiles import bounds, grid_of, kernel_arrays, row_mask, slot_kinds, tile_kinds
@@ -99,8 +99,8 @@ def gpu_attention(
     path (XLA, differentiable to any order, ``seeds (*lead)`` the rows' dropout seeds, ``score_mod`` the
     modification reading the kernel's row values, ``rows`` the mask the kernel reads, in row form) that
     the backward's own derivative (grad of grad) is taken through; None refuses it.
-    ``backend``: ``"triton"`` (sm_80 up) or ``"mosaic_gpu"`` (Hopper and Blackwell: :mod:`jattn._gpu.mosaic_kernels`,
-    blocks 64 by 64, bfloat16 and float16).
+    ``backend``: ``"triton"`` (sm_80 up), ``"mosaic_gpu"`` (Hopper's wgmma, blocks 64 by 64) or ``"mosaic_gpu_tcgen05"``
+    (Blackwell's tcgen05, blocks 128 by 128): :mod:`jattn._gpu.mosaic_kernels`, bfloat16 and float16.
     """
     q, k, v, mask, _, scale, q_offset, kv_offset, lead, axis = ops
     blocks, score_mod, sinks, dropout_rate, dropout_rng = (
@@ -108,8 +108,8 @@ def gpu_attention(
     )  # fmt: skip
     T, S, D, E = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
     refuse(mask, q_offset, kv_offset, D, E)
-    if backend == "mosaic_gpu":
-        refuse_mosaic(q.dtype, D, E, interpret=interpret, dropout=dropout_rate, score_mod=score_mod, blocks=blocks)
+    if backend in TARGETS:
+        refuse_mosaic(backend, q.dtype, D, E, interpret=interpret, blocks=blocks)
     b = math.prod(lead)
     if sinks is not None:
         check_sinks(sinks, lead, q.dtype)
@@ -120,7 +120,7 @@ def gpu_attention(
         return jnp.zeros((*lead, T, E), v.dtype), lse, nothing
     skeleton, arrays = (None, ()) if mask is None else split_arrays(as_rows(mask, lead, axis))
     Dp, Ep = (max(16, _pow2(n)) for n in (D, E))
-    bq, bk = (BLOCK, BLOCK) if backend == "mosaic_gpu" else _blocks(blocks, T, S, Dp, interpret)
+    bq, bk = (TARGETS[backend].block,) * 2 if backend in TARGETS else _blocks(blocks, T, S, Dp, interpret)
     grid = grid_of(skeleton, T, S, bq, bk, int(query_offset(q_offset, kv_offset, T, S)), int(kv_offset))
     if any(kind not in (RowPadding, RowSegments) for kind in slot_kinds(grid)):
         raise KernelRefusalError(f"implementation='pallas' (jattn's GPU kernel) cannot read mask {mask!r}; {_TAKE}")

@@ -19,14 +19,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jattn._gpu.mosaic_mod import check_mod, dropped, modified_vjp, row_values
-from jattn._gpu.mosaic_support import accumulate, depth, launch, load, product, swizzled
+from jattn._gpu.mosaic_support import accumulate, depth, launch, load, product, swizzled, target
 from jattn._gpu.mosaic_tile import Ids, positions, tile_keep, unless_empty, windows
 from jattn._masks import PARTIAL
 
 __all__ = ["dkdv", "dq"]
 
 _NEG = -float("inf")
-_L = plgpu.Layout.WGMMA
 
 
 def _copy_in(pairs, barriers) -> None:
@@ -37,9 +36,9 @@ def _copy_in(pairs, barriers) -> None:
         plgpu.barrier_wait(bar)
 
 
-def _stats(lse_s, delta_s, axis: int) -> tuple[Array, Array]:
+def _stats(lse_s, delta_s, axis: int, layout) -> tuple[Array, Array]:
     """A query block's ``lse`` (``+inf`` for a row that sees no key: weights 0) and ``delta``, along tile ``axis``."""
-    layout = _L.reduce(1 - axis)
+    layout = layout.reduce(1 - axis)
     lse = load(lse_s, layout)
     return jnp.where(lse == _NEG, jnp.inf, lse), load(delta_s, layout)
 
@@ -55,17 +54,17 @@ def _dq_tile(spec, refs, r, i, j, carry):
     g, (q_s, do_s, k_s, v_s, bars, lse, delta), (k_ref, v_ref, kinds_ref, ids, seed, values) = spec.grid, *refs
     at = (lax.div(r, spec.G), pl.ds(j * g.bk, g.bk))
     _copy_in(((k_ref.at[at], k_s), (v_ref.at[at], v_s)), bars)
-    t, s = positions(g, i, j)
+    t, s = positions(g, i, j, ids.layout)
     x, pull = modified_vjp(
-        spec, product(q_s, k_s.T, (g.bq, g.bk)) * spec.scale, g.q_offset + t, g.kv_offset + s, values
+        spec, product(spec, q_s, k_s.T, (g.bq, g.bk)) * spec.scale, g.q_offset + t, g.kv_offset + s, values
     )
     x = _masked(g, ids, r, i, j, kinds_ref[r if kinds_ref.shape[0] > 1 else 0, i, j], x)
     p = jnp.exp(x - _rows(lse, x.shape))
-    dp = dropped(spec, seed, t, s, product(do_s, v_s.T, x.shape))
+    dp = dropped(spec, seed, t, s, product(spec, do_s, v_s.T, x.shape))
     ds, dcs = pull(p * (dp - _rows(delta, x.shape)))
     acc, dvalues = carry
     dvalues = tuple(a + d.sum(axis=1) for a, d in zip(dvalues, dcs, strict=True))  # per query row
-    return accumulate(acc, (ds * spec.scale).astype(k_s.dtype), k_s), dvalues
+    return accumulate(spec, acc, (ds * spec.scale).astype(k_s.dtype), k_s), dvalues
 
 
 def _rows(x: Array, shape, axis: int = 0) -> Array:
@@ -92,16 +91,23 @@ def _dq_kernel(spec, kinds_of, *refs):
         (delta_ref.at[r, rows], delta_s),
     )
     _copy_in(ins, bars[:4])
-    lse, delta = _stats(lse_s, delta_s, 0)
-    ids = Ids(masks, dict(zip((n for n, w in enumerate(kinds_of) if w), id_s, strict=True)), bars[6], kinds_of)
+    L = target(spec).layout
+    lse, delta = _stats(lse_s, delta_s, 0, L)
+    ids = Ids(
+        masks,
+        dict(zip((n for n, w in enumerate(kinds_of) if w), id_s, strict=True)),
+        bars[6],
+        kinds_of,
+        target(spec).layout,
+    )
     refs = (
         (q_s, do_s, k_s, v_s, bars[4:6], lse, delta),
         (k_ref, v_ref, kinds_ref, ids, seeds_ref[r], row_values(consts, r)),
     )
     tile = functools.partial(_dq_tile, spec, refs, r, i)
     step = lambda j, c: unless_empty(kinds_ref, r, i, j, functools.partial(tile, j), c)  # noqa: E731
-    zero_rows = plgpu.layout_cast(jnp.zeros((g.bq,), jnp.float32), _L.reduce(1))
-    init = (plgpu.layout_cast(jnp.zeros(dq_s.shape, jnp.float32), _L), (zero_rows,) * nf)
+    zero_rows = plgpu.layout_cast(jnp.zeros((g.bq,), jnp.float32), L.reduce(1))
+    init = (plgpu.layout_cast(jnp.zeros(dq_s.shape, jnp.float32), L), (zero_rows,) * nf)
     acc, dvalues = lax.fori_loop(bounds_ref[kr, i, 0], bounds_ref[kr, i, 1], step, init)
     dq_s[...] = acc.astype(dq_s.dtype)
     for smem, d in zip(dc_s, dvalues, strict=True):
@@ -128,18 +134,18 @@ def _dkdv_tile(spec, refs, r, j, i, carry):
         (delta_ref.at[r, rows], delta_s),
     )
     _copy_in(ins, bars)
-    lse, delta = _stats(lse_s, delta_s, 1)
-    t, s = positions(g, i, j, transposed=True)
+    lse, delta = _stats(lse_s, delta_s, 1, ids.layout)
+    t, s = positions(g, i, j, ids.layout, transposed=True)
     x, pull = modified_vjp(
-        spec, product(k_s, q_s.T, (g.bk, g.bq)) * spec.scale, g.q_offset + t, g.kv_offset + s, values
+        spec, product(spec, k_s, q_s.T, (g.bk, g.bq)) * spec.scale, g.q_offset + t, g.kv_offset + s, values
     )
     x = _masked(g, ids, r, i, j, kinds_ref[r if kinds_ref.shape[0] > 1 else 0, i, j], x, transposed=True)
     p = jnp.exp(x - _rows(lse, x.shape, 1))
     pz = dropped(spec, seed, t, s, p)  # p (z dp - delta) = pz dp - p delta
     dk, dv = carry
-    dv = accumulate(dv, pz.astype(do_s.dtype), do_s)
-    ds, _ = pull(pz * product(v_s, do_s.T, x.shape) - p * _rows(delta, x.shape, 1))
-    return accumulate(dk, (ds * spec.scale).astype(q_s.dtype), q_s), dv
+    dv = accumulate(spec, dv, pz.astype(do_s.dtype), do_s)
+    ds, _ = pull(pz * product(spec, v_s, do_s.T, x.shape) - p * _rows(delta, x.shape, 1))
+    return accumulate(spec, dk, (ds * spec.scale).astype(q_s.dtype), q_s), dv
 
 
 def _dkdv_kernel(spec, kinds_of, *refs):
@@ -156,7 +162,13 @@ def _dkdv_kernel(spec, kinds_of, *refs):
     rk, j = lax.axis_index("r"), lax.axis_index("j")
     cols = pl.ds(j * g.bk, g.bk)
     _copy_in(((k_ref.at[rk, cols], k_s), (v_ref.at[rk, cols], v_s)), bars[4:6])
-    ids = Ids(masks, dict(zip((n for n, w in enumerate(kinds_of) if w), id_s, strict=True)), bars[6], kinds_of)
+    ids = Ids(
+        masks,
+        dict(zip((n for n, w in enumerate(kinds_of) if w), id_s, strict=True)),
+        bars[6],
+        kinds_of,
+        target(spec).layout,
+    )
 
     def group(gi, carry):
         r = rk * spec.G + gi
@@ -166,7 +178,7 @@ def _dkdv_kernel(spec, kinds_of, *refs):
         step = lambda i, c: unless_empty(kinds_ref, r, i, j, functools.partial(tile, i), c)  # noqa: E731
         return lax.fori_loop(tbounds_ref[kr, j, 0], tbounds_ref[kr, j, 1], step, carry)
 
-    init = tuple(plgpu.layout_cast(jnp.zeros(s.shape, jnp.float32), _L) for s in (dk_s, dv_s))
+    init = tuple(plgpu.layout_cast(jnp.zeros(s.shape, jnp.float32), ids.layout) for s in (dk_s, dv_s))
     dk, dv = lax.fori_loop(0, spec.G, group, init)
     dk_s[...], dv_s[...] = dk.astype(dk_s.dtype), dv.astype(dv_s.dtype)
     plgpu.commit_smem()

@@ -19,14 +19,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jattn._gpu.mosaic_mod import check_mod, dropped, modified, row_values
-from jattn._gpu.mosaic_support import accumulate, depth, launch, product, swizzled
+from jattn._gpu.mosaic_support import accumulate, depth, launch, product, swizzled, target
 from jattn._gpu.mosaic_tile import Ids, positions, tile_keep, unless_empty, windows
 from jattn._masks import PARTIAL
 
 __all__ = ["forward"]
 
 _NEG = -float("inf")
-_L = plgpu.Layout.WGMMA
 
 
 def _rows(x: Array, shape) -> Array:
@@ -42,8 +41,8 @@ def _tile(spec, refs, r, i, j, carry):
     plgpu.copy_gmem_to_smem(k_ref.at[at], k_s, bar_k)
     plgpu.copy_gmem_to_smem(v_ref.at[at], v_s, bar_v)
     plgpu.barrier_wait(bar_k)
-    t, s = positions(g, i, j)
-    x = modified(spec, product(q_s, k_s.T, (g.bq, g.bk)) * spec.scale, g.q_offset + t, g.kv_offset + s, values)
+    t, s = positions(g, i, j, ids.layout)
+    x = modified(spec, product(spec, q_s, k_s.T, (g.bq, g.bk)) * spec.scale, g.q_offset + t, g.kv_offset + s, values)
     kr = r if kinds_ref.shape[0] > 1 else 0
     masked = lambda x: jnp.where(tile_keep(g, ids, r, i, j), x, _NEG)  # noqa: E731
     x = lax.cond(kinds_ref[kr, i, j] == PARTIAL, masked, lambda x: x, x)
@@ -52,7 +51,7 @@ def _tile(spec, refs, r, i, j, carry):
     p, alpha = jnp.exp(x - _rows(safe, x.shape)), jnp.exp(m - safe)
     plgpu.barrier_wait(bar_v)
     pz = dropped(spec, seed, t, s, p)  # the sum of undropped p normalises
-    acc = accumulate(acc * _rows(alpha, acc.shape), pz.astype(v_s.dtype), v_s)
+    acc = accumulate(spec, acc * _rows(alpha, acc.shape), pz.astype(v_s.dtype), v_s)
     return top, alpha * den + p.sum(axis=1), acc
 
 
@@ -84,7 +83,8 @@ def _kernel(spec, kinds, *refs):
     plgpu.copy_gmem_to_smem(q_ref.at[r, pl.ds(i * g.bq, g.bq)], q_s, bar_q)
     plgpu.barrier_wait(bar_q)
     smem_ids = dict(zip((n for n, w in enumerate(kinds) if w), id_s, strict=True))
-    ids = Ids(masks, smem_ids, bar_ids, kinds)
+    L = target(spec).layout
+    ids = Ids(masks, smem_ids, bar_ids, kinds, L)
     refs = ((q_s, k_s, v_s, bar_k, bar_v), (k_ref, v_ref, kinds_ref, ids, seeds_ref[r], row_values(consts, r)))
     kr = r if kinds_ref.shape[0] > 1 else 0
 
@@ -92,9 +92,9 @@ def _kernel(spec, kinds, *refs):
         return unless_empty(kinds_ref, r, i, j, functools.partial(_tile, spec, refs, r, i, j), carry)
 
     init = (
-        plgpu.layout_cast(jnp.full((g.bq,), _NEG, jnp.float32), _L.reduce(1)),
-        plgpu.layout_cast(jnp.zeros((g.bq,), jnp.float32), _L.reduce(1)),
-        plgpu.layout_cast(jnp.zeros((g.bq, o_s.shape[1]), jnp.float32), _L),
+        plgpu.layout_cast(jnp.full((g.bq,), _NEG, jnp.float32), L.reduce(1)),
+        plgpu.layout_cast(jnp.zeros((g.bq,), jnp.float32), L.reduce(1)),
+        plgpu.layout_cast(jnp.zeros((g.bq, o_s.shape[1]), jnp.float32), L),
     )
     m, den, acc = lax.fori_loop(bounds_ref[kr, i, 0], bounds_ref[kr, i, 1], step, init)
     o, lse = _finish(spec, sinks_ref, r, m, den, acc)

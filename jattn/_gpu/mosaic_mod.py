@@ -17,11 +17,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jattn._checks import KernelRefusalError
 from jattn._dropout import keep_mask
+from jattn._gpu.mosaic_support import target
 from jattn._gpu.score_mod import _run, merge
 
 __all__ = ["check_mod", "dropped", "modified", "modified_jvp", "modified_vjp", "row_values"]
-
-_L = plgpu.Layout.WGMMA
 
 
 def check_mod(spec) -> None:
@@ -38,8 +37,8 @@ def row_values(refs, r) -> tuple:
     return tuple(ref[r] for ref in refs)
 
 
-def _tiles(values, shape) -> tuple:
-    return tuple(plgpu.layout_cast(jnp.full(shape, v), _L) for v in values)
+def _tiles(spec, values, shape) -> tuple:
+    return tuple(plgpu.layout_cast(jnp.full(shape, v), target(spec).layout) for v in values)
 
 
 def _apply(mod, x: Array, t: Array, s: Array, values: tuple) -> Array:
@@ -52,14 +51,14 @@ def _apply(mod, x: Array, t: Array, s: Array, values: tuple) -> Array:
 
 def modified(spec, x: Array, t: Array, s: Array, values: tuple) -> Array:
     """The modified scores of scaled scores ``x`` at absolute positions ``t``, ``s`` (``x``'s shape)."""
-    return x if spec.mod is None else _apply(spec.mod, x, t, s, _tiles(values, x.shape))
+    return x if spec.mod is None else _apply(spec.mod, x, t, s, _tiles(spec, values, x.shape))
 
 
 def modified_vjp(spec, x: Array, t: Array, s: Array, values: tuple):
     """``(x', pull)``: :func:`modified` and ``pull(dx) -> (ds, dvalues)``, each floating value's gradient a tile."""
     if spec.mod is None:
         return x, lambda dx: (dx, ())
-    mod, full = spec.mod, _tiles(values, x.shape)
+    mod, full = spec.mod, _tiles(spec, values, x.shape)
     floats = tuple(c for c, f in zip(full, mod.floats, strict=True) if f)
     x, pull = jax.vjp(lambda x, fl: _apply(mod, x, t, s, merge(full, mod.floats, fl)), x, floats)
     return x, lambda dx: _without_add_any(pull, dx)
@@ -85,10 +84,10 @@ def modified_jvp(spec, x: Array, dx: Array, t: Array, s: Array, values: tuple, d
     """``(x', dx')``: :func:`modified` and its tangent for ``dx`` and the floating values' tangents ``dvalues``."""
     if spec.mod is None:
         return x, dx
-    mod, full = spec.mod, _tiles(values, x.shape)
+    mod, full = spec.mod, _tiles(spec, values, x.shape)
     floats = tuple(c for c, f in zip(full, mod.floats, strict=True) if f)
     at = lambda x, fl: _apply(mod, x, t, s, merge(full, mod.floats, fl))  # noqa: E731
-    return jax.jvp(at, (x, floats), (dx, _tiles(dvalues, x.shape)))
+    return jax.jvp(at, (x, floats), (dx, _tiles(spec, dvalues, x.shape)))
 
 
 def dropped(spec, seed, t: Array, s: Array, p: Array) -> Array:

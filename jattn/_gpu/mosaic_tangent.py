@@ -18,14 +18,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jattn._gpu.mosaic_mod import check_mod, dropped, modified_jvp, row_values
-from jattn._gpu.mosaic_support import accumulate, depth, launch, load, product, swizzled
+from jattn._gpu.mosaic_support import accumulate, depth, launch, load, product, swizzled, target
 from jattn._gpu.mosaic_tile import Ids, positions, tile_keep, unless_empty, windows
 from jattn._masks import PARTIAL
 
 __all__ = ["forward_tangent", "tangent"]
 
 _NEG = -float("inf")
-_L = plgpu.Layout.WGMMA
 
 
 def _rows(x: Array, shape) -> Array:
@@ -41,9 +40,9 @@ def _tile(spec, fixed: bool, refs, r, i, j, carry):
         plgpu.copy_gmem_to_smem(src.at[at], dst, bar)
     for bar in bars:
         plgpu.barrier_wait(bar)
-    x = product(q_s, k_s.T, (g.bq, g.bk)) * spec.scale
-    dx = accumulate(product(dq_s, k_s.T, x.shape), q_s, dk_s.T) * spec.scale
-    t, s = positions(g, i, j)
+    x = product(spec, q_s, k_s.T, (g.bq, g.bk)) * spec.scale
+    dx = (product(spec, dq_s, k_s.T, x.shape) + product(spec, q_s, dk_s.T, x.shape)) * spec.scale
+    t, s = positions(g, i, j, ids.layout)
     x, dx = modified_jvp(spec, x, dx, g.q_offset + t, g.kv_offset + s, values, dvalues)
 
     def keep(xs):
@@ -57,9 +56,12 @@ def _tile(spec, fixed: bool, refs, r, i, j, carry):
     p, alpha = jnp.exp(x - _rows(safe, x.shape)), (1.0 if fixed else jnp.exp(m - safe))
     pdx, pz, dt = p * dx, dropped(spec, seed, t, s, p), v_s.dtype  # d lse sums the undropped weights' tangents
     tacc = accumulate(
-        accumulate(tacc * (1.0 if fixed else _rows(alpha, tacc.shape)), (pz * dx).astype(dt), v_s), pz.astype(dt), dv_s
+        spec,
+        accumulate(spec, tacc * (1.0 if fixed else _rows(alpha, tacc.shape)), (pz * dx).astype(dt), v_s),
+        pz.astype(dt),
+        dv_s,
     )
-    acc = acc if fixed else accumulate(acc * _rows(alpha, acc.shape), pz.astype(dt), v_s)
+    acc = acc if fixed else accumulate(spec, acc * _rows(alpha, acc.shape), pz.astype(dt), v_s)
     return top, (den if fixed else alpha * den + p.sum(axis=1)), acc, tacc, alpha * dlse + pdx.sum(axis=1)
 
 
@@ -75,7 +77,13 @@ def _sweep(spec, fixed, scratch, gm, r, i, init):
     plgpu.copy_gmem_to_smem(dq_ref.at[r, rows], dq_s, bars[1])
     plgpu.barrier_wait(bars[0])
     plgpu.barrier_wait(bars[1])
-    ids = Ids(masks, dict(zip((n for n, w in enumerate(kinds_of) if w), id_s, strict=True)), bar_ids, kinds_of)
+    ids = Ids(
+        masks,
+        dict(zip((n for n, w in enumerate(kinds_of) if w), id_s, strict=True)),
+        bar_ids,
+        kinds_of,
+        target(spec).layout,
+    )
     refs = ((q_s, dq_s, k_s, v_s, dk_s, dv_s, bars), (k_ref, v_ref, dk_ref, dv_ref, kinds_ref, ids, row))
     kr = r if kinds_ref.shape[0] > 1 else 0
     tile = functools.partial(_tile, spec, fixed, refs, r, i)
@@ -91,9 +99,10 @@ def _split(spec, refs, seeds_ref, n_out: int) -> tuple:
     return masks, (seeds_ref[r], row_values(consts, r), row_values(dconsts, r)), refs[:n_out], refs[n_out:]
 
 
-def _init(g, width: int, m) -> tuple:
-    rows = plgpu.layout_cast(jnp.zeros((g.bq,), jnp.float32), _L.reduce(1))
-    cols = plgpu.layout_cast(jnp.zeros((g.bq, width), jnp.float32), _L)
+def _init(spec, width: int, m) -> tuple:
+    g, L = spec.grid, target(spec).layout
+    rows = plgpu.layout_cast(jnp.zeros((g.bq,), jnp.float32), L.reduce(1))
+    cols = plgpu.layout_cast(jnp.zeros((g.bq, width), jnp.float32), L)
     return m, rows, cols, cols, rows
 
 
@@ -121,8 +130,8 @@ def _one_pass_kernel(spec, kinds_of, *refs):
     r, i = lax.axis_index("r"), lax.axis_index("i")
     gm = (q_ref, dq_ref, k_ref, v_ref, dk_ref, dv_ref, kinds_ref, bounds_ref, masks, kinds_of, row)
     scratch = (q_s, dq_s, k_s, v_s, dk_s, dv_s, bars[:4], bars[4], refs[16:])
-    m0 = plgpu.layout_cast(jnp.full((g.bq,), _NEG, jnp.float32), _L.reduce(1))
-    m, den, acc, tacc, dlse = _sweep(spec, False, scratch, gm, r, i, _init(g, o_s.shape[1], m0))
+    m0 = plgpu.layout_cast(jnp.full((g.bq,), _NEG, jnp.float32), target(spec).layout.reduce(1))
+    m, den, acc, tacc, dlse = _sweep(spec, False, scratch, gm, r, i, _init(spec, o_s.shape[1], m0))
     seen = den > 0
     lse = jnp.where(seen, m + jnp.log(jnp.where(seen, den, 1.0)), _NEG)
     if spec.sinks:
@@ -166,11 +175,11 @@ def _tangent_kernel(spec, kinds_of, *refs):
     r, i = lax.axis_index("r"), lax.axis_index("i")
     plgpu.copy_gmem_to_smem(lse_ref.at[r, pl.ds(i * g.bq, g.bq)], lse_s, bars[5])
     plgpu.barrier_wait(bars[5])
-    lse = load(lse_s, _L.reduce(1))
+    lse = load(lse_s, target(spec).layout.reduce(1))
     lse = jnp.where(lse == _NEG, jnp.inf, lse)  # a row that sees no key: weights 0
     gm = (q_ref, dq_ref, k_ref, v_ref, dk_ref, dv_ref, kinds_ref, bounds_ref, masks, kinds_of, row)
     scratch = (q_s, dq_s, k_s, v_s, dk_s, dv_s, bars[:4], bars[4], refs[15:])
-    _, _, _, tacc, dlse = _sweep(spec, True, scratch, gm, r, i, _init(g, acc_s.shape[1], lse))
+    _, _, _, tacc, dlse = _sweep(spec, True, scratch, gm, r, i, _init(spec, acc_s.shape[1], lse))
     dlse = _sink(spec, sinks_ref, dsinks_ref, r, lse, dlse)
     _store(((tacc, acc_s, acc_ref.at[r]), (dlse, dlse_s, dlse_ref.at[r])), pl.ds(i * g.bq, g.bq))
 

@@ -22,8 +22,6 @@ from jattn._masks import EMPTY, Mask, RowPadding, RowSegments, map_slots
 
 __all__ = ["Ids", "positions", "tile_keep", "unless_empty", "windows"]
 
-_L = plgpu.Layout.WGMMA
-
 
 def windows(mask: Mask, n_mask: int) -> tuple[str | None, ...]:
     """For each of the kernel's mask arrays: ``"q"`` / ``"kv"`` (segment ids, read by window), None (a length)."""
@@ -41,8 +39,8 @@ def windows(mask: Mask, n_mask: int) -> tuple[str | None, ...]:
 class Ids:
     """The segment-id windows of one tile: each array's ``(bq,)`` or ``(bk,)`` ids copied into shared memory."""
 
-    def __init__(self, refs, smem, barrier, kinds: tuple[str | None, ...]):
-        self.refs, self.smem, self.barrier, self.kinds = refs, smem, barrier, kinds
+    def __init__(self, refs, smem, barrier, kinds: tuple[str | None, ...], layout):
+        self.refs, self.smem, self.barrier, self.kinds, self.layout = refs, smem, barrier, kinds, layout
 
     def read(self, n: int, r, i, j, grid: Grid, transposed: bool = False) -> Array:
         """Array ``n`` at row ``r``: a length (a scalar), or the tile's ids broadcast over it (transposed too)."""
@@ -55,16 +53,16 @@ class Ids:
         plgpu.copy_gmem_to_smem(ref.at[row, at], self.smem[n], self.barrier)
         plgpu.barrier_wait(self.barrier)
         first = q != transposed  # the ids run along the tile's first axis
-        ids = load(self.smem[n], _L.reduce(1) if first else _L.reduce(0))
+        ids = load(self.smem[n], self.layout.reduce(1 if first else 0))
         shape = (grid.bk, grid.bq) if transposed else (grid.bq, grid.bk)
         return lax.broadcast_in_dim(ids, shape, [0] if first else [1])
 
 
-def positions(grid: Grid, i, j, transposed: bool = False) -> tuple[Array, Array]:
+def positions(grid: Grid, i, j, layout, transposed: bool = False) -> tuple[Array, Array]:
     """The tile's grid positions: query ``t``, key ``s``, ``(bq, bk)`` (transposed ``(bk, bq)``), ``wgmma`` layout."""
     shape = (grid.bk, grid.bq) if transposed else (grid.bq, grid.bk)
-    t = plgpu.broadcasted_iota(jnp.int32, shape, int(transposed), layout=_L) + i * grid.bq
-    s = plgpu.broadcasted_iota(jnp.int32, shape, 1 - int(transposed), layout=_L) + j * grid.bk
+    t = plgpu.broadcasted_iota(jnp.int32, shape, int(transposed), layout=layout) + i * grid.bq
+    s = plgpu.broadcasted_iota(jnp.int32, shape, 1 - int(transposed), layout=layout) + j * grid.bk
     return t, s
 
 
@@ -73,7 +71,7 @@ def tile_keep(grid: Grid, ids: Ids, r, i, j, transposed: bool = False) -> Array:
 
     :func:`jattn._gpu.tiles.tile_mask`'s predicate, evaluated elementwise on the tile's positions.
     """
-    t, s = positions(grid, i, j, transposed)
+    t, s = positions(grid, i, j, ids.layout, transposed)
     read = functools.partial(ids.read, r=r, i=i, j=j, grid=grid, transposed=transposed)
 
     def local(slot: Mask) -> Mask:

@@ -40,7 +40,7 @@ from jattn._gpu.score_mod import merge
 __all__ = ["attend"]
 
 #: The kernels of each ``Spec.backend``: one module each, the same functions and signatures.
-KERNELS = {"triton": kernels, "mosaic_gpu": mosaic_kernels}
+KERNELS = {"triton": kernels, "mosaic_gpu": mosaic_kernels, "mosaic_gpu_tcgen05": mosaic_kernels}
 
 
 class Call(NamedTuple):
