@@ -191,6 +191,14 @@ def test_alibi_values_and_gradients_in_its_slopes():
         ref.assert_grad_close(a, np.asarray(w), jnp.bfloat16)
 
 
+def test_an_unknown_backend_is_a_value_error_naming_it(monkeypatch):
+    """gpu_attention's backend: 'triton' or a Mosaic GPU target; anything else a ValueError naming the argument."""
+    monkeypatch.setattr(pallas_path, "gpu_attention", functools.partial(gpu_attention, backend="mosaic"))
+    q = _rand((2, 3, 70, 64), 0, jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"backend must be 'triton' or one of .*'mosaic_gpu'.*got 'mosaic'"):
+        jattn.attention(q, q, q, implementation="pallas")
+
+
 @needs_interpreter
 def test_grad_of_grad_equals_the_dense_path():
     """Second order: the kernels' derivatives differentiated through the reference path, as float64 dense's."""

@@ -4,10 +4,11 @@
 the derivatives at every order (a custom JVP whose tangent is a linear pair); ``kernels`` the
 forward, tangent, dq and dk/dv ``pallas_call`` bodies; ``tiles`` the grid of tiles,
 their kinds computed outside the kernel and a partial tile's mask inside it; ``score_mod`` a
-score modification read in the kernel. ``gpu_attention(..., backend="mosaic_gpu")`` runs the kernels of
-``mosaic_kernels`` (Pallas' Mosaic GPU backend for Hopper: TMA and ``wgmma``; ``mosaic_forward``,
-``mosaic_backward``, ``mosaic_tangent``, ``mosaic_tile``, ``mosaic_mod``, ``mosaic_support``) on the same operands;
-``backend="triton"`` (the default) those of ``kernels``.
+score modification read in the kernel. ``gpu_attention(..., backend=...)`` picks the kernels:
+``"triton"`` (the default) those of ``kernels``; ``"mosaic_gpu"`` (Hopper: TMA and ``wgmma``) and
+``"mosaic_gpu_tcgen05"`` (Blackwell: ``tcgen05`` into tensor memory) those of ``mosaic_kernels`` (Pallas' Mosaic
+GPU backend: ``mosaic_forward``, ``mosaic_backward``, ``mosaic_tangent``, ``mosaic_tile``, ``mosaic_mod``,
+``mosaic_support``) on the same operands; :func:`backend_for` names the one for a compute capability.
 
 May import: ``_autodiff``, ``_checks``, ``_dropout``, ``_masks``, ``_arrays``. The rest of jattn imports this subpackage
 through this face only: the names imported below, and nothing else. Its files import each other directly,
@@ -15,3 +16,4 @@ never through the face.
 """
 
 from jattn._gpu.attention import MAX_DEPTH, gpu_attention, refuse
+from jattn._gpu.mosaic_support import backend_for

@@ -108,6 +108,8 @@ def gpu_attention(
     )  # fmt: skip
     T, S, D, E = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
     refuse(mask, q_offset, kv_offset, D, E)
+    if backend != "triton" and backend not in TARGETS:
+        raise ValueError(f"backend must be 'triton' or one of {sorted(TARGETS)}, got {backend!r}")
     if backend in TARGETS:
         refuse_mosaic(backend, q.dtype, D, E, interpret=interpret, blocks=blocks)
     b = math.prod(lead)

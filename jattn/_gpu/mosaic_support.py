@@ -27,6 +27,7 @@ __all__ = [
     "TARGETS",
     "Target",
     "accumulate",
+    "backend_for",
     "depth",
     "launch",
     "load",
@@ -52,6 +53,17 @@ TARGETS = {
     "mosaic_gpu": Target("wgmma (sm_90)", 64, plgpu.Layout.WGMMA, False),
     "mosaic_gpu_tcgen05": Target("tcgen05 (sm_100)", 128, plgpu.Layout.TCGEN05, True),
 }
+
+
+def backend_for(compute_capability: int) -> str:
+    """The kernels for an NVIDIA compute capability (90 for sm_90): ``Spec.backend`` / ``gpu_attention``'s ``backend``.
+
+    Hopper (sm_90) ``"mosaic_gpu"`` (wgmma), datacenter Blackwell (sm_100, sm_103) ``"mosaic_gpu_tcgen05"``;
+    the rest ``"triton"``: Ampere and Ada (sm_80-89) have neither product, consumer Blackwell (sm_120) no tcgen05.
+    """
+    if compute_capability == 90:
+        return "mosaic_gpu"
+    return "mosaic_gpu_tcgen05" if 100 <= compute_capability < 110 else "triton"
 
 
 def target(spec) -> Target:
