@@ -29,7 +29,11 @@ _NEG = -float("inf")
 
 
 def _copy_in(pairs, barriers) -> None:
-    """TMA copies ``(global slice, shared tile)``, each on its barrier, then waits for them all."""
+    """TMA copies ``(global slice, shared tile)``, each on its barrier, then waits for them all.
+
+    The warpgroup's earlier loads of the tiles (``lse``, ``delta``) are done before TMA overwrites them.
+    """
+    plgpu.commit_smem()
     for (src, dst), bar in zip(pairs, barriers, strict=True):
         plgpu.copy_gmem_to_smem(src, dst, bar)
     for bar in barriers:

@@ -74,6 +74,9 @@ def target(spec) -> Target:
 #: jax 0.12's interpreter runs Mosaic GPU kernels on CPU; 0.10's lacks register layouts and ``run_state``.
 INTERPRETS = jax.__version_info__ >= (0, 12)
 
+#: Whether the interpreter checks the kernels' shared memory for data races (slower; tests switch it on).
+DETECT_RACES = False
+
 _WHERE = "implementation='pallas' with the Mosaic GPU kernel (sm_90 / sm_100)"
 _TAKE = "use implementation='blockwise' or 'dense', or the Triton kernel (sm_80-89)"
 _NEW_LOAD = "idx" not in inspect.signature(plgpu.load).parameters
@@ -121,7 +124,8 @@ def launch(body, *, interpret: bool, out_type, **kernel):
         return plgpu.kernel(body, out_type=out_type, **kernel)
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # no public name yet (jax 0.12)
 
-    run = jax.jit(plgpu.kernel(body, out_type=out_type, interpret=InterpretGPUParams(), **kernel))
+    params = InterpretGPUParams(detect_races=DETECT_RACES)  # a race raises (on_race="raise")
+    run = jax.jit(plgpu.kernel(body, out_type=out_type, interpret=params, **kernel))
 
     def call(*args):
         return jax.pure_callback(lambda *xs: jax.device_get(run(*xs)), out_type, *args, vmap_method="sequential")

@@ -50,6 +50,7 @@ class Ids:
             return ref[row]
         q = self.kinds[n] == "q"
         at = pl.ds(i * grid.bq, grid.bq) if q else pl.ds(j * grid.bk, grid.bk)
+        plgpu.commit_smem()  # the previous tile's loads of this window done before TMA overwrites it
         plgpu.copy_gmem_to_smem(ref.at[row, at], self.smem[n], self.barrier)
         plgpu.barrier_wait(self.barrier)
         first = q != transposed  # the ids run along the tile's first axis
