@@ -32,7 +32,7 @@ import pytest
 import jattn
 import jattn._platform as platform_facts
 from jattn import masks, score_mods
-from tests.cuda_lowering import ARCHS, cuda_text
+from tests.cuda_lowering import ARCHS, ARCHS_CHOSEN, cuda_text
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -100,10 +100,16 @@ def on_gpu(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # the kernel is lowered, not interpreted
 
 
+@pytest.fixture
+def triton(on_gpu, monkeypatch):
+    """jattn's Triton kernel: the one the automatic choice takes on sm_80-89 (lowered here for the test's arch)."""
+    monkeypatch.setattr(platform_facts, "compute_capability", lambda: 80)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("implementation", ["pallas", None])
 @pytest.mark.parametrize("case", list(CASES))
-def test_forward_grad_and_jvp_lower_to_triton_without_a_score_matrix(on_gpu, case, implementation, arch):
+def test_forward_grad_and_jvp_lower_to_triton_without_a_score_matrix(triton, case, implementation, arch):
     """Named, and by the automatic choice: on a GPU these calls reach jattn's kernel by default (sm_80 and sm_90)."""
     kw = CASES[case]
     q = jnp.zeros((B, K, G, T, D), jnp.bfloat16)
@@ -129,7 +135,7 @@ def test_forward_grad_and_jvp_lower_to_triton_without_a_score_matrix(on_gpu, cas
             assert not re.search(rf"\b{t}x{s}x", text), f"a ({t}, {s}) array in the {case} program"
 
 
-def test_a_score_mod_triton_cannot_lower_is_refused_and_the_automatic_choice_passes_it_on(on_gpu):
+def test_a_score_mod_triton_cannot_lower_is_refused_and_the_automatic_choice_passes_it_on(triton):
     """T5's bias reads a table per score (a gather): the kernel refuses it by name, and None lowers without it."""
     q = jnp.zeros((B, K * G, T, D), jnp.float32)
     k = jnp.zeros((B, K * G, S, D), jnp.float32)
@@ -143,7 +149,7 @@ def test_a_score_mod_triton_cannot_lower_is_refused_and_the_automatic_choice_pas
     assert cuda_text(lambda q, k: jattn.attention(q, k, k, score_mod=alibi), q, k).count("__gpu$xla.gpu.triton") == 1
 
 
-def test_second_order_keeps_the_first_order_kernels_and_no_score_matrix(on_gpu):
+def test_second_order_keeps_the_first_order_kernels_and_no_score_matrix(triton):
     """grad of grad in (q, learned ALiBi slopes) with documents: the first-order terms in Triton (the forward,
     dq and dk/dv kernels), the second-order terms on the blockwise path (XLA tiles): O(T) memory, no (T, S)
     array, which the dense path would hold."""
@@ -167,19 +173,20 @@ def test_second_order_keeps_the_first_order_kernels_and_no_score_matrix(on_gpu):
 
 _NOTICE_SCRIPT = """
 import logging, jax, jax.numpy as jnp, jattn, jattn._platform as facts
-from tests.cuda_lowering import ARCHS, cuda_text
+from tests.cuda_lowering import ARCHS, ARCHS_CHOSEN, cuda_text
 facts.platform = lambda: "gpu"; jax.default_backend = lambda: "gpu"
 logging.basicConfig(format="NOTICE %(name)s %(message)s")
 q = jnp.zeros((2, 6, 21, 16), jnp.bfloat16)
 for arch in ARCHS * 2:
-    assert cuda_text(lambda q: jattn.attention(q, q, q, implementation="pallas"), q, arch=arch).count("triton") >= 1
+    text = cuda_text(lambda q: jattn.attention(q, q, q, implementation="pallas"), q, arch=arch)
+    assert ("triton" in text) == (arch == "sm_80") and ("@mosaic_gpu" in text) == (arch == "sm_90")
 """
 
 
 def test_the_triton_deprecation_reaches_the_user_as_one_notice():
     """jax 0.11+ deprecates Pallas' Triton backend. A user running with DeprecationWarnings as errors lowers jattn's
-    kernel twice for each arch without one, and sees one notice a compute capability on the ``jattn`` logger (in a
-    fresh process, as a user does); jax 0.10 has nothing to answer."""
+    kernel twice for each arch without one, and sees one notice on the ``jattn`` logger (in a fresh process, as a
+    user does), for sm_80's Triton kernel (sm_90 takes the Mosaic GPU one); jax 0.10 has nothing to answer."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     run = subprocess.run(
         [sys.executable, "-W", "error::DeprecationWarning", "-c", _NOTICE_SCRIPT],
@@ -189,19 +196,30 @@ def test_the_triton_deprecation_reaches_the_user_as_one_notice():
     notices = [line for line in run.stderr.splitlines() if line.startswith("NOTICE jattn")]
     if jax.__version_info__ < (0, 11):
         assert notices == []
-    else:
-        assert len(notices) == len(ARCHS), run.stderr[-3000:]
-        assert all("deprecates" in n for n in notices) and {n.split("capability ")[1][:3] for n in notices} == {
-            f"{a[3]}.{a[4]}" for a in ARCHS
-        }
+    else:  # sm_90 takes the Mosaic GPU kernel: nothing to answer there
+        assert len(notices) == 1 and "compute capability 8.0" in notices[0] and "deprecates" in notices[0], notices
 
 
-def test_a_jax_without_pallas_triton_refuses_the_kernel_by_name(on_gpu, monkeypatch):
+def test_a_jax_without_pallas_triton_refuses_the_kernel_by_name(triton, monkeypatch):
     """Where JAX has dropped Pallas' Triton backend, implementation='pallas' raises a refusal naming it, and the
     automatic choice lowers without the kernel."""
-    monkeypatch.setattr(platform_facts, "has_pallas_triton", lambda: False)
+    monkeypatch.setattr(platform_facts, "has_pallas_triton", lambda: False)  # on sm_80-89 (the fixture)
     q = jnp.zeros((B, K * G, T, D), jnp.bfloat16)
     with pytest.raises(ValueError, match=r"lowers on Pallas' Triton backend, which jax .* no longer has") as e:
         cuda_text(lambda q: jattn.attention(q, q, q, implementation="pallas"), q)
     assert type(e.value).__name__ == "KernelRefusalError"
     assert "__gpu$xla.gpu.triton" not in cuda_text(lambda q: jattn.attention(q, q, q), q)
+
+
+@pytest.mark.parametrize("arch", ARCHS_CHOSEN)
+def test_the_automatic_choice_takes_the_kernel_of_the_compute_capability(on_gpu, arch):
+    """implementation=None on a GPU: sm_90 and sm_100 take the Mosaic GPU kernel (sm_100's tcgen05 one from jax
+    0.12, Triton before), sm_80 the Triton one; float32, which the Mosaic GPU kernel refuses (tf32), Triton on
+    every arch. The compute capability is the abstract device's (jax 0.11+), or 90 without one (jax 0.10)."""
+    mosaic = arch == "sm_90" or (arch == "sm_100" and jax.__version_info__ >= (0, 12))
+    for dtype, want in ((jnp.bfloat16, "@mosaic_gpu" if mosaic else "__gpu$xla.gpu.triton"),
+                        (jnp.float32, "__gpu$xla.gpu.triton")):  # fmt: skip
+        q = jnp.zeros((B, K * G, T, D), dtype)
+        text = cuda_text(lambda q: jattn.attention(q, q, q, mask=masks.causal()), q, arch=arch)
+        other = "__gpu$xla.gpu.triton" if want == "@mosaic_gpu" else "@mosaic_gpu"
+        assert text.count(want) == 1 and other not in text, (arch, dtype)

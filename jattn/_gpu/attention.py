@@ -29,6 +29,7 @@ from jattn._checks import KernelRefusalError, Operands, Options, check_sinks
 from jattn._dropout import row_seeds
 from jattn._gpu.deprecation import answer_triton_deprecation
 from jattn._gpu.kernels import Spec
+from jattn._gpu.mosaic_support import TARGETS, refuse_mosaic
 from jattn._gpu.rules import attend
 from jattn._gpu.score_mod import convert, on_rows, pointwise, unlowerable
 from jattn._gpu.tiles import bounds, grid_of, kernel_arrays, row_mask, slot_kinds, tile_kinds
@@ -100,7 +101,7 @@ def _pad(x: Array, rows: int, cols: int) -> Array:
 
 
 def gpu_attention(
-    ops: Operands, opts: Options, *, interpret: bool, reference: Callable | None = None
+    ops: Operands, opts: Options, *, interpret: bool, reference: Callable | None = None, backend: str = "triton"
 ) -> tuple[Array, Array, Array]:
     """``(out (..., T, E), lse (..., T), max logit (..., T))`` through jattn's GPU kernel (``interpret``: Pallas interpret mode).
 
@@ -113,6 +114,8 @@ def gpu_attention(
     path (XLA, differentiable to any order, ``seeds (*lead)`` the rows' dropout seeds, ``score_mod`` the
     modification reading the kernel's row values, ``rows`` the mask the kernel reads, in row form) that
     the backward's own derivative (grad of grad) is taken through; None refuses it.
+    ``backend``: ``"triton"`` (sm_80 up), ``"mosaic_gpu"`` (Hopper's wgmma, blocks 64 by 64) or ``"mosaic_gpu_tcgen05"``
+    (Blackwell's tcgen05, blocks 128 by 128): :mod:`jattn._gpu.mosaic_kernels`, bfloat16 and float16.
     """
     q, k, v, mask, _, scale, q_offset, kv_offset, lead, axis = ops
     blocks, score_mod, sinks, dropout_rate, dropout_rng = (
@@ -120,7 +123,11 @@ def gpu_attention(
     )  # fmt: skip
     T, S, D, E = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
     refuse(mask, q_offset, kv_offset, D, E)
-    if not interpret:
+    if backend != "triton" and backend not in TARGETS:
+        raise ValueError(f"backend must be 'triton' or one of {sorted(TARGETS)}, got {backend!r}")
+    if backend in TARGETS:
+        refuse_mosaic(backend, q.dtype, D, E, interpret=interpret, blocks=blocks)
+    elif not interpret:
         _lowered_on_triton()
     b = math.prod(lead)
     if sinks is not None:
@@ -132,7 +139,7 @@ def gpu_attention(
         return jnp.zeros((*lead, T, E), v.dtype), lse, nothing
     skeleton, arrays = (None, ()) if mask is None else split_arrays(as_rows(mask, lead, axis))
     Dp, Ep = (max(16, _pow2(n)) for n in (D, E))
-    bq, bk = _blocks(blocks, T, S, Dp, interpret)
+    bq, bk = (TARGETS[backend].block,) * 2 if backend in TARGETS else _blocks(blocks, T, S, Dp, interpret)
     grid = grid_of(skeleton, T, S, bq, bk, int(query_offset(q_offset, kv_offset, T, S)), int(kv_offset))
     if any(kind not in (RowPadding, RowSegments) for kind in slot_kinds(grid)):
         raise KernelRefusalError(f"implementation='pallas' (jattn's GPU kernel) cannot read mask {mask!r}; {_TAKE}")
@@ -153,7 +160,7 @@ def gpu_attention(
     masks = tuple(x.astype(jnp.int32) for x in kernel_arrays(grid, arrays))
     spec = Spec(
         grid=grid, Dp=Dp, Ep=Ep, G=G, scale=float(scale), mod=mod, sinks=sinks is not None, interpret=interpret,
-        n_mask=len(masks), dropout=float(dropout_rate),
+        n_mask=len(masks), dropout=float(dropout_rate), backend=backend,
     )  # fmt: skip
     seeds = row_seeds(dropout_rng, jnp.arange(b, dtype=jnp.int32)) if dropout_rate else jnp.zeros((b,), jnp.uint32)
     ints = (kinds, bounds(kinds, -1), bounds(kinds, -2), seeds, masks)

@@ -61,6 +61,9 @@ class Spec:
     interpret: bool
     n_mask: int  # how many mask arrays the kernels read (each with R rows or 1: read by row, or row 0)
     dropout: float = 0.0  # the rate: a weight is dropped where :mod:`jattn._dropout`'s bit of its row seed says
+    backend: str = (
+        "triton"  # "triton" (this module); "mosaic_gpu", "mosaic_gpu_tcgen05" (:mod:`jattn._gpu.mosaic_kernels`)
+    )
 
     @property
     def mod_count(self) -> int:

@@ -33,10 +33,14 @@ import jax.numpy as jnp
 from jax import Array
 
 from jattn._autodiff import LinearPair, OnePassJvp
-from jattn._gpu.kernels import Spec, dkdv, dq, forward, forward_tangent, tangent
+from jattn._gpu import kernels, mosaic_kernels
+from jattn._gpu.kernels import Spec
 from jattn._gpu.score_mod import merge
 
 __all__ = ["attend"]
+
+#: The kernels of each ``Spec.backend``: one module each, the same functions and signatures.
+KERNELS = {"triton": kernels, "mosaic_gpu": mosaic_kernels, "mosaic_gpu_tcgen05": mosaic_kernels}
 
 
 class Call(NamedTuple):
@@ -67,7 +71,7 @@ def attend(spec: Spec, second: Callable | None, q, k, v, sinks, consts, ints) ->
     ``second``: the reference path on the same operands (:class:`Call`), or None.
     """
     kinds, fb, _, seeds, masks = ints
-    return forward(spec, q, k, v, kinds, fb, sinks, seeds, masks, consts)
+    return KERNELS[spec.backend].forward(spec, q, k, v, kinds, fb, sinks, seeds, masks, consts)
 
 
 @attend.defjvp
@@ -95,7 +99,7 @@ def _one_pass(call: Call, xs: list, dxs: list) -> list:
     q, k, v, sinks, consts, (kinds, fb, _, seeds, masks), _, _ = call.split([*xs, None, None])
     dq_, dk, dv, dsinks, *dconsts = dxs
     args = (q, k, v, dq_, dk, dv, kinds, fb, sinks, seeds, dsinks, masks, consts, dconsts)
-    o, lse, top, d_o, d_lse = forward_tangent(call.spec, *args)
+    o, lse, top, d_o, d_lse = KERNELS[call.spec.backend].forward_tangent(call.spec, *args)
     return [o, lse, top, d_o, d_lse, jnp.zeros_like(top)]
 
 
@@ -110,6 +114,7 @@ def _one_pass_avals(call: Call, xs: list, dxs: list) -> list:
 def _fast(direction: int, call: Call, res: list, lin: list) -> list:
     """The tangent kernel (direction 0) or the dq and dk/dv kernels (1) at ``res`` on ``lin``."""
     spec = call.spec
+    tangent, dq, dkdv = (getattr(KERNELS[spec.backend], n) for n in ("tangent", "dq", "dkdv"))
     q, k, v, sinks, consts, (kinds, fb, tb, seeds, masks), o, lse = call.split(res)
     if direction == 0:
         dq_, dk, dv, dsinks, *dconsts = lin

@@ -114,7 +114,12 @@ replaced by the measured one when an H200 is at hand (docs/design/pallas.md). Wh
   head dims that are multiples of 8 up to 128 (256 from Hopper on), ``E == D``, and causal() or
   sliding_window(l, 0) only when aligned with the keys' end. 'cudnn' second, for what the kernel
   refuses and cuDNN takes (its own per-call refusal says where not: float32, such a head dim, no
-  CUDA GPU under JAX), except what :data:`AUTO_AVOIDS` keeps from it.
+  CUDA GPU under JAX), except what :data:`AUTO_AVOIDS` keeps from it. Within 'pallas', the kernel by the
+  GPU's compute capability (:func:`jattn._paths.pallas.gpu_backends`), each falling back to the next:
+  sm_90 the Mosaic GPU kernel (``wgmma``), then Triton; sm_100/103 the Mosaic GPU kernel on ``tcgen05``
+  (jax 0.12+), then Triton; sm_80-89 and sm_120 Triton alone, while JAX has its Pallas Triton backend
+  (deprecated in 0.11: :mod:`jattn._gpu.deprecation`). The Mosaic GPU kernel takes bf16 and f16 with
+  64-by-64 blocks (128 on sm_100); float32 and other blocks go to Triton.
 * TPU: 'pallas' (splash attention): it takes every static predicate, padding() and
   segment_ids(); cuDNN is NVIDIA's, and jax.nn's 'xla' path forms the dense scores.
 * CPU: none: the blockwise/dense rule alone, as measured there (docs: design notes); jax.nn's

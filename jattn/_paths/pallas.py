@@ -22,12 +22,12 @@ from jax import Array
 
 from jattn import _platform
 from jattn._blockwise import blockwise_path
-from jattn._checks import Operands, Options, Result
-from jattn._gpu import gpu_attention
+from jattn._checks import KernelRefusalError, Operands, Options, Result
+from jattn._gpu import backend_for, gpu_attention
 from jattn._paths.choice import kernel_refusal
 from jattn._paths.splash import splash_attention
 
-__all__ = ["kernel_platform", "pallas_path"]
+__all__ = ["gpu_backends", "kernel_platform", "pallas_path"]
 
 
 def kernel_platform() -> tuple[str, bool]:
@@ -68,7 +68,38 @@ def pallas_path(ops: Operands, opts: Options) -> Result:
         out = splash_attention(q, k, v, mask, scale, q_offset, kv_offset, opts.blocks, interpret, lead, axis,
                                opts.score_mod)  # fmt: skip
         return Result(out, None, None)
-    return Result(*gpu_attention(ops, opts, interpret=interpret, reference=functools.partial(_second_order, ops, opts)))
+    reference = functools.partial(_second_order, ops, opts)
+    if interpret:  # on CPU: the Triton kernel's bodies, interpreted (tests choose the Mosaic GPU ones)
+        return Result(*gpu_attention(ops, opts, interpret=True, reference=reference))
+    return Result(*_on_a_gpu(ops, opts, reference))
+
+
+def gpu_backends(compute_capability: int) -> tuple[str, ...]:
+    """The backends jattn's GPU kernel tries on a GPU of ``compute_capability`` (90 for sm_90), in order.
+
+    Hopper (sm_90): the Mosaic GPU kernel (``wgmma``), then the Triton one; datacenter Blackwell (sm_100,
+    sm_103): the Mosaic GPU kernel on ``tcgen05``, then Triton; the rest (Ampere and Ada, sm_80-89; consumer
+    Blackwell, sm_120) Triton alone, while JAX has it. The first that takes the call runs it; after them,
+    ``implementation=None`` tries 'cudnn', then the blockwise path (:data:`jattn._paths.choice.AUTO_ORDER`).
+    """
+    first = backend_for(compute_capability)
+    return (first,) if first == "triton" else (first, "triton")
+
+
+def _on_a_gpu(ops: Operands, opts: Options, reference) -> tuple:
+    """The first of :func:`gpu_backends` that takes the call, lowered; one refusal naming each reason if none does."""
+    backends = gpu_backends(_platform.compute_capability())
+    reasons = []
+    for backend in backends:
+        try:
+            return gpu_attention(ops, opts, interpret=False, reference=reference, backend=backend)
+        except KernelRefusalError as err:
+            if len(backends) == 1:
+                raise
+            reasons.append(f"{backend}: {err}")
+    raise KernelRefusalError(
+        "implementation='pallas' (jattn's GPU kernel): no backend takes this call; " + "; ".join(reasons)
+    )
 
 
 def _second_order(ops: Operands, opts: Options, q, k, v, sinks, seeds, scale, score_mod, rows) -> tuple[Array, Array]:

@@ -1,0 +1,262 @@
+"""The Mosaic GPU backward kernels: dq (grid ``(b, nq)``) and dk/dv (grid ``(b/G, nk)``), flash attention 2.
+
+Operands as :func:`jattn._gpu.kernels.dq`'s and :func:`jattn._gpu.kernels.dkdv`'s (dimension key in
+:mod:`jattn._core`): q ``(b, Tp, Dp)``, k ``(b/G, Sp, Dp)``, v ``(b/G, Sp, Ep)``, ``do`` like q's rows with
+Ep columns, ``lse`` and ``delta = rowsum(do o) - d lse`` ``(b, Tp)`` float32. Each tile recomputes its weights
+``p = exp(x - lse)`` from the scores (``wgmma`` of shared-memory tiles that TMA copies in); dq accumulates
+``ds k``, dk/dv (the key block's tile transposed, keys on the accumulator's rows) ``ds^T q`` and ``p^T do``
+over the G query rows the key block serves and their non-empty query blocks.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import Array, lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jattn._gpu.mosaic_mod import check_mod, dropped, modified_vjp, row_values
+from jattn._gpu.mosaic_support import accumulate, depth, launch, load, product, swizzled, target
+from jattn._gpu.mosaic_tile import Ids, positions, tile_keep, unless_empty, windows
+from jattn._masks import PARTIAL
+
+__all__ = ["dkdv", "dq"]
+
+_NEG = -float("inf")
+
+
+def _copy_in(pairs, barriers) -> None:
+    """TMA copies ``(global slice, shared tile)``, each on its barrier, then waits for them all.
+
+    The warpgroup's earlier loads of the tiles (``lse``, ``delta``) are done before TMA overwrites them.
+    """
+    plgpu.commit_smem()
+    for (src, dst), bar in zip(pairs, barriers, strict=True):
+        plgpu.copy_gmem_to_smem(src, dst, bar)
+    for bar in barriers:
+        plgpu.barrier_wait(bar)
+
+
+def _stats(lse_s, delta_s, axis: int, layout) -> tuple[Array, Array]:
+    """A query block's ``lse`` (``+inf`` for a row that sees no key: weights 0) and ``delta``, along tile ``axis``."""
+    layout = layout.reduce(1 - axis)
+    lse = load(lse_s, layout)
+    return jnp.where(lse == _NEG, jnp.inf, lse), load(delta_s, layout)
+
+
+def _masked(g, ids, r, i, j, kind, x, transposed: bool = False) -> Array:
+    """``x`` with ``-inf`` where the mask drops a score, on PARTIAL tiles (FULL ones as they are)."""
+    keep = lambda x: jnp.where(tile_keep(g, ids, r, i, j, transposed), x, _NEG)  # noqa: E731
+    return lax.cond(kind == PARTIAL, keep, lambda x: x, x)
+
+
+def _dq_tile(spec, refs, r, i, j, carry):
+    """Key block ``j``'s share of query block ``i``'s ``dq`` and of the score modification's values' gradients."""
+    g, (q_s, do_s, k_s, v_s, bars, lse, delta), (k_ref, v_ref, kinds_ref, ids, seed, values) = spec.grid, *refs
+    at = (lax.div(r, spec.G), pl.ds(j * g.bk, g.bk))
+    _copy_in(((k_ref.at[at], k_s), (v_ref.at[at], v_s)), bars)
+    t, s = positions(g, i, j, ids.layout)
+    x, pull = modified_vjp(
+        spec, product(spec, q_s, k_s.T, (g.bq, g.bk)) * spec.scale, g.q_offset + t, g.kv_offset + s, values
+    )
+    x = _masked(g, ids, r, i, j, kinds_ref[r if kinds_ref.shape[0] > 1 else 0, i, j], x)
+    p = jnp.exp(x - _rows(lse, x.shape))
+    dp = dropped(spec, seed, t, s, product(spec, do_s, v_s.T, x.shape))
+    ds, dcs = pull(p * (dp - _rows(delta, x.shape)))
+    acc, dvalues = carry
+    dvalues = tuple(a + d.sum(axis=1) for a, d in zip(dvalues, dcs, strict=True))  # per query row
+    return accumulate(spec, acc, (ds * spec.scale).astype(k_s.dtype), k_s), dvalues
+
+
+def _rows(x: Array, shape, axis: int = 0) -> Array:
+    return lax.broadcast_in_dim(x, shape, [axis])
+
+
+def _dq_kernel(spec, kinds_of, *refs):
+    """One query block of row ``r``: ``dq (bq, Dp)`` and each floating row value's gradient per query ``(bq,)``."""
+    nm, nc, nf, g = spec.n_mask, spec.mod_count, _floats(spec), spec.grid
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kinds_ref, bounds_ref, seeds_ref, *refs = refs
+    masks, consts, (dq_ref, *dc_refs), refs = (
+        refs[:nm],
+        refs[nm : nm + nc],
+        refs[nm + nc : nm + nc + 1 + nf],
+        refs[nm + nc + 1 + nf :],
+    )
+    (q_s, do_s, k_s, v_s, dq_s, lse_s, delta_s, *bars), dc_s, id_s = refs[:14], refs[14 : 14 + nf], refs[14 + nf :]
+    r, i = lax.axis_index("r"), lax.axis_index("i")
+    kr, rows = (r if kinds_ref.shape[0] > 1 else 0), pl.ds(i * g.bq, g.bq)
+    ins = (
+        (q_ref.at[r, rows], q_s),
+        (do_ref.at[r, rows], do_s),
+        (lse_ref.at[r, rows], lse_s),
+        (delta_ref.at[r, rows], delta_s),
+    )
+    _copy_in(ins, bars[:4])
+    L = target(spec).layout
+    lse, delta = _stats(lse_s, delta_s, 0, L)
+    ids = Ids(
+        masks,
+        dict(zip((n for n, w in enumerate(kinds_of) if w), id_s, strict=True)),
+        bars[6],
+        kinds_of,
+        target(spec).layout,
+    )
+    refs = (
+        (q_s, do_s, k_s, v_s, bars[4:6], lse, delta),
+        (k_ref, v_ref, kinds_ref, ids, seeds_ref[r], row_values(consts, r)),
+    )
+    tile = functools.partial(_dq_tile, spec, refs, r, i)
+    step = lambda j, c: unless_empty(kinds_ref, r, i, j, functools.partial(tile, j), c)  # noqa: E731
+    zero_rows = plgpu.layout_cast(jnp.zeros((g.bq,), jnp.float32), L.reduce(1))
+    init = (plgpu.layout_cast(jnp.zeros(dq_s.shape, jnp.float32), L), (zero_rows,) * nf)
+    acc, dvalues = lax.fori_loop(bounds_ref[kr, i, 0], bounds_ref[kr, i, 1], step, init)
+    dq_s[...] = acc.astype(dq_s.dtype)
+    for smem, d in zip(dc_s, dvalues, strict=True):
+        smem[...] = d
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(dq_s, dq_ref.at[r, rows])
+    for smem, ref in zip(dc_s, dc_refs, strict=True):
+        plgpu.copy_smem_to_gmem(smem, ref.at[r, rows])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _dkdv_tile(spec, refs, r, j, i, carry):
+    """Query block ``i`` of row ``r``'s share of key block ``j``'s ``(dk, dv)``, the tile transposed ``(bk, bq)``."""
+    (
+        g,
+        (q_ref, do_ref, lse_ref, delta_ref, kinds_ref, ids, seed, values),
+        (q_s, do_s, k_s, v_s, lse_s, delta_s, bars),
+    ) = spec.grid, *refs
+    rows = pl.ds(i * g.bq, g.bq)
+    ins = (
+        (q_ref.at[r, rows], q_s),
+        (do_ref.at[r, rows], do_s),
+        (lse_ref.at[r, rows], lse_s),
+        (delta_ref.at[r, rows], delta_s),
+    )
+    _copy_in(ins, bars)
+    lse, delta = _stats(lse_s, delta_s, 1, ids.layout)
+    t, s = positions(g, i, j, ids.layout, transposed=True)
+    x, pull = modified_vjp(
+        spec, product(spec, k_s, q_s.T, (g.bk, g.bq)) * spec.scale, g.q_offset + t, g.kv_offset + s, values
+    )
+    x = _masked(g, ids, r, i, j, kinds_ref[r if kinds_ref.shape[0] > 1 else 0, i, j], x, transposed=True)
+    p = jnp.exp(x - _rows(lse, x.shape, 1))
+    pz = dropped(spec, seed, t, s, p)  # p (z dp - delta) = pz dp - p delta
+    dk, dv = carry
+    dv = accumulate(spec, dv, pz.astype(do_s.dtype), do_s)
+    ds, _ = pull(pz * product(spec, v_s, do_s.T, x.shape) - p * _rows(delta, x.shape, 1))
+    return accumulate(spec, dk, (ds * spec.scale).astype(q_s.dtype), q_s), dv
+
+
+def _dkdv_kernel(spec, kinds_of, *refs):
+    """One key block of kv row ``rk``: ``dk (bk, Dp)`` and ``dv (bk, Ep)`` over the G query rows it serves."""
+    nm, nc, g = spec.n_mask, spec.mod_count, spec.grid
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kinds_ref, tbounds_ref, seeds_ref, *refs = refs
+    masks, consts, (dk_ref, dv_ref), refs = (
+        refs[:nm],
+        refs[nm : nm + nc],
+        refs[nm + nc : nm + nc + 2],
+        refs[nm + nc + 2 :],
+    )
+    (q_s, do_s, k_s, v_s, dk_s, dv_s, lse_s, delta_s, *bars), id_s = refs[:15], refs[15:]
+    rk, j = lax.axis_index("r"), lax.axis_index("j")
+    cols = pl.ds(j * g.bk, g.bk)
+    _copy_in(((k_ref.at[rk, cols], k_s), (v_ref.at[rk, cols], v_s)), bars[4:6])
+    ids = Ids(
+        masks,
+        dict(zip((n for n, w in enumerate(kinds_of) if w), id_s, strict=True)),
+        bars[6],
+        kinds_of,
+        target(spec).layout,
+    )
+
+    def group(gi, carry):
+        r = rk * spec.G + gi
+        kr = r if kinds_ref.shape[0] > 1 else 0
+        gm = (q_ref, do_ref, lse_ref, delta_ref, kinds_ref, ids, seeds_ref[r], row_values(consts, r))
+        tile = functools.partial(_dkdv_tile, spec, (gm, (q_s, do_s, k_s, v_s, lse_s, delta_s, bars[:4])), r, j)
+        step = lambda i, c: unless_empty(kinds_ref, r, i, j, functools.partial(tile, i), c)  # noqa: E731
+        return lax.fori_loop(tbounds_ref[kr, j, 0], tbounds_ref[kr, j, 1], step, carry)
+
+    init = tuple(plgpu.layout_cast(jnp.zeros(s.shape, jnp.float32), ids.layout) for s in (dk_s, dv_s))
+    dk, dv = lax.fori_loop(0, spec.G, group, init)
+    dk_s[...], dv_s[...] = dk.astype(dk_s.dtype), dv.astype(dv_s.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(dk_s, dk_ref.at[rk, cols])
+    plgpu.copy_smem_to_gmem(dv_s, dv_ref.at[rk, cols])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _floats(spec) -> int:
+    """How many of the score modification's row values are floating (they get gradients)."""
+    return 0 if spec.mod is None else sum(spec.mod.floats)
+
+
+def _widened(spec, q, k, v, do):
+    """q, k padded to the ``wgmma`` depth of D and v, ``do`` to E's (:func:`jattn._gpu.mosaic_support.depth`)."""
+    Dw, Ew = depth(spec.Dp), depth(spec.Ep)
+    pad = lambda x, n: jnp.pad(x, ((0, 0), (0, 0), (0, n - x.shape[-1])))  # noqa: E731
+    return pad(q, Dw), pad(k, Dw), pad(v, Ew), pad(do, Ew)
+
+
+def _id_scratch(spec) -> tuple[tuple, list]:
+    """The mask arrays' windows (:func:`jattn._gpu.mosaic_tile.windows`) and a shared tile for each windowed one."""
+    g = spec.grid
+    kinds_of = windows(g.mask, spec.n_mask)
+    return kinds_of, [plgpu.SMEM((g.bq if w == "q" else g.bk,), jnp.int32) for w in kinds_of if w]
+
+
+def dq(spec, q, k, v, do, lse, delta, kinds, bounds, sinks, seeds, masks, consts) -> tuple[Array, tuple]:
+    """``(dq (b, Tp, Dp), dvalues)`` as :func:`jattn._gpu.kernels.dq`; each floating row value's gradient ``(b, Tp)``.
+
+    The gradients are per query (summed over keys), where the Triton kernel's are per query block: the caller sums
+    axis 1 of either.
+    """
+    del sinks  # its gradient is outside
+    check_mod(spec)
+    g, b, nf = spec.grid, q.shape[0], _floats(spec)
+    q, k, v, do = _widened(spec, q, k, v, do)
+    kinds_of, ids = _id_scratch(spec)
+    rows = plgpu.SMEM((g.bq,), jnp.float32)
+    tiles = ((g.bq, q.shape[2]), (g.bq, v.shape[2]), (g.bk, q.shape[2]), (g.bk, v.shape[2]), (g.bq, q.shape[2]))
+    out = launch(
+        functools.partial(_dq_kernel, spec, kinds_of),
+        out_type=[jax.ShapeDtypeStruct(q.shape, q.dtype), *(jax.ShapeDtypeStruct((b, g.t_pad), jnp.float32),) * nf],
+        scratch_types=[
+            *(swizzled(s, q.dtype) for s in tiles),
+            rows,
+            rows,
+            *(plgpu.Barrier() for _ in range(7)),
+            *(rows,) * nf,
+            *ids,
+        ],
+        grid=(b, g.nq),
+        grid_names=("r", "i"),
+        interpret=spec.interpret,
+    )(q, k, v, do, lse, delta, kinds, bounds, seeds, *masks, *consts)
+    return out[0][..., : spec.Dp], tuple(out[1:])
+
+
+def dkdv(spec, q, k, v, do, lse, delta, kinds, tbounds, sinks, seeds, masks, consts) -> tuple[Array, Array]:
+    """``(dk (b/G, Sp, Dp), dv (b/G, Sp, Ep))`` as :func:`jattn._gpu.kernels.dkdv`; ``tbounds`` over query blocks."""
+    del sinks
+    check_mod(spec)
+    g = spec.grid
+    q, k, v, do = _widened(spec, q, k, v, do)
+    kinds_of, ids = _id_scratch(spec)
+    rows = plgpu.SMEM((g.bq,), jnp.float32)
+    Dw, Ew = q.shape[2], v.shape[2]
+    tiles = ((g.bq, Dw), (g.bq, Ew), (g.bk, Dw), (g.bk, Ew), (g.bk, Dw), (g.bk, Ew))
+    dk, dv = launch(
+        functools.partial(_dkdv_kernel, spec, kinds_of),
+        out_type=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        scratch_types=[*(swizzled(s, q.dtype) for s in tiles), rows, rows, *(plgpu.Barrier() for _ in range(7)), *ids],
+        grid=(k.shape[0], g.nk),
+        grid_names=("r", "j"),
+        interpret=spec.interpret,
+    )(q, k, v, do, lse, delta, kinds, tbounds, seeds, *masks, *consts)
+    return dk[..., : spec.Dp], dv[..., : spec.Ep]

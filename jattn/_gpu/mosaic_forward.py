@@ -1,0 +1,135 @@
+"""The Mosaic GPU forward kernel: one warpgroup a query block, an online softmax over its non-empty key blocks.
+
+Operands as :func:`jattn._gpu.kernels.forward`'s (dimension key in :mod:`jattn._core`): q ``(b, Tp, Dp)``,
+k ``(b/G, Sp, Dp)``, v ``(b/G, Sp, Ep)`` (query row ``r`` reads kv row ``r // G``), the tile kinds and their
+bounds, the sinks and the mask's arrays, all in global memory. Grid ``(b, nq)``: TMA copies the query block
+into shared memory once, then each key block's k and v tiles; ``wgmma`` forms the scores ``q k^T`` and the
+product ``p v`` (accumulating in float32 registers). EMPTY tiles are outside the loop's bounds or skipped,
+FULL ones unmasked, PARTIAL ones masked by the predicate (:func:`jattn._gpu.mosaic_tile.tile_keep`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import Array, lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jattn._gpu.mosaic_mod import check_mod, dropped, modified, row_values
+from jattn._gpu.mosaic_support import accumulate, depth, launch, product, swizzled, target
+from jattn._gpu.mosaic_tile import Ids, positions, tile_keep, unless_empty, windows
+from jattn._masks import PARTIAL
+
+__all__ = ["forward"]
+
+_NEG = -float("inf")
+
+
+def _rows(x: Array, shape) -> Array:
+    """A row value ``(bq,)`` broadcast over a tile's columns."""
+    return lax.broadcast_in_dim(x, shape, [0])
+
+
+def _tile(spec, refs, r, i, j, carry):
+    """One key block's step of the online softmax: ``(max, denominator, acc)`` updated by tile ``(i, j)``."""
+    g, (q_s, k_s, v_s, bar_k, bar_v), (k_ref, v_ref, kinds_ref, ids, seed, values) = spec.grid, refs[0], refs[1]
+    m, den, acc = carry
+    at = (lax.div(r, spec.G), pl.ds(j * g.bk, g.bk))
+    plgpu.copy_gmem_to_smem(k_ref.at[at], k_s, bar_k)
+    plgpu.copy_gmem_to_smem(v_ref.at[at], v_s, bar_v)
+    plgpu.barrier_wait(bar_k)
+    t, s = positions(g, i, j, ids.layout)
+    x = modified(spec, product(spec, q_s, k_s.T, (g.bq, g.bk)) * spec.scale, g.q_offset + t, g.kv_offset + s, values)
+    kr = r if kinds_ref.shape[0] > 1 else 0
+    masked = lambda x: jnp.where(tile_keep(g, ids, r, i, j), x, _NEG)  # noqa: E731
+    x = lax.cond(kinds_ref[kr, i, j] == PARTIAL, masked, lambda x: x, x)
+    top = jnp.maximum(m, x.max(axis=1))
+    safe = jnp.where(top == _NEG, 0.0, top)  # a row masked so far: its weights are 0, not NaN
+    p, alpha = jnp.exp(x - _rows(safe, x.shape)), jnp.exp(m - safe)
+    plgpu.barrier_wait(bar_v)
+    pz = dropped(spec, seed, t, s, p)  # the sum of undropped p normalises
+    acc = accumulate(spec, acc * _rows(alpha, acc.shape), pz.astype(v_s.dtype), v_s)
+    return top, alpha * den + p.sum(axis=1), acc
+
+
+def _finish(spec, sinks_ref, r, m, den, acc):
+    """``(o (bq, Ep) float32, lse (bq,))`` of the loop's sums; the sink joins every row's denominator."""
+    seen = den > 0
+    lse = jnp.where(seen, m + jnp.log(jnp.where(seen, den, 1.0)), _NEG)
+    if spec.sinks:
+        sink = sinks_ref[r]
+        top = jnp.maximum(lse, sink)
+        lse = top + jnp.log(jnp.exp(lse - top) + jnp.exp(sink - top))
+    weight = jnp.where(seen, jnp.exp(m - jnp.where(seen, lse, 0.0)), 0.0)
+    return acc * _rows(weight, acc.shape), lse
+
+
+def _kernel(spec, kinds, *refs):
+    """One query block of row ``r``: ``o``, ``lse`` and the max logit through shared memory."""
+    nm = spec.n_mask
+    q_ref, k_ref, v_ref, kinds_ref, bounds_ref, sinks_ref, seeds_ref, *refs = refs
+    nc = spec.mod_count
+    masks, consts, (o_ref, lse_ref, top_ref), scratch = (
+        refs[:nm],
+        refs[nm : nm + nc],
+        refs[nm + nc : nm + nc + 3],
+        refs[nm + nc + 3 :],
+    )
+    q_s, k_s, v_s, o_s, lse_s, top_s, bar_q, bar_k, bar_v, bar_ids, *id_s = scratch
+    g, r, i = spec.grid, lax.axis_index("r"), lax.axis_index("i")
+    plgpu.copy_gmem_to_smem(q_ref.at[r, pl.ds(i * g.bq, g.bq)], q_s, bar_q)
+    plgpu.barrier_wait(bar_q)
+    smem_ids = dict(zip((n for n, w in enumerate(kinds) if w), id_s, strict=True))
+    L = target(spec).layout
+    ids = Ids(masks, smem_ids, bar_ids, kinds, L)
+    refs = ((q_s, k_s, v_s, bar_k, bar_v), (k_ref, v_ref, kinds_ref, ids, seeds_ref[r], row_values(consts, r)))
+    kr = r if kinds_ref.shape[0] > 1 else 0
+
+    def step(j, carry):
+        return unless_empty(kinds_ref, r, i, j, functools.partial(_tile, spec, refs, r, i, j), carry)
+
+    init = (
+        plgpu.layout_cast(jnp.full((g.bq,), _NEG, jnp.float32), L.reduce(1)),
+        plgpu.layout_cast(jnp.zeros((g.bq,), jnp.float32), L.reduce(1)),
+        plgpu.layout_cast(jnp.zeros((g.bq, o_s.shape[1]), jnp.float32), L),
+    )
+    m, den, acc = lax.fori_loop(bounds_ref[kr, i, 0], bounds_ref[kr, i, 1], step, init)
+    o, lse = _finish(spec, sinks_ref, r, m, den, acc)
+    o_s[...], lse_s[...], top_s[...] = o.astype(o_s.dtype), lse, m
+    plgpu.commit_smem()
+    rows = pl.ds(i * g.bq, g.bq)
+    plgpu.copy_smem_to_gmem(o_s, o_ref.at[r, rows])
+    plgpu.copy_smem_to_gmem(lse_s, lse_ref.at[r, rows])
+    plgpu.copy_smem_to_gmem(top_s, top_ref.at[r, rows])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def forward(spec, q, k, v, kinds, bounds, sinks, seeds, masks, consts) -> tuple[Array, Array, Array]:
+    """``(o (b, Tp, Ep), lse (b, Tp), max logit (b, Tp))`` as :func:`jattn._gpu.kernels.forward`, on Mosaic GPU."""
+    check_mod(spec)
+    g, b = spec.grid, q.shape[0]
+    Dw, Ew = depth(spec.Dp), depth(spec.Ep)
+    q, k = (jnp.pad(x, ((0, 0), (0, 0), (0, Dw - spec.Dp))) for x in (q, k))
+    v = jnp.pad(v, ((0, 0), (0, 0), (0, Ew - spec.Ep)))
+    kinds_of = windows(g.mask, spec.n_mask)
+    ids = [plgpu.SMEM((g.bq if w == "q" else g.bk,), jnp.int32) for w in kinds_of if w]
+    scratch = [
+        *(swizzled(shape, q.dtype) for shape in ((g.bq, Dw), (g.bk, Dw), (g.bk, Ew), (g.bq, Ew))),
+        plgpu.SMEM((g.bq,), jnp.float32),
+        plgpu.SMEM((g.bq,), jnp.float32),
+        *(plgpu.Barrier(num_arrivals=1) for _ in range(4)),
+        *ids,
+    ]
+    rows = jax.ShapeDtypeStruct((b, g.t_pad), jnp.float32)
+    o, lse, top = launch(
+        functools.partial(_kernel, spec, kinds_of),
+        out_type=[jax.ShapeDtypeStruct((b, g.t_pad, Ew), v.dtype), rows, rows],
+        scratch_types=scratch,
+        grid=(b, g.nq),
+        grid_names=("r", "i"),
+        interpret=spec.interpret,
+    )(q, k, v, kinds, bounds, sinks, seeds, *masks, *consts)
+    return o[..., : spec.Ep], lse, top

@@ -1,0 +1,189 @@
+"""What the Mosaic GPU kernels (Hopper sm_90, Blackwell sm_100) share: targets, products, refusals, version shims.
+
+Pallas' Mosaic GPU backend (``jax.experimental.pallas.mosaic_gpu``) replaces its Triton backend (deprecated from
+jax 0.11). Its kernels (:mod:`jattn._gpu.mosaic_kernels`) run one warpgroup a query block: the scores and ``p v``
+are tensor-core products of shared-memory tiles that TMA copies in (:func:`product`, :func:`accumulate`), by
+the :class:`Target` of ``Spec.backend``: Hopper's ``wgmma`` into registers (blocks 64 by 64), Blackwell's
+``tcgen05`` into tensor memory (blocks 128 by 128; Hopper's ``wgmma`` is not on sm_100). Head dims are padded to
+multiples of 64 (:func:`depth`), the dtypes are the tensor cores' 16-bit ones. On CPU the kernels run in Mosaic
+GPU's own interpreter (jax 0.12+; 0.10's has no register layouts, so there the kernel is refused by name when it
+would be interpreted) inside a ``pure_callback`` (:func:`launch`); lowering for CUDA needs no device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import jax
+import jax.numpy as jnp
+from jax import Array
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jattn._checks import KernelRefusalError
+
+__all__ = [
+    "TARGETS",
+    "Target",
+    "accumulate",
+    "backend_for",
+    "depth",
+    "launch",
+    "load",
+    "product",
+    "refuse_mosaic",
+    "swizzled",
+    "target",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """One tensor-core generation: its matrix product, its tile (query and key block) and its register layout."""
+
+    name: str  # the product and the architecture, for messages
+    block: int  # the query and key block: the product's rows (M), the key tile as wide
+    layout: plgpu.Layout  # a (block, n) float32 tile's registers; its reductions hold a row's values
+    tensor_memory: bool  # False: wgmma into registers (Hopper); True: tcgen05 into tensor memory (Blackwell)
+
+
+#: ``Spec.backend`` -> its target: Hopper's ``wgmma`` (one warpgroup, 64 rows), Blackwell's ``tcgen05`` (128 rows).
+TARGETS = {
+    "mosaic_gpu": Target("wgmma (sm_90)", 64, plgpu.Layout.WGMMA, False),
+    "mosaic_gpu_tcgen05": Target("tcgen05 (sm_100)", 128, plgpu.Layout.TCGEN05, True),
+}
+
+
+def backend_for(compute_capability: int) -> str:
+    """The kernels for an NVIDIA compute capability (90 for sm_90): ``Spec.backend`` / ``gpu_attention``'s ``backend``.
+
+    Hopper (sm_90) ``"mosaic_gpu"`` (wgmma), datacenter Blackwell (sm_100, sm_103) ``"mosaic_gpu_tcgen05"``;
+    the rest ``"triton"``: Ampere and Ada (sm_80-89) have neither product, consumer Blackwell (sm_120) no tcgen05.
+    """
+    if compute_capability == 90:
+        return "mosaic_gpu"
+    return "mosaic_gpu_tcgen05" if 100 <= compute_capability < 110 else "triton"
+
+
+def target(spec) -> Target:
+    """The :class:`Target` of a kernel call's ``Spec``."""
+    return TARGETS[spec.backend]
+
+
+#: jax 0.12's interpreter runs Mosaic GPU kernels on CPU; 0.10's lacks register layouts and ``run_state``.
+INTERPRETS = jax.__version_info__ >= (0, 12)
+
+#: Whether the interpreter checks the kernels' shared memory for data races (slower; tests switch it on).
+DETECT_RACES = False
+
+_WHERE = "implementation='pallas' with the Mosaic GPU kernel (sm_90 / sm_100)"
+_TAKE = "use implementation='blockwise' or 'dense', or the Triton kernel (sm_80-89)"
+_NEW_LOAD = "idx" not in inspect.signature(plgpu.load).parameters
+
+
+def depth(n: int) -> int:
+    """A head dim padded for ``wgmma``: a multiple of 64 (the 128-byte swizzle of 16-bit rows)."""
+    return -(-n // 64) * 64
+
+
+def refuse_mosaic(backend: str, dtype, D: int, E: int, *, interpret: bool, blocks) -> None:
+    """Raises :class:`KernelRefusalError` naming what the Mosaic GPU kernels of ``backend`` cannot take, else nothing."""
+    block = TARGETS[backend].block
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        raise KernelRefusalError(
+            f"{_WHERE} takes bfloat16 and float16, got {jnp.dtype(dtype)}: wgmma multiplies float32 as tf32 (a 10-bit "
+            f"mantissa), below the float32 precision jattn's kernels keep; {_TAKE}"
+        )
+    if max(D, E) > 256:
+        raise KernelRefusalError(f"{_WHERE} takes head depths up to 256, got D={D}, E={E}; {_TAKE}")
+    if blocks is not None and tuple(blocks) != (block, block):
+        raise KernelRefusalError(
+            f"{_WHERE} takes blocks ({block}, {block}) only ({TARGETS[backend].name}), got {blocks}; {_TAKE}"
+        )
+    if TARGETS[backend].tensor_memory and not INTERPRETS:
+        raise KernelRefusalError(
+            f"{_WHERE}: its tcgen05 kernel (sm_100) needs jax 0.12 (jax {jax.__version__}'s Mosaic GPU lowering "
+            f"finds incompatible register layouts in it); {_TAKE}"
+        )
+    if interpret and not INTERPRETS:
+        raise KernelRefusalError(
+            f"{_WHERE} is interpreted on CPU from jax 0.12 (jax {jax.__version__}'s Mosaic GPU interpreter has no "
+            f"register layouts); {_TAKE}"
+        )
+
+
+def launch(body, *, interpret: bool, out_type, **kernel):
+    """``plgpu.kernel(body, ...)``: compiled, or run by Mosaic GPU's interpreter inside a ``jax.pure_callback``.
+
+    The interpreter threads ordered IO effects through the program, which jattn's derivative primitives
+    (:mod:`jattn._autodiff`, lowered from their implementations) do not declare; the callback hides them: a
+    pure function of its operands, as the compiled kernel is.
+    """
+    if not interpret:
+        return plgpu.kernel(body, out_type=out_type, **kernel)
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # no public name yet (jax 0.12)
+
+    params = InterpretGPUParams(detect_races=DETECT_RACES)  # a race raises (on_race="raise")
+    run = jax.jit(plgpu.kernel(body, out_type=out_type, interpret=params, **kernel))
+
+    def call(*args):
+        return jax.pure_callback(lambda *xs: jax.device_get(run(*xs)), out_type, *args, vmap_method="sequential")
+
+    return call
+
+
+def load(ref, layout):
+    """``ref``'s whole value in registers in ``layout`` (jax 0.10's ``plgpu.load`` takes an index)."""
+    return plgpu.load(ref, layout=layout) if _NEW_LOAD else plgpu.load(ref, (), layout=layout)
+
+
+def swizzled(shape: tuple[int, ...], dtype) -> plgpu.SMEM:
+    """A shared-memory tile of 16-bit rows as ``wgmma`` reads them: (8, 64) tiles, 128-byte swizzle."""
+    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
+
+
+def product(spec, a, b, shape: tuple[int, int]) -> Array:
+    """``a @ b`` ``(m, n)`` float32 in registers: ``a`` a shared tile, ``b`` a tile or ``.T`` (the target's product)."""
+    if target(spec).tensor_memory:
+        return _tcgen05(a, b, shape)
+
+    def run(acc_ref):
+        plgpu.wgmma(acc_ref, a, b)
+        return acc_ref[...]
+
+    return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+
+
+def _tcgen05(a, b, shape: tuple[int, int]) -> Array:
+    """``a @ b`` by ``tcgen05`` into tensor memory, loaded into registers."""
+
+    def run(acc_tmem, done):
+        plgpu.tcgen05_mma(acc_tmem, a, b, done, accumulate=False)
+        plgpu.barrier_wait(done)
+        x = plgpu.async_load_tmem(acc_tmem)
+        plgpu.wait_load_tmem()
+        return x
+
+    return pl.run_scoped(run, plgpu.TMEM(shape, jnp.float32), plgpu.Barrier(orders_tensor_core=True))
+
+
+def accumulate(spec, acc: Array, a: Array, b) -> Array:
+    """``acc + a @ b`` into the float32 registers ``acc (m, n)``: ``a`` 16-bit registers (the weights), ``b`` a tile.
+
+    Hopper's ``wgmma`` reads ``a`` from registers into its accumulator; Blackwell's ``tcgen05`` reads shared
+    memory, so ``a`` goes through a shared tile first.
+    """
+    if target(spec).tensor_memory:
+
+        def through(a_smem):
+            a_smem[...] = a
+            plgpu.commit_smem()
+            return acc + _tcgen05(a_smem, b, acc.shape)
+
+        return pl.run_scoped(through, swizzled(a.shape, a.dtype))
+
+    def run(acc_ref):
+        plgpu.wgmma(acc_ref, a, b)
+
+    return pl.run_state(run)(plgpu.ACC.init(acc))

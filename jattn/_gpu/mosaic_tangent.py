@@ -1,0 +1,250 @@
+"""The Mosaic GPU tangent kernels (forward mode): the forward and its tangent in one sweep, or the tangent from ``lse``.
+
+Operands as :func:`jattn._gpu.kernels.forward_tangent`'s and :func:`jattn._gpu.kernels.tangent`'s (dimension
+key in :mod:`jattn._core`): q, k, v and their tangents dq ``(b, Tp, Dp)``, dk ``(b/G, Sp, Dp)``, dv ``(b/G, Sp,
+Ep)``, the sinks' ``(b,)``. Each tile's scores ``x`` and their tangent ``dx = (dq k^T + q dk^T) scale`` are
+``wgmma`` products of shared-memory tiles; the sweep accumulates ``sum p dx v + p dv`` and ``d lse = sum p dx``
+(the weights ``p`` from the online softmax in one sweep, or ``exp(x - lse)`` from the forward's ``lse``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import Array, lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jattn._gpu.mosaic_mod import check_mod, dropped, modified_jvp, row_values
+from jattn._gpu.mosaic_support import accumulate, depth, launch, load, product, swizzled, target
+from jattn._gpu.mosaic_tile import Ids, positions, tile_keep, unless_empty, windows
+from jattn._masks import PARTIAL
+
+__all__ = ["forward_tangent", "tangent"]
+
+_NEG = -float("inf")
+
+
+def _rows(x: Array, shape) -> Array:
+    return lax.broadcast_in_dim(x, shape, [0])
+
+
+def _tile(spec, fixed: bool, refs, r, i, j, carry):
+    """Tile ``(i, j)``'s step: ``(max, denominator, acc, tangent acc, d lse)``; ``fixed``: the max is ``lse``."""
+    g, (q_s, dq_s, k_s, v_s, dk_s, dv_s, bars), (k_ref, v_ref, dk_ref, dv_ref, kinds_ref, ids, row) = spec.grid, *refs
+    seed, values, dvalues = row
+    at = (lax.div(r, spec.G), pl.ds(j * g.bk, g.bk))
+    for (src, dst), bar in zip(((k_ref, k_s), (v_ref, v_s), (dk_ref, dk_s), (dv_ref, dv_s)), bars, strict=True):
+        plgpu.copy_gmem_to_smem(src.at[at], dst, bar)
+    for bar in bars:
+        plgpu.barrier_wait(bar)
+    x = product(spec, q_s, k_s.T, (g.bq, g.bk)) * spec.scale
+    dx = (product(spec, dq_s, k_s.T, x.shape) + product(spec, q_s, dk_s.T, x.shape)) * spec.scale
+    t, s = positions(g, i, j, ids.layout)
+    x, dx = modified_jvp(spec, x, dx, g.q_offset + t, g.kv_offset + s, values, dvalues)
+
+    def keep(xs):
+        kept = tile_keep(g, ids, r, i, j)
+        return jnp.where(kept, xs[0], _NEG), jnp.where(kept, xs[1], 0.0)
+
+    x, dx = lax.cond(kinds_ref[r if kinds_ref.shape[0] > 1 else 0, i, j] == PARTIAL, keep, lambda xs: xs, (x, dx))
+    m, den, acc, tacc, dlse = carry
+    top = m if fixed else jnp.maximum(m, x.max(axis=1))
+    safe = jnp.where(top == _NEG, 0.0, top)
+    p, alpha = jnp.exp(x - _rows(safe, x.shape)), (1.0 if fixed else jnp.exp(m - safe))
+    pdx, pz, dt = p * dx, dropped(spec, seed, t, s, p), v_s.dtype  # d lse sums the undropped weights' tangents
+    tacc = accumulate(
+        spec,
+        accumulate(spec, tacc * (1.0 if fixed else _rows(alpha, tacc.shape)), (pz * dx).astype(dt), v_s),
+        pz.astype(dt),
+        dv_s,
+    )
+    acc = acc if fixed else accumulate(spec, acc * _rows(alpha, acc.shape), pz.astype(dt), v_s)
+    return top, (den if fixed else alpha * den + p.sum(axis=1)), acc, tacc, alpha * dlse + pdx.sum(axis=1)
+
+
+def _sweep(spec, fixed, scratch, gm, r, i, init):
+    """Copies the query block and its tangent in, then runs :func:`_tile` over the non-empty key blocks."""
+    g = spec.grid
+    (
+        (q_s, dq_s, k_s, v_s, dk_s, dv_s, bars, bar_ids, id_s),
+        (q_ref, dq_ref, k_ref, v_ref, dk_ref, dv_ref, kinds_ref, bounds_ref, masks, kinds_of, row),
+    ) = scratch, gm
+    rows = pl.ds(i * g.bq, g.bq)
+    plgpu.copy_gmem_to_smem(q_ref.at[r, rows], q_s, bars[0])
+    plgpu.copy_gmem_to_smem(dq_ref.at[r, rows], dq_s, bars[1])
+    plgpu.barrier_wait(bars[0])
+    plgpu.barrier_wait(bars[1])
+    ids = Ids(
+        masks,
+        dict(zip((n for n, w in enumerate(kinds_of) if w), id_s, strict=True)),
+        bar_ids,
+        kinds_of,
+        target(spec).layout,
+    )
+    refs = ((q_s, dq_s, k_s, v_s, dk_s, dv_s, bars), (k_ref, v_ref, dk_ref, dv_ref, kinds_ref, ids, row))
+    kr = r if kinds_ref.shape[0] > 1 else 0
+    tile = functools.partial(_tile, spec, fixed, refs, r, i)
+    step = lambda j, c: unless_empty(kinds_ref, r, i, j, functools.partial(tile, j), c)  # noqa: E731
+    return lax.fori_loop(bounds_ref[kr, i, 0], bounds_ref[kr, i, 1], step, init)
+
+
+def _split(spec, refs, seeds_ref, n_out: int) -> tuple:
+    """``(masks, (seed, values, dvalues) of row r, outputs, scratch)`` from the refs after the seeds."""
+    nm, nc, nf = spec.n_mask, spec.mod_count, 0 if spec.mod is None else sum(spec.mod.floats)
+    r = lax.axis_index("r")
+    masks, consts, dconsts, refs = refs[:nm], refs[nm : nm + nc], refs[nm + nc : nm + nc + nf], refs[nm + nc + nf :]
+    return masks, (seeds_ref[r], row_values(consts, r), row_values(dconsts, r)), refs[:n_out], refs[n_out:]
+
+
+def _init(spec, width: int, m) -> tuple:
+    g, L = spec.grid, target(spec).layout
+    rows = plgpu.layout_cast(jnp.zeros((g.bq,), jnp.float32), L.reduce(1))
+    cols = plgpu.layout_cast(jnp.zeros((g.bq, width), jnp.float32), L)
+    return m, rows, cols, cols, rows
+
+
+def _sink(spec, sinks_ref, dsinks_ref, r, lse, dlse):
+    """``d lse`` with the sink's share ``exp(sink - lse) d sink`` (lse is finite with a sink)."""
+    return dlse + jnp.exp(sinks_ref[r] - lse) * dsinks_ref[r] if spec.sinks else dlse
+
+
+def _store(pairs, rows) -> None:
+    """Values into shared tiles, then TMA copies of them to their rows of the outputs."""
+    for value, smem, _ in pairs:
+        smem[...] = value.astype(smem.dtype)
+    plgpu.commit_smem()
+    for _, smem, ref in pairs:
+        plgpu.copy_smem_to_gmem(smem, ref.at[rows])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _one_pass_kernel(spec, kinds_of, *refs):
+    """One query block: ``o``, ``lse``, the max logit, ``d o`` and ``d lse`` in one sweep."""
+    g = spec.grid
+    q_ref, k_ref, v_ref, dq_ref, dk_ref, dv_ref, kinds_ref, bounds_ref, sinks_ref, dsinks_ref, seeds_ref, *refs = refs
+    masks, row, outs, refs = _split(spec, refs, seeds_ref, 5)
+    q_s, dq_s, k_s, v_s, dk_s, dv_s, o_s, do_s, lse_s, top_s, dlse_s, *bars = refs[:16]
+    r, i = lax.axis_index("r"), lax.axis_index("i")
+    gm = (q_ref, dq_ref, k_ref, v_ref, dk_ref, dv_ref, kinds_ref, bounds_ref, masks, kinds_of, row)
+    scratch = (q_s, dq_s, k_s, v_s, dk_s, dv_s, bars[:4], bars[4], refs[16:])
+    m0 = plgpu.layout_cast(jnp.full((g.bq,), _NEG, jnp.float32), target(spec).layout.reduce(1))
+    m, den, acc, tacc, dlse = _sweep(spec, False, scratch, gm, r, i, _init(spec, o_s.shape[1], m0))
+    seen = den > 0
+    lse = jnp.where(seen, m + jnp.log(jnp.where(seen, den, 1.0)), _NEG)
+    if spec.sinks:
+        top = jnp.maximum(lse, sinks_ref[r])
+        lse = top + jnp.log(jnp.exp(lse - top) + jnp.exp(sinks_ref[r] - top))
+    weight = jnp.where(seen, jnp.exp(m - jnp.where(seen, lse, 0.0)), 0.0)
+    o = acc * _rows(weight, acc.shape)
+    dlse = _sink(spec, sinks_ref, dsinks_ref, r, lse, dlse * weight)
+    do = tacc * _rows(weight, acc.shape) - _rows(dlse, acc.shape) * o
+    o_ref, lse_ref, top_ref, do_ref, dlse_ref = outs
+    pairs = (
+        (o, o_s, o_ref.at[r]),
+        (lse, lse_s, lse_ref.at[r]),
+        (m, top_s, top_ref.at[r]),
+        (do, do_s, do_ref.at[r]),
+        (dlse, dlse_s, dlse_ref.at[r]),
+    )
+    _store(pairs, pl.ds(i * g.bq, g.bq))
+
+
+def _tangent_kernel(spec, kinds_of, *refs):
+    """One query block: ``sum p dx v + p dv`` ``(bq, Ep)`` float32 and ``d lse`` from the forward's ``lse``."""
+    g = spec.grid
+    (
+        q_ref,
+        k_ref,
+        v_ref,
+        lse_ref,
+        dq_ref,
+        dk_ref,
+        dv_ref,
+        kinds_ref,
+        bounds_ref,
+        sinks_ref,
+        dsinks_ref,
+        seeds_ref,
+        *refs,
+    ) = refs
+    masks, row, (acc_ref, dlse_ref), refs = _split(spec, refs, seeds_ref, 2)
+    q_s, dq_s, k_s, v_s, dk_s, dv_s, acc_s, lse_s, dlse_s, *bars = refs[:15]
+    r, i = lax.axis_index("r"), lax.axis_index("i")
+    plgpu.copy_gmem_to_smem(lse_ref.at[r, pl.ds(i * g.bq, g.bq)], lse_s, bars[5])
+    plgpu.barrier_wait(bars[5])
+    lse = load(lse_s, target(spec).layout.reduce(1))
+    lse = jnp.where(lse == _NEG, jnp.inf, lse)  # a row that sees no key: weights 0
+    gm = (q_ref, dq_ref, k_ref, v_ref, dk_ref, dv_ref, kinds_ref, bounds_ref, masks, kinds_of, row)
+    scratch = (q_s, dq_s, k_s, v_s, dk_s, dv_s, bars[:4], bars[4], refs[15:])
+    _, _, _, tacc, dlse = _sweep(spec, True, scratch, gm, r, i, _init(spec, acc_s.shape[1], lse))
+    dlse = _sink(spec, sinks_ref, dsinks_ref, r, lse, dlse)
+    _store(((tacc, acc_s, acc_ref.at[r]), (dlse, dlse_s, dlse_ref.at[r])), pl.ds(i * g.bq, g.bq))
+
+
+def _operands(spec, q, k, v, dq, dk, dv):
+    """The six operands widened for ``wgmma`` (:func:`jattn._gpu.mosaic_support.depth`), the tiles and id scratch."""
+    g, Dw, Ew = spec.grid, depth(spec.Dp), depth(spec.Ep)
+    pad = lambda x, n: jnp.pad(x, ((0, 0), (0, 0), (0, n - x.shape[-1])))  # noqa: E731
+    ops = (pad(q, Dw), pad(k, Dw), pad(v, Ew), pad(dq, Dw), pad(dk, Dw), pad(dv, Ew))
+    tiles = [swizzled(s, q.dtype) for s in ((g.bq, Dw), (g.bq, Dw), (g.bk, Dw), (g.bk, Ew), (g.bk, Dw), (g.bk, Ew))]
+    kinds_of = windows(g.mask, spec.n_mask)
+    ids = [plgpu.SMEM((g.bq if w == "q" else g.bk,), jnp.int32) for w in kinds_of if w]
+    return ops, tiles, kinds_of, ids
+
+
+def forward_tangent(spec, q, k, v, dq, dk, dv, kinds, bounds, sinks, seeds, dsinks, masks, consts, dconsts) -> list:
+    """``[o, lse, max logit, d o, d lse]`` as :func:`jattn._gpu.kernels.forward_tangent`, on Mosaic GPU."""
+    check_mod(spec)
+    g, b = spec.grid, q.shape[0]
+    (q, k, v, dq, dk, dv), tiles, kinds_of, ids = _operands(spec, q, k, v, dq, dk, dv)
+    row, o = plgpu.SMEM((g.bq,), jnp.float32), jax.ShapeDtypeStruct((b, g.t_pad, v.shape[2]), v.dtype)
+    rows = jax.ShapeDtypeStruct((b, g.t_pad), jnp.float32)
+    outs = launch(
+        functools.partial(_one_pass_kernel, spec, kinds_of),
+        out_type=[o, rows, rows, o, rows],
+        scratch_types=[
+            *tiles,
+            *(swizzled((g.bq, v.shape[2]), v.dtype) for _ in "od"),
+            row,
+            row,
+            row,
+            *(plgpu.Barrier() for _ in range(5)),
+            *ids,
+        ],
+        grid=(b, g.nq),
+        grid_names=("r", "i"),
+        interpret=spec.interpret,
+    )(q, k, v, dq, dk, dv, kinds, bounds, sinks, dsinks, seeds, *masks, *consts, *dconsts)
+    o, lse, top, d_o, d_lse = outs
+    return [o[..., : spec.Ep], lse, top, d_o[..., : spec.Ep], d_lse]
+
+
+def tangent(spec, q, k, v, o, lse, dq, dk, dv, kinds, bounds, sinks, seeds, dsinks, masks, consts, dconsts):
+    """``(d o (b, Tp, Ep), d lse (b, Tp))`` as :func:`jattn._gpu.kernels.tangent`: ``d o = acc - d lse o`` outside."""
+    check_mod(spec)
+    g, b = spec.grid, q.shape[0]
+    (q, k, v, dq, dk, dv), tiles, kinds_of, ids = _operands(spec, q, k, v, dq, dk, dv)
+    row = plgpu.SMEM((g.bq,), jnp.float32)
+    acc, d_lse = launch(
+        functools.partial(_tangent_kernel, spec, kinds_of),
+        out_type=[
+            jax.ShapeDtypeStruct((b, g.t_pad, v.shape[2]), jnp.float32),
+            jax.ShapeDtypeStruct((b, g.t_pad), jnp.float32),
+        ],
+        scratch_types=[
+            *tiles,
+            plgpu.SMEM((g.bq, v.shape[2]), jnp.float32),
+            row,
+            row,
+            *(plgpu.Barrier() for _ in range(6)),
+            *ids,
+        ],
+        grid=(b, g.nq),
+        grid_names=("r", "i"),
+        interpret=spec.interpret,
+    )(q, k, v, lse, dq, dk, dv, kinds, bounds, sinks, dsinks, seeds, *masks, *consts, *dconsts)
+    d_o = acc[..., : spec.Ep] - d_lse[..., None] * o.astype(jnp.float32)
+    return d_o.astype(o.dtype), d_lse
