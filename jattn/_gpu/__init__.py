@@ -4,9 +4,10 @@
 the derivatives at every order (a custom JVP whose tangent is a linear pair); ``kernels`` the
 forward, tangent, dq and dk/dv ``pallas_call`` bodies; ``tiles`` the grid of tiles,
 their kinds computed outside the kernel and a partial tile's mask inside it; ``score_mod`` a
-score modification read in the kernel.
+score modification read in the kernel; ``tuning`` the tiles, launches and float32 dots per chip
+(compute capability), head depth and dtype.
 
-May import: ``_autodiff``, ``_checks``, ``_dropout``, ``_masks``, ``_arrays``. The rest of jattn imports this subpackage
+May import: ``_autodiff``, ``_checks``, ``_dropout``, ``_masks``, ``_arrays``, ``_platform``. The rest of jattn imports this subpackage
 through this face only: the names imported below, and nothing else. Its files import each other directly,
 never through the face.
 """
