@@ -61,8 +61,7 @@ def _launches(blocks: tuple[int, int], warps: int, precision: str = "ieee", **by
     """A :class:`Choice` whose kernels launch ``warps`` warps (``by_kernel``: a kernel's own), 2 stages each.
 
     Stages: the kernels' key loop branches on each tile's kind, so Triton pipelines no load across it;
-    at 8 warps 1 and 2 stages compiled alike, at 4 warps 1 stage spilled more (bfloat16 D=128 with
-    every feature, sm_80: dk/dv 1520 B against DKDV_S2 B).
+    1 and 2 stages compiled to the same registers and spills (bfloat16 D=128, 4 and 8 warps, both archs).
     """
     launch = {k: Launch(by_kernel.get(k, warps), 2) for k in KERNELS}
     return Choice(blocks, **launch, precision=precision)
@@ -73,7 +72,7 @@ def _launches(blocks: tuple[int, int], warps: int, precision: str = "ieee", **by
 #: jvp = the one-pass forward+tangent, tan, dq, dkdv): shared memory KiB / registers / spill-store bytes,
 #: the largest over the plain and the featured kernels (and bfloat16 and float16). 64 x 64 tiles at 4
 #: warps, the former fixed launch, spilled on both archs at every D (bfloat16 D=128 sm_80: jvp 1600 B,
-#: dk/dv 764 B; float32: tens of KB). Targets (``make compile-check`` fails beyond them): no spill for
+#: dk/dv 1520 B; float32: tens of KB to 166 KB, or shared memory over an A100's). Targets (``make compile-check`` fails beyond them): no spill for
 #: 16-bit inputs at D <= 128, at most 1 KiB at D = 256 and for float32; float32 dots exact (``"ieee"``).
 TABLE: dict[tuple[int, str, int], Choice] = {
     # sm_80 (A100; sm_86 and sm_89 take this row: every entry fits their 99 KiB of shared memory)
