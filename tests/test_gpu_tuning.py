@@ -25,7 +25,7 @@ from tests.cuda_lowering import ARCHS, cuda_text
 
 B, N, T, S = 1, 3, 200, 300
 
-#: (arch, dtype, D): cells whose choices differ (tiles, warps, the float32 dots).
+#: (arch, dtype, D): cells whose choices differ (tiles; warps, per kernel in the first).
 CELLS = [(80, jnp.bfloat16, 128), (90, jnp.float16, 64), (90, jnp.float32, 256), (80, jnp.float32, 64)]
 
 
