@@ -2,8 +2,9 @@
 #   make train   the default training run
 #   make test    lint + the docs site + the test suite but its heavy tests (one device, then 8 simulated ones)
 # and more: make test-heavy (the heavy tests, tests/tiers.py), make test-newest (the files tests/tiers.py names,
-# on the newest JAX, Python 3.12+), make ci (what .ci/run runs: test, test-heavy, test-newest), make docs (the
-# docs site into site/), make fuzz (the slow differential fuzz), make bench (benchmarks, ARGS=...).
+# on the newest JAX, Python 3.12+), make compile-check (the GPU kernels compiled for sm_80 and sm_90 by Triton,
+# no GPU needed), make ci (what .ci/run runs: test, test-heavy, test-newest, compile-check), make docs (the docs
+# site into site/), make fuzz (the slow differential fuzz), make bench (benchmarks, ARGS=...).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # The newest JAX needs Python >= 3.12 (pip gives Python 3.11 jax 0.10.2, the oldest CI tests): its own venv,
@@ -28,7 +29,15 @@ $(NEWEST_VENV)/.installed: pyproject.toml
 	$(NEWEST_PY) -m pip install -q --upgrade -e ".[dev]"
 	touch $@
 
-.PHONY: train test test-heavy test-newest ci docs fuzz bench
+# Triton from PyPI for make compile-check, in its own venv (never with jax in one process: each bundles its
+# own MLIR and LLVM): 3.8.0, whose tt op set equals jaxlib 0.10.2's, with its own ptxas; about 290 MB.
+TRITON_VENV ?= .venv-triton
+$(TRITON_VENV)/.installed:
+	python3 -m venv $(TRITON_VENV)
+	$(TRITON_VENV)/bin/pip install -q triton==3.8.0
+	touch $@
+
+.PHONY: train test test-heavy test-newest compile-check ci docs fuzz bench
 train: $(VENV)/.installed
 	$(PY) -m train $(ARGS)
 
@@ -91,9 +100,18 @@ test-newest: $(NEWEST_VENV)/.installed
 	export JATTN_FAST_XLA_FLAGS="$(KNOWN_FAST_NEWEST)" && export XLA_FLAGS="$$JATTN_FAST_XLA_FLAGS$$XLA_FLAGS" && \
 	$(call sessions,$(NEWEST_PY),newest and not heavy,test-newest)
 
-# What CI runs (.ci/run): every test once at least: make test, the heavy tests, the newest JAX; all run and report
+# Every Triton kernel of jattn (forward, dq, dk/dv, tangent, one-pass jvp; with and without dropout, a
+# score mod, sinks; D 64/128/256; bf16, f16, f32) lowered by jax 0.10.2 and compiled by Triton 3.8.0 for
+# sm_80 and sm_90: fails on a compile error, shared memory over the chips' limit, or spills over the
+# targets (bench/triton_compile.py; docs/design/pallas.md, "Launches and compile statistics").
+compile-check: $(VENV)/.installed $(TRITON_VENV)/.installed
+	TRITON_PY=$(TRITON_VENV)/bin/python $(PY) -m bench.triton_compile
+
+# What CI runs (.ci/run): every test once at least (make test, the heavy tests, the newest JAX), then the GPU
+# kernels' compile check; all run and report
 ci:
-	status=0; $(MAKE) test || status=1; $(MAKE) test-heavy || status=1; $(MAKE) test-newest || status=1; exit $$status
+	status=0; $(MAKE) test || status=1; $(MAKE) test-heavy || status=1; $(MAKE) test-newest || status=1; \
+	$(MAKE) compile-check || status=1; exit $$status
 
 # The differential fuzz's slow mode: 5,000 cases, about an hour on 2 cores (README: chunks, progress log).
 fuzz: $(VENV)/.installed

@@ -205,3 +205,20 @@ def test_the_step_profile_finds_the_attention_kernels_and_the_matmuls():
     assert 0 < sum(kinds.values()) <= wall * os.cpu_count()
     assert model.op_kind("copy_bitcast_fusion.7") == "layout copies (transposes)"
     assert model.op_kind("multiply_tanh_fusion") == "elementwise and reductions"
+
+
+def test_the_compile_check_fails_a_kernel_over_its_shared_memory_or_spill_target():
+    """bench/triton_compile.py's verdict on one kernel's statistics: the row's chips' limit and the spill targets."""
+    from bench.triton_compile import SMEM_LIMIT, Config, problems
+
+    def verdict(D, dtype, arch, **stats):
+        return problems({"config": Config("plain", D, dtype, arch)}, {"shared": 0, "spill_st": 0, **stats})
+
+    for arch, limit in SMEM_LIMIT.items():
+        assert not verdict(64, "bfloat16", arch, shared=limit)
+        assert verdict(64, "bfloat16", arch, shared=limit + 1)
+    for D, dtype, allowed in ((64, "float16", 0), (128, "bfloat16", 0), (256, "bfloat16", 1024), (64, "float32", 1024)):
+        assert not verdict(D, dtype, 90, spill_st=allowed)
+        assert verdict(D, dtype, 90, spill_st=allowed + 4)
+    assert verdict(64, "float32", 80, error="CalledProcessError: ptxas failed")
+    assert problems({"config": Config("plain", 64, "float32", 80)}, None)

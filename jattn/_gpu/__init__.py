@@ -4,7 +4,8 @@
 the derivatives at every order (a custom JVP whose tangent is a linear pair); ``kernels`` the
 forward, tangent, dq and dk/dv ``pallas_call`` bodies; ``tiles`` the grid of tiles,
 their kinds computed outside the kernel and a partial tile's mask inside it; ``score_mod`` a
-score modification read in the kernel; ``deprecation`` JAX's deprecation of Pallas' Triton backend, answered.
+score modification read in the kernel; ``tuning`` the Triton kernel's tiles, launches and float32 dots per chip
+(compute capability), head depth and dtype; ``deprecation`` JAX's deprecation of Pallas' Triton backend, answered.
 ``gpu_attention(..., backend=...)`` picks the kernels:
 ``"triton"`` (the default) those of ``kernels``; ``"mosaic_gpu"`` (Hopper: TMA and ``wgmma``) and
 ``"mosaic_gpu_tcgen05"`` (Blackwell: ``tcgen05`` into tensor memory) those of ``mosaic_kernels`` (Pallas' Mosaic

@@ -33,6 +33,7 @@ from jattn._gpu.mosaic_support import TARGETS, refuse_mosaic
 from jattn._gpu.rules import attend
 from jattn._gpu.score_mod import convert, on_rows, pointwise, unlowerable
 from jattn._gpu.tiles import bounds, grid_of, kernel_arrays, row_mask, slot_kinds, tile_kinds
+from jattn._gpu.tuning import Choice, choose
 from jattn._masks import Mask, RowPadding, RowSegments, as_rows, query_offset, split_arrays
 
 __all__ = ["MAX_DEPTH", "gpu_attention", "refuse"]
@@ -80,10 +81,16 @@ def _pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def _blocks(blocks: tuple[int, int] | None, T: int, S: int, Dp: int, interpret: bool) -> tuple[int, int]:
-    """``(bq, bk)``: the caller's, or 64 (32 keys beyond D 128) cut to the lengths; compiled, powers of two of 16 up."""
-    if blocks is None:
-        blocks = (min(64, _pow2(T)), min(64 if Dp <= 128 else 32, _pow2(S)))
+def _blocks(
+    blocks: tuple[int, int] | None, T: int, S: int, Dp: int, interpret: bool, choice: Choice
+) -> tuple[int, int]:
+    """``(bq, bk)``: the caller's, or the tuning table's ``choice`` (interpret mode: 64, 32 keys beyond D 128).
+
+    Cut to the lengths; compiled, powers of two of 16 up.
+    """
+    if blocks is None and interpret:
+        blocks = (64, 64 if Dp <= 128 else 32)
+    blocks = blocks or choice.blocks
     if interpret:
         return max(1, min(blocks[0], T)), max(1, min(blocks[1], S))
     return tuple(max(16, _pow2(min(b, n))) for b, n in zip(blocks, (T, S), strict=True))
@@ -139,7 +146,8 @@ def gpu_attention(
         return jnp.zeros((*lead, T, E), v.dtype), lse, nothing
     skeleton, arrays = (None, ()) if mask is None else split_arrays(as_rows(mask, lead, axis))
     Dp, Ep = (max(16, _pow2(n)) for n in (D, E))
-    bq, bk = (TARGETS[backend].block,) * 2 if backend in TARGETS else _blocks(blocks, T, S, Dp, interpret)
+    choice = choose(_platform.compute_capability(), q.dtype, max(Dp, Ep))
+    bq, bk = (TARGETS[backend].block,) * 2 if backend in TARGETS else _blocks(blocks, T, S, Dp, interpret, choice)
     grid = grid_of(skeleton, T, S, bq, bk, int(query_offset(q_offset, kv_offset, T, S)), int(kv_offset))
     if any(kind not in (RowPadding, RowSegments) for kind in slot_kinds(grid)):
         raise KernelRefusalError(f"implementation='pallas' (jattn's GPU kernel) cannot read mask {mask!r}; {_TAKE}")
@@ -160,7 +168,7 @@ def gpu_attention(
     masks = tuple(x.astype(jnp.int32) for x in kernel_arrays(grid, arrays))
     spec = Spec(
         grid=grid, Dp=Dp, Ep=Ep, G=G, scale=float(scale), mod=mod, sinks=sinks is not None, interpret=interpret,
-        n_mask=len(masks), dropout=float(dropout_rate), backend=backend,
+        n_mask=len(masks), choice=choice, dropout=float(dropout_rate), backend=backend,
     )  # fmt: skip
     seeds = row_seeds(dropout_rng, jnp.arange(b, dtype=jnp.int32)) if dropout_rate else jnp.zeros((b,), jnp.uint32)
     ints = (kinds, bounds(kinds, -1), bounds(kinds, -2), seeds, masks)

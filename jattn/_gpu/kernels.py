@@ -23,7 +23,8 @@ Dropout (``Spec.dropout``) multiplies each tile's weights by 0 or ``1 / keep_pro
 seed and the positions (:mod:`jattn._dropout`'s bits, the blockwise path's) wherever they meet v
 or dO v; the denominator and ``d lse`` sum the undropped weights.
 
-Dots take the inputs' dtype and accumulate in float32 (float32 inputs at full precision).
+Dots take the inputs' dtype and accumulate in float32; float32 inputs take the algorithm of the tuning table
+(:mod:`jattn._gpu.tuning`), exact float32 in interpret mode. Launches (warps, stages) are the table's too.
 """
 
 from __future__ import annotations
@@ -40,11 +41,19 @@ from jax.experimental.pallas import triton as plgpu
 from jattn._dropout import keep_mask
 from jattn._gpu.score_mod import TileMod
 from jattn._gpu.tiles import Grid, tile_mask
+from jattn._gpu.tuning import Choice
 
 __all__ = ["Spec", "dkdv", "dq", "forward", "forward_tangent", "tangent"]
 
 _NEG = -float("inf")
-_COMPILER = plgpu.CompilerParams(num_warps=4, num_stages=2)  # the Triton lowering (not Mosaic GPU)
+
+#: The float32 dots' algorithm of :attr:`jattn._gpu.tuning.Choice.precision` (interpret mode: ``"ieee"``).
+_F32_DOTS = {
+    "ieee": lax.Precision.HIGHEST,
+    "tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
+    "bf16x3": lax.DotAlgorithmPreset.BF16_BF16_F32_X3,
+    "tf32": lax.Precision.DEFAULT,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +69,7 @@ class Spec:
     sinks: bool
     interpret: bool
     n_mask: int  # how many mask arrays the kernels read (each with R rows or 1: read by row, or row 0)
+    choice: Choice  # the launches and the float32 dots (:mod:`jattn._gpu.tuning`)
     dropout: float = 0.0  # the rate: a weight is dropped where :mod:`jattn._dropout`'s bit of its row seed says
     backend: str = (
         "triton"  # "triton" (this module); "mosaic_gpu", "mosaic_gpu_tcgen05" (:mod:`jattn._gpu.mosaic_kernels`)
@@ -70,11 +80,18 @@ class Spec:
         """How many arrays the score modification closes over."""
         return 0 if self.mod is None else self.mod.count
 
+    def params(self, kernel: str) -> plgpu.CompilerParams:
+        """The Triton lowering's (not Mosaic GPU's) launch of ``kernel`` (:data:`jattn._gpu.tuning.KERNELS`)."""
+        warps, stages = self.choice.launch(kernel)
+        return plgpu.CompilerParams(num_warps=warps, num_stages=stages)
 
-def _dot(a: Array, b: Array, ca: int, cb: int) -> Array:
-    """``a`` contracted with ``b`` over ``a``'s axis ``ca`` and ``b``'s ``cb``, float32 (full precision for float32)."""
-    exact = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-    return lax.dot_general(a, b, (((ca,), (cb,)), ((), ())), precision=exact, preferred_element_type=jnp.float32)
+
+def _dot(spec: Spec, a: Array, b: Array, ca: int, cb: int) -> Array:
+    """``a`` contracted with ``b`` over ``a``'s axis ``ca`` and ``b``'s ``cb``, float32 (float32 inputs: the choice's dots)."""
+    how = None
+    if a.dtype == jnp.float32:
+        how = _F32_DOTS["ieee" if spec.interpret else spec.choice.precision]
+    return lax.dot_general(a, b, (((ca,), (cb,)), ((), ())), precision=how, preferred_element_type=jnp.float32)
 
 
 def _iota(n: int) -> Array:
@@ -123,14 +140,14 @@ class _Tile:
 
     def logits(self, qb: Array, kb: Array, masked: bool) -> Array:
         """Scaled, modified and masked scores ``(bq, bk)`` float32 (masked: ``-inf``)."""
-        x = _dot(qb, kb, 1, 1) * self.spec.scale
+        x = _dot(self.spec, qb, kb, 1, 1) * self.spec.scale
         if self.spec.mod is not None:
             x = self.spec.mod.apply(x, *self._where(), self.values)
         return jnp.where(self.keep(), x, _NEG) if masked else x
 
     def logits_vjp(self, qb: Array, kb: Array, masked: bool):
         """``(x, pull)``: :meth:`logits` and ``pull(dx) -> (ds, dconsts)``, ``ds`` the scaled scores' gradient."""
-        s = _dot(qb, kb, 1, 1) * self.spec.scale
+        s = _dot(self.spec, qb, kb, 1, 1) * self.spec.scale
         if self.spec.mod is None:
             x, pull = s, lambda dx: (dx, ())
         else:
@@ -139,8 +156,8 @@ class _Tile:
 
     def logits_jvp(self, qb: Array, kb: Array, dqb: Array, dkb: Array, dvalues: tuple, masked: bool):
         """``(x, dx)``: :meth:`logits` and its tangent (``dx`` 0 where masked) for q, k and floating values' tangents."""
-        s = _dot(qb, kb, 1, 1) * self.spec.scale
-        ds = (_dot(dqb, kb, 1, 1) + _dot(qb, dkb, 1, 1)) * self.spec.scale
+        s = _dot(self.spec, qb, kb, 1, 1) * self.spec.scale
+        ds = (_dot(self.spec, dqb, kb, 1, 1) + _dot(self.spec, qb, dkb, 1, 1)) * self.spec.scale
         x, dx = (s, ds) if self.spec.mod is None else self.spec.mod.tangent(s, ds, *self._where(), self.values, dvalues)
         if not masked:
             return x, dx
@@ -175,7 +192,9 @@ def _forward_kernel(spec: Spec, q_ref, k_ref, v_ref, kinds_ref, bounds_ref, sink
         top = jnp.maximum(m, jnp.max(x, axis=1))
         safe = jnp.where(top == _NEG, 0.0, top)  # a row masked so far: its weights are 0, not NaN
         p, alpha = jnp.exp(x - safe[:, None]), jnp.exp(m - safe)
-        pv = _dot(_dropped(spec, seeds_ref, at, p).astype(vb.dtype), vb, 1, 0)  # the sum of undropped p normalises
+        pv = _dot(
+            spec, _dropped(spec, seeds_ref, at, p).astype(vb.dtype), vb, 1, 0
+        )  # the sum of undropped p normalises
         return top, alpha * den + jnp.sum(p, axis=1), alpha[:, None] * acc + pv
 
     init = (
@@ -232,7 +251,7 @@ def forward(spec: Spec, q, k, v, kinds, bounds, sinks, seeds, masks, consts) -> 
             jax.ShapeDtypeStruct((b, g.t_pad), jnp.float32),
         ],
         interpret=spec.interpret,
-        compiler_params=_COMPILER,
+        compiler_params=spec.params("forward"),
         name="jattn_gpu_forward",
     )(q, k, v, *ops)
 
@@ -257,7 +276,7 @@ def _tangent_kernel(spec: Spec, q_ref, k_ref, v_ref, o_ref, lse_ref, dq_ref, dk_
         x, dx = at.logits_jvp(q, kb, dq_, dkb, dvalues, masked)
         p = jnp.exp(x - lse[:, None])
         pdx, pz = p * dx, _dropped(spec, seeds_ref, at, p)  # d lse sums the undropped weights' tangents
-        acc = acc + _dot((pz * dx).astype(vb.dtype), vb, 1, 0) + _dot(pz.astype(dvb.dtype), dvb, 1, 0)
+        acc = acc + _dot(spec, (pz * dx).astype(vb.dtype), vb, 1, 0) + _dot(spec, pz.astype(dvb.dtype), dvb, 1, 0)
         return acc, dlse + jnp.sum(pdx, axis=1)
 
     init = (jnp.zeros((g.bq, spec.Ep), jnp.float32), jnp.zeros((g.bq,), jnp.float32))
@@ -294,7 +313,7 @@ def tangent(spec: Spec, q, k, v, o, lse, dq, dk, dv, kinds, bounds, sinks, seeds
             jax.ShapeDtypeStruct((b, g.t_pad), jnp.float32),
         ],
         interpret=spec.interpret,
-        compiler_params=_COMPILER,
+        compiler_params=spec.params("tangent"),
         name="jattn_gpu_tangent",
     )(q, k, v, o, lse, dq, dk, dv, *ops, *extra)
 
@@ -319,11 +338,11 @@ def _forward_tangent_kernel(spec: Spec, q_ref, k_ref, v_ref, dq_ref, dk_ref, dv_
         safe = jnp.where(top == _NEG, 0.0, top)  # a row masked so far: its weights are 0, not NaN
         p, alpha = jnp.exp(x - safe[:, None]), jnp.exp(m - safe)
         pdx, pz = p * dx, _dropped(spec, seeds_ref, at, p)
-        tile_t = _dot((pz * dx).astype(vb.dtype), vb, 1, 0) + _dot(pz.astype(dvb.dtype), dvb, 1, 0)
+        tile_t = _dot(spec, (pz * dx).astype(vb.dtype), vb, 1, 0) + _dot(spec, pz.astype(dvb.dtype), dvb, 1, 0)
         return (
             top,
             alpha * den + jnp.sum(p, axis=1),
-            alpha[:, None] * acc + _dot(pz.astype(vb.dtype), vb, 1, 0),
+            alpha[:, None] * acc + _dot(spec, pz.astype(vb.dtype), vb, 1, 0),
             alpha[:, None] * tacc + tile_t,
             alpha * dlse + jnp.sum(pdx, axis=1),
         )
@@ -371,7 +390,7 @@ def forward_tangent(
         out_specs=[row_e, row, row, row_e, row],
         out_shape=[o, lse, lse, o, lse],
         interpret=spec.interpret,
-        compiler_params=_COMPILER,
+        compiler_params=spec.params("forward_tangent"),
         name="jattn_gpu_forward_tangent",
     )(q, k, v, dq, dk, dv, *ops, *extra)
 
@@ -395,10 +414,10 @@ def _dq_kernel(
         at = _Tile(spec, r, masks, values, i, j)
         x, pull = at.logits_vjp(q, kb, masked)
         p = jnp.exp(x - lse[:, None])
-        dx = p * (_dropped(spec, seeds_ref, at, _dot(do, vb, 1, 1)) - delta[:, None])
+        dx = p * (_dropped(spec, seeds_ref, at, _dot(spec, do, vb, 1, 1)) - delta[:, None])
         ds, dc = pull(dx)
         dcs = tuple(a + b.astype(a.dtype) for a, b in zip(dcs, dc, strict=True))
-        return dq + _dot((ds * spec.scale).astype(kb.dtype), kb, 1, 0), dcs
+        return dq + _dot(spec, (ds * spec.scale).astype(kb.dtype), kb, 1, 0), dcs
 
     floats = () if spec.mod is None else tuple(c for c, f in zip(values, spec.mod.floats, strict=True) if f)
     init = (jnp.zeros((g.bq, spec.Dp), jnp.float32), tuple(jnp.zeros(c.shape, jnp.float32) for c in floats))
@@ -438,7 +457,7 @@ def dq(
             *(jax.ShapeDtypeStruct((b, g.nq, *c.shape[1:]), jnp.float32) for c in floats),
         ],
         interpret=spec.interpret,
-        compiler_params=_COMPILER,
+        compiler_params=spec.params("dq"),
         name="jattn_gpu_dq",
     )(q, k, v, do, lse, delta, *ops)
     return out[0], tuple(out[1:])
@@ -468,9 +487,9 @@ def _dkdv_kernel(
             x, pull = at.logits_vjp(qb, kb, masked)
             p = jnp.exp(x - lse[:, None])
             pz = _dropped(spec, seeds_ref, at, p)  # the bits hashed once a tile: p (z dp - delta) = pz dp - p delta
-            dv = dv + _dot(pz.astype(dob.dtype), dob, 0, 0)
-            ds, _ = pull(pz * _dot(dob, vb, 1, 1) - p * delta[:, None])
-            return dk + _dot((ds * spec.scale).astype(qb.dtype), qb, 0, 0), dv
+            dv = dv + _dot(spec, pz.astype(dob.dtype), dob, 0, 0)
+            ds, _ = pull(pz * _dot(spec, dob, vb, 1, 1) - p * delta[:, None])
+            return dk + _dot(spec, (ds * spec.scale).astype(qb.dtype), qb, 0, 0), dv
 
         return _kinds_loop(kinds_ref, tbounds_ref, kr, j, tile, carry, by_rows=False)
 
@@ -505,6 +524,6 @@ def dkdv(spec: Spec, q, k, v, do, lse, delta, kinds, tbounds, sinks, seeds, mask
         ],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         interpret=spec.interpret,
-        compiler_params=_COMPILER,
+        compiler_params=spec.params("dkdv"),
         name="jattn_gpu_dkdv",
     )(*grouped, *rows_of, k, v, *ops)
