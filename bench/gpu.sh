@@ -5,7 +5,8 @@
 # 1. issue 45's targets (python -m bench.gpu_targets: causal vs cuDNN, window + softcap and packed
 #    documents vs PyTorch flex_attention, jvp vs forward), writing $OUT/targets.json;
 # 2. the GPU-relevant tests on the real backend (jattn's GPU kernel compiled by Triton, not
-#    interpreted: tests/test_gpu_kernel.py, tests/test_pallas.py; its CUDA lowering; jax.nn's xla
+#    interpreted: tests/test_gpu_kernel.py, tests/test_pallas.py; the Mosaic GPU kernels compiled for the
+#    GPU at hand: tests/test_mosaic_gpu.py; its CUDA lowering; jax.nn's xla
 #    and cuDNN paths), if pytest and hypothesis are installed there;
 # 3. the broad benchmark: jattn (auto, pallas, cudnn, blockwise) against jax.nn cuDNN and PyTorch
 #    SDPA (flash; skipped if torch is not installed), bf16, fwd and fwd+bwd, T = 2048..32768
@@ -24,7 +25,7 @@ step "$PY" -m bench.gpu_targets --repeats "${REPEATS:-5}" --out "$OUT/targets.js
 if "$PY" -c 'import pytest, hypothesis' 2>/dev/null; then
     parallel=()
     "$PY" -c 'import xdist' 2>/dev/null && parallel=(-n 0)
-    step "$PY" -m pytest -q ${parallel[@]+"${parallel[@]}"} tests/test_gpu_kernel.py tests/test_lowering.py tests/test_pallas.py \
+    step "$PY" -m pytest -q ${parallel[@]+"${parallel[@]}"} tests/test_gpu_kernel.py tests/test_mosaic_gpu.py tests/test_lowering.py tests/test_pallas.py \
         "tests/test_contract.py::test_every_cell_of_the_support_table" tests/test_compat.py
 else
     echo "== skipped the compiled tests: pytest or hypothesis is not installed"
