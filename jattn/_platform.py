@@ -66,12 +66,11 @@ def compute_capability() -> int:
     another chip: ``jax.sharding.AbstractDevice(device_kind="NVIDIA A100", ...)``, jax 0.11+), else the
     default device's; 90 where neither is a GPU (jax 0.10's Pallas lowers for sm_90 without one).
     """
-    try:
-        from jax._src import gpu_info  # jax 0.11+: JAX's own reading of the target, its table of device kinds
-
-        return int(gpu_info.get_gpu_info().compute_capability) or 90
-    except (ImportError, ValueError, RuntimeError, AttributeError):
-        pass
+    for where in ("jax._src.gpu_info", "jax._src.pallas.triton.gpu_info"):  # jax 0.12+, jax 0.11
+        try:  # JAX's own reading of the target, its table of device kinds
+            return int(importlib.import_module(where).get_gpu_info().compute_capability) or 90
+        except (ImportError, ValueError, RuntimeError, AttributeError):
+            continue
     cc = getattr(jax.devices()[0], "compute_capability", None)  # a CUDA device: "9.0"
     return round(float(cc) * 10) if isinstance(cc, str) and cc[:1].isdigit() else 90
 

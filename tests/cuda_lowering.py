@@ -18,8 +18,11 @@ import jax
 #: The architectures lowered for, each with the device kind that JAX's GPU table maps to it.
 DEVICE_KINDS = {"sm_80": "NVIDIA A100", "sm_90": "NVIDIA H100", "sm_100": "NVIDIA B200"}
 
-#: jax 0.11+ reads the target from an abstract device (``jax._src.gpu_info``); 0.10 lowers for sm_90 only.
-TARGETS_BY_DEVICE_KIND = importlib.util.find_spec("jax._src.gpu_info") is not None
+#: jax 0.11+ reads the target from an abstract device (``jax._src.gpu_info``; 0.11's in ``jax._src.pallas.triton``);
+#: 0.10 lowers for sm_90 only.
+TARGETS_BY_DEVICE_KIND = any(
+    importlib.util.find_spec(m) is not None for m in ("jax._src.gpu_info", "jax._src.pallas.triton.gpu_info")
+)
 ARCHS = ["sm_80", "sm_90"] if TARGETS_BY_DEVICE_KIND else ["sm_90"]
 #: With Blackwell (sm_100), whose kernel the automatic choice picks by compute capability.
 ARCHS_CHOSEN = [*ARCHS, "sm_100"] if TARGETS_BY_DEVICE_KIND else ARCHS
