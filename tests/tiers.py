@@ -8,7 +8,8 @@
 * ``make test-newest`` runs the tests of the :data:`NEWEST` files but their heavy ones, on the newest JAX.
 
 A test is ``heavy`` when it is marked so (training to a verdict, the differential fuzz, sharded training) or
-named in :data:`SLOW`. ``tests/conftest.py`` applies both sets at collection.
+named in :data:`SLOW`. ``tests/conftest.py`` applies both sets at collection; ``tests/test_tiers.py`` checks that
+they name tests that exist.
 """
 
 from __future__ import annotations
