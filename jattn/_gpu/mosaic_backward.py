@@ -97,13 +97,7 @@ def _dq_kernel(spec, kinds_of, *refs):
     _copy_in(ins, bars[:4])
     L = target(spec).layout
     lse, delta = _stats(lse_s, delta_s, 0, L)
-    ids = Ids(
-        masks,
-        dict(zip((n for n, w in enumerate(kinds_of) if w), id_s, strict=True)),
-        bars[6],
-        kinds_of,
-        target(spec).layout,
-    )
+    ids = Ids.windowed(masks, id_s, bars[6], kinds_of, target(spec).layout)
     refs = (
         (q_s, do_s, k_s, v_s, bars[4:6], lse, delta),
         (k_ref, v_ref, kinds_ref, ids, seeds_ref[r], row_values(consts, r)),
@@ -166,13 +160,7 @@ def _dkdv_kernel(spec, kinds_of, *refs):
     rk, j = lax.axis_index("r"), lax.axis_index("j")
     cols = pl.ds(j * g.bk, g.bk)
     _copy_in(((k_ref.at[rk, cols], k_s), (v_ref.at[rk, cols], v_s)), bars[4:6])
-    ids = Ids(
-        masks,
-        dict(zip((n for n, w in enumerate(kinds_of) if w), id_s, strict=True)),
-        bars[6],
-        kinds_of,
-        target(spec).layout,
-    )
+    ids = Ids.windowed(masks, id_s, bars[6], kinds_of, target(spec).layout)
 
     def group(gi, carry):
         r = rk * spec.G + gi

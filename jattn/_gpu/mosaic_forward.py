@@ -82,9 +82,8 @@ def _kernel(spec, kinds, *refs):
     g, r, i = spec.grid, lax.axis_index("r"), lax.axis_index("i")
     plgpu.copy_gmem_to_smem(q_ref.at[r, pl.ds(i * g.bq, g.bq)], q_s, bar_q)
     plgpu.barrier_wait(bar_q)
-    smem_ids = dict(zip((n for n, w in enumerate(kinds) if w), id_s, strict=True))
     L = target(spec).layout
-    ids = Ids(masks, smem_ids, bar_ids, kinds, L)
+    ids = Ids.windowed(masks, id_s, bar_ids, kinds, L)
     refs = ((q_s, k_s, v_s, bar_k, bar_v), (k_ref, v_ref, kinds_ref, ids, seeds_ref[r], row_values(consts, r)))
     kr = r if kinds_ref.shape[0] > 1 else 0
 

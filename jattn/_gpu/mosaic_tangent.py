@@ -77,13 +77,7 @@ def _sweep(spec, fixed, scratch, gm, r, i, init):
     plgpu.copy_gmem_to_smem(dq_ref.at[r, rows], dq_s, bars[1])
     plgpu.barrier_wait(bars[0])
     plgpu.barrier_wait(bars[1])
-    ids = Ids(
-        masks,
-        dict(zip((n for n, w in enumerate(kinds_of) if w), id_s, strict=True)),
-        bar_ids,
-        kinds_of,
-        target(spec).layout,
-    )
+    ids = Ids.windowed(masks, id_s, bar_ids, kinds_of, target(spec).layout)
     refs = ((q_s, dq_s, k_s, v_s, dk_s, dv_s, bars), (k_ref, v_ref, dk_ref, dv_ref, kinds_ref, ids, row))
     kr = r if kinds_ref.shape[0] > 1 else 0
     tile = functools.partial(_tile, spec, fixed, refs, r, i)

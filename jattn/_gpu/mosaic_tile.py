@@ -42,6 +42,11 @@ class Ids:
     def __init__(self, refs, smem, barrier, kinds: tuple[str | None, ...], layout):
         self.refs, self.smem, self.barrier, self.kinds, self.layout = refs, smem, barrier, kinds, layout
 
+    @classmethod
+    def windowed(cls, refs, windows, barrier, kinds: tuple[str | None, ...], layout) -> Ids:
+        """``Ids`` whose shared-memory ``windows`` belong, in order, to the arrays that have one (a kind not None)."""
+        return cls(refs, dict(zip((n for n, w in enumerate(kinds) if w), windows, strict=True)), barrier, kinds, layout)
+
     def read(self, n: int, r, i, j, grid: Grid, transposed: bool = False) -> Array:
         """Array ``n`` at row ``r``: a length (a scalar), or the tile's ids broadcast over it (transposed too)."""
         ref = self.refs[n]
