@@ -26,6 +26,7 @@ _xla_flags.apply()  # before anything could start JAX's backend: XLA reads XLA_F
 from jattn import masks, score_mods
 from jattn._core import CHECKPOINT_NAMES, attention, attention_weights, choose_implementation
 from jattn._dot_product_attention import dot_product_attention
+from jattn._paged import PAGED_IMPLEMENTATIONS, SPLIT_KV, TILE_KV, paged_attention
 from jattn._paths import AUTO_BLOCKWISE_MIN, AUTO_ORDER, IMPLEMENTATIONS, SUPPORT, TRANSFORMS
 from jattn._rope import rope
 from jattn._softmax import SoftmaxParts, softmax, softmax_parts
@@ -35,8 +36,11 @@ __all__ = [
     "AUTO_ORDER",
     "CHECKPOINT_NAMES",
     "IMPLEMENTATIONS",
+    "PAGED_IMPLEMENTATIONS",
     "RECURRENT_KINDS",
+    "SPLIT_KV",
     "SUPPORT",
+    "TILE_KV",
     "TRANSFORMS",
     "Gate",
     "LinearState",
@@ -50,6 +54,7 @@ __all__ = [
     "linear_attention",
     "log_linear_attention",
     "masks",
+    "paged_attention",
     "register_kind",
     "ring_attention",
     "rope",

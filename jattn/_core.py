@@ -9,6 +9,12 @@ Dimension key, used in every einsum and shape comment of jattn:
   F  feature depth of linear attention's feature map (F = D for the elementwise maps)
   ...  any leading dimensions (batch, heads, groups), broadcast like NumPy
 
+Paged attention (:func:`jattn.paged_attention`) adds the names of a ragged batch and a page pool:
+
+  Q  query tokens of a ragged batch   P  pages of the pool
+  R  requests of a ragged batch       Z  tokens a page (page_size)
+  M  pages a request's table names (max_pages)
+
 The computation is the article's: ``scores = q kᵀ · scale``, a softmax over the keys of each
 query row (built from the stable parts in :mod:`jattn._softmax`), then the weighted sum of the
 values.

@@ -615,12 +615,100 @@ inline void rescale(float* acc, int64_t rows, int64_t E, int64_t ld, const float
   }
 }
 
+// One task's online softmax over `rows` query rows (at most Bq), a tile of at most Bc keys at a time: the scores'
+// tile s (rows Bc apart), each row's running max m and sum l, the accumulator acc (rows Ep apart). Keys are cut into
+// splits (SPLIT_KV in fused_cpu.py) whose online softmaxes are merged into a Total in key order; every kernel that
+// computes a row walks the same tiles and splits (multiples of Bc and of the split from key 0) with these same
+// functions, so a row's bits depend on its own keys alone.
+struct Online {
+  Online(int64_t Bq, int64_t Bc, int64_t Ep)
+      : s(Bq * Bc), acc(Bq * Ep), m(Bq), l(Bq), r(Bq), vmax(Bq), ka(Bq), kz(Bq), Bc(Bc), Ep(Ep) {}
+  void reset(int64_t rows) {
+    std::fill(m.begin(), m.begin() + rows, -kInf), std::fill(l.begin(), l.begin() + rows, 0.f);
+    std::fill(acc.data, acc.data + rows * Ep, 0.f);
+  }
+  // The tile of `cols` keys from key c0: kᵀ's panels ktb (D x W each, D W apart), v's vb (rows W apart, panels
+  // vstride apart); each row's keys [lo, hi) (key indices); hide(i, row, a, z) sets hidden keys of row i to -inf;
+  // exact: no key is hidden after the product (the product's per-lane max is the row's).
+  template <typename Hide>
+  void tile(int64_t rows, int64_t cols, int64_t c0, int64_t D, int64_t E, const float* qs, const float* ktb,
+            const float* vb, int64_t vstride, const int64_t* lo, const int64_t* hi, bool exact, const Hide& hide) {
+    const Spans spans{ka.data(), kz.data()};
+    for (int64_t i = 0; i < rows; ++i) vmax[i].x = V::set1(-kInf);
+    tile_spans(rows, lo, hi, c0, cols, nullptr, ka.data(), kz.data());
+    gemm_panels(rows, cols, D, qs, D, 1, ktb, D * W, s.data, Bc, false, vmax.data(), &spans);
+    for (int64_t i = 0; i < rows; ++i) {
+      float* row = s.data + i * Bc;
+      const int64_t a = ka[i], z = kz[i];
+      hide(i, row, a, z);
+      const float m_old = m[i];
+      m[i] = moved_max(row, a, z, cols, vmax[i].x, m_old, exact);
+      std::fill(row, row + a, 0.f), std::fill(row + z, row + cols, 0.f);  // keys outside the row's weigh 0
+      r[i] = m[i] == -kInf ? 1.f : std::exp(m_old - m[i]);
+      l[i] = l[i] * r[i] + (a < z ? exp_sum(row + a, z - a, m[i]) : 0.f);
+    }
+    rescale(acc.data, rows, E, Ep, r.data());
+    gemm(rows, E, cols, s.data, Bc, 1, vb, vstride, acc.data, Ep, true, &spans);
+  }
+
+  Scratch s, acc;
+  std::vector<float> m, l, r;
+  std::vector<Lanes> vmax;  // each row's max over the tile, from the first product
+  std::vector<int64_t> ka, kz;  // a tile's keys of each row, [ka, kz)
+  int64_t Bc, Ep;
+};
+
+// The factors (a, b) that bring a row's total with max M and a split of it with max m to their common max, and
+// that max: every sum of the online softmax merges as X = X a + x b.
+inline std::tuple<float, float, float> merge_factors(float M, float m) {
+  const float top = std::max(M, m);
+  return {M == -kInf ? 0.f : std::exp(M - top), std::exp(m - top), top};
+}
+
+// Merges one split of a row (its max m, sum l, accumulator acc of E values) into the row's total (M, L, ACC); a
+// split without keys (m = -inf) leaves it as it is.
+inline void merge_split(float m, float l, const float* acc, int64_t E, float& M, float& L, float* ACC) {
+  if (m == -kInf) return;
+  const auto [a, b, top] = merge_factors(M, m);
+  for (int64_t e = 0; e < E; ++e) ACC[e] = ACC[e] * a + acc[e] * b;
+  L = L * a + l * b, M = top;
+}
+
+// A task's rows' totals over their splits (rows Ep apart), and their results: out = ACC / L, lse = M + log L, the
+// max logit M (NaN where L is).
+struct Total {
+  Total(int64_t Bq, int64_t Ep) : acc(Bq * Ep), m(Bq), l(Bq), Ep(Ep) {}
+  void reset(int64_t rows) {
+    std::fill(m.begin(), m.begin() + rows, -kInf), std::fill(l.begin(), l.begin() + rows, 0.f);
+    std::fill(acc.data, acc.data + rows * Ep, 0.f);
+  }
+  void merge(const Online& on, int64_t rows, int64_t E) {
+    for (int64_t i = 0; i < rows; ++i) merge_split(on.m[i], on.l[i], on.acc.data + i * Ep, E, m[i], l[i], acc.data + i * Ep);
+  }
+  // Row i's output (E values at out), lse and max logit (where given).
+  void finish(int64_t i, int64_t E, float* out, float* lse, float* top) const {
+    const float inv = l[i] == 0.f ? 0.f : 1.f / l[i];
+    for (int64_t e = 0; e < E; ++e) out[e] = acc.data[i * Ep + e] * inv;
+    *lse = l[i] == 0.f ? -kInf : m[i] + std::log(l[i]);
+    if (top) *top = std::isnan(l[i]) ? l[i] : m[i];
+  }
+
+  Scratch acc;
+  std::vector<float> m, l;
+  int64_t Ep;
+};
+
+// The splits of keys [first, last) and the tiles of a split: both at multiples of their size from key 0.
+inline int64_t split_start(int64_t first, int64_t split) { return first / split * split; }
+inline int64_t tile_start(int64_t s0, int64_t first, int64_t Bc) { return std::max(s0, first / Bc * Bc); }
+
 ffi::Error Forward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> lo_b, ffi::Buffer<ffi::S32> hi_b, ffi::Buffer<ffi::S32> q_ids, ffi::Buffer<ffi::S32> kv_ids,
                    ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse, ffi::ResultBuffer<ffi::F32> mx,
                    int64_t length, int64_t q_offset, int64_t kv_offset, int64_t left, int64_t right, float scale,
-                   int64_t block_q, int64_t block_kv, int64_t threads, int64_t row_mask, int64_t group) {
+                   int64_t block_q, int64_t block_kv, int64_t threads, int64_t row_mask, int64_t group, int64_t split) {
   Dims d;
   if (ffi::Error e = dims_of(q, k, v, length, block_q, block_kv, threads, group, d); e.failure()) return e;
+  if (split < block_kv || split % block_kv) return ffi::Error::InvalidArgument("fused attention: split % block_kv");
   RowMask rm;
   if (ffi::Error e = row_mask_of(lo_b, hi_b, q_ids, kv_ids, row_mask, d, rm); e.failure()) return e;
   const int64_t T = d.T, D = d.D, E = d.E, Ep = d.Ep, blocks = d.blocks, Bq = block_q, Bc = block_kv;
@@ -630,42 +718,26 @@ ffi::Error Forward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
 
   std::atomic<int64_t> next{0};
   run(d.n, [&] {
-    Scratch s(Bq * Bc), acc(Bq * Ep), qs(Bq * D);
-    std::vector<float> m(Bq), l(Bq), r(Bq);
-    std::vector<Lanes> vmax(Bq);  // each row's max over the tile, from the first product
-    std::vector<int64_t> lo(Bq), hi(Bq), ka(Bq), kz(Bq);  // each row's keys, [lo, hi), and a tile's [ka, kz)
-    const Spans spans{ka.data(), kz.data()};
+    Online on(Bq, Bc, Ep);
+    Total total(Bq, Ep);
+    Scratch qs(Bq * D);
+    std::vector<int64_t> lo(Bq), hi(Bq);  // each row's keys, [lo, hi)
     for (int64_t task; (task = next.fetch_add(1)) < d.B * blocks;) {
       const int64_t b = task / blocks, r0 = (blocks - 1 - task % blocks) * Bq, rows = std::min(Bq, T - r0);
       scaled(qp, nullptr, (b * T + r0) * D, rows * D, scale, qs.data, nullptr);  // the scale folded into q
       const auto [first, last] = intervals(b, r0, rows, q_offset, kv_offset, left, right, d.length, rm, lo.data(), hi.data());
-      std::fill(m.begin(), m.begin() + rows, -kInf), std::fill(l.begin(), l.begin() + rows, 0.f);
-      std::fill(acc.data, acc.data + rows * Ep, 0.f);
-      for (int64_t c0 = first / 64 * 64; c0 < last; c0 += Bc) {
-        const int64_t cols = std::min(Bc, last - c0);
-        for (int64_t i = 0; i < rows; ++i) vmax[i].x = V::set1(-kInf);
-        tile_spans(rows, lo.data(), hi.data(), c0, cols, nullptr, ka.data(), kz.data());
-        const float* ktb = keys.kt_at(b / d.G, c0);
-        gemm_panels(rows, cols, D, qs.data, D, 1, ktb, D * W, s.data, Bc, false, vmax.data(), &spans);
-        for (int64_t i = 0; i < rows; ++i) {
-          float* row = s.data + i * Bc;
-          const int64_t a = ka[i], z = kz[i];
-          rm.other_documents(b, r0 + i, row, a, z, c0);
-          const float m_old = m[i];
-          m[i] = moved_max(row, a, z, cols, vmax[i].x, m_old, !rm.ids);
-          std::fill(row, row + a, 0.f), std::fill(row + z, row + cols, 0.f);  // keys outside the row's weigh 0
-          r[i] = m[i] == -kInf ? 1.f : std::exp(m_old - m[i]);
-          l[i] = l[i] * r[i] + (a < z ? exp_sum(row + a, z - a, m[i]) : 0.f);
-        }
-        rescale(acc.data, rows, E, Ep, r.data());
-        gemm(rows, E, cols, s.data, Bc, 1, keys.v_at(b / d.G, c0), keys.vstride(), acc.data, Ep, true, &spans);
+      total.reset(rows);
+      for (int64_t s0 = split_start(first, split); s0 < last; s0 += split) {
+        on.reset(rows);
+        for (int64_t c0 = tile_start(s0, first, Bc); c0 < std::min(s0 + split, last); c0 += Bc)
+          on.tile(rows, std::min(Bc, last - c0), c0, D, E, qs.data, keys.kt_at(b / d.G, c0), keys.v_at(b / d.G, c0),
+                  keys.vstride(), lo.data(), hi.data(), !rm.ids,
+                  [&](int64_t i, float* row, int64_t a, int64_t z) { rm.other_documents(b, r0 + i, row, a, z, c0); });
+        total.merge(on, rows, E);
       }
       for (int64_t i = 0; i < rows; ++i) {
         const int64_t t = b * T + r0 + i;
-        const float inv = l[i] == 0.f ? 0.f : 1.f / l[i];
-        for (int64_t e = 0; e < E; ++e) op[t * E + e] = acc[i * Ep + e] * inv;
-        lp[t] = l[i] == 0.f ? -kInf : m[i] + std::log(l[i]);
-        mp[t] = std::isnan(l[i]) ? l[i] : m[i];
+        total.finish(i, E, op + t * E, lp + t, mp + t);
       }
     }
   });
@@ -781,11 +853,12 @@ ffi::Error ForwardTangent(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi:
                           ffi::ResultBuffer<ffi::F32> mx, ffi::ResultBuffer<ffi::F32> d_out,
                           ffi::ResultBuffer<ffi::F32> d_lse, int64_t length, int64_t q_offset, int64_t kv_offset,
                           int64_t left, int64_t right, float scale, int64_t block_q, int64_t block_kv,
-                          int64_t threads, int64_t row_mask, int64_t group) {
+                          int64_t threads, int64_t row_mask, int64_t group, int64_t split) {
   Dims d;
   if (ffi::Error e = dims_of(q, k, v, length, block_q, block_kv, threads, group, d); e.failure()) return e;
   RowMask rm;
   if (ffi::Error e = row_mask_of(lo_b, hi_b, q_ids, kv_ids, row_mask, d, rm); e.failure()) return e;
+  if (split < block_kv || split % block_kv) return ffi::Error::InvalidArgument("fused attention: split % block_kv");
   const int64_t T = d.T, D = d.D, E = d.E, Ep = d.Ep, blocks = d.blocks, Bq = block_q, Bc = block_kv;
   const float *qp = q.typed_data(), *dqp = dq.typed_data();
   float *op = out->typed_data(), *lp = lse->typed_data(), *mp = mx->typed_data();
@@ -794,8 +867,8 @@ ffi::Error ForwardTangent(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi:
 
   std::atomic<int64_t> next{0};
   run(d.n, [&] {
-    Scratch s(Bq * Bc), ds(Bq * Bc), acc(Bq * Ep), A(Bq * Ep), qs(Bq * D), dqs(Bq * D);
-    std::vector<float> m(Bq), l(Bq), c(Bq), r(Bq);
+    Scratch s(Bq * Bc), ds(Bq * Bc), acc(Bq * Ep), A(Bq * Ep), qs(Bq * D), dqs(Bq * D), ACC(Bq * Ep), AT(Bq * Ep);
+    std::vector<float> m(Bq), l(Bq), c(Bq), r(Bq), M(Bq), L(Bq), C(Bq);  // a split's sums, and the row's (capitals)
     std::vector<Lanes> vmax(Bq);
     std::vector<int64_t> lo(Bq), hi(Bq), ka(Bq), kz(Bq);
     const Spans spans{ka.data(), kz.data()};
@@ -803,35 +876,47 @@ ffi::Error ForwardTangent(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi:
       const int64_t b = task / blocks, r0 = (blocks - 1 - task % blocks) * Bq, rows = std::min(Bq, T - r0);
       scaled(qp, dqp, (b * T + r0) * D, rows * D, scale, qs.data, dqs.data);
       const auto [first, last] = intervals(b, r0, rows, q_offset, kv_offset, left, right, d.length, rm, lo.data(), hi.data());
-      std::fill(m.begin(), m.begin() + rows, -kInf);
-      std::fill(l.begin(), l.begin() + rows, 0.f), std::fill(c.begin(), c.begin() + rows, 0.f);
-      std::fill(acc.data, acc.data + rows * Ep, 0.f), std::fill(A.data, A.data + rows * Ep, 0.f);
-      for (int64_t c0 = first / 64 * 64; c0 < last; c0 += Bc) {
-        const int64_t cols = std::min(Bc, last - c0);
-        const int64_t kb = b / d.G;  // the row of k and v
-        for (int64_t i = 0; i < rows; ++i) vmax[i].x = V::set1(-kInf);
-        tile_spans(rows, lo.data(), hi.data(), c0, cols, nullptr, ka.data(), kz.data());
-        tangent_products(rows, cols, D, qs.data, dqs.data, keys.kt_at(kb, c0), dkeys.kt_at(kb, c0), s.data, ds.data, Bc,
-                         vmax.data(), spans);
-        for (int64_t i = 0; i < rows; ++i) {
-          const int64_t a = ka[i], z = kz[i];
-          rm.other_documents(b, r0 + i, s.data + i * Bc, a, z, c0);
-          r[i] = online_row(s.data + i * Bc, ds.data + i * Bc, a, z, cols, vmax[i].x, !rm.ids, m[i], l[i], c[i]);
+      std::fill(M.begin(), M.begin() + rows, -kInf);
+      std::fill(L.begin(), L.begin() + rows, 0.f), std::fill(C.begin(), C.begin() + rows, 0.f);
+      std::fill(ACC.data, ACC.data + rows * Ep, 0.f), std::fill(AT.data, AT.data + rows * Ep, 0.f);
+      for (int64_t s0 = split_start(first, split); s0 < last; s0 += split) {  // Forward's splits and tiles
+        std::fill(m.begin(), m.begin() + rows, -kInf);
+        std::fill(l.begin(), l.begin() + rows, 0.f), std::fill(c.begin(), c.begin() + rows, 0.f);
+        std::fill(acc.data, acc.data + rows * Ep, 0.f), std::fill(A.data, A.data + rows * Ep, 0.f);
+        for (int64_t c0 = tile_start(s0, first, Bc); c0 < std::min(s0 + split, last); c0 += Bc) {
+          const int64_t cols = std::min(Bc, last - c0);
+          const int64_t kb = b / d.G;  // the row of k and v
+          for (int64_t i = 0; i < rows; ++i) vmax[i].x = V::set1(-kInf);
+          tile_spans(rows, lo.data(), hi.data(), c0, cols, nullptr, ka.data(), kz.data());
+          tangent_products(rows, cols, D, qs.data, dqs.data, keys.kt_at(kb, c0), dkeys.kt_at(kb, c0), s.data, ds.data, Bc,
+                           vmax.data(), spans);
+          for (int64_t i = 0; i < rows; ++i) {
+            const int64_t a = ka[i], z = kz[i];
+            rm.other_documents(b, r0 + i, s.data + i * Bc, a, z, c0);
+            r[i] = online_row(s.data + i * Bc, ds.data + i * Bc, a, z, cols, vmax[i].x, !rm.ids, m[i], l[i], c[i]);
+          }
+          rescale(acc.data, rows, E, Ep, r.data()), rescale(A.data, rows, E, Ep, r.data());
+          gemm(rows, E, cols, s.data, Bc, 1, keys.v_at(kb, c0), keys.vstride(), acc.data, Ep, true, &spans);
+          gemm(rows, E, cols, s.data, Bc, 1, dkeys.v_at(kb, c0), keys.vstride(), A.data, Ep, true, &spans);
+          gemm(rows, E, cols, ds.data, Bc, 1, keys.v_at(kb, c0), keys.vstride(), A.data, Ep, true, &spans);
         }
-        rescale(acc.data, rows, E, Ep, r.data()), rescale(A.data, rows, E, Ep, r.data());
-        gemm(rows, E, cols, s.data, Bc, 1, keys.v_at(kb, c0), keys.vstride(), acc.data, Ep, true, &spans);
-        gemm(rows, E, cols, s.data, Bc, 1, dkeys.v_at(kb, c0), keys.vstride(), A.data, Ep, true, &spans);
-        gemm(rows, E, cols, ds.data, Bc, 1, keys.v_at(kb, c0), keys.vstride(), A.data, Ep, true, &spans);
+        for (int64_t i = 0; i < rows; ++i) {  // the split merged into the row, as Forward's Total merges it
+          if (m[i] == -kInf) continue;
+          const auto [fa, fb, top] = merge_factors(M[i], m[i]);
+          for (int64_t e = 0; e < E; ++e) AT[i * Ep + e] = AT[i * Ep + e] * fa + A[i * Ep + e] * fb;
+          C[i] = C[i] * fa + c[i] * fb;
+          merge_split(m[i], l[i], acc.data + i * Ep, E, M[i], L[i], ACC.data + i * Ep);
+        }
       }
       for (int64_t i = 0; i < rows; ++i) {
         const int64_t t = b * T + r0 + i;
-        const float inv = l[i] == 0.f ? 0.f : 1.f / l[i], dl = c[i] * inv;
+        const float inv = L[i] == 0.f ? 0.f : 1.f / L[i], dl = C[i] * inv;
         for (int64_t e = 0; e < E; ++e) {
-          op[t * E + e] = acc[i * Ep + e] * inv;
-          dop[t * E + e] = A[i * Ep + e] * inv - dl * op[t * E + e];
+          op[t * E + e] = ACC[i * Ep + e] * inv;
+          dop[t * E + e] = AT[i * Ep + e] * inv - dl * op[t * E + e];
         }
-        lp[t] = l[i] == 0.f ? -kInf : m[i] + std::log(l[i]);
-        mp[t] = std::isnan(l[i]) ? l[i] : m[i];
+        lp[t] = L[i] == 0.f ? -kInf : M[i] + std::log(L[i]);
+        mp[t] = std::isnan(L[i]) ? L[i] : M[i];
         dlp[t] = dl;
       }
     }
@@ -903,6 +988,185 @@ ffi::Error Backward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffe
   return ffi::Error::Success();
 }
 
+
+// Paged attention (jattn/_paged): q (Q, N, D) a flat ragged batch, request r's rows cu[r]..cu[r+1] at its last q_len
+// positions; keys and values in pages kp (P, Z, K, D), vp (P, Z, K, E), request r's key j at page table[r][j / Z],
+// slot j % Z, j < kv_lens[r]; query head n reads kv head n / G. Requests whose tables are broken are skipped (the
+// caller returns their rows as NaN); rows of no request stay out 0, lse -inf.
+struct PagedPool {
+  const float *q, *kp, *vp;
+  const int32_t *table, *kv, *cu;
+  int64_t Q = 0, N = 0, D = 0, P = 0, Z = 0, K = 0, E = 0, R = 0, M = 0, G = 1;
+
+  // Whether request r's entries are whole: lengths in range, cu increasing, every page it reads in the pool.
+  bool whole(int64_t r) const {
+    for (int64_t i = 0; i < R; ++i)
+      if (cu[i + 1] < cu[i]) return false;
+    const int64_t n = kv[r], ql = cu[r + 1] - cu[r];
+    if (cu[0] < 0 || cu[R] > Q || n < 0 || n > M * Z || ql > n) return false;
+    for (int64_t j = 0; j < (n + Z - 1) / Z; ++j)
+      if (table[r * M + j] < 0 || table[r * M + j] >= P) return false;
+    return true;
+  }
+  // Row i of request r's rows for kv head h: the query of head h G + i / q_len, token i % q_len.
+  const float* query(int64_t r, int64_t h, int64_t i) const {
+    const int64_t ql = cu[r + 1] - cu[r];
+    return q + ((cu[r] + i % ql) * N + h * G + i / ql) * D;
+  }
+  const float* key(int64_t r, int64_t h, int64_t j) const { return kp + ((table[r * M + j / Z] * Z + j % Z) * K + h) * D; }
+  const float* value(int64_t r, int64_t h, int64_t j) const {
+    return vp + ((table[r * M + j / Z] * Z + j % Z) * K + h) * E;
+  }
+};
+
+// A block of one request's rows for one kv head (rows i0 .. i0 + rows of its G q_len), and its keys [first, last).
+struct PagedBlock {
+  int64_t r, h, i0, rows, first, last, slot;  // slot: its first split's partial, -1 where it has one split
+};
+
+// Each of the block's rows' keys [lo, hi) (key indices below kv); returns [first, last) over the rows.
+std::pair<int64_t, int64_t> paged_intervals(const PagedPool& pool, const PagedBlock& blk, int64_t left, int64_t right,
+                                            int64_t* lo, int64_t* hi) {
+  const int64_t n = pool.kv[blk.r], ql = pool.cu[blk.r + 1] - pool.cu[blk.r];
+  int64_t first = n, last = 0;
+  for (int64_t i = 0; i < blk.rows; ++i) {
+    const int64_t at = n - ql + (blk.i0 + i) % ql;
+    lo[i] = std::max<int64_t>(0, left >= (int64_t{1} << 62) ? 0 : at - left);
+    hi[i] = std::min<int64_t>(n, right >= (int64_t{1} << 62) ? n : at + right + 1);
+    if (lo[i] < hi[i]) first = std::min(first, lo[i]), last = std::max(last, hi[i]);
+  }
+  return {first, last};
+}
+
+// kᵀ of keys c0 .. c0 + cols as panels of W keys (zero past cols), and v as panels of W values (rows W apart,
+// panels Bc W apart), read from the pages.
+void pack_pages(const PagedPool& pool, int64_t r, int64_t h, int64_t c0, int64_t cols, int64_t Bc, int64_t Ep, float* kt,
+                float* vt) {
+  const int64_t D = pool.D, E = pool.E;
+  for (int64_t p = 0; p < round_up(cols, W); p += W)
+    for (int64_t w = 0; w < W; ++w) {
+      const float* key = p + w < cols ? pool.key(r, h, c0 + p + w) : nullptr;
+      for (int64_t c = 0; c < D; ++c) kt[p * D + c * W + w] = key ? key[c] : 0.f;
+    }
+  for (int64_t j = 0; j < round_up(cols, W); ++j) {
+    const float* value = j < cols ? pool.value(r, h, c0 + j) : nullptr;
+    for (int64_t p = 0; p < Ep; p += W)
+      for (int64_t w = 0; w < W; ++w) vt[p * Bc + j * W + w] = value && p + w < E ? value[p + w] : 0.f;
+  }
+}
+
+// A paged task: the splits [s0, s1) of a block's keys.
+struct PagedTask {
+  int64_t block, s0, s1, slot;  // slot: where its partial goes, -1: its block has one split (finished here)
+};
+
+// The blocks of every whole request (rows of Bq at most) and their tasks (a split each); partials counts the rows of
+// the splits of blocks with several.
+void paged_plan(const PagedPool& pool, int64_t Bq, int64_t split, int64_t left, int64_t right, std::vector<PagedBlock>& blocks,
+                std::vector<PagedTask>& tasks, int64_t& partials) {
+  std::vector<int64_t> lo(Bq), hi(Bq);
+  partials = 0;
+  for (int64_t r = 0; r < pool.R; ++r) {
+    if (!pool.whole(r)) continue;
+    const int64_t rows = pool.G * (pool.cu[r + 1] - pool.cu[r]);
+    for (int64_t h = 0; h < pool.K; ++h)
+      for (int64_t i0 = 0; i0 < rows; i0 += Bq) {
+        PagedBlock blk{r, h, i0, std::min(Bq, rows - i0), 0, 0, -1};
+        std::tie(blk.first, blk.last) = paged_intervals(pool, blk, left, right, lo.data(), hi.data());
+        const int64_t s_first = split_start(blk.first, split), n = blk.first < blk.last ? (blk.last - s_first + split - 1) / split : 1;
+        if (n > 1) blk.slot = partials, partials += n * blk.rows;
+        for (int64_t k = 0; k < n; ++k)
+          tasks.push_back({static_cast<int64_t>(blocks.size()), s_first + k * split, s_first + (k + 1) * split,
+                           n > 1 ? blk.slot + k * blk.rows : -1});
+        blocks.push_back(blk);
+      }
+  }
+}
+
+ffi::Error PagedForward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kp, ffi::Buffer<ffi::F32> vp, ffi::Buffer<ffi::S32> table,
+                        ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> cu, ffi::ResultBuffer<ffi::F32> out,
+                        ffi::ResultBuffer<ffi::F32> lse, int64_t left, int64_t right, float scale, int64_t block_q,
+                        int64_t block_kv, int64_t split, int64_t threads) {
+  const auto qd = q.dimensions(), kd = kp.dimensions(), vd = vp.dimensions(), td = table.dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || vd.size() != 4 || td.size() != 2 || kv_lens.dimensions().size() != 1 ||
+      cu.dimensions().size() != 1)
+    return ffi::Error::InvalidArgument("paged attention: ranks of q, pages or tables");
+  PagedPool pool{q.typed_data(), kp.typed_data(), vp.typed_data(), table.typed_data(), kv_lens.typed_data(), cu.typed_data()};
+  pool.Q = qd[0], pool.N = qd[1], pool.D = qd[2], pool.P = kd[0], pool.Z = kd[1], pool.K = kd[2], pool.E = vd[3];
+  pool.R = td[0], pool.M = td[1];
+  if (kd[3] != pool.D || vd[0] != pool.P || vd[1] != pool.Z || vd[2] != pool.K || pool.K < 1 || pool.N % pool.K ||
+      kv_lens.dimensions()[0] != pool.R || cu.dimensions()[0] != pool.R + 1 || block_kv % 64 || split % block_kv ||
+      block_q < 1 || threads < 1 || pool.Z < 1)
+    return ffi::Error::InvalidArgument("paged attention: inconsistent shapes or blocks");
+  pool.G = pool.N / pool.K;
+  const int64_t D = pool.D, E = pool.E, Ep = round_up(E, W), Bq = block_q, Bc = block_kv;
+  float *op = out->typed_data(), *lp = lse->typed_data();
+  std::fill(op, op + pool.Q * pool.N * E, 0.f), std::fill(lp, lp + pool.Q * pool.N, -kInf);
+  std::vector<PagedBlock> blocks;
+  std::vector<PagedTask> tasks;
+  int64_t partials;
+  paged_plan(pool, Bq, split, left, right, blocks, tasks, partials);
+  Scratch part(std::max<int64_t>(partials, 1) * (Ep + 2));  // each split row's acc (Ep), then m and l
+  // Row i of a block: its output and lse.
+  const auto row_out = [&](const PagedBlock& blk, int64_t i) {
+    const int64_t ql = pool.cu[blk.r + 1] - pool.cu[blk.r], at = (pool.cu[blk.r] + (blk.i0 + i) % ql) * pool.N +
+                                                                    blk.h * pool.G + (blk.i0 + i) / ql;
+    return std::pair<float*, float*>{op + at * E, lp + at};
+  };
+  std::atomic<int64_t> next{0};
+  run(static_cast<int>(std::min<int64_t>(threads, std::max<int64_t>(tasks.size(), 1))), [&] {
+    Online on(Bq, Bc, Ep);
+    Total total(Bq, Ep);
+    Scratch qs(Bq * D), kt(Bc * D), vt(Bc * Ep);
+    std::vector<int64_t> lo(Bq), hi(Bq);
+    for (int64_t n; (n = next.fetch_add(1)) < static_cast<int64_t>(tasks.size());) {
+      const PagedTask& task = tasks[n];
+      const PagedBlock& blk = blocks[task.block];
+      for (int64_t i = 0; i < blk.rows; ++i) scaled(pool.query(blk.r, blk.h, blk.i0 + i), nullptr, 0, D, scale, qs.data + i * D, nullptr);
+      paged_intervals(pool, blk, left, right, lo.data(), hi.data());
+      on.reset(blk.rows);
+      for (int64_t c0 = tile_start(task.s0, blk.first, Bc); c0 < std::min(task.s1, blk.last); c0 += Bc) {
+        const int64_t cols = std::min(Bc, blk.last - c0);
+        pack_pages(pool, blk.r, blk.h, c0, cols, Bc, Ep, kt.data, vt.data);
+        on.tile(blk.rows, cols, c0, D, E, qs.data, kt.data, vt.data, Bc * W, lo.data(), hi.data(), true,
+                [](int64_t, float*, int64_t, int64_t) {});
+      }
+      if (task.slot < 0) {  // the block's one split: finished here, as Forward finishes a row
+        total.reset(blk.rows), total.merge(on, blk.rows, E);
+        for (int64_t i = 0; i < blk.rows; ++i) {
+          const auto [o, l] = row_out(blk, i);
+          total.finish(i, E, o, l, nullptr);
+        }
+        continue;
+      }
+      for (int64_t i = 0; i < blk.rows; ++i) {
+        float* dst = part.data + (task.slot + i) * (Ep + 2);
+        std::copy(on.acc.data + i * Ep, on.acc.data + i * Ep + Ep, dst), dst[Ep] = on.m[i], dst[Ep + 1] = on.l[i];
+      }
+    }
+  });
+  std::atomic<int64_t> next_block{0};
+  run(static_cast<int>(std::min<int64_t>(threads, std::max<int64_t>(blocks.size(), 1))), [&] {  // split-KV: merge
+    Total total(Bq, Ep);
+    for (int64_t n; (n = next_block.fetch_add(1)) < static_cast<int64_t>(blocks.size());) {
+      const PagedBlock& blk = blocks[n];
+      if (blk.slot < 0) continue;
+      const int64_t splits = (blk.last - split_start(blk.first, split) + split - 1) / split;
+      total.reset(blk.rows);
+      for (int64_t k = 0; k < splits; ++k)
+        for (int64_t i = 0; i < blk.rows; ++i) {
+          const float* src = part.data + (blk.slot + k * blk.rows + i) * (Ep + 2);
+          merge_split(src[Ep], src[Ep + 1], src, E, total.m[i], total.l[i], total.acc.data + i * Ep);
+        }
+      for (int64_t i = 0; i < blk.rows; ++i) {
+        const auto [o, l] = row_out(blk, i);
+        total.finish(i, E, o, l, nullptr);
+      }
+    }
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 // The vector layer this library was built with ("avx512", "avx2", "neon" or "scalar").
@@ -920,7 +1184,13 @@ using S32 = ffi::Buffer<ffi::S32>;
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JattnFusedForward, Forward,
                               ffi::Ffi::Bind().Arg<F32>().Arg<F32>().Arg<F32>() JATTN_ROWS.Ret<F32>().Ret<F32>().Ret<F32>()
-                                  JATTN_ATTRIBUTES);
+                                  JATTN_ATTRIBUTES.Attr<int64_t>("split"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JattnFusedPaged, PagedForward,
+                              ffi::Ffi::Bind()
+                                  .Arg<F32>().Arg<F32>().Arg<F32>().Arg<S32>().Arg<S32>().Arg<S32>().Ret<F32>().Ret<F32>()
+                                  .Attr<int64_t>("left").Attr<int64_t>("right").Attr<float>("scale")
+                                  .Attr<int64_t>("block_q").Attr<int64_t>("block_kv").Attr<int64_t>("split")
+                                  .Attr<int64_t>("threads"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JattnFusedTangent, Tangent,
                               ffi::Ffi::Bind()
                                   .Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>()
@@ -928,7 +1198,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JattnFusedTangent, Tangent,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JattnFusedForwardTangent, ForwardTangent,
                               ffi::Ffi::Bind()
                                   .Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>()
-                                  JATTN_ROWS.Ret<F32>().Ret<F32>().Ret<F32>().Ret<F32>().Ret<F32>() JATTN_ATTRIBUTES);
+                                  JATTN_ROWS.Ret<F32>().Ret<F32>().Ret<F32>().Ret<F32>().Ret<F32>() JATTN_ATTRIBUTES
+                                      .Attr<int64_t>("split"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JattnFusedBackward, Backward,
                               ffi::Ffi::Bind()
                                   .Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>()

@@ -39,16 +39,23 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
-__all__ = ["BLOCK_KV", "BLOCK_Q", "available", "backward", "forward", "forward_tangent", "layer", "tangent"]
+__all__ = [
+    "BLOCK_KV", "BLOCK_Q", "SPLIT_KV", "available", "backward", "forward", "forward_tangent", "layer", "paged_forward",
+    "tangent",
+]  # fmt: skip
 
 _log = logging.getLogger(__name__)
 TARGET = "jattn_fused_forward"
 TANGENT = "jattn_fused_tangent"
 FORWARD_TANGENT = "jattn_fused_forward_tangent"
 BACKWARD = "jattn_fused_backward"
+PAGED = "jattn_fused_paged"
 SOURCE = pathlib.Path(__file__).with_suffix(".cc")
 #: Query rows of one task and keys of one tile (a multiple of 64): full forward, B=4 N=8 D=64, 2 threads (docs: design notes).
 BLOCK_Q, BLOCK_KV = 256, 512
+#: Keys of one split: a row's keys are cut at its multiples, each part's online softmax merged into the total by
+#: log-sum-exp in key order (the paged kernel runs a long request's splits on several threads: split-KV).
+SPLIT_KV = 4096
 
 
 def _cpu_flags() -> str:
@@ -141,6 +148,7 @@ def _library() -> ctypes.CDLL | None:
     jax.ffi.register_ffi_target(TANGENT, jax.ffi.pycapsule(library.JattnFusedTangent), platform="cpu")
     jax.ffi.register_ffi_target(FORWARD_TANGENT, jax.ffi.pycapsule(library.JattnFusedForwardTangent), platform="cpu")
     jax.ffi.register_ffi_target(BACKWARD, jax.ffi.pycapsule(library.JattnFusedBackward), platform="cpu")
+    jax.ffi.register_ffi_target(PAGED, jax.ffi.pycapsule(library.JattnFusedPaged), platform="cpu")
     library.JattnFusedLayer.restype = ctypes.c_char_p
     _log.info("jattn: fused CPU kernels, %s layer (%s)", library.JattnFusedLayer().decode(), path)
     return library
@@ -187,7 +195,7 @@ def forward(
     ``group`` rows of q. Requires :func:`available`.
     """
     call = dict(length=length, q_offset=q_offset, kv_offset=kv_offset, window=window, scale=scale, threads=threads,
-                rows=rows, group=group, block_q=block_q, block_kv=block_kv)  # fmt: skip
+                rows=rows, group=group, block_q=block_q, block_kv=block_kv, split=SPLIT_KV)  # fmt: skip
     return _call(TARGET, ("tile", "row", "row"), (q, k, v), call)
 
 
@@ -210,7 +218,9 @@ def forward_tangent(q: Array, k: Array, v: Array, dq: Array, dk: Array, dv: Arra
     second sweep); ``dq``, ``dk``, ``dv`` the tangents of q, k, v, ``call`` the keyword arguments of
     :func:`forward`. Rows with no key get 0 tangents. Requires :func:`available`.
     """
-    return _call(FORWARD_TANGENT, ("tile", "row", "row", "tile", "row"), (q, k, v, dq, dk, dv), call)
+    return _call(
+        FORWARD_TANGENT, ("tile", "row", "row", "tile", "row"), (q, k, v, dq, dk, dv), call | dict(split=SPLIT_KV)
+    )
 
 
 def backward(
@@ -246,10 +256,10 @@ def _call(target: str, results: tuple[str, ...], operands: tuple[Array, ...], ca
 
 def _attributes(
     *, length: int, q_offset: int, kv_offset: int, window: tuple[int, int], scale: float, threads: int,
-    group: int = 1, block_q: int = BLOCK_Q, block_kv: int = BLOCK_KV,
+    group: int = 1, block_q: int = BLOCK_Q, block_kv: int = BLOCK_KV, split: int | None = None,
 ) -> dict:  # fmt: skip
-    """The custom calls' attributes, typed as the C++ handlers bind them."""
-    return dict(
+    """The custom calls' attributes, typed as the C++ handlers bind them (``split``: the forward's alone)."""
+    return ({} if split is None else dict(split=np.int64(split))) | dict(
         length=np.int64(length),
         q_offset=np.int64(q_offset),
         kv_offset=np.int64(kv_offset),
@@ -261,3 +271,39 @@ def _attributes(
         threads=np.int64(threads),
         group=np.int64(group),
     )
+
+
+def paged_forward(
+    q: Array,
+    k_pages: Array,
+    v_pages: Array,
+    page_table: Array,
+    kv_lens: Array,
+    cu_q_lens: Array,
+    *,
+    window: tuple[int, int],
+    scale: float,
+    threads: int,
+    block_q: int = BLOCK_Q,
+) -> tuple[Array, Array]:
+    """Paged attention's ``out (Q, N, E)`` and ``lse (Q, N)``, float32 (:func:`jattn.paged_attention`'s operands).
+
+    ``q (Q, N, D)``, ``k_pages (P, Z, K, D)``, ``v_pages (P, Z, K, E)`` (any float dtype but float64: upcast to
+    float32), ``page_table (R, M)``, ``kv_lens (R,)``, ``cu_q_lens (R + 1,)``; query i of request r sits at
+    position ``kv_lens[r] - q_len + i`` and sees key j where ``position - left <= j <= position + right`` and
+    ``j < kv_lens[r]``. The rows of a request for one kv head (its G heads' tokens) are cut into tasks of
+    ``block_q`` rows and :data:`SPLIT_KV` keys, run on ``threads`` threads; a row's splits are merged in key order,
+    with the tiles and splits of :func:`forward`, so a row's bits are the same there and here. Requests whose tables
+    are broken are skipped (0 rows); rows of no request are 0 with lse ``-inf``. Requires :func:`available`.
+    """
+    if _library() is None:
+        raise RuntimeError("jattn's fused CPU kernels are not available here (jattn._blockwise.fused_cpu.available())")
+    Q, N, E = q.shape[0], q.shape[1], v_pages.shape[-1]
+    shapes = (jax.ShapeDtypeStruct((Q, N, E), jnp.float32), jax.ShapeDtypeStruct((Q, N), jnp.float32))
+    fn = jax.ffi.ffi_call(PAGED, shapes, vmap_method="sequential")
+    floats = (x.astype(jnp.float32) for x in (q, k_pages, v_pages))
+    tables = (x.astype(jnp.int32) for x in (page_table, kv_lens, cu_q_lens))
+    return fn(
+        *floats, *tables, left=np.int64(window[0]), right=np.int64(window[1]), scale=np.float32(scale),
+        block_q=np.int64(block_q), block_kv=np.int64(BLOCK_KV), split=np.int64(SPLIT_KV), threads=np.int64(threads),
+    )  # fmt: skip
