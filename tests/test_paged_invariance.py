@@ -164,3 +164,31 @@ def test_split_kv_merges_to_the_training_forwards_bits():
     f = lambda q: jattn.attention(q, kk, vv, mask=masks.causal(), implementation="blockwise")  # noqa: E731
     primal, _ = jax.jvp(f, (qq,), (jnp.ones_like(qq),))
     np.testing.assert_array_equal(np.asarray(primal).reshape(N, n, E).transpose(1, 0, 2), want)
+
+
+@fused_only
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_16_bit_pools_are_read_as_the_training_forward_reads_them(dtype):
+    """bfloat16 and float16 pools (float16 subnormals included) are upcast element by element as the kernel packs a
+    tile: a chunked prefill and decode give the bits of the training forward on the same 16-bit inputs, and the
+    output's dtype is theirs."""
+    n = 700
+    seqs = Sequences([n], 7)
+    for x in (*seqs.q, *seqs.k, *seqs.v):
+        x[...] = np.asarray(jnp.asarray(x, dtype).astype(jnp.float32))
+    seqs.k[0][:5] *= 1e-6  # float16 subnormals
+    seqs.k[0][...] = np.asarray(jnp.asarray(seqs.k[0], dtype).astype(jnp.float32))
+    seqs.pool(16)
+    kp, vp, table = seqs.pages
+    seqs.pages = (kp.astype(dtype), vp.astype(dtype), table)
+    outs = []
+    for a, b in ((0, 600), (600, 699), (699, 700)):
+        q = jnp.asarray(seqs.q[0][a:b], dtype)
+        out = jattn.paged_attention(q, *seqs.pages[:2], table, np.array([b], np.int32), np.array([0, b - a], np.int32))
+        assert out.dtype == dtype
+        outs.append(np.asarray(out.astype(jnp.float32)))
+    q = jnp.asarray(seqs.q[0].transpose(1, 0, 2).reshape(1, K, N // K, n, D), dtype)
+    k, v = (jnp.asarray(x.transpose(1, 0, 2)[None, :, None], dtype) for x in (seqs.k[0], seqs.v[0]))
+    want = jattn.attention(q, k, v, mask=masks.causal(), implementation="blockwise")
+    want = np.asarray(want.astype(jnp.float32)).reshape(N, n, E).transpose(1, 0, 2)
+    np.testing.assert_array_equal(np.concatenate(outs), want)

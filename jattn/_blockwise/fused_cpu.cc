@@ -993,9 +993,34 @@ ffi::Error Backward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffe
 // positions; keys and values in pages kp (P, Z, K, D), vp (P, Z, K, E), request r's key j at page table[r][j / Z],
 // slot j % Z, j < kv_lens[r]; query head n reads kv head n / G. Requests whose tables are broken are skipped (the
 // caller returns their rows as NaN); rows of no request stay out 0, lse -inf.
+// A page pool's element as float32, exactly: float32, bfloat16 (its bits are a float32's top half) or float16.
+enum class Kind { f32, bf16, f16 };
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = uint32_t{h & 0x8000u} << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+  if (exp == 0 && man != 0) return (sign ? -1.f : 1.f) * std::ldexp(static_cast<float>(man), -24);  // subnormal
+  const uint32_t u = exp == 0x1f ? sign | 0x7f800000u | (man << 13)  // inf, NaN
+                     : exp       ? sign | ((exp + 112) << 23) | (man << 13)
+                                 : sign;  // zero
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+template <Kind kind>
+inline float element(const void* p, int64_t i) {
+  if constexpr (kind == Kind::f32) return static_cast<const float*>(p)[i];
+  const uint16_t h = static_cast<const uint16_t*>(p)[i];
+  if constexpr (kind == Kind::f16) return half_to_float(h);
+  const uint32_t u = uint32_t{h} << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
 struct PagedPool {
-  const float *q, *kp, *vp;
+  const float* q;
+  const void *kp, *vp;
   const int32_t *table, *kv, *cu;
+  Kind kind = Kind::f32;
   int64_t Q = 0, N = 0, D = 0, P = 0, Z = 0, K = 0, E = 0, R = 0, M = 0, G = 1;
 
   // Whether request r's entries are whole: lengths in range, cu increasing, every page it reads in the pool.
@@ -1013,10 +1038,9 @@ struct PagedPool {
     const int64_t ql = cu[r + 1] - cu[r];
     return q + ((cu[r] + i % ql) * N + h * G + i / ql) * D;
   }
-  const float* key(int64_t r, int64_t h, int64_t j) const { return kp + ((table[r * M + j / Z] * Z + j % Z) * K + h) * D; }
-  const float* value(int64_t r, int64_t h, int64_t j) const {
-    return vp + ((table[r * M + j / Z] * Z + j % Z) * K + h) * E;
-  }
+  // The index of key j's (value j's) first element for kv head h, in its pages.
+  int64_t key(int64_t r, int64_t h, int64_t j) const { return ((table[r * M + j / Z] * Z + j % Z) * K + h) * D; }
+  int64_t value(int64_t r, int64_t h, int64_t j) const { return ((table[r * M + j / Z] * Z + j % Z) * K + h) * E; }
 };
 
 // A block of one request's rows for one kv head (rows i0 .. i0 + rows of its G q_len), and its keys [first, last).
@@ -1039,19 +1063,34 @@ std::pair<int64_t, int64_t> paged_intervals(const PagedPool& pool, const PagedBl
 }
 
 // kᵀ of keys c0 .. c0 + cols as panels of W keys (zero past cols), and v as panels of W values (rows W apart,
-// panels Bc W apart), read from the pages.
-void pack_pages(const PagedPool& pool, int64_t r, int64_t h, int64_t c0, int64_t cols, int64_t Bc, int64_t Ep, float* kt,
-                float* vt) {
+// panels Bc W apart), read from the pages (as float32).
+template <Kind kind>
+void pack_pages_of(const PagedPool& pool, int64_t r, int64_t h, int64_t c0, int64_t cols, int64_t Bc, int64_t Ep,
+                   float* kt, float* vt) {
   const int64_t D = pool.D, E = pool.E;
   for (int64_t p = 0; p < round_up(cols, W); p += W)
     for (int64_t w = 0; w < W; ++w) {
-      const float* key = p + w < cols ? pool.key(r, h, c0 + p + w) : nullptr;
-      for (int64_t c = 0; c < D; ++c) kt[p * D + c * W + w] = key ? key[c] : 0.f;
+      float* dst = kt + p * D + w;
+      if (p + w >= cols) {
+        for (int64_t c = 0; c < D; ++c) dst[c * W] = 0.f;
+        continue;
+      }
+      const int64_t at = pool.key(r, h, c0 + p + w);
+      for (int64_t c = 0; c < D; ++c) dst[c * W] = element<kind>(pool.kp, at + c);
     }
   for (int64_t j = 0; j < round_up(cols, W); ++j) {
-    const float* value = j < cols ? pool.value(r, h, c0 + j) : nullptr;
+    const int64_t at = j < cols ? pool.value(r, h, c0 + j) : -1;
     for (int64_t p = 0; p < Ep; p += W)
-      for (int64_t w = 0; w < W; ++w) vt[p * Bc + j * W + w] = value && p + w < E ? value[p + w] : 0.f;
+      for (int64_t w = 0; w < W; ++w)
+        vt[p * Bc + j * W + w] = at >= 0 && p + w < E ? element<kind>(pool.vp, at + p + w) : 0.f;
+  }
+}
+void pack_pages(const PagedPool& pool, int64_t r, int64_t h, int64_t c0, int64_t cols, int64_t Bc, int64_t Ep, float* kt,
+                float* vt) {
+  switch (pool.kind) {
+    case Kind::f32: return pack_pages_of<Kind::f32>(pool, r, h, c0, cols, Bc, Ep, kt, vt);
+    case Kind::bf16: return pack_pages_of<Kind::bf16>(pool, r, h, c0, cols, Bc, Ep, kt, vt);
+    case Kind::f16: return pack_pages_of<Kind::f16>(pool, r, h, c0, cols, Bc, Ep, kt, vt);
   }
 }
 
@@ -1083,7 +1122,7 @@ void paged_plan(const PagedPool& pool, int64_t Bq, int64_t split, int64_t left, 
   }
 }
 
-ffi::Error PagedForward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kp, ffi::Buffer<ffi::F32> vp, ffi::Buffer<ffi::S32> table,
+ffi::Error PagedForward(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kp, ffi::AnyBuffer vp, ffi::Buffer<ffi::S32> table,
                         ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> cu, ffi::ResultBuffer<ffi::F32> out,
                         ffi::ResultBuffer<ffi::F32> lse, int64_t left, int64_t right, float scale, int64_t block_q,
                         int64_t block_kv, int64_t split, int64_t threads) {
@@ -1091,7 +1130,12 @@ ffi::Error PagedForward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kp, ffi::
   if (qd.size() != 3 || kd.size() != 4 || vd.size() != 4 || td.size() != 2 || kv_lens.dimensions().size() != 1 ||
       cu.dimensions().size() != 1)
     return ffi::Error::InvalidArgument("paged attention: ranks of q, pages or tables");
-  PagedPool pool{q.typed_data(), kp.typed_data(), vp.typed_data(), table.typed_data(), kv_lens.typed_data(), cu.typed_data()};
+  PagedPool pool{q.typed_data(), kp.untyped_data(), vp.untyped_data(), table.typed_data(), kv_lens.typed_data(), cu.typed_data()};
+  const ffi::DataType dtype = kp.element_type();
+  if (vp.element_type() != dtype ||
+      (dtype != ffi::DataType::F32 && dtype != ffi::DataType::BF16 && dtype != ffi::DataType::F16))
+    return ffi::Error::InvalidArgument("paged attention: k_pages and v_pages must both be float32, bfloat16 or float16");
+  pool.kind = dtype == ffi::DataType::F32 ? Kind::f32 : dtype == ffi::DataType::BF16 ? Kind::bf16 : Kind::f16;
   pool.Q = qd[0], pool.N = qd[1], pool.D = qd[2], pool.P = kd[0], pool.Z = kd[1], pool.K = kd[2], pool.E = vd[3];
   pool.R = td[0], pool.M = td[1];
   if (kd[3] != pool.D || vd[0] != pool.P || vd[1] != pool.Z || vd[2] != pool.K || pool.K < 1 || pool.N % pool.K ||
@@ -1187,8 +1231,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JattnFusedForward, Forward,
                                   JATTN_ATTRIBUTES.Attr<int64_t>("split"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JattnFusedPaged, PagedForward,
                               ffi::Ffi::Bind()
-                                  .Arg<F32>().Arg<F32>().Arg<F32>().Arg<S32>().Arg<S32>().Arg<S32>().Ret<F32>().Ret<F32>()
-                                  .Attr<int64_t>("left").Attr<int64_t>("right").Attr<float>("scale")
+                                  .Arg<F32>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<S32>().Arg<S32>().Arg<S32>()
+                                  .Ret<F32>().Ret<F32>().Attr<int64_t>("left").Attr<int64_t>("right").Attr<float>("scale")
                                   .Attr<int64_t>("block_q").Attr<int64_t>("block_kv").Attr<int64_t>("split")
                                   .Attr<int64_t>("threads"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JattnFusedTangent, Tangent,

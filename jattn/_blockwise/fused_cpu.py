@@ -183,6 +183,7 @@ def forward(
     group: int = 1,
     block_q: int = BLOCK_Q,
     block_kv: int = BLOCK_KV,
+    split: int = SPLIT_KV,
 ) -> tuple[Array, Array, Array]:
     """``out (B, T, E)``, ``lse (B, T)`` and the row max logit ``(B, T)``, float32.
 
@@ -192,10 +193,11 @@ def forward(
     (``window = (left, right)``, :func:`jattn._masks.positions.key_interval`). ``rows``: a per-example
     mask's ``(lo, hi, q_ids, kv_ids)`` (:func:`jattn._blockwise.fused_rows.row_bounds`; the ids None without
     segment ids), or None. ``group``: grouped heads, k and v ``(B / group, ...)``, a row per
-    ``group`` rows of q. Requires :func:`available`.
+    ``group`` rows of q. ``split``: the keys of a split (a multiple of ``block_kv``; :data:`SPLIT_KV` gives
+    :func:`paged_forward`'s bits). Requires :func:`available`.
     """
     call = dict(length=length, q_offset=q_offset, kv_offset=kv_offset, window=window, scale=scale, threads=threads,
-                rows=rows, group=group, block_q=block_q, block_kv=block_kv, split=SPLIT_KV)  # fmt: skip
+                rows=rows, group=group, block_q=block_q, block_kv=block_kv, split=split)  # fmt: skip
     return _call(TARGET, ("tile", "row", "row"), (q, k, v), call)
 
 
@@ -273,6 +275,9 @@ def _attributes(
     )
 
 
+_PAGE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
 def paged_forward(
     q: Array,
     k_pages: Array,
@@ -285,14 +290,15 @@ def paged_forward(
     scale: float,
     threads: int,
     block_q: int = BLOCK_Q,
+    split: int = SPLIT_KV,
 ) -> tuple[Array, Array]:
     """Paged attention's ``out (Q, N, E)`` and ``lse (Q, N)``, float32 (:func:`jattn.paged_attention`'s operands).
 
-    ``q (Q, N, D)``, ``k_pages (P, Z, K, D)``, ``v_pages (P, Z, K, E)`` (any float dtype but float64: upcast to
-    float32), ``page_table (R, M)``, ``kv_lens (R,)``, ``cu_q_lens (R + 1,)``; query i of request r sits at
+    ``q (Q, N, D)`` (upcast to float32), ``k_pages (P, Z, K, D)``, ``v_pages (P, Z, K, E)`` (float32, bfloat16 or
+    float16 read as they are, each element upcast as the tile is packed: no float32 copy of the pool), ``page_table (R, M)``, ``kv_lens (R,)``, ``cu_q_lens (R + 1,)``; query i of request r sits at
     position ``kv_lens[r] - q_len + i`` and sees key j where ``position - left <= j <= position + right`` and
     ``j < kv_lens[r]``. The rows of a request for one kv head (its G heads' tokens) are cut into tasks of
-    ``block_q`` rows and :data:`SPLIT_KV` keys, run on ``threads`` threads; a row's splits are merged in key order,
+    ``block_q`` rows and ``split`` keys (a multiple of :data:`BLOCK_KV`), run on ``threads`` threads; a row's splits are merged in key order,
     with the tiles and splits of :func:`forward`, so a row's bits are the same there and here. Requests whose tables
     are broken are skipped (0 rows); rows of no request are 0 with lse ``-inf``. Requires :func:`available`.
     """
@@ -301,9 +307,13 @@ def paged_forward(
     Q, N, E = q.shape[0], q.shape[1], v_pages.shape[-1]
     shapes = (jax.ShapeDtypeStruct((Q, N, E), jnp.float32), jax.ShapeDtypeStruct((Q, N), jnp.float32))
     fn = jax.ffi.ffi_call(PAGED, shapes, vmap_method="sequential")
-    floats = (x.astype(jnp.float32) for x in (q, k_pages, v_pages))
+    pages = (
+        (k_pages, v_pages)
+        if k_pages.dtype in _PAGE_DTYPES
+        else (k_pages.astype(jnp.float32), v_pages.astype(jnp.float32))
+    )
     tables = (x.astype(jnp.int32) for x in (page_table, kv_lens, cu_q_lens))
     return fn(
-        *floats, *tables, left=np.int64(window[0]), right=np.int64(window[1]), scale=np.float32(scale),
-        block_q=np.int64(block_q), block_kv=np.int64(BLOCK_KV), split=np.int64(SPLIT_KV), threads=np.int64(threads),
+        q.astype(jnp.float32), *pages, *tables, left=np.int64(window[0]), right=np.int64(window[1]), scale=np.float32(scale),
+        block_q=np.int64(block_q), block_kv=np.int64(BLOCK_KV), split=np.int64(split), threads=np.int64(threads),
     )  # fmt: skip

@@ -171,12 +171,13 @@ def _forward(path: str, p: Paged, score_mod) -> tuple[Array, Array]:
         out, lse = fused.forward(p)
     else:
         out, lse = xla.forward(p, score_mod)
-    Q = p.q.shape[0]
+    Q, R = p.q.shape[0], p.page_table.shape[0]
+    if R == 0:
+        return out, lse
     bad = bad_requests(p)
-    request = jnp.searchsorted(p.cu_q_lens, jnp.arange(Q), side="right") - 1  # each token's request, or -1 / R
-    inside = (request >= 0) & (request < bad.shape[0])
-    nan = jnp.where(inside, bad[jnp.clip(request, 0, bad.shape[0] - 1)], False) | (bad.all() & (bad.shape[0] > 0))
-    return (jnp.where(nan[:, None, None], jnp.nan, out), jnp.where(nan[:, None], jnp.nan, lse))
+    request = jnp.searchsorted(p.cu_q_lens, jnp.arange(Q, dtype=jnp.int32), side="right") - 1  # -1 or R: padding
+    nan = jnp.where((request >= 0) & (request < R), bad[jnp.clip(request, 0, R - 1)], False) | bad.all()
+    return jnp.where(nan[:, None, None], jnp.nan, out), jnp.where(nan[:, None], jnp.nan, lse)
 
 
 def _with_sinks(out: Array, lse: Array, sinks: Array | None) -> tuple[Array, Array]:

@@ -160,7 +160,7 @@ def bad_requests(p: Paged) -> Array:
     M, Q = p.page_table.shape[1], p.q.shape[0]
     kv, cu = p.kv_lens, p.cu_q_lens
     q_lens = cu[1:] - cu[:-1]
-    used = jnp.arange(M)[None, :] < (kv[:, None] + Z - 1) // Z
+    used = jnp.arange(M, dtype=jnp.int32)[None, :] < (kv[:, None] + Z - 1) // Z
     out_of_range = jnp.any(used & ((p.page_table < 0) | (p.page_table >= P)), axis=1)
     broken = (kv < 0) | (kv > M * Z) | (q_lens < 0) | (q_lens > kv) | out_of_range
     torn = (cu[0] < 0) | jnp.any(q_lens < 0) | (cu[-1] > Q)
