@@ -15,6 +15,11 @@ Decoding keeps the cache in the ``'cache'`` collection (Flax's convention)::
     cache = layer.init(key, batch_size, max_length, method="init_cache")["cache"]
     y, vars = layer.apply({"params": params, "cache": cache}, x, decode=True, mutable=["cache"])
 
+Serving from a paged pool keeps ``k_pages`` and ``v_pages`` in the same collection::
+
+    cache = layer.init(key, num_pages, page_size, method="init_paged_cache")["cache"]
+    y, vars = layer.apply({"params": params, "cache": cache}, x, paged=batch, mutable=["cache"])
+
 Weights are sown into ``'intermediates'`` under ``'attention_weights'`` with ``sow_weights``.
 """
 
@@ -36,6 +41,7 @@ from jattn._modules import (
     Layers,
     ModuleConfig,
     ModuleOptions,
+    PagedBatch,
     check_context,
     check_input,
     configure,
@@ -43,11 +49,13 @@ from jattn._modules import (
     forward,
     gate_params,
     init_cache,
+    init_paged_cache,
+    paged_forward,
 )
 from jattn._scalars import check_int
 from jattn.score_mods import ScoreMod
 
-__all__ = ["CrossAttention", "SelfAttention"]
+__all__ = ["CrossAttention", "PagedBatch", "SelfAttention"]
 
 SOW_NAME = "attention_weights"
 
@@ -179,10 +187,12 @@ class SelfAttention(_Attention):
         sow_weights: bool = False,
         decode: bool | None = None,
         lengths: Array | None = None,
+        paged: PagedBatch | None = None,
     ) -> Array | tuple[Array, Array]:
         """Attends ``x (..., T, d_model)`` to itself.
 
-        Args: as :meth:`jattn.nnx.SelfAttention.__call__`, and
+        Args: as :meth:`jattn.nnx.SelfAttention.__call__` (``paged``: the flat ragged tokens ``x (Q, d_model)``
+        of a serving step on the pool of :meth:`init_paged_cache`, the ``'cache'`` collection passed mutable), and
           deterministic: overrides the ``deterministic`` field for this call (None: the field).
           dropout_rng: a key for dropout, instead of the ``'dropout'`` rng collection.
           sow_weights: sow the weights ``(..., N, T, S)`` into ``'intermediates'`` under
@@ -203,7 +213,26 @@ class SelfAttention(_Attention):
             implementation=implementation,
             block_size=block_size,
         )
+        if paged is not None:
+            if return_weights or sow_weights or decode or lengths is not None or block_size is not None:
+                raise ValueError("paged=... takes x, mask and implementation only (no weights, decode or lengths)")
+            return self._paged(x, mask, paged, implementation)
         return self._run(x, None, self._config(self.d_model), call, dropout_rng)
+
+    def _paged(self, x: Array, mask: Mask | None, batch: PagedBatch, implementation: str | None) -> Array:
+        """A serving step of ``x (Q, d_model)`` on the pool in ``'cache'`` (``jattn._modules.paged``)."""
+        o = self._config(self.d_model)
+        layers = self._layers(o)  # the parameters first: module.init with paged=... creates them
+        pool = dict(self.variables.get("cache") or {})
+        if "k_pages" not in pool:
+            raise ValueError(
+                "paged=... needs a paged cache: variables from module.init(key, num_pages, page_size, "
+                "method='init_paged_cache')['cache']"
+            )
+        out, pool = paged_forward(o, layers, x, pool, batch, mask, implementation)
+        for name, value in pool.items():
+            self.put_variable("cache", name, value)
+        return out
 
     def init_cache(
         self,
@@ -219,6 +248,15 @@ class SelfAttention(_Attention):
         Run it as ``module.init(key, batch_size, max_length, window=..., method="init_cache")``.
         """
         cache = init_cache(self._config(self.d_model), batch_size, max_length, window, pinned, dtype)
+        for name, value in cache.items():
+            self.put_variable("cache", name, value)
+
+    def init_paged_cache(self, num_pages: int, page_size: int, *, dtype: Any = jnp.float32) -> None:
+        """Creates the paged pool in ``'cache'``, as :meth:`jattn.nnx.SelfAttention.init_paged_cache`.
+
+        Run it as ``module.init(key, num_pages, page_size, method="init_paged_cache")``.
+        """
+        cache = init_paged_cache(self._config(self.d_model), num_pages, page_size, dtype)
         for name, value in cache.items():
             self.put_variable("cache", name, value)
 

@@ -29,6 +29,7 @@ from jattn._modules import (
     CallArguments,
     Layers,
     ModuleOptions,
+    PagedBatch,
     check_context,
     check_input,
     configure,
@@ -36,11 +37,13 @@ from jattn._modules import (
     forward,
     gate_params,
     init_cache,
+    init_paged_cache,
+    paged_forward,
 )
 from jattn._scalars import check_bool
 from jattn.score_mods import ScoreMod
 
-__all__ = ["CrossAttention", "SelfAttention"]
+__all__ = ["CrossAttention", "PagedBatch", "SelfAttention"]
 
 _KERNEL_INIT = nnx.initializers.lecun_normal()
 _BIAS_INIT = nnx.initializers.zeros_init()
@@ -113,6 +116,22 @@ class _Attention(nnx.Module):
         if deterministic is not None:
             self.deterministic = check_bool("deterministic", deterministic)
 
+    def _layers(self) -> Layers:
+        """The projections, QK norms, sinks and gates as the shared call takes them."""
+        sinks = None if self.sinks is None else self.sinks[...]
+        gates = {name: getattr(self, name)[...] for name in self.gate_names} or None
+        return Layers(self.wq, self.wk, self.wv, self.wo, self.query_ln, self.key_ln, sinks, gates)
+
+    def _paged_call(self, x: Array, mask: Mask | None, batch: PagedBatch, implementation: str | None) -> Array:
+        """A serving step of the flat ragged tokens ``x (Q, d_model)`` on the paged pool (``jattn._modules.paged``)."""
+        pool = None if self.cache is None else {name: var[...] for name, var in self.cache.items()}
+        if pool is None or "k_pages" not in pool:
+            raise ValueError("paged=... needs init_paged_cache(num_pages, page_size) first")
+        out, pool = paged_forward(self.options, self._layers(), x, pool, batch, mask, implementation)
+        for name, value in pool.items():
+            self.cache[name][...] = value
+        return out
+
     def _call(
         self, x: Array, context: Array | None, call: CallArguments, rngs: nnx.Rngs | None
     ) -> Array | tuple[Array, Array]:
@@ -126,10 +145,7 @@ class _Attention(nnx.Module):
         if decode and self.cache is None:
             raise ValueError("decode=True needs init_cache(batch_size, max_length) first")
         cache = {name: var[...] for name, var in self.cache.items()} if decode else None
-        sinks = None if self.sinks is None else self.sinks[...]
-        gates = {name: getattr(self, name)[...] for name in self.gate_names} or None
-        layers = Layers(self.wq, self.wk, self.wv, self.wo, self.query_ln, self.key_ln, sinks, gates)
-        out, weights, cache = forward(self.options, layers, x, context, call, cache=cache, dropout_rng=rng)
+        out, weights, cache = forward(self.options, self._layers(), x, context, call, cache=cache, dropout_rng=rng)
         if cache is not None:
             for name, value in cache.items():
                 self.cache[name][...] = value
@@ -235,6 +251,7 @@ class SelfAttention(_Attention):
         lengths: Array | None = None,
         implementation: str | None = None,
         block_size: int | tuple[int, int] | None = None,
+        paged: PagedBatch | None = None,
     ) -> Array | tuple[Array, Array]:
         """Attends ``x (..., T, d_model)`` to itself.
 
@@ -262,12 +279,21 @@ class SelfAttention(_Attention):
             clipped to ``[0, T]`` and make that example's outputs NaN.
           implementation, block_size: override the constructor's (None: keep them); softmax
             kind only.
+          paged: a :class:`PagedBatch`: ``x (Q, d_model)`` are the flat ragged tokens of many
+            requests, continuing their keys in the pool of :meth:`init_paged_cache` (their own
+            keys and values are written there first), attended with
+            :func:`jattn.paged_attention`; ``mask`` a predicate (default causal) and
+            ``implementation`` its path (``'fused'``, ``'xla'`` or None). Returns ``(Q, F)``.
 
         Returns:
           ``(..., T, F)`` with F the out features (or qkv features without ``wo``), and the
           weights when ``return_weights`` (with ``decode``, S = cache slots + T).
         """
         check_input("x", x, self.d_model)
+        if paged is not None:
+            if return_weights or sow_weights or decode or lengths is not None or block_size is not None:
+                raise ValueError("paged=... takes x, mask and implementation only (no weights, decode or lengths)")
+            return self._paged_call(x, mask, paged, implementation)
         call = CallArguments(
             mask=mask,
             context_mask=None,
@@ -310,6 +336,21 @@ class SelfAttention(_Attention):
           dtype: floating dtype of the cached keys and values (or state).
         """
         cache = init_cache(self.options, batch_size, max_length, window, pinned, dtype)
+        self.cache = nnx.data({name: nnx.Cache(value) for name, value in cache.items()})
+
+    def init_paged_cache(self, num_pages: int, page_size: int, *, dtype: Any = jnp.float32) -> None:
+        """Allocates an empty paged pool, the cache of calls with ``paged=PagedBatch(...)`` (softmax kind).
+
+        ``k_pages`` and ``v_pages (num_pages, page_size, K, D)``: keys (after QK norm and rotary
+        embedding) and values of the K kv heads, shared by every request; which pages a request
+        holds is the caller's (its ``page_table``). Replaces any cache the module held.
+
+        Args:
+          num_pages: positive int P.
+          page_size: positive int Z, tokens a page.
+          dtype: floating dtype of the pool (queries are cast to it for the attention).
+        """
+        cache = init_paged_cache(self.options, num_pages, page_size, dtype)
         self.cache = nnx.data({name: nnx.Cache(value) for name, value in cache.items()})
 
 

@@ -9,6 +9,11 @@ Under a mesh with a ``seq`` axis, softmax attention runs as ring attention over 
 are a learned absolute table (``positions='learned'``, ``max_len`` rows) or ALiBi
 (``positions='alibi'``: no table; every attention layer subtracts ``slope[head] · distance``
 from its scores, with the paper's fixed slopes).
+
+Serving (:mod:`train.serve`): :meth:`Decoder.init_paged_cache` gives every attention layer a paged KV pool and
+:meth:`Decoder.paged` runs one ragged step of many requests' tokens on it. ``batch_invariant=True`` runs every
+matmul on fixed tiles of :data:`ROW_TILE` rows (:func:`row_tiled_dot_general`), so that a row's result does not
+depend on how many rows share the call: with it, a served request's logits are bitwise the training forward's.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from jattn import masks
 MIXERS = ("attention", "linear", *jattn.RECURRENT_KINDS, "none")
 SCORE_FREE = ("linear", *jattn.RECURRENT_KINDS)  # mixers that form no scores (no ALiBi, windows or weights)
 POSITIONS = ("learned", "alibi")
+ROW_TILE = 16  # rows of one matmul tile in the batch-invariant mode
 IMPLEMENTATIONS = jattn.IMPLEMENTATIONS  # paths of softmax attention (jattn.attention's implementation=)
 SEQUENCE_AXIS = "seq"  # ring attention over this mesh axis when the current mesh has it (train/sharding.py)
 
@@ -36,6 +42,33 @@ def causal_mask(window: int = 0, global_tokens: tuple[int, ...] = ()) -> masks.M
         return masks.causal()
     local = masks.sliding_window(window)
     return masks.causal() & (local | masks.global_tokens(global_tokens) if global_tokens else local)
+
+
+def row_tiled_dot_general(lhs: Array, rhs: Array, dimension_numbers, precision=None, preferred_element_type=None,
+                          **kwargs) -> Array:  # fmt: skip
+    """``lhs (..., F) @ rhs (F, F')`` on tiles of :data:`ROW_TILE` rows, one tile a step of ``lax.map``.
+
+    XLA's CPU matmul rounds a row differently depending on how many rows the call has (the kernel and its
+    blocking depend on the shape); a fixed tile shape computed one tile at a time gives every row the same bits
+    whatever else is in the batch. ``lax.dot_general``'s signature, for ``nnx.Linear(dot_general=...)``.
+    """
+    del kwargs  # out_sharding: none outside a mesh
+    if dimension_numbers != (((lhs.ndim - 1,), (0,)), ((), ())) or rhs.ndim != 2:
+        raise ValueError(f"row_tiled_dot_general takes (..., F) @ (F, F'), got {dimension_numbers}")
+    rows = lhs.reshape(-1, lhs.shape[-1])  # (n, F)
+    n = rows.shape[0]
+    tiles = jnp.pad(rows, ((0, -n % ROW_TILE), (0, 0))).reshape(-1, ROW_TILE, rows.shape[1])  # (n_tiles, TILE, F)
+    numbers = (((1,), (0,)), ((), ()))
+    dot = lambda t: jax.lax.dot_general(t, rhs, numbers, precision, preferred_element_type)  # noqa: E731
+    out = jax.lax.map(dot, tiles).reshape(-1, rhs.shape[1])[:n]  # (n, F')
+    return out.reshape(*lhs.shape[:-1], rhs.shape[1])
+
+
+def make_batch_invariant(model: nnx.Module) -> None:
+    """Every ``nnx.Linear`` of ``model`` on :func:`row_tiled_dot_general` (a static attribute: parameters unchanged)."""
+    for _, module in nnx.iter_modules(model):
+        if isinstance(module, nnx.Linear):
+            module.dot_general = row_tiled_dot_general
 
 
 class ShortConv(nnx.Module):
@@ -114,7 +147,17 @@ class Block(nnx.Module):
         else:
             h = self.mixer(h)
         x = x + h
-        return x + self.down(jax.nn.gelu(self.up(self.ln2(x)))), w
+        return self._mlp(x), w
+
+    def _mlp(self, x: Array) -> Array:
+        """``x + MLP(LN x)``."""
+        return x + self.down(jax.nn.gelu(self.up(self.ln2(x))))
+
+    def paged(self, x: Array, mask: masks.Mask, batch: jattn.nnx.PagedBatch) -> Array:
+        """A serving step: ``x (Q, d_model)``, the flat ragged tokens of :class:`jattn.nnx.PagedBatch` -> new x."""
+        if self.conv is not None or not isinstance(self.mixer, jattn.nnx.SelfAttention):
+            raise ValueError("a paged step needs softmax attention without a short convolution")
+        return self._mlp(x + self.mixer(self.ln1(x), mask, paged=batch))
 
 
 class Decoder(nnx.Module):
@@ -137,9 +180,12 @@ class Decoder(nnx.Module):
         implementation: str | None = None,
         block_size: int | None = None,
         short_conv: int = 0,
+        batch_invariant: bool = False,
         rngs: nnx.Rngs,
     ) -> None:
         """``implementation`` and ``block_size`` choose softmax attention's path (:func:`jattn.attention`).
+
+        ``batch_invariant``: every matmul on fixed row tiles (:func:`make_batch_invariant`).
 
         ``short_conv``: the size of a :class:`ShortConv` before every mixer (0: none).
 
@@ -177,6 +223,8 @@ class Decoder(nnx.Module):
         self.mask = causal_mask(window, tuple(global_tokens))
         self.window, self.global_tokens = window, tuple(global_tokens)
         self.next = nnx.data(None)  # per-example next position while decoding
+        if batch_invariant:
+            make_batch_invariant(self)
 
     def __call__(
         self, tokens: Array, *, return_weights: bool = False, decode: bool = False
@@ -200,6 +248,29 @@ class Decoder(nnx.Module):
             weights.append(w)
         logits = self.head(self.ln_f(x))
         return (logits, weights) if return_weights else logits
+
+    def paged(self, tokens: Array, batch: jattn.nnx.PagedBatch, rows: Array | None = None) -> Array:
+        """One serving step on the paged pools (after :meth:`init_paged_cache`): logits ``(R', vocab)``.
+
+        ``tokens (Q,)`` int: the flat ragged tokens of the requests of ``batch`` (each request's keys and values are
+        written into its pages, at ``batch.pages``/``batch.slots``); ``rows (R',)``: the rows whose logits are
+        wanted (default all Q).
+        """
+        x = self.embed(tokens)  # (Q, d_model)
+        if self.pos is not None:
+            x = x + self.pos[...][batch.positions]
+        for block in self.blocks:
+            x = block.paged(x, self.mask, batch)
+        if rows is not None:
+            x = x[rows]
+        return self.head(self.ln_f(x))
+
+    def init_paged_cache(self, num_pages: int, page_size: int) -> None:
+        """A paged KV pool of ``num_pages`` pages of ``page_size`` tokens in every attention layer."""
+        for block in self.blocks:
+            if not isinstance(block.mixer, jattn.nnx.SelfAttention) or block.conv is not None:
+                raise ValueError("a paged cache needs softmax attention (mixer='attention') without short_conv")
+            block.mixer.init_paged_cache(num_pages, page_size)
 
     def init_cache(self, batch_size: int, max_len: int) -> None:
         """Empty caches for greedy decoding: full, or a ring of ``window`` slots + pinned globals."""

@@ -11,7 +11,7 @@ names imported below, and nothing else. Its files import each other directly, ne
 face.
 """
 
-from jattn._masks.base import ArrayMask, Mask, check_lengths, conjuncts, mask_of_array, query_offset
+from jattn._masks.base import ArrayMask, Mask, as_mask, check_lengths, conjuncts, mask_of_array, query_offset
 from jattn._masks.constructors import (
     __all__,  # what `from jattn._masks import *` gives
     array,
@@ -39,7 +39,7 @@ from jattn._masks.kinds import (
     row_kinds,
 )
 from jattn._masks.per_example import Padding, RowPadding, RowSegments, SegmentIds, on_batch_axis, per_example_steps
-from jattn._masks.positions import Causal, KeyBelow, SlidingWindow, key_interval
+from jattn._masks.positions import UNBOUNDED, Causal, KeyBelow, SlidingWindow, key_interval
 from jattn._masks.predicates import lead_rows
 from jattn._masks.rows import array_leaves, as_rows, example_lead
 from jattn._masks.skeleton import fill_arrays, is_slot, map_slots, shared_arrays, split_arrays

@@ -27,7 +27,9 @@ from jattn._modules.options import ModuleConfig, check_path, refuse_path
 from jattn._rope import rope as rotate
 from jattn._scalars import check_bool
 
-__all__ = ["CallArguments", "Layers", "check_context", "check_input", "forward", "gate_params", "init_cache"]
+__all__ = [
+    "CallArguments", "Layers", "check_context", "check_input", "forward", "gate_params", "init_cache", "normalized_rotated",
+]  # fmt: skip
 
 
 def check_input(name: str, x: Array, features: int) -> None:
@@ -144,7 +146,9 @@ def _flatten_mask_batch(
     return jnp.broadcast_to(mask, (*batch, *rest)).reshape(-1, *rest)
 
 
-def _qk(config: ModuleConfig, layers: Layers, q: Array, k: Array, q_pos: Array, k_pos: Array) -> tuple[Array, Array]:
+def normalized_rotated(
+    config: ModuleConfig, layers: Layers, q: Array, k: Array, q_pos: Array, k_pos: Array
+) -> tuple[Array, Array]:
     """QK normalisation then rotary embedding of ``q (B, T, N*D)`` and ``k (B, S, K*D)`` per head.
 
     ``q_pos`` and ``k_pos`` broadcast to ``(B, T)`` and ``(B, S)``: the absolute positions.
@@ -180,7 +184,7 @@ def _full_pass(
         raise ValueError("lengths applies to decode=True only")
     kv_mask = None if call.context_mask is None else jnp.asarray(call.context_mask).reshape(b, s)  # (B, S)
     pos = jnp.arange(t, dtype=jnp.int32)[None]  # (1, T): positions of a self-attention pass
-    q, k = _qk(config, layers, q, k, pos, pos)
+    q, k = normalized_rotated(config, layers, q, k, pos, pos)
     mask = _flatten_mask_batch(call.mask, batch, config.num_heads, t, s)
     out, weights, _ = multihead(
         q,
@@ -218,6 +222,8 @@ def _decode_step(
     """``q, k, v (B, T, ·)`` continue the tokens in ``cache``: ``out``, the weights, the new cache and ``bad (B, T)``."""
     q, k, v = qkv
     b, t = q.shape[:2]
+    if "k_pages" in cache:
+        raise ValueError("this module holds a paged cache (init_paged_cache): call it with paged=PagedBatch(...)")
     if cache["next"].shape[0] != b:
         raise ValueError(
             f"x has batch dims {batch} ({b} sequences) but the cache was made for batch_size={cache['next'].shape[0]}"
@@ -227,7 +233,7 @@ def _decode_step(
     mask = Causal() if call.mask is None else with_causal(call.mask) if config.causal else call.mask
     lengths = _lengths(call, batch, b)
     pos, valid, lengths, bad = _cache.positions(cache, t, lengths)  # (B, T), (B, T), (B,), (B, T)
-    q, k = _qk(config, layers, q, k, pos, pos)
+    q, k = normalized_rotated(config, layers, q, k, pos, pos)
     step = Step(config.score_mod, mask, pos, valid, lengths, bad)
     return module_kind(config.kind).decode(q, k, v, cache, step, attend)
 

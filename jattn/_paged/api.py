@@ -16,8 +16,7 @@ from jax import Array
 from jax.typing import ArrayLike
 
 from jattn._checks import check_score_mod
-from jattn._masks import Mask, causal
-from jattn._masks.positions import key_interval
+from jattn._masks import Mask, causal, key_interval
 from jattn._paged import fused, xla
 from jattn._paged.checks import Paged, bad_requests, check_paged
 
@@ -25,10 +24,14 @@ __all__ = ["PAGED_IMPLEMENTATIONS", "SPLIT_KV", "TILE_KV", "paged_attention"]
 
 #: The paths of :func:`paged_attention` (``implementation=``).
 PAGED_IMPLEMENTATIONS = ("fused", "xla")
-#: Keys of one tile (the fused CPU kernel's online-softmax step) and of one split (merged by log-sum-exp): both
-#: start at multiples of themselves from key 0, whatever the batch, the chunking or the path's own blocks, which
-#: is what makes a request's output independent of them (docs: serving guide).
-TILE_KV, SPLIT_KV = fused.TILE_KV, fused.SPLIT_KV
+TILE_KV = fused.TILE_KV
+"""Keys of one tile: one step of the fused CPU path's online softmax, at multiples of 512 from key 0."""
+SPLIT_KV = fused.SPLIT_KV
+"""Keys of one split, merged into a row's total by log-sum-exp in key order: the unit of split-KV.
+
+Tiles and splits start at multiples of themselves from key 0 on every fused CPU forward (paged or
+:func:`jattn.attention`'s), whatever the batch, the chunking or the task's rows: what makes a request's bits
+independent of them."""
 
 
 def paged_attention(
@@ -155,7 +158,7 @@ def _choose(implementation: str | None, p: Paged, score_mod) -> str:
 def _fused_refusal(p: Paged, score_mod) -> str | None:
     """Why the fused CPU path cannot take the call, or None."""
     if jax.default_backend() != "cpu" or not fused.available():
-        return "the fused CPU kernel runs on a CPU where it is built (jattn._blockwise.fused_cpu.available())"
+        return "the fused CPU kernel runs on a CPU where it is built (jattn._blockwise.fused_cpu_available())"
     if p.q.dtype == jnp.float64:
         return "float64 inputs (it computes in float32)"
     if score_mod is not None:

@@ -15,8 +15,7 @@ import numpy as np
 from jax import Array
 from jax.typing import ArrayLike
 
-from jattn._masks import Mask
-from jattn._masks.base import as_mask
+from jattn._masks import Mask, as_mask
 
 __all__ = ["Paged", "bad_requests", "check_paged", "check_values"]
 

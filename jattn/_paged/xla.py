@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax import Array
 from jax.typing import DTypeLike
 
-from jattn._masks.positions import UNBOUNDED, key_interval
+from jattn._masks import UNBOUNDED, key_interval
 from jattn._online import finish
 from jattn._paged.checks import Paged
 from jattn._softmax import exp_below_one
