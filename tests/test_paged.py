@@ -26,6 +26,7 @@ from jattn._blockwise import fused_cpu
 from jattn._paged import fused, xla
 from jattn._paged.checks import check_paged
 from tests import reference as ref
+from tests.paged_cases import Case
 
 N, K, D, E = 6, 2, 11, 7  # query heads, kv heads (G = 3), depths; R differs in every case
 PAD = 3  # padding tokens past cu_q_lens[R]
@@ -51,20 +52,6 @@ def impl(request) -> str:
     if request.param == "fused" and (why := _fused_missing()):
         pytest.skip(why)
     return request.param
-
-
-@dataclasses.dataclass
-class Case:
-    q: np.ndarray  # (Q, N, D)
-    k_pages: np.ndarray  # (P, Z, K, D)
-    v_pages: np.ndarray  # (P, Z, K, E)
-    table: np.ndarray  # (R, M)
-    kv_lens: np.ndarray  # (R,)
-    cu: np.ndarray  # (R + 1,)
-
-    def args(self, dtype=jnp.float32) -> tuple:
-        floats = (jnp.asarray(x, dtype) for x in (self.q, self.k_pages, self.v_pages))
-        return (*floats, *(jnp.asarray(x, jnp.int32) for x in (self.table, self.kv_lens, self.cu)))
 
 
 def _case(seed, q_lens, kv_lens, Z, *, heads=(N, K), share=None, spare=3) -> Case:

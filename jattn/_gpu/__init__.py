@@ -18,4 +18,5 @@ never through the face.
 """
 
 from jattn._gpu.attention import MAX_DEPTH, gpu_attention, refuse
+from jattn._gpu.deprecation import answer_triton_deprecation
 from jattn._gpu.mosaic_support import backend_for

@@ -17,13 +17,13 @@ from jax.typing import ArrayLike
 
 from jattn._checks import check_score_mod
 from jattn._masks import Mask, causal, key_interval
-from jattn._paged import fused, xla
+from jattn._paged import fused, pallas, xla
 from jattn._paged.checks import Paged, bad_requests, check_paged
 
 __all__ = ["PAGED_IMPLEMENTATIONS", "SPLIT_KV", "TILE_KV", "paged_attention"]
 
 #: The paths of :func:`paged_attention` (``implementation=``).
-PAGED_IMPLEMENTATIONS = ("fused", "xla")
+PAGED_IMPLEMENTATIONS = ("fused", "xla", "pallas")
 TILE_KV = fused.TILE_KV
 """Keys of one tile: one step of the fused CPU path's online softmax, at multiples of 512 from key 0."""
 SPLIT_KV = fused.SPLIT_KV
@@ -94,8 +94,9 @@ def paged_attention(
       sinks: one logit per query head, added to each row's denominator without a value.
       return_lse: also return the lse ``(Q, N)``.
       implementation: ``'fused'`` (the fused CPU kernel: float32 compute, masks of one key interval per
-        query, no score_mod), ``'xla'`` (XLA's tiles, any mask and score_mod, every platform) or None: fused
-        where it takes the call, else xla.
+        query, no score_mod), ``'xla'`` (XLA's tiles, any mask and score_mod, every platform), ``'pallas'`` (a
+        Pallas GPU kernel, Triton; masks of one key interval a query, no score_mod; in interpret mode on a CPU;
+        refused on TPU) or None: pallas on a GPU where it takes the call, else fused where it does, else xla.
 
     Returns:
       ``out``, or ``(out, lse)`` with ``return_lse``.
@@ -148,11 +149,23 @@ def _choose(implementation: str | None, p: Paged, score_mod) -> str:
     if implementation is not None and implementation not in PAGED_IMPLEMENTATIONS:
         raise ValueError(f"paged_attention: implementation must be one of {PAGED_IMPLEMENTATIONS} or None, "
                          f"got {implementation!r}")  # fmt: skip
+    if implementation == "pallas" or (implementation is None and jax.default_backend() == "gpu"):
+        why = pallas.refusal(p, score_mod, interpret=_interpreted())
+        if implementation == "pallas" and why:
+            raise ValueError(f"paged_attention: implementation='pallas' cannot take this call: {why}; "
+                             "implementation='xla' takes it")  # fmt: skip
+        if not why:
+            return "pallas"
     why = _fused_refusal(p, score_mod)
     if implementation == "fused" and why:
         raise ValueError(f"paged_attention: implementation='fused' cannot take this call: {why}; "
                          "implementation='xla' takes it")  # fmt: skip
     return implementation or ("xla" if why else "fused")
+
+
+def _interpreted() -> bool:
+    """Whether the Pallas path runs in Pallas interpret mode (exact, slow: on a CPU, asked for by name)."""
+    return jax.default_backend() != "gpu"
 
 
 def _fused_refusal(p: Paged, score_mod) -> str | None:
@@ -172,6 +185,8 @@ def _forward(path: str, p: Paged, score_mod) -> tuple[Array, Array]:
     """``out (Q, N, E)`` float32 (float64 for float64 inputs) and ``lse (Q, N)``; broken requests' rows NaN."""
     if path == "fused":
         out, lse = fused.forward(p)
+    elif path == "pallas":
+        out, lse = pallas.forward(p, interpret=_interpreted())
     else:
         out, lse = xla.forward(p, score_mod)
     Q, R = p.q.shape[0], p.page_table.shape[0]

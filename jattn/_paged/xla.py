@@ -6,7 +6,7 @@ and ``s`` are a block's rows and a tile's keys.
 
 Each request's query tokens fall into blocks of :data:`BLOCK_Q` rows aligned to absolute positions: block b
 of request r holds its queries at positions ``[b·BLOCK_Q, (b+1)·BLOCK_Q)``, so a token's row never depends
-on the batch or on how its prompt was chunked. A static bound on the block count (:func:`max_blocks`) lets
+on the batch or on how its prompt was chunked. A static bound on the block count (:func:`jattn._paged.blocks.max_blocks`) lets
 the table of blocks (their request, each row's token) be built with jnp ops from traced ``cu_q_lens`` and
 ``kv_lens``. A loop over key tiles of :func:`tile_size` keys (whole pages, starting at multiples of the tile
 from key 0) gathers one tile of every block's request a step, ``(B, s, K, D)``, through ``page_table``: the
@@ -24,13 +24,12 @@ from jax.typing import DTypeLike
 
 from jattn._masks import UNBOUNDED, key_interval
 from jattn._online import finish
+from jattn._paged.blocks import query_blocks
 from jattn._paged.checks import Paged
 from jattn._softmax import exp_below_one
 
-__all__ = ["BLOCK_Q", "TILE_MIN", "forward", "max_blocks", "tile_size"]
+__all__ = ["TILE_MIN", "forward", "tile_size"]
 
-#: Query rows of a block (positions ``[b·BLOCK_Q, (b+1)·BLOCK_Q)`` of one request).
-BLOCK_Q = 16
 #: Fewest keys of a tile: a tile is the fewest whole pages holding at least this many.
 TILE_MIN = 128
 
@@ -44,16 +43,6 @@ def tile_size(Z: int) -> int:
     return Z * max(1, -(-TILE_MIN // Z))
 
 
-def max_blocks(Q: int, R: int) -> int:
-    """A static bound on the query blocks of ``Q`` tokens in ``R`` requests (``R`` blocks for a decode step).
-
-    ``L >= 1`` consecutive positions touch at most ``1 + min(L - 1, ceil((L - 1) / BLOCK_Q))`` aligned blocks;
-    summed over ``r`` requests holding ``Q`` tokens, at most ``r + min(Q - r, floor((Q - r + r (BLOCK_Q - 1)) /
-    BLOCK_Q))``, the largest over ``r <= min(R, Q)``.
-    """
-    return max(r + min(Q - r, (Q - r + r * (BLOCK_Q - 1)) // BLOCK_Q) for r in range(min(R, Q) + 1))
-
-
 def forward(p: Paged, score_mod: ScoreMod | None) -> tuple[Array, Array]:
     """``out (Q, N, E)`` and ``lse (Q, N)`` (float32; float64 for float64 inputs).
 
@@ -65,7 +54,7 @@ def forward(p: Paged, score_mod: ScoreMod | None) -> tuple[Array, Array]:
     out, lse = jnp.zeros((Q, N, E), compute), jnp.full((Q, N), -jnp.inf, compute)
     if Q == 0 or p.page_table.shape[0] == 0:
         return out, lse
-    request, token, q_pos = _blocks(p)
+    request, token, q_pos = query_blocks(p)
     m, norm, acc = _attend(p, score_mod, request, token, q_pos, compute)
     o, block_lse, _ = finish((m, norm, acc), compute)  # (B, K, G, t, E), (B, K, G, t)
     B, t = token.shape
@@ -73,29 +62,6 @@ def forward(p: Paged, score_mod: ScoreMod | None) -> tuple[Array, Array]:
     row_lse = jnp.transpose(block_lse, (0, 3, 1, 2)).reshape(B * t, N)
     dest = jnp.where(token >= 0, token, Q).reshape(B * t)  # Q: dropped
     return out.at[dest].set(rows, mode="drop"), lse.at[dest].set(row_lse, mode="drop")
-
-
-def _blocks(p: Paged) -> tuple[Array, Array, Array]:
-    """The query blocks: ``request (B,)``, ``token (B, t)`` (each row's q index, or -1) and ``q_pos (B, t)``.
-
-    Blocks past the last request's are unused (all rows -1); under ``jit`` broken tables may name more blocks
-    than :func:`max_blocks`, whose rows are then left out (those requests' rows are NaN anyway).
-    """
-    Q, R = p.q.shape[0], p.page_table.shape[0]
-    cu, kv = p.cu_q_lens, p.kv_lens
-    q_lens = jnp.maximum(cu[1:] - cu[:-1], 0)
-    start = kv - q_lens  # each request's first query position
-    first = jnp.floor_divide(start, BLOCK_Q)
-    count = jnp.where(q_lens > 0, jnp.floor_divide(kv - 1, BLOCK_Q) - first + 1, 0)
-    ends = jnp.cumsum(count)
-    i = jnp.arange(max_blocks(Q, R), dtype=jnp.int32)
-    request = jnp.searchsorted(ends, i, side="right").astype(jnp.int32)  # R past the last block
-    r = jnp.minimum(request, R - 1)
-    block = first[r] + i - (ends[r] - count[r])  # its absolute block index
-    q_pos = block[:, None] * BLOCK_Q + jnp.arange(BLOCK_Q, dtype=jnp.int32)[None, :]
-    row = q_pos - start[r][:, None]
-    used = (request < R)[:, None] & (row >= 0) & (row < q_lens[r][:, None])
-    return r, jnp.where(used, cu[r][:, None] + row, -1), q_pos
 
 
 def _key_range(p: Paged, token: Array, q_pos: Array, kv_len: Array) -> tuple[Array, Array]:
