@@ -33,6 +33,7 @@ NEWEST = {
     "test_transforms_sharded.py",
     "test_sharded_train.py",  # tests/multidevice: orbax across meshes (its training runs are heavy)
     "test_paged.py",  # paged attention: both paths, custom_jvp's refusal, jit of traced tables
+    "test_paged_pallas.py",  # the paged Pallas kernel: interpret mode, lowering for CUDA
 }
 
 #: Tests of 9 s or more of one xdist worker (``python -m tests.durations`` after ``make test``, 2-core AMD EPYC
