@@ -39,6 +39,7 @@ class ModuleKind:
     same_heads: bool = False
     feature_map: bool = False
     recurrent: RecurrentKind | None = None
+    paged: bool = False  # serves from a paged pool (jattn.paged_attention, jattn._modules.paged)
 
     @property
     def householder(self) -> bool:
@@ -47,7 +48,14 @@ class ModuleKind:
 
 
 SOFTMAX = ModuleKind(
-    "softmax", "jattn.attention", softmax_heads, _cache.softmax_cache, decoding.softmax_step, scores=True, cross=True
+    "softmax",
+    "jattn.attention",
+    softmax_heads,
+    _cache.softmax_cache,
+    decoding.softmax_step,
+    scores=True,
+    cross=True,
+    paged=True,
 )
 LINEAR = ModuleKind(
     "linear",

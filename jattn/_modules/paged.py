@@ -19,6 +19,7 @@ from jax import Array
 from jattn._masks import Causal, Mask
 from jattn._modules.cache import Cache
 from jattn._modules.call import Layers, normalized_rotated
+from jattn._modules.kinds import kind_names, module_kind
 from jattn._modules.multihead import with_causal
 from jattn._modules.options import ModuleConfig
 from jattn._paged import paged_attention
@@ -62,8 +63,9 @@ def init_paged_cache(config: ModuleConfig, num_pages: int, page_size: int, dtype
     num_pages = check_int("num_pages", num_pages, min=1)
     page_size = check_int("page_size", page_size, min=1)
     check_dtype("dtype", dtype)
-    if config.kind != "softmax":
-        raise ValueError(f"a paged cache holds keys and values of kind='softmax', got kind={config.kind!r}")
+    if not module_kind(config.kind).paged:
+        paged = ", ".join(repr(name) for name in kind_names() if module_kind(name).paged)
+        raise ValueError(f"a paged cache holds keys and values of kind={paged}, got kind={config.kind!r}")
     shape = (num_pages, page_size, config.num_kv_heads, config.head_depth)
     return {"k_pages": jnp.zeros(shape, dtype), "v_pages": jnp.zeros(shape, dtype)}
 
