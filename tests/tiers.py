@@ -41,6 +41,10 @@ NEWEST = {
 #: 15 minutes. Their node ids without ``tests/``. Not the docs' examples (75 s): they run on both, as users run
 #: them on either.
 SLOW = {
+    "test_paged_modules.py::test_paged_steps_equal_the_contiguous_cache_and_the_full_pass",  # 56 s
+    "test_paged_invariance.py::test_every_arrival_gives_the_training_forwards_bits[causal-0]",  # 34 s
+    "test_paged_invariance.py::test_every_arrival_gives_the_training_forwards_bits[causal-2]",  # 22 s
+    "test_paged_invariance.py::test_every_arrival_gives_the_training_forwards_bits[causal-1]",  # 16 s
     "test_gpu_kernel.py::test_second_order_with_learned_slopes_under_vmap_equals_a_loop",  # 47 s
     "test_log_linear.py::TestLogLinearKinds::test_jit_and_vmap_equal_the_eager_call_and_a_loop[log linear]",  # 35 s
     "test_gpu_kernel.py::test_second_order_through_the_dense_path",  # 30 s
