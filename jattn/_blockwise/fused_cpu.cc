@@ -1068,16 +1068,14 @@ template <Kind kind>
 void pack_pages_of(const PagedPool& pool, int64_t r, int64_t h, int64_t c0, int64_t cols, int64_t Bc, int64_t Ep,
                    float* kt, float* vt) {
   const int64_t D = pool.D, E = pool.E;
-  for (int64_t p = 0; p < round_up(cols, W); p += W)
-    for (int64_t w = 0; w < W; ++w) {
-      float* dst = kt + p * D + w;
-      if (p + w >= cols) {
-        for (int64_t c = 0; c < D; ++c) dst[c * W] = 0.f;
-        continue;
-      }
-      const int64_t at = pool.key(r, h, c0 + p + w);
-      for (int64_t c = 0; c < D; ++c) dst[c * W] = element<kind>(pool.kp, at + c);
+  int64_t at[W];  // the first element of each key of a panel (-1 past cols)
+  for (int64_t p = 0; p < round_up(cols, W); p += W) {
+    for (int64_t w = 0; w < W; ++w) at[w] = p + w < cols ? pool.key(r, h, c0 + p + w) : -1;
+    for (int64_t c = 0; c < D; ++c) {  // a row of the panel at a time: its W stores are contiguous
+      float* dst = kt + p * D + c * W;
+      for (int64_t w = 0; w < W; ++w) dst[w] = at[w] >= 0 ? element<kind>(pool.kp, at[w] + c) : 0.f;
     }
+  }
   for (int64_t j = 0; j < round_up(cols, W); ++j) {
     const int64_t at = j < cols ? pool.value(r, h, c0 + j) : -1;
     for (int64_t p = 0; p < Ep; p += W)
