@@ -28,7 +28,7 @@ import tempfile
 import time
 from typing import NamedTuple
 
-VARIANTS = ("plain", "features")  # causal; causal + dropout + ALiBi and a soft cap + sinks
+VARIANTS = ("plain", "features", "paged")  # causal; + dropout, ALiBi and a soft cap, sinks; paged attention
 DEPTHS = (64, 128, 256)
 DTYPES = ("bfloat16", "float16", "float32")
 ARCHS = (80, 90)

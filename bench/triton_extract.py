@@ -32,8 +32,11 @@ def programs(variant: str, D: int, dtype: str) -> tuple[dict[str, Callable], tup
     """``({name: fn}, (q, k, v))``: the gradient, jvp and linearize programs of one variant, D and dtype.
 
     ``variant`` ``"plain"`` (causal) or ``"features"`` (causal, dropout 0.1, ALiBi composed with a soft
-    cap of 30, sinks): between them every branch the kernels compile.
+    cap of 30, sinks): between them every branch the kernels compile; ``"paged"``: :func:`jattn.paged_attention`'s
+    kernel, a mixed batch (a prefill and a decode) against a pool of 64-token pages (args: its operands).
     """
+    if variant == "paged":
+        return _paged(D, dtype)
     q = k = v = jnp.zeros((B, N, T, D), jnp.dtype(dtype))
     kw: dict = dict(mask=masks.causal(), implementation="pallas")
     if variant == "features":
@@ -53,6 +56,19 @@ def programs(variant: str, D: int, dtype: str) -> tuple[dict[str, Callable], tup
         return jax.linearize(f, q, k, v)[1](q, k, v)
 
     return {"grad": grad, "jvp": jvp, "linearize": linearized}, (q, k, v)
+
+
+def _paged(D: int, dtype: str) -> tuple[dict[str, Callable], tuple]:
+    """The paged kernel's program and operands: q ``(Q, N, D)``, pages ``(P, 64, 1, D)``, the tables."""
+    q = jnp.zeros((40, N, D), jnp.dtype(dtype))
+    pages = jnp.zeros((16, 64, 1, D), jnp.dtype(dtype))
+    tables = (jnp.array([[0, 1, 2, 3], [4, 5, 6, 7]], jnp.int32), jnp.array([200, 150], jnp.int32))
+    cu = jnp.array([0, 39, 40], jnp.int32)
+
+    def paged(q, k_pages, v_pages, table, kv_lens, cu_q_lens):
+        return jattn.paged_attention(q, k_pages, v_pages, table, kv_lens, cu_q_lens, implementation="pallas")
+
+    return {"paged": paged}, (q, pages, pages, *tables, cu)
 
 
 @contextlib.contextmanager
@@ -111,7 +127,12 @@ def extract(variant: str, D: int, dtype: str, arch: int) -> dict[str, dict]:
     found: dict[str, dict] = {}
     with _on_gpu(arch):
         for fn in fns.values():
-            lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+            try:
+                lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+            except ValueError as e:  # the paged kernel refuses a tile too large for the arch: xla's tiles take it
+                if variant == "paged" and "cannot take this call" in str(e):
+                    continue
+                raise
             for call in _triton_calls(lowered.compiler_ir("stablehlo")):
                 digest = hashlib.sha256(f"{call['num_warps']} {call['num_stages']}\n{call['text']}".encode())
                 found.setdefault(call["name"], dict(call, key=digest.hexdigest()[:16]))

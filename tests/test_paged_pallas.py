@@ -150,3 +150,25 @@ def test_lowered_refuses_what_the_triton_tiles_cannot_hold(on_gpu):
     with pytest.raises(ValueError, match=r"head depths D = 48.*implementation='xla' takes it"):
         jattn.paged_attention(*c.args(), implementation="pallas")
     assert jattn.paged_attention(*c.args()).shape == (1 + PAD, 6, 64)  # None: the xla path takes it
+
+
+@pytest.mark.parametrize(
+    ("arch", "Z", "depth", "dtype", "why"),
+    [
+        (80, 64, 256, jnp.bfloat16, "shared memory"),  # 2 Z (D + E) 2 B = 131,072 B > sm_80's 101,376
+        (80, 64, 128, jnp.float32, "shared memory"),
+        (90, 64, 128, jnp.float32, "spill"),  # within sm_90's shared memory, but it spills (make compile-check)
+    ],
+)
+def test_a_page_too_large_for_the_chip_is_refused_by_name(on_gpu, monkeypatch, arch, Z, depth, dtype, why):
+    """Tiles the compile check measured over the chip's shared memory or spilling are refused before lowering
+    (a smaller page takes them); implementation=None then takes XLA's tiles."""
+    monkeypatch.setattr(platform_facts, "compute_capability", lambda: arch)
+    c = _case(6, [1], [70], Z, depths=(depth, depth))
+    with pytest.raises(ValueError, match=rf"pages of Z = {Z} tokens.*{why}.*implementation='xla' takes it"):
+        jattn.paged_attention(*c.args(dtype), implementation="pallas")
+    text = cuda_text(lambda *a: jattn.paged_attention(*a), *c.args(dtype), arch="sm_90")  # the chip's facts: arch
+    assert "__gpu$xla.gpu.triton" not in text
+    smaller = _case(6, [1], [70], 16, depths=(depth, depth))
+    text = cuda_text(lambda *a: jattn.paged_attention(*a), *smaller.args(dtype), arch="sm_90")
+    assert text.count("__gpu$xla.gpu.triton") == (1 if dtype != jnp.float32 or 16 * depth <= 4096 else 0)

@@ -39,6 +39,14 @@ __all__ = ["forward", "refusal"]
 
 #: The largest head depth D or value depth E the Triton kernel takes (its tiles hold a page's keys whole).
 MAX_DEPTH = 256
+#: Shared memory a launch may ask for on the chips of a compute capability from the key on (bytes: sm_80's
+#: serves sm_86 and sm_89 too, 99 KiB; sm_90, 227 KiB). The kernel asks for about its two stages of a page's keys
+#: and values, ``2 Z (D + E)`` elements (``make compile-check``: 123,008 B for float32, Z 64, D = E = 128; 119,296 B
+#: for bfloat16 at D = E = 256; 61,952 B for bfloat16 at 128).
+SMEM_LIMIT = {80: 101376, 90: 232448}
+#: The largest page of float32 keys (``Z`` times the larger of D, E) whose tile stays within 1 KiB of spills
+#: (``make compile-check``, Z = 64: 16 B at D = 64; 1,012 B on sm_80 and 1,240 B on sm_90 at D = 128).
+F32_TILE = 64 * 64
 _NEG = -float("inf")
 
 
@@ -73,6 +81,21 @@ def refusal(p: Paged, score_mod, interpret: bool) -> str | None:
         return f"pages of Z = {Z} tokens (the Triton kernel's key tile is one page: a power of two, at least 16)"
     if any(n < 16 or _pow2(n) != n or n > MAX_DEPTH for n in (D, E)):
         return f"head depths D = {D}, E = {E} (the Triton kernel takes powers of two from 16 to {MAX_DEPTH})"
+    return _tile_refusal(Z, D, E, jnp.dtype(p.q.dtype))
+
+
+def _tile_refusal(Z: int, D: int, E: int, dtype: jnp.dtype) -> str | None:
+    """Why a page of ``Z`` keys is too large a tile for this GPU's shared memory or registers, or None."""
+    cc = _platform.compute_capability()
+    limit = SMEM_LIMIT[max(a for a in SMEM_LIMIT if a <= max(cc, min(SMEM_LIMIT)))]
+    need = 2 * Z * (D + E) * (4 if dtype == jnp.float32 else 2)
+    if need > limit:
+        return (
+            f"pages of Z = {Z} tokens at D = {D}, E = {E} in {dtype} (its tile asks for about {need} B of shared "
+            f"memory; sm_{cc} gives {limit} B): smaller pages take it"
+        )
+    if dtype == jnp.float32 and Z * max(D, E) > F32_TILE:
+        return f"float32 pages of Z = {Z} tokens at D = {D}, E = {E} (they spill; Z x D up to {F32_TILE} take it)"
     return None
 
 
