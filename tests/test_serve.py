@@ -132,11 +132,11 @@ def test_the_command_serves_a_run_and_keeps_what_finished_on_ctrl_c(tmp_path, mo
     assert "6/6 requests finished, 18 tokens" in out and "0 in use at the end" in out
     assert out.count("request ") == 6
 
-    class StopAfter(loop._Stop):  # Ctrl-C after three steps
+    class StopAfter(loop.StopOnSignal):  # Ctrl-C after three steps
         def __call__(self, step: int) -> bool:
             return step >= 3
 
-    monkeypatch.setattr(loop, "_Stop", StopAfter)
+    monkeypatch.setattr(loop, "StopOnSignal", StopAfter)
     assert serve.main(argv) == 130
     out = capsys.readouterr().out
     assert "interrupted:" in out and "requests finished (above)" in out

@@ -154,13 +154,13 @@ def make_evaluate(exp: Experiment, task: Task | None = None) -> Callable:
     return jax.jit(evaluate)
 
 
-class _Stop:
+class StopOnSignal:
     """Turns SIGINT/SIGTERM into a flag the loop checks between jitted calls."""
 
     def __init__(self, should_stop: Callable[[int], bool] | None) -> None:
         self.flag, self.should_stop, self.old = False, should_stop, {}
 
-    def __enter__(self) -> _Stop:
+    def __enter__(self) -> StopOnSignal:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self.old[sig] = signal.signal(sig, self._handle)
@@ -281,7 +281,7 @@ def train(
         params, opt_state = state["params"], state["opt_state"]
         tokens_per_step = cfg.batch_size * exp.task.length
         step, interrupted = start, False
-        with progress_bar(progress and main) as bar, _Stop(should_stop) as stop:
+        with progress_bar(progress and main) as bar, StopOnSignal(should_stop) as stop:
             job = bar.add_task(f"{cfg.name}/{cfg.model.mixer}", total=cfg.steps, completed=start, stats="")
             while step < cfg.steps:
                 n = min(cfg.log_every - step % cfg.log_every, cfg.steps - step)  # chunks end on multiples

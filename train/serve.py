@@ -55,7 +55,7 @@ def _stats(engine: Engine, generated: int, seconds: float) -> str:
 def serve(engine: Engine, total: int, *, progress: bool) -> tuple[float, bool]:
     """Steps ``engine`` to the end (or a Ctrl-C) under a progress bar; returns the seconds and whether interrupted."""
     start, interrupted = time.perf_counter(), False
-    with loop.progress_bar(progress) as bar, loop._Stop(None) as stop:  # the CLI's Ctrl-C: stop between steps
+    with loop.progress_bar(progress) as bar, loop.StopOnSignal(None) as stop:  # the CLI's Ctrl-C: stop between steps
         job = bar.add_task("serve", total=total, stats="")
         while not engine.idle:
             if stop(engine.steps):
