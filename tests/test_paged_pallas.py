@@ -20,46 +20,14 @@ from jattn import masks, score_mods
 from jattn._paged import pallas
 from tests import reference as ref
 from tests.cuda_lowering import ARCHS, cuda_text
-from tests.paged_cases import Case
+from tests.paged_cases import Case, case, reference_rows
 
 PAD = 2  # padding tokens past cu_q_lens[R]
 
 
 def _case(seed: int, q_lens, kv_lens, Z: int, heads=(6, 2), depths=(11, 7)) -> Case:
-    """Requests of ``q_lens`` queries and ``kv_lens`` keys, their pages in random order in a pool of pages of ``Z``."""
-    rng = np.random.default_rng(seed)
-    (N, K), (D, E) = heads, depths
-    need = [-(-kv // Z) for kv in kv_lens]
-    M, P = max(need) + 1, sum(need) + 2
-    order = iter(rng.permutation(P))
-    table = rng.choice([-1, P, P + 5], size=(len(q_lens), M))  # junk past each request's pages
-    for r, n in enumerate(need):
-        table[r, :n] = [next(order) for _ in range(n)]
-    cu = np.concatenate([[0], np.cumsum(q_lens)])
-    normal = rng.standard_normal
-    return Case(
-        normal((cu[-1] + PAD, N, D)), normal((P, Z, K, D)), normal((P, Z, K, E)), table, np.asarray(kv_lens), cu
-    )
-
-
-def _want(c: Case, dtype, mask) -> tuple[np.ndarray, np.ndarray]:
-    """The float64 reference ``out (Q, N, E)``, ``lse (Q, N)``, request by request from its gathered keys."""
-    q, kp, vp = (ref.f64(jnp.asarray(x, dtype)) for x in (c.q, c.k_pages, c.v_pages))
-    (Q, N, _), (Z, K, E) = q.shape, vp.shape[1:]
-    out, lse = np.zeros((Q, N, E)), np.full((Q, N), -np.inf)
-    for r, S in enumerate(c.kv_lens):
-        lo, hi = c.cu[r], c.cu[r + 1]
-        if hi == lo:
-            continue
-        pages = c.table[r, : -(-S // Z)]
-        k, v = (
-            np.repeat(x[pages].reshape(-1, K, x.shape[3])[:S].transpose(1, 0, 2), N // K, 0)[None] for x in (kp, vp)
-        )
-        dense = None if mask is None else np.asarray(mask.dense(hi - lo, S, q_offset=S - (hi - lo)))
-        q_r = q[None, lo:hi].transpose(0, 2, 1, 3)
-        o, _, row_lse = ref.attention(q_r, k, v, dense, q_offset=S - (hi - lo))
-        out[lo:hi], lse[lo:hi] = o[0].transpose(1, 0, 2), row_lse[0].T
-    return out, lse
+    """:func:`tests.paged_cases.case` with this file's sizes."""
+    return case(seed, q_lens, kv_lens, Z, heads, depths, PAD)
 
 
 CASES = {  # name: (q_lens, kv_lens, Z, heads (N, K), dtype, mask)
@@ -89,7 +57,7 @@ def test_values_against_the_reference_in_interpret_mode(name, splits):
     c = _case(1, q_lens, kv_lens, Z, heads)
     out, lse = jattn.paged_attention(*c.args(dtype), mask=mask, return_lse=True, implementation="pallas")
     assert out.dtype == dtype and lse.dtype == jnp.float32
-    want = _want(c, dtype, mask)
+    want = reference_rows(c, dtype, mask)
     np.testing.assert_allclose(ref.f64(out), want[0], **ref.tol(dtype))
     np.testing.assert_allclose(ref.f64(lse), want[1], **ref.tol(dtype))
     assert np.all(np.asarray(out[-PAD:]) == 0) and np.all(np.asarray(lse[-PAD:]) == -np.inf)  # padding rows

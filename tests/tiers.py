@@ -34,6 +34,7 @@ NEWEST = {
     "test_sharded_train.py",  # tests/multidevice: orbax across meshes (its training runs are heavy)
     "test_paged.py",  # paged attention: both paths, custom_jvp's refusal, jit of traced tables
     "test_paged_pallas.py",  # the paged Pallas kernel: interpret mode, lowering for CUDA
+    "test_paged_mosaic.py",  # the paged Mosaic GPU kernel: interpreted from jax 0.12 on (skipped before)
 }
 
 #: Tests of 9 s or more of one xdist worker (``python -m tests.durations`` after ``make test``, 2-core AMD EPYC

@@ -17,7 +17,7 @@ from jax.typing import ArrayLike
 
 from jattn._checks import check_score_mod
 from jattn._masks import Mask, causal, key_interval
-from jattn._paged import fused, pallas, xla
+from jattn._paged import fused, mosaic, pallas, xla
 from jattn._paged.checks import Paged, bad_requests, check_paged
 
 __all__ = ["PAGED_IMPLEMENTATIONS", "SPLIT_KV", "TILE_KV", "paged_attention"]
@@ -150,7 +150,7 @@ def _choose(implementation: str | None, p: Paged, score_mod) -> str:
         raise ValueError(f"paged_attention: implementation must be one of {PAGED_IMPLEMENTATIONS} or None, "
                          f"got {implementation!r}")  # fmt: skip
     if implementation == "pallas" or (implementation is None and jax.default_backend() == "gpu"):
-        why = pallas.refusal(p, score_mod, interpret=_interpreted())
+        why = _pallas_kernel(p, score_mod)[1]
         if implementation == "pallas" and why:
             raise ValueError(f"paged_attention: implementation='pallas' cannot take this call: {why}; "
                              "implementation='xla' takes it")  # fmt: skip
@@ -161,6 +161,26 @@ def _choose(implementation: str | None, p: Paged, score_mod) -> str:
         raise ValueError(f"paged_attention: implementation='fused' cannot take this call: {why}; "
                          "implementation='xla' takes it")  # fmt: skip
     return implementation or ("xla" if why else "fused")
+
+
+def _pallas_kernel(p: Paged, score_mod) -> tuple[str | None, str | None]:
+    """The Pallas kernel that takes the call: ``(kernel, None)``, or ``(None, why)`` where none does.
+
+    The first of :func:`jattn._paged.pallas.backends` (on sm_90 Mosaic GPU, then Triton) that takes it; each
+    kernel's reason named when more than one was tried.
+    """
+    interpret = _interpreted()
+    why = pallas.shared_refusal(p, score_mod)
+    if why:
+        return None, why
+    reasons = {}
+    for kernel in pallas.backends(interpret):
+        reasons[kernel] = (mosaic.refusal if kernel == "mosaic_gpu" else pallas.triton_refusal)(p, interpret)
+        if reasons[kernel] is None:
+            return kernel, None
+    if len(reasons) == 1:
+        return None, next(iter(reasons.values()))
+    return None, "; ".join(f"{kernel}: {why}" for kernel, why in reasons.items())
 
 
 def _interpreted() -> bool:
@@ -186,7 +206,8 @@ def _forward(path: str, p: Paged, score_mod) -> tuple[Array, Array]:
     if path == "fused":
         out, lse = fused.forward(p)
     elif path == "pallas":
-        out, lse = pallas.forward(p, interpret=_interpreted())
+        kernel = mosaic if _pallas_kernel(p, score_mod)[0] == "mosaic_gpu" else pallas
+        out, lse = kernel.forward(p, interpret=_interpreted())
     else:
         out, lse = xla.forward(p, score_mod)
     Q, R = p.q.shape[0], p.page_table.shape[0]

@@ -12,7 +12,7 @@ from jax import Array
 
 from jattn._paged.checks import Paged
 
-__all__ = ["BLOCK_Q", "max_blocks", "query_blocks"]
+__all__ = ["BLOCK_Q", "block_queries", "max_blocks", "no_rows", "query_blocks"]
 
 #: Query positions of one block.
 BLOCK_Q = 16
@@ -49,3 +49,17 @@ def query_blocks(p: Paged) -> tuple[Array, Array, Array]:
     row = q_pos - start[r][:, None]
     used = (request < R)[:, None] & (row >= 0) & (row < q_lens[r][:, None])
     return r, jnp.where(used, cu[r][:, None] + row, -1), q_pos
+
+
+def no_rows(p: Paged, dtype=jnp.float32) -> tuple[Array, Array]:
+    """``out (Q, N, E)`` zeros and ``lse (Q, N)`` ``-inf`` in ``dtype``: every row before a path writes its own."""
+    (Q, N, _), E = p.q.shape, p.v_pages.shape[3]
+    return jnp.zeros((Q, N, E), dtype), jnp.full((Q, N), -jnp.inf, dtype)
+
+
+def block_queries(p: Paged) -> tuple[Array, Array, Array, Array]:
+    """:func:`query_blocks` and the blocks' queries ``(B, K, G, t, D)`` (a row of no token holds some query)."""
+    request, token, q_pos = query_blocks(p)
+    (B, t), K, G = token.shape, p.k_pages.shape[2], p.group
+    q = p.q[jnp.clip(token, 0, p.q.shape[0] - 1)].reshape(B, t, K, G, -1)
+    return request, token, q_pos, jnp.transpose(q, (0, 2, 3, 1, 4))

@@ -29,13 +29,23 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jattn import _platform
-from jattn._gpu import answer_triton_deprecation
+from jattn._gpu import answer_triton_deprecation, backend_for
 from jattn._masks import UNBOUNDED, key_interval
-from jattn._paged.blocks import query_blocks
+from jattn._paged.blocks import block_queries, no_rows
 from jattn._paged.checks import Paged
 from jattn._paged.fused import SPLIT_KV
 
-__all__ = ["forward", "refusal"]
+__all__ = [
+    "backends",
+    "block_table",
+    "forward",
+    "merge",
+    "pow2",
+    "refusal",
+    "shared_refusal",
+    "split_pages",
+    "triton_refusal",
+]
 
 #: The largest head depth D or value depth E the Triton kernel takes (its tiles hold a page's keys whole).
 MAX_DEPTH = 256
@@ -50,16 +60,24 @@ F32_TILE = 64 * 64
 _NEG = -float("inf")
 
 
-def _pow2(n: int) -> int:
+def pow2(n: int) -> int:
     """The smallest power of two ``>= n``."""
     return 1 << max(0, int(n) - 1).bit_length()
 
 
 def refusal(p: Paged, score_mod, interpret: bool) -> str | None:
-    """Why the Pallas path cannot take the call (the reason, to be followed by the path that can), or None.
+    """Why the Triton kernel cannot take the call (the reason, to be followed by the path that can), or None.
+
+    :func:`shared_refusal`'s, then lowered for a GPU, pages and head depths the Triton tiles cannot hold.
+    """
+    return shared_refusal(p, score_mod) or triton_refusal(p, interpret)
+
+
+def shared_refusal(p: Paged, score_mod) -> str | None:
+    """What no Pallas paged kernel takes (Triton's nor Mosaic GPU's), or None.
 
     A TPU (JAX's ragged paged attention reads another layout), a score_mod, float64, a mask of more than one
-    key interval a query; lowered for a GPU, pages and head depths the Triton tiles cannot hold.
+    key interval a query.
     """
     if _platform.platform() == "tpu":
         return (
@@ -72,14 +90,31 @@ def refusal(p: Paged, score_mod, interpret: bool) -> str | None:
         return "float64 inputs (it computes in float32)"
     if key_interval(p.mask) is None:
         return f"mask {p.mask!r} (it takes masks of one key interval a query: causal, sliding windows, None)"
+    return None
+
+
+def backends(interpret: bool) -> tuple[str, ...]:
+    """The Pallas paged kernels tried in order, the first that takes the call running it (:mod:`jattn._paged.api`).
+
+    On an sm_90 GPU the Mosaic GPU one (:mod:`jattn._paged.mosaic`), then Triton, as
+    :func:`jattn._paths.pallas.gpu_backends`; Triton alone elsewhere and in interpret mode (tests choose the Mosaic
+    GPU one).
+    """
+    if not interpret and backend_for(_platform.compute_capability()) == "mosaic_gpu":
+        return ("mosaic_gpu", "triton")
+    return ("triton",)
+
+
+def triton_refusal(p: Paged, interpret: bool) -> str | None:
+    """Why the Triton kernel cannot take a call :func:`shared_refusal` lets through, or None."""
     if interpret:
         return None
     if not _platform.has_pallas_triton():
         return f"it lowers on Pallas' Triton backend, which jax {jax.__version__} no longer has"
     Z, D, E = p.k_pages.shape[1], p.q.shape[2], p.v_pages.shape[3]
-    if Z < 16 or _pow2(Z) != Z:
+    if Z < 16 or pow2(Z) != Z:
         return f"pages of Z = {Z} tokens (the Triton kernel's key tile is one page: a power of two, at least 16)"
-    if any(n < 16 or _pow2(n) != n or n > MAX_DEPTH for n in (D, E)):
+    if any(n < 16 or pow2(n) != n or n > MAX_DEPTH for n in (D, E)):
         return f"head depths D = {D}, E = {E} (the Triton kernel takes powers of two from 16 to {MAX_DEPTH})"
     return _tile_refusal(Z, D, E, jnp.dtype(p.q.dtype))
 
@@ -106,27 +141,25 @@ def forward(p: Paged, *, interpret: bool) -> tuple[Array, Array]:
     """
     Q, N, _ = p.q.shape
     E = p.v_pages.shape[3]
-    out, lse = jnp.zeros((Q, N, E), jnp.float32), jnp.full((Q, N), _NEG, jnp.float32)
+    out, lse = no_rows(p)
     if Q == 0 or p.page_table.shape[0] == 0:
         return out, lse
-    request, token, q_pos = query_blocks(p)
-    B, t = token.shape
-    K, G = p.k_pages.shape[2], p.group
-    Gp = _pow2(G)
-    q = p.q[jnp.clip(token, 0, Q - 1)].reshape(B, t, K, G, -1)
-    q = jnp.pad(jnp.transpose(q, (0, 2, 3, 1, 4)), ((0, 0), (0, 0), (0, Gp - G), (0, 0), (0, 0)))
+    request, token, q_pos, q = block_queries(p)
+    (B, t), K, G = token.shape, p.k_pages.shape[2], p.group
+    Gp = pow2(G)
+    q = jnp.pad(q, ((0, 0), (0, 0), (0, Gp - G), (0, 0), (0, 0)))
     pos = jnp.where(token >= 0, q_pos, -1)  # (B, t): -1 for rows of no token
-    table = _block_table(p, request, pos)
+    table = block_table(p, request, pos)
     if not interpret:
         answer_triton_deprecation(_platform.compute_capability())
-    o, row_lse = _merge(*_call(p, q.reshape(B, K, Gp * t, -1), jnp.tile(pos, (1, Gp)), table, interpret))
+    o, row_lse = merge(*_call(p, q.reshape(B, K, Gp * t, -1), jnp.tile(pos, (1, Gp)), table, interpret))
     o = jnp.transpose(o.reshape(B, K, Gp, t, E)[:, :, :G], (0, 3, 1, 2, 4)).reshape(B * t, N, E)
     row_lse = jnp.transpose(row_lse.reshape(B, K, Gp, t)[:, :, :G], (0, 3, 1, 2)).reshape(B * t, N)
     dest = jnp.where(token >= 0, token, Q).reshape(B * t)  # Q: dropped
     return out.at[dest].set(o, mode="drop"), lse.at[dest].set(row_lse, mode="drop")
 
 
-def _block_table(p: Paged, request: Array, pos: Array) -> Array:
+def block_table(p: Paged, request: Array, pos: Array) -> Array:
     """``(B, 4)`` int32 a block: its request, its ``kv_len``, and the first page it reads and one past the last.
 
     The pages are those holding a key some row of the block may see: below ``kv_len`` and within the rows' key
@@ -146,7 +179,7 @@ def _block_table(p: Paged, request: Array, pos: Array) -> Array:
     return jnp.stack([request, kv_len, lo_page, jnp.maximum(hi_page, lo_page)], axis=1).astype(jnp.int32)
 
 
-def _split_pages(Z: int) -> int:
+def split_pages(Z: int) -> int:
     """Pages of one split: :data:`SPLIT_KV` keys (at least one page)."""
     return max(1, SPLIT_KV // Z)
 
@@ -159,7 +192,7 @@ def _call(p: Paged, q: Array, pos: Array, table: Array, interpret: bool) -> tupl
     """
     B, K, b, D = q.shape
     Z, M, E = p.k_pages.shape[1], p.page_table.shape[1], p.v_pages.shape[3]
-    per_split = _split_pages(Z)
+    per_split = split_pages(Z)
     n = -(-M // per_split)
     left, right = key_interval(p.mask)
     kernel = functools.partial(_kernel, p.scale, left, right, per_split)
@@ -234,7 +267,7 @@ def _kernel(scale, left, right, per_split, blocks_ref, pages_ref, q_ref, pos_ref
     lse_ref[...] = jnp.where(seen, m + jnp.log(safe), _NEG)
 
 
-def _merge(o: Array, lse: Array) -> tuple[Array, Array]:
+def merge(o: Array, lse: Array) -> tuple[Array, Array]:
     """The splits ``o (B, K, n, b, E)``, ``lse (B, K, n, b)`` merged by log-sum-exp in key order.
 
     Returns ``o (B, K, b, E)`` and ``lse (B, K, b)``.
