@@ -42,6 +42,11 @@ NEWEST = {
 #: 15 minutes. Their node ids without ``tests/``. Not the docs' examples (75 s): they run on both, as users run
 #: them on either.
 SLOW = {
+    "test_paged_modules.py::test_where_the_pages_are_does_not_change_a_bit",  # 21 s
+    "test_paged_invariance.py::test_every_arrival_gives_the_training_forwards_bits[window-0]",  # 20 s
+    "test_paged_invariance.py::test_every_arrival_gives_the_training_forwards_bits[window-2]",  # 15 s
+    "test_paged_invariance.py::test_every_arrival_gives_the_training_forwards_bits[window-1]",  # 13 s
+    "test_log_linear.py::TestLogLinearKinds::test_jit_and_vmap_equal_the_eager_call_and_a_loop[log ssd]",  # 29 s
     "test_paged_modules.py::test_paged_steps_equal_the_contiguous_cache_and_the_full_pass",  # 56 s
     "test_paged_invariance.py::test_every_arrival_gives_the_training_forwards_bits[causal-0]",  # 34 s
     "test_paged_invariance.py::test_every_arrival_gives_the_training_forwards_bits[causal-2]",  # 22 s
