@@ -42,15 +42,19 @@ NEWEST = {
 #: 15 minutes. Their node ids without ``tests/``. Not the docs' examples (75 s): they run on both, as users run
 #: them on either.
 SLOW = {
-    "test_paged_modules.py::test_where_the_pages_are_does_not_change_a_bit",  # 21 s
+    "test_paged_invariance.py::test_every_arrival_gives_the_training_forwards_bits[causal-0]",  # 34 s
+    "test_paged_invariance.py::test_every_arrival_gives_the_training_forwards_bits[causal-1]",  # 16 s
+    "test_paged_invariance.py::test_every_arrival_gives_the_training_forwards_bits[causal-2]",  # 22 s
     "test_paged_invariance.py::test_every_arrival_gives_the_training_forwards_bits[window-0]",  # 20 s
-    "test_paged_invariance.py::test_every_arrival_gives_the_training_forwards_bits[window-2]",  # 15 s
     "test_paged_invariance.py::test_every_arrival_gives_the_training_forwards_bits[window-1]",  # 13 s
+    "test_paged_invariance.py::test_every_arrival_gives_the_training_forwards_bits[window-2]",  # 15 s
+    "test_paged_invariance.py::test_every_arrival_gives_the_training_forwards_bits[causal & window-0]",  # 42 s
+    "test_paged_invariance.py::test_every_arrival_gives_the_training_forwards_bits[causal & window-1]",  # 24 s
+    "test_paged_invariance.py::test_every_arrival_gives_the_training_forwards_bits[causal & window-2]",  # 34 s
+    "test_log_linear.py::TestLogLinearKinds::test_jit_and_vmap_equal_the_eager_call_and_a_loop[log deltanet]",  # 27 s
+    "test_paged_modules.py::test_where_the_pages_are_does_not_change_a_bit",  # 21 s
     "test_log_linear.py::TestLogLinearKinds::test_jit_and_vmap_equal_the_eager_call_and_a_loop[log ssd]",  # 29 s
     "test_paged_modules.py::test_paged_steps_equal_the_contiguous_cache_and_the_full_pass",  # 56 s
-    "test_paged_invariance.py::test_every_arrival_gives_the_training_forwards_bits[causal-0]",  # 34 s
-    "test_paged_invariance.py::test_every_arrival_gives_the_training_forwards_bits[causal-2]",  # 22 s
-    "test_paged_invariance.py::test_every_arrival_gives_the_training_forwards_bits[causal-1]",  # 16 s
     "test_gpu_kernel.py::test_second_order_with_learned_slopes_under_vmap_equals_a_loop",  # 47 s
     "test_log_linear.py::TestLogLinearKinds::test_jit_and_vmap_equal_the_eager_call_and_a_loop[log linear]",  # 35 s
     "test_gpu_kernel.py::test_second_order_through_the_dense_path",  # 30 s
