@@ -159,6 +159,33 @@ def _call(p: Paged, q: Array, table: Array, bq: int, interpret: bool) -> tuple[A
     )(table, p.page_table.astype(jnp.int32), q, k.astype(q.dtype), v.astype(q.dtype))
 
 
+def _masked(x: Array, mine: Array, pos: Array, kv_pos: Array, kv_len: Array, left: int, right: int) -> Array:
+    """Scores ``x (bq, Z)``, -inf where the row does not see the key.
+
+    A row sees its block's keys below ``kv_len`` within ``pos - left <= kv_pos <= pos + right``.
+    """
+    keep = mine & (kv_pos < kv_len)
+    if left < UNBOUNDED:
+        keep = keep & (kv_pos >= pos - min(left, 2**30))
+    if right < UNBOUNDED:
+        keep = keep & (kv_pos <= pos + min(right, 2**30))
+    return jnp.where(keep, x, _NEG)
+
+
+def _zero_stale(v_s, fill: Array, layout) -> None:
+    """Zeroes the value tile's slots from ``fill`` on, in shared memory, on a request's last page when part filled.
+
+    Those slots are stale (any bits), and a weight of 0 times NaN is NaN.
+    """
+    Z, E = v_s.shape
+
+    @pl.when(fill < Z)
+    def _():
+        slot = plgpu.broadcasted_iota(jnp.int32, (Z, E), 0, layout=layout)
+        v_s[...] = jnp.where(slot < fill, _load(v_s, layout), jnp.zeros((), v_s.dtype))
+        plgpu.commit_smem()  # the stores seen by wgmma (async proxy), all the warpgroup's threads
+
+
 def _kernel(scale, left, right, per_split, P, blocks_ref, pages_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *scratch):
     """One query block, kv head and split: :func:`jattn._paged.pallas._kernel`'s online softmax on ``wgmma``."""
     q_s, k_s, v_s, o_s, lse_s, bar_q, bar_k, bar_v = scratch
@@ -187,26 +214,13 @@ def _kernel(scale, left, right, per_split, P, blocks_ref, pages_ref, q_ref, k_re
             return acc_ref[...]
 
         x = pl.run_scoped(scores, plgpu.ACC((bq, Z), jnp.float32)) * scale
-        kv_pos = j * Z + col
-        keep = mine & (kv_pos < kv_len)
-        if left < UNBOUNDED:
-            keep = keep & (kv_pos >= pos - min(left, 2**30))
-        if right < UNBOUNDED:
-            keep = keep & (kv_pos <= pos + min(right, 2**30))
-        x = jnp.where(keep, x, _NEG)
+        x = _masked(x, mine, pos, j * Z + col, kv_len, left, right)
         top = jnp.maximum(m, x.max(axis=1))
         safe = jnp.where(top == _NEG, 0.0, top)  # a row masked so far: its weights are 0, not NaN
         w = jnp.exp(x - lax.broadcast_in_dim(safe, x.shape, [0]))
         alpha = jnp.exp(m - safe)
         plgpu.barrier_wait(bar_v)
-        fill = kv_len - j * Z  # the page's slots below kv_len: in 1..Z (a step's page holds a key below kv_len)
-
-        @pl.when(fill < Z)  # the request's last page, part filled: its slots from `fill` on are stale (any bits)
-        def _():
-            slot = plgpu.broadcasted_iota(jnp.int32, (Z, E), 0, layout=L)
-            tile = _load(v_s, L)
-            v_s[...] = jnp.where(slot < fill, tile, jnp.zeros((), v_s.dtype))  # 0·NaN is NaN: zero, not weight 0
-            plgpu.commit_smem()  # the stores seen by wgmma (async proxy), all the warpgroup's threads
+        _zero_stale(v_s, kv_len - j * Z, L)  # the page's slots below kv_len: 1..Z (it holds a key below kv_len)
 
         def pv(acc_ref):
             plgpu.wgmma(acc_ref, w.astype(v_s.dtype), v_s)
