@@ -409,6 +409,23 @@ def test_forward_grad_and_jvp_lower_to_mosaic_gpu_for_hopper(monkeypatch, case):
         assert f"{_T}x{_S}x" not in text and "192x192x" not in text
 
 
+def test_a_score_mod_mosaic_gpu_cannot_lower_is_refused_by_name_and_the_automatic_choice_passes_it_on(monkeypatch):
+    """T5's bias reads a table per score (a gather): on sm_90 the refusal names Mosaic GPU (then Triton, which
+    refuses it too), and implementation=None lowers with neither kernel; ALiBi still lowers to Mosaic GPU."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    q, k = jnp.zeros((2, 6, _T, 64), jnp.bfloat16), jnp.zeros((2, 6, _S, 64), jnp.bfloat16)
+    t5 = score_mods.relative_position_bias(jnp.ones((32, 6)))
+    words = r"mosaic_gpu: .*reads .*gather.*which Mosaic GPU cannot lower.*triton: .*which Triton cannot lower"
+    with pytest.raises(KernelRefusalError, match=words):
+        cuda_text(lambda q, k: jattn.attention(q, k, k, score_mod=t5, implementation="pallas"), q, k, arch="sm_90")
+    text = cuda_text(lambda q, k: jattn.attention(q, k, k, score_mod=t5), q, k, arch="sm_90")
+    assert "@mosaic_gpu" not in text and "triton" not in text.lower()
+    alibi = score_mods.alibi(jnp.linspace(0.1, 1.0, 6))
+    assert (
+        cuda_text(lambda q, k: jattn.attention(q, k, k, score_mod=alibi), q, k, arch="sm_90").count("@mosaic_gpu") == 1
+    )
+
+
 # Blackwell (sm_100): tcgen05 products into tensor memory, 128 by 128 tiles. T = S = 300: three blocks each; the
 # window and the documents leave EMPTY tiles above and below the diagonal, PARTIAL and FULL ones between.
 _BW = 300

@@ -31,7 +31,7 @@ from jattn._gpu.deprecation import answer_triton_deprecation
 from jattn._gpu.kernels import Spec
 from jattn._gpu.mosaic_support import TARGETS, refuse_mosaic
 from jattn._gpu.rules import attend
-from jattn._gpu.score_mod import convert, on_rows, pointwise, unlowerable
+from jattn._gpu.score_mod import backend_name, convert, on_rows, pointwise, unlowerable
 from jattn._gpu.tiles import bounds, grid_of, kernel_arrays, row_mask, slot_kinds, tile_kinds
 from jattn._gpu.tuning import Choice, choose
 from jattn._masks import Mask, RowPadding, RowSegments, as_rows, query_offset, split_arrays
@@ -154,10 +154,10 @@ def gpu_attention(
     if isinstance(scale, jax.core.Tracer):  # traced: into q (in float32, rounded once to q's dtype)
         q, scale = (q.astype(jnp.float32) * jnp.asarray(scale, jnp.float32)).astype(q.dtype), 1.0
     mod, consts = convert(score_mod, bq, bk, head_rows(lead))
-    if mod is not None and (found := unlowerable(mod, bq, bk)):  # interpreted too: the GPU's answer, on any platform
+    if mod is not None and (found := unlowerable(mod, bq, bk, backend)):  # interpreted too: the GPU's answer
         raise KernelRefusalError(
             f"implementation='pallas' (jattn's GPU kernel) cannot take this score_mod: per score it reads "
-            f"{', '.join(found)}, which Triton cannot lower (a table indexed by position, as T5's bias; "
+            f"{', '.join(found)}, which {backend_name(backend)} cannot lower (a table indexed by position, as T5's bias; "
             f"an ALiBi-like function of the row and the positions lowers); {_TAKE}"
         )
     G = _kv_group(k, v, lead)

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax import Array
 from jax.extend import core as jex
 
-__all__ = ["TileMod", "convert", "merge", "on_rows", "pointwise", "unlowerable"]
+__all__ = ["TileMod", "backend_name", "convert", "merge", "on_rows", "pointwise", "unlowerable"]
 
 
 def _run(eqns, env: dict) -> None:
@@ -107,25 +107,44 @@ def _primitives(jaxpr) -> set[str]:
     return names
 
 
-def _triton_rules() -> set[str] | None:
-    """The primitives Pallas' Triton lowering has a rule for, or None where this JAX does not say.
+def _lowering_rules(backend: str) -> set[str] | None:
+    """The primitives Pallas' lowering for ``backend`` has a rule for, or None where this JAX does not say.
 
-    JAX keeps the table in a private module (``jax._src.pallas.triton.lowering``); it is read, not changed.
+    JAX keeps the tables in private modules (``jax._src.pallas.triton.lowering``; Mosaic GPU's, keyed by
+    lowering and primitive semantics, in ``jax._src.pallas.mosaic_gpu.lowering``: jattn's kernels use the
+    default, lane lowering of warpgroup primitives); they are read, not changed. A table this JAX does not
+    have (``None``) refuses nothing here: JAX's own lowering error is then the answer.
     """
     try:
-        from jax._src.pallas.triton import lowering
-    except ImportError:
+        if backend == "triton":
+            from jax._src.pallas.triton import lowering
+
+            table = getattr(lowering, "triton_lowering_rules", {})
+        else:
+            from jax._src.pallas.mosaic_gpu import core, lowering
+            from jax.experimental.mosaic.gpu import core as mgpu
+
+            key = (mgpu.LoweringSemantics.Lane, core.PrimitiveSemantics.Warpgroup)
+            table = getattr(lowering, "mosaic_lowering_rules", {}).get(key, {})
+    except (ImportError, AttributeError):
         return None
-    return {p.name for p in getattr(lowering, "triton_lowering_rules", {})} or None
+    names = {p.name for p in table}
+    # the Mosaic GPU kernels bind a pullback's add_any as add (jax 0.10 has no rule for it: mosaic_mod)
+    return (names | ({"add_any"} if backend != "triton" else set())) if names else None
 
 
-def unlowerable(mod: TileMod, bq: int, bk: int) -> tuple[str, ...]:
-    """The primitives of ``mod``'s tile part, forward, pullback and tangent, that Triton cannot lower (sorted; ``()`` if none).
+def backend_name(backend: str) -> str:
+    """``backend`` as messages name it: "Triton" or "Mosaic GPU"."""
+    return "Triton" if backend == "triton" else "Mosaic GPU"
 
-    A gather (T5's ``table[bucket, head]``, the bucket read per score) is one: the kernel refuses such a
-    modification by name instead of failing inside JAX's lowering.
+
+def unlowerable(mod: TileMod, bq: int, bk: int, backend: str = "triton") -> tuple[str, ...]:
+    """The primitives of ``mod``'s tile part, forward, pullback and tangent, that ``backend`` cannot lower (sorted).
+
+    ``()`` if none. A gather (T5's ``table[bucket, head]``, the bucket read per score) is one on both Triton
+    and Mosaic GPU: the kernel refuses such a modification by name instead of failing inside JAX's lowering.
     """
-    rules = _triton_rules()
+    rules = _lowering_rules(backend)
     if rules is None:
         return ()
     s, q_pos, kv_pos = jnp.zeros((bq, bk), jnp.float32), jnp.zeros((bq,), jnp.int32), jnp.zeros((bk,), jnp.int32)
