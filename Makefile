@@ -3,8 +3,9 @@
 #   make test    lint + the docs site + the test suite but its heavy tests (one device, then 8 simulated ones)
 # and more: make test-heavy (the heavy tests, tests/tiers.py), make test-newest (the files tests/tiers.py names,
 # on the newest JAX, Python 3.12+), make compile-check (the GPU kernels compiled for sm_80 and sm_90 by Triton,
-# no GPU needed), make ci (what .ci/run runs: test, test-heavy, test-newest, compile-check), make docs (the docs
-# site into site/), make fuzz (the slow differential fuzz), make bench (benchmarks, ARGS=...).
+# no GPU needed), make jax-triton-route (the forward in Triton's DSL through jax_triton), make ci (what .ci/run
+# runs: test, test-heavy, test-newest, compile-check), make docs (the docs site into site/), make fuzz (the slow
+# differential fuzz), make bench (benchmarks, ARGS=...).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # The newest JAX needs Python >= 3.12 (pip gives Python 3.11 jax 0.10.2, the oldest CI tests): its own venv,
@@ -37,7 +38,20 @@ $(TRITON_VENV)/.installed:
 	$(TRITON_VENV)/bin/pip install -q triton==3.8.0
 	touch $@
 
-.PHONY: train test test-heavy test-newest compile-check ci docs fuzz bench
+# make jax-triton-route (bench/jax_triton_route.py): torch (CPU, for Triton's interpreter) beside that Triton,
+# and a venv of the newest JAX with jax_triton, the official Triton and JAX's CUDA plugin (lowering only: no GPU)
+$(TRITON_VENV)/.torch: $(TRITON_VENV)/.installed
+	$(TRITON_VENV)/bin/pip install -q torch==2.13.0 numpy
+	touch $@
+JAX_TRITON_VENV ?= .venv-jax-triton
+$(JAX_TRITON_VENV)/.installed:
+	@test -n "$(PYTHON_NEWEST)" || { echo "make jax-triton-route needs Python 3.12+ (PYTHON_NEWEST=...)"; exit 1; }
+	$(PYTHON_NEWEST) -m venv $(JAX_TRITON_VENV)
+	$(JAX_TRITON_VENV)/bin/pip install -q "jax>=0.12" "jax-triton>=0.4.1" "triton>=3.9" numpy
+	$(JAX_TRITON_VENV)/bin/pip install -q --no-deps "jax-cuda13-plugin==$$($(JAX_TRITON_VENV)/bin/python -c 'import jaxlib; print(jaxlib.__version__)')"
+	touch $@
+
+.PHONY: train test test-heavy test-newest compile-check jax-triton-route ci docs fuzz bench
 train: $(VENV)/.installed
 	$(PY) -m train $(ARGS)
 
@@ -106,6 +120,14 @@ test-newest: $(NEWEST_VENV)/.installed
 # targets (bench/triton_compile.py; docs/design/pallas.md, "Launches and compile statistics").
 compile-check: $(VENV)/.installed $(TRITON_VENV)/.installed
 	TRITON_PY=$(TRITON_VENV)/bin/python $(PY) -m bench.triton_compile
+
+# The jax_triton route for when JAX drops Pallas' Triton backend: jattn's forward in Triton's DSL
+# (bench/triton_dsl.py) checked in Triton's interpreter against float64, compiled for sm_80/sm_90, and lowered
+# for CUDA through jax_triton; not in make ci (its venvs download torch and JAX's CUDA plugin)
+jax-triton-route: $(TRITON_VENV)/.torch $(JAX_TRITON_VENV)/.installed
+	$(TRITON_VENV)/bin/python -m bench.jax_triton_route values
+	$(TRITON_VENV)/bin/python -m bench.jax_triton_route stats
+	$(JAX_TRITON_VENV)/bin/python -W error::DeprecationWarning -m bench.jax_triton_route lower
 
 # What CI runs (.ci/run): every test once at least (make test, the heavy tests, the newest JAX), then the GPU
 # kernels' compile check; all run and report
