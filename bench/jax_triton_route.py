@@ -83,7 +83,9 @@ def values() -> int:
         lse = torch.empty((B * N, T), dtype=torch.float32)
         tiles = torch.from_numpy(kinds(T, S))
         grid = (tiles.shape[0], B * N)
-        forward[grid](tq, tk, tv, tiles, 1 / np.sqrt(D), T, S, tiles.shape[1], o, lse, G=N // K, D=D, BQ=BLOCK, BK=BLOCK)
+        forward[grid](
+            tq, tk, tv, tiles, 1 / np.sqrt(D), T, S, tiles.shape[1], o, lse, G=N // K, D=D, BQ=BLOCK, BK=BLOCK
+        )
         want_o, want_lse = reference(q, k, v)
         err = max(np.max(np.abs(o.numpy() - want_o)), np.max(np.abs(lse.numpy() - want_lse)))
         ok = np.allclose(o.numpy(), want_o, **TOL[dtype]) and np.allclose(lse.numpy(), want_lse, **TOL[dtype])

@@ -44,7 +44,7 @@ def forward(
     q = tl.load(q_ptr + bn * T * D + rows[:, None] * D + d[None, :], mask=rows[:, None] < T, other=0.0)
     k_base, v_base = k_ptr + (bn // G) * S * D, v_ptr + (bn // G) * S * D
     m = tl.full((BQ,), float("-inf"), tl.float32)
-    l = tl.zeros((BQ,), tl.float32)
+    total = tl.zeros((BQ,), tl.float32)
     acc = tl.zeros((BQ, D), tl.float32)
     for j in range(0, NK):
         kind = tl.load(kinds_ptr + i * NK + j)
@@ -59,11 +59,11 @@ def forward(
             shift = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.exp2(s - shift[:, None])
             alpha = tl.exp2(m - shift)
-            l = l * alpha + tl.sum(p, 1)
+            total = total * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m = m_new
-    seen = l > 0
-    o = tl.where(seen[:, None], acc / tl.where(seen, l, 1.0)[:, None], 0.0)
+    seen = total > 0
+    o = tl.where(seen[:, None], acc / tl.where(seen, total, 1.0)[:, None], 0.0)
     tl.store(o_ptr + bn * T * D + rows[:, None] * D + d[None, :], o.to(o_ptr.dtype.element_ty), mask=rows[:, None] < T)
-    lse = tl.where(seen, (m + tl.log2(tl.where(seen, l, 1.0))) / _LOG2E, float("-inf"))
+    lse = tl.where(seen, (m + tl.log2(tl.where(seen, total, 1.0))) / _LOG2E, float("-inf"))
     tl.store(lse_ptr + bn * T + rows, lse, mask=rows < T)
