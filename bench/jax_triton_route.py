@@ -124,6 +124,7 @@ def stats() -> int:
 
 def lower() -> int:
     """``jax_triton.triton_call`` lowered for CUDA at sm_80 and sm_90: the custom calls; 1 where none is found."""
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns while unset; 1 is its default
     import jax
     import jax.numpy as jnp
     import jax_triton
