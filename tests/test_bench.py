@@ -222,3 +222,30 @@ def test_the_compile_check_fails_a_kernel_over_its_shared_memory_or_spill_target
         assert verdict(D, dtype, 90, spill_st=allowed + 4)
     assert verdict(64, "float32", 80, error="CalledProcessError: ptxas failed")
     assert problems({"config": Config("plain", 64, "float32", 80)}, None)
+
+
+@pytest.mark.parametrize(("t", "s", "bq", "bk"), [(100, 130, 64, 64), (130, 100, 32, 64), (77, 77, 64, 32)])
+def test_the_jax_triton_route_classifies_tiles_and_computes_its_reference_as_jattn_does(t, s, bq, bk):
+    """bench/jax_triton_route.py (run in venvs of its own): its tile kinds against jattn's causal mask, tile by
+    tile (empty: no pair kept, full: every pair), and its float64 reference against jattn's dense path."""
+    from bench import jax_triton_route as route
+
+    keep = np.asarray(jattn.masks.causal().dense(t, s))  # bottom-right aligned, as the route's kernel
+    kinds = route.kinds(t, s, bq, bk)
+    assert kinds.shape == (-(-t // bq), -(-s // bk))
+    for (i, j), kind in np.ndenumerate(kinds):
+        tile = keep[i * bq : (i + 1) * bq, j * bk : (j + 1) * bk]
+        assert kind == (0 if not tile.any() else 2 if tile.all() else 1), (i, j)
+    rng = np.random.default_rng(1)
+    q, k, v = rng.standard_normal((6, t, 16)), rng.standard_normal((2, s, 16)), rng.standard_normal((2, s, 16))
+    o, lse = route.reference(q, k, v)
+    with jax.enable_x64(True):
+        qg, kg, vg = (
+            jnp.asarray(q).reshape(1, 2, 3, t, 16),
+            jnp.asarray(k)[None, :, None],
+            jnp.asarray(v)[None, :, None],
+        )
+        want, want_lse = jattn.attention(qg, kg, vg, mask=jattn.masks.causal(), implementation="dense", return_lse=True)
+    # the route's reference: row bn reads kv head bn // 3, as q (1, K=2, G=3) here; a row with no key: 0, -inf
+    np.testing.assert_allclose(o, np.asarray(want).reshape(6, t, 16), atol=1e-12)
+    np.testing.assert_allclose(lse, np.asarray(want_lse).reshape(6, t), atol=1e-12)
