@@ -495,3 +495,45 @@ def test_blackwell_lowers_to_mosaic_gpu_for_b200(monkeypatch, blackwell):
         with jax.sharding.use_abstract_mesh(mesh):
             text = jax.jit(fn).trace(q, q).lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("@mosaic_gpu") == kernels and "triton" not in text.lower()
+
+
+SHARED = [("mosaic_gpu", "sm_90"), pytest.param("mosaic_gpu_tcgen05", "sm_100", marks=pytest.mark.skipif(
+    not INTERPRETS, reason=f"the tcgen05 kernel lowers from jax 0.12 (here {jax.__version__})"))]  # fmt: skip
+
+
+@pytest.mark.parametrize(("backend", "arch"), SHARED)
+def test_every_kernel_fits_shared_memory_up_to_the_table_depth_and_not_beyond(monkeypatch, backend, arch):
+    """Mosaic GPU's lowering checks a kernel's shared memory against a block's 227 KiB (and raises past it):
+    up to ``SHARED_DEPTH`` the forward, dq, dk/dv, jvp and tangent kernels all lower; one depth wider the kernels
+    are refused by name (the Triton kernel takes the call), and admitted anyway, one of them would not lower."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(pallas_path, "gpu_attention", functools.partial(gpu_attention, backend=backend))
+    limit = mosaic_support.SHARED_DEPTH[backend]
+
+    def programs(D):
+        q = jnp.zeros((1, 2, 200, D), jnp.bfloat16)
+        f = lambda q, k: jattn.attention(q, k, k, mask=masks.causal(), implementation="pallas")  # noqa: E731
+        grad = jax.grad(lambda q, k: jnp.sum(f(q, k).astype(jnp.float32)), argnums=(0, 1))
+        jvp = lambda q, k: jax.jvp(f, (q, k), (q, k))  # noqa: E731
+        lin = lambda q, k: jax.linearize(f, q, k)[1](q, k)  # noqa: E731
+        return [(fn, q) for fn in (f, grad, jvp, lin)]
+
+    for D in (d for d in (64, 128, 256) if d <= limit):
+        for (fn, q), kernels in zip(programs(D), (1, 3, 1, 2), strict=True):
+            assert cuda_text(fn, q, q, arch=arch).count("@mosaic_gpu") == kernels, (D, fn)
+    if limit == 256:
+        return
+    wider = 2 * limit
+    with pytest.raises(KernelRefusalError, match=rf"up to {limit} .*227 KiB of shared memory"):
+        mosaic_support.refuse_mosaic(backend, jnp.bfloat16, wider, wider, interpret=False, blocks=None)
+    if platform_facts.has_pallas_triton():
+        text = cuda_text(programs(wider)[0][0], *(programs(wider)[0][1],) * 2, arch=arch)
+        assert "@mosaic_gpu" not in text and "triton" in text.lower()
+    monkeypatch.setitem(mosaic_support.SHARED_DEPTH, backend, wider)  # the table one step too wide
+    failed = []
+    for fn, q in programs(wider):
+        try:
+            cuda_text(fn, q, q, arch=arch)
+        except ValueError as e:
+            failed.append("exceeds available shared memory" in str(e))
+    assert failed and all(failed)

@@ -24,6 +24,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jattn._checks import KernelRefusalError
 
 __all__ = [
+    "SHARED_DEPTH",
     "TARGETS",
     "Target",
     "accumulate",
@@ -35,6 +36,7 @@ __all__ = [
     "refuse_mosaic",
     "swizzled",
     "target",
+    "width",
 ]
 
 
@@ -82,6 +84,22 @@ _TAKE = "use implementation='blockwise' or 'dense', or the Triton kernel (sm_80-
 _NEW_LOAD = "idx" not in inspect.signature(plgpu.load).parameters
 
 
+#: The widest head depth (``D`` and ``E`` padded as the kernels pad them: :func:`width`) at which every kernel of a
+#: target (forward, dq, dk/dv, the one-pass jvp, the tangent) fits the 227 KiB of shared memory a block may
+#: ask on sm_90 and sm_100 (Mosaic GPU's lowering checks it against that figure ahead of time, and raises).
+#: KiB per kernel (forward, dq, dk/dv, jvp, tangent), measured by lowering for CUDA (test_mosaic_gpu.py's
+#: ``test_every_kernel_fits_shared_memory_up_to_the_table_depth_and_not_beyond`` checks the table both ways):
+#: wgmma at 128: 68, 82, 98, 133, 132 (at 256: the jvp 261, the tangent 260);
+#: tcgen05 at 64: 98, 114, 130, 163, 162 (at 128: the jvp 291, the tangent 290).
+#: Wider calls are refused by name: the automatic choice takes the Triton kernel for them.
+SHARED_DEPTH = {"mosaic_gpu": 128, "mosaic_gpu_tcgen05": 64}
+
+
+def width(n: int) -> int:
+    """Head depth ``n`` as the kernels pad it: a power of two (16 at least), then :func:`depth`."""
+    return depth(max(16, 1 << (n - 1).bit_length()))
+
+
 def depth(n: int) -> int:
     """A head dim padded for ``wgmma``: a multiple of 64 (the 128-byte swizzle of 16-bit rows)."""
     return -(-n // 64) * 64
@@ -97,6 +115,12 @@ def refuse_mosaic(backend: str, dtype, D: int, E: int, *, interpret: bool, block
         )
     if max(D, E) > 256:
         raise KernelRefusalError(f"{_WHERE} takes head depths up to 256, got D={D}, E={E}; {_TAKE}")
+    if width(max(D, E)) > SHARED_DEPTH[backend]:
+        raise KernelRefusalError(
+            f"{_WHERE} takes head depths up to {SHARED_DEPTH[backend]} on {TARGETS[backend].name}, got D={D}, E={E}: "
+            f"its kernels' tiles at depth {width(max(D, E))} need more than the 227 KiB of shared memory a block "
+            f"has; {_TAKE}"
+        )
     if blocks is not None and tuple(blocks) != (block, block):
         raise KernelRefusalError(
             f"{_WHERE} takes blocks ({block}, {block}) only ({TARGETS[backend].name}), got {blocks}; {_TAKE}"
