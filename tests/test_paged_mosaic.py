@@ -136,3 +136,30 @@ def test_lowered_for_sm90_to_one_mosaic_gpu_call_and_float32_to_triton(on_sm90, 
         assert text.count("__gpu$xla.gpu.triton") == 1 and "@mosaic_gpu" not in text
     p = c.args(jnp.float32)
     assert "float32 inputs" in mosaic.refusal(check_paged(*p, None, None), interpret=False)
+
+
+# (Z, D, heads): a page of Z tokens at D = E, N query heads on K kv heads (64 rows a program at G <= 4, 128 at 8)
+FITS = [(64, 256, (8, 2)), (256, 128, (8, 2)), (128, 128, (8, 1))]
+OVER = [(128, 256, (8, 2)), (256, 128, (8, 1))]
+
+
+def test_pages_whose_tiles_overflow_shared_memory_are_refused_by_name_and_only_those(on_sm90, monkeypatch):
+    """Mosaic GPU's lowering checks a kernel's shared memory against a block's 227 KiB (and raises past it): the
+    configurations the kernel admits lower to it; those it refuses by name take another kernel, and admitted
+    anyway would not lower."""
+
+    def lowered(Z, D, heads):
+        c = _case(5, [1, 5, 20], [40, 5, 330], Z=Z, heads=heads, depths=(D, D))
+        return cuda_text(lambda *a: jattn.paged_attention(*a, return_lse=True), *c.args(jnp.bfloat16))
+
+    for Z, D, heads in FITS:
+        assert lowered(Z, D, heads).count("@mosaic_gpu") == 1, (Z, D, heads)
+    for Z, D, heads in OVER:
+        c = _case(5, [1, 5, 20], [40, 5, 330], Z=Z, heads=heads, depths=(D, D))
+        why = mosaic.refusal(check_paged(*c.args(jnp.bfloat16), None, None), interpret=False)
+        assert why is not None and "shared memory" in why, (Z, D, heads)
+        assert "@mosaic_gpu" not in lowered(Z, D, heads)
+    monkeypatch.setattr(mosaic, "SMEM_LIMIT", 10**9)  # admitted anyway: Mosaic GPU's own check raises
+    for Z, D, heads in OVER:
+        with pytest.raises(ValueError, match="exceeds available shared memory"):
+            lowered(Z, D, heads)

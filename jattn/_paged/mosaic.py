@@ -39,6 +39,11 @@ DETECT_RACES = False
 ROWS = 64
 #: The largest float32 accumulator a warpgroup holds in registers (rows times E: 64 x 256, 128 per thread).
 MAX_ACC = 64 * 256
+#: The shared memory a block may ask on sm_90, bytes (227 KiB: Mosaic GPU's lowering checks it, and raises past it).
+SMEM_LIMIT = 227 * 1024
+#: Bytes Mosaic GPU adds to the kernel's own tiles (alignment, its barriers' and rows' padding): 2,560-2,816 measured
+#: over Z 64-256, D = E 64-256, 64 and 128 rows (by lowering; tests/test_paged_mosaic.py checks what it refuses).
+SMEM_RESERVE = 3 * 1024
 _NEG = -float("inf")
 
 
@@ -96,7 +101,17 @@ def refusal(p: Paged, interpret: bool) -> str | None:
         return f"head depths D = {D}, E = {E} (the Mosaic GPU kernel takes multiples of 64 up to 256)"
     if _rows(p) * E > MAX_ACC:
         return f"{_rows(p)} rows of E = {E} (a group of {p.group}: over a warpgroup's {MAX_ACC} accumulators)"
+    if (need := shared_bytes(_rows(p), Z, D, E) + SMEM_RESERVE) > SMEM_LIMIT:
+        return (
+            f"pages of Z = {Z} tokens at D = {D}, E = {E} with {_rows(p)} rows (the Mosaic GPU kernel's tiles need "
+            f"about {need} bytes of shared memory, over a block's {SMEM_LIMIT})"
+        )
     return None
+
+
+def shared_bytes(rows: int, Z: int, D: int, E: int) -> int:
+    """The kernel's own shared memory, bytes: the query block, a page of k and of v (16-bit), the float32 output."""
+    return 2 * (rows * D + Z * D + Z * E) + 4 * (rows * E + rows) + 3 * 8
 
 
 def forward(p: Paged, *, interpret: bool) -> tuple[Array, Array]:
@@ -137,7 +152,7 @@ def _call(p: Paged, q: Array, table: Array, bq: int, interpret: bool) -> tuple[A
     k = p.k_pages.reshape(P, Z, K * D)  # free: a page's kv head h is columns h·D..(h+1)·D
     v = p.v_pages.reshape(P, Z, K * E)
     left, right = key_interval(p.mask)
-    scratch = [
+    scratch = [  # shared_bytes counts them
         _swizzled((bq, D), q.dtype),
         _swizzled((Z, D), q.dtype),
         _swizzled((Z, E), q.dtype),
