@@ -501,39 +501,47 @@ SHARED = [("mosaic_gpu", "sm_90"), pytest.param("mosaic_gpu_tcgen05", "sm_100", 
     not INTERPRETS, reason=f"the tcgen05 kernel lowers from jax 0.12 (here {jax.__version__})"))]  # fmt: skip
 
 
+#: backend: (the widest (D, E) pairs it admits, the narrowest it refuses); a kernel's tiles grow with D and E.
+EDGES = {
+    "mosaic_gpu": ([(256, 128), (128, 256)], [(256, 256)]),
+    "mosaic_gpu_tcgen05": ([(64, 64)], [(64, 128), (128, 64)]),
+}
+
+
 @pytest.mark.parametrize(("backend", "arch"), SHARED)
-def test_every_kernel_fits_shared_memory_up_to_the_table_depth_and_not_beyond(monkeypatch, backend, arch):
-    """Mosaic GPU's lowering checks a kernel's shared memory against a block's 227 KiB (and raises past it):
-    up to ``SHARED_DEPTH`` the forward, dq, dk/dv, jvp and tangent kernels all lower; one depth wider the kernels
-    are refused by name (the Triton kernel takes the call), and admitted anyway, one of them would not lower."""
+def test_every_kernel_fits_shared_memory_within_the_table_and_not_beyond(monkeypatch, backend, arch):
+    """Mosaic GPU's lowering checks a kernel's shared memory against a block's 227 KiB (and raises past it): at the
+    widest depths ``SHARED_WIDTH`` admits, the forward, dq, dk/dv, jvp and tangent kernels all lower; at the
+    narrowest it refuses, the kernels are refused by name (the Triton kernel takes the call), and admitted anyway
+    one of them would not lower. Shared memory grows with D and E, so the edges stand for every pair."""
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(pallas_path, "gpu_attention", functools.partial(gpu_attention, backend=backend))
-    limit = mosaic_support.SHARED_DEPTH[backend]
+    admitted, refused = EDGES[backend]
 
-    def programs(D):
-        q = jnp.zeros((1, 2, 200, D), jnp.bfloat16)
-        f = lambda q, k: jattn.attention(q, k, k, mask=masks.causal(), implementation="pallas")  # noqa: E731
-        grad = jax.grad(lambda q, k: jnp.sum(f(q, k).astype(jnp.float32)), argnums=(0, 1))
-        jvp = lambda q, k: jax.jvp(f, (q, k), (q, k))  # noqa: E731
-        lin = lambda q, k: jax.linearize(f, q, k)[1](q, k)  # noqa: E731
-        return [(fn, q) for fn in (f, grad, jvp, lin)]
+    def programs(D, E):
+        q, v = jnp.zeros((1, 2, 200, D), jnp.bfloat16), jnp.zeros((1, 2, 200, E), jnp.bfloat16)
+        f = lambda q, k, v: jattn.attention(q, k, v, mask=masks.causal(), implementation="pallas")  # noqa: E731
+        grad = jax.grad(lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2))
+        jvp = lambda q, k, v: jax.jvp(f, (q, k, v), (q, k, v))  # noqa: E731
+        lin = lambda q, k, v: jax.linearize(f, q, k, v)[1](q, k, v)  # noqa: E731
+        return [(fn, (q, q, v)) for fn in (f, grad, jvp, lin)]
 
-    for D in (d for d in (64, 128, 256) if d <= limit):
-        for (fn, q), kernels in zip(programs(D), (1, 3, 1, 2), strict=True):
-            assert cuda_text(fn, q, q, arch=arch).count("@mosaic_gpu") == kernels, (D, fn)
-    if limit == 256:
-        return
-    wider = 2 * limit
-    with pytest.raises(KernelRefusalError, match=rf"up to {limit} .*227 KiB of shared memory"):
-        mosaic_support.refuse_mosaic(backend, jnp.bfloat16, wider, wider, interpret=False, blocks=None)
-    if platform_facts.has_pallas_triton():
-        text = cuda_text(programs(wider)[0][0], *(programs(wider)[0][1],) * 2, arch=arch)
-        assert "@mosaic_gpu" not in text and "triton" in text.lower()
-    monkeypatch.setitem(mosaic_support.SHARED_DEPTH, backend, wider)  # the table one step too wide
-    failed = []
-    for fn, q in programs(wider):
-        try:
-            cuda_text(fn, q, q, arch=arch)
-        except ValueError as e:
-            failed.append("exceeds available shared memory" in str(e))
-    assert failed and all(failed)
+    for D, E in admitted:
+        for (fn, args), kernels in zip(programs(D, E), (1, 3, 1, 2), strict=True):
+            assert cuda_text(fn, *args, arch=arch).count("@mosaic_gpu") == kernels, (D, E, fn)
+    for D, E in refused:
+        with pytest.raises(KernelRefusalError, match=r"padded sum up to .*227 KiB of shared memory"):
+            mosaic_support.refuse_mosaic(backend, jnp.bfloat16, D, E, interpret=False, blocks=None)
+        if platform_facts.has_pallas_triton():
+            fn, args = programs(D, E)[0]
+            text = cuda_text(fn, *args, arch=arch)
+            assert "@mosaic_gpu" not in text and "triton" in text.lower()
+    monkeypatch.setitem(mosaic_support.SHARED_WIDTH, backend, 512)  # the table too wide: Mosaic GPU's check raises
+    for D, E in refused:
+        failed = []
+        for fn, args in programs(D, E):
+            try:
+                cuda_text(fn, *args, arch=arch)
+            except ValueError as e:
+                failed.append("exceeds available shared memory" in str(e))
+        assert failed and all(failed), (D, E)
