@@ -120,10 +120,10 @@ def _one_pass_kernel(spec, kinds_of, *refs):
     g = spec.grid
     q_ref, k_ref, v_ref, dq_ref, dk_ref, dv_ref, kinds_ref, bounds_ref, sinks_ref, dsinks_ref, seeds_ref, *refs = refs
     masks, row, outs, refs = _split(spec, refs, seeds_ref, 5)
-    q_s, dq_s, k_s, v_s, dk_s, dv_s, o_s, do_s, lse_s, top_s, dlse_s, *bars = refs[:16]
+    q_s, dq_s, ((k_s, v_s, dk_s, dv_s), (o_s, do_s)), lse_s, top_s, dlse_s, *bars = refs[:11]
     r, i = lax.axis_index("r"), lax.axis_index("i")
     gm = (q_ref, dq_ref, k_ref, v_ref, dk_ref, dv_ref, kinds_ref, bounds_ref, masks, kinds_of, row)
-    scratch = (q_s, dq_s, k_s, v_s, dk_s, dv_s, bars[:4], bars[4], refs[16:])
+    scratch = (q_s, dq_s, k_s, v_s, dk_s, dv_s, bars[:4], bars[4], refs[11:])
     m0 = plgpu.layout_cast(jnp.full((g.bq,), _NEG, jnp.float32), target(spec).layout.reduce(1))
     m, den, acc, tacc, dlse = _sweep(spec, False, scratch, gm, r, i, _init(spec, o_s.shape[1], m0))
     seen = den > 0
@@ -165,25 +165,31 @@ def _tangent_kernel(spec, kinds_of, *refs):
         *refs,
     ) = refs
     masks, row, (acc_ref, dlse_ref), refs = _split(spec, refs, seeds_ref, 2)
-    q_s, dq_s, k_s, v_s, dk_s, dv_s, acc_s, lse_s, dlse_s, *bars = refs[:15]
+    q_s, dq_s, ((k_s, v_s, dk_s, dv_s), (acc_s,)), lse_s, dlse_s, *bars = refs[:11]
     r, i = lax.axis_index("r"), lax.axis_index("i")
     plgpu.copy_gmem_to_smem(lse_ref.at[r, pl.ds(i * g.bq, g.bq)], lse_s, bars[5])
     plgpu.barrier_wait(bars[5])
     lse = load(lse_s, target(spec).layout.reduce(1))
     lse = jnp.where(lse == _NEG, jnp.inf, lse)  # a row that sees no key: weights 0
     gm = (q_ref, dq_ref, k_ref, v_ref, dk_ref, dv_ref, kinds_ref, bounds_ref, masks, kinds_of, row)
-    scratch = (q_s, dq_s, k_s, v_s, dk_s, dv_s, bars[:4], bars[4], refs[15:])
+    scratch = (q_s, dq_s, k_s, v_s, dk_s, dv_s, bars[:4], bars[4], refs[11:])
     _, _, _, tacc, dlse = _sweep(spec, True, scratch, gm, r, i, _init(spec, acc_s.shape[1], lse))
     dlse = _sink(spec, sinks_ref, dsinks_ref, r, lse, dlse)
     _store(((tacc, acc_s, acc_ref.at[r]), (dlse, dlse_s, dlse_ref.at[r])), pl.ds(i * g.bq, g.bq))
 
 
-def _operands(spec, q, k, v, dq, dk, dv):
-    """The six operands widened for ``wgmma`` (:func:`jattn._gpu.mosaic_support.depth`), the tiles and id scratch."""
+def _operands(spec, q, k, v, dq, dk, dv, *outputs):
+    """The six operands widened for ``wgmma`` (:func:`jattn._gpu.mosaic_support.depth`), the tiles and id scratch.
+
+    The tiles: q's and dq's, then one union of the key tiles (k, v, dk, dv) with the ``outputs``' staging tiles:
+    the outputs are written once the key loop is done with its tiles, so they share its shared memory (without
+    it the jvp at D = E = 256 needs more than a block's 227 KiB).
+    """
     g, Dw, Ew = spec.grid, depth(spec.Dp), depth(spec.Ep)
     pad = lambda x, n: jnp.pad(x, ((0, 0), (0, 0), (0, n - x.shape[-1])))  # noqa: E731
     ops = (pad(q, Dw), pad(k, Dw), pad(v, Ew), pad(dq, Dw), pad(dk, Dw), pad(dv, Ew))
-    tiles = [swizzled(s, q.dtype) for s in ((g.bq, Dw), (g.bq, Dw), (g.bk, Dw), (g.bk, Ew), (g.bk, Dw), (g.bk, Ew))]
+    keys = tuple(swizzled(s, q.dtype) for s in ((g.bk, Dw), (g.bk, Ew), (g.bk, Dw), (g.bk, Ew)))
+    tiles = [swizzled((g.bq, Dw), q.dtype), swizzled((g.bq, Dw), q.dtype), plgpu.RefUnion(keys, tuple(outputs))]
     kinds_of = windows(g.mask, spec.n_mask)
     ids = [plgpu.SMEM((g.bq if w == "q" else g.bk,), jnp.int32) for w in kinds_of if w]
     return ops, tiles, kinds_of, ids
@@ -193,7 +199,8 @@ def forward_tangent(spec, q, k, v, dq, dk, dv, kinds, bounds, sinks, seeds, dsin
     """``[o, lse, max logit, d o, d lse]`` as :func:`jattn._gpu.kernels.forward_tangent`, on Mosaic GPU."""
     check_mod(spec)
     g, b = spec.grid, q.shape[0]
-    (q, k, v, dq, dk, dv), tiles, kinds_of, ids = _operands(spec, q, k, v, dq, dk, dv)
+    staged = [swizzled((g.bq, depth(spec.Ep)), v.dtype) for _ in "od"]
+    (q, k, v, dq, dk, dv), tiles, kinds_of, ids = _operands(spec, q, k, v, dq, dk, dv, *staged)
     row, o = plgpu.SMEM((g.bq,), jnp.float32), jax.ShapeDtypeStruct((b, g.t_pad, v.shape[2]), v.dtype)
     rows = jax.ShapeDtypeStruct((b, g.t_pad), jnp.float32)
     outs = launch(
@@ -201,7 +208,6 @@ def forward_tangent(spec, q, k, v, dq, dk, dv, kinds, bounds, sinks, seeds, dsin
         out_type=[o, rows, rows, o, rows],
         scratch_types=[
             *tiles,
-            *(swizzled((g.bq, v.shape[2]), v.dtype) for _ in "od"),
             row,
             row,
             row,
@@ -220,7 +226,8 @@ def tangent(spec, q, k, v, o, lse, dq, dk, dv, kinds, bounds, sinks, seeds, dsin
     """``(d o (b, Tp, Ep), d lse (b, Tp))`` as :func:`jattn._gpu.kernels.tangent`: ``d o = acc - d lse o`` outside."""
     check_mod(spec)
     g, b = spec.grid, q.shape[0]
-    (q, k, v, dq, dk, dv), tiles, kinds_of, ids = _operands(spec, q, k, v, dq, dk, dv)
+    acc_s = plgpu.SMEM((g.bq, depth(spec.Ep)), jnp.float32)
+    (q, k, v, dq, dk, dv), tiles, kinds_of, ids = _operands(spec, q, k, v, dq, dk, dv, acc_s)
     row = plgpu.SMEM((g.bq,), jnp.float32)
     acc, d_lse = launch(
         functools.partial(_tangent_kernel, spec, kinds_of),
@@ -230,7 +237,6 @@ def tangent(spec, q, k, v, o, lse, dq, dk, dv, kinds, bounds, sinks, seeds, dsin
         ],
         scratch_types=[
             *tiles,
-            plgpu.SMEM((g.bq, v.shape[2]), jnp.float32),
             row,
             row,
             *(plgpu.Barrier() for _ in range(6)),
