@@ -519,9 +519,13 @@ def test_every_kernel_fits_shared_memory_within_the_table_and_not_beyond(monkeyp
     monkeypatch.setattr(pallas_path, "gpu_attention", functools.partial(gpu_attention, backend=backend))
     admitted, refused = EDGES[backend]
 
-    def programs(D, E):
+    ids = np.repeat(np.array([[0, 1]]), [120, 80], axis=1)  # documents: their ids' windows take shared memory too
+    kw = dict(mask=masks.causal() & masks.segment_ids(ids, ids), score_mod=score_mods.alibi(jnp.ones(2)))
+
+    def programs(D, E):  # the features that add shared memory: segment-id windows, a score mod's row values, sinks
         q, v = jnp.zeros((1, 2, 200, D), jnp.bfloat16), jnp.zeros((1, 2, 200, E), jnp.bfloat16)
-        f = lambda q, k, v: jattn.attention(q, k, v, mask=masks.causal(), implementation="pallas")  # noqa: E731
+        sinks = jnp.zeros((2,), jnp.float32)
+        f = lambda q, k, v: jattn.attention(q, k, v, **kw, sinks=sinks, implementation="pallas")  # noqa: E731
         grad = jax.grad(lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2))
         jvp = lambda q, k, v: jax.jvp(f, (q, k, v), (q, k, v))  # noqa: E731
         lin = lambda q, k, v: jax.linearize(f, q, k, v)[1](q, k, v)  # noqa: E731
