@@ -88,7 +88,8 @@ SUPPORT: dict[str, dict[str, str]] = {
         jax_nn="no: jax.nn takes no score modification",
         pallas=(
             "partly: GPU in the kernel (the arrays it closes over get gradients), but none that reads a table per "
-            "score (T5's bias: a gather, which Triton cannot lower); TPU score_mods.softcap() (splash's soft-cap)"
+            "score (T5's bias: a gather, which neither Triton nor Mosaic GPU lowers); TPU score_mods.softcap() "
+            "(splash's soft-cap)"
         ),
     ),
     "sinks": _row(jax_nn="no: jax.nn takes no sinks", pallas="partly: GPU yes; TPU no: splash takes none"),
