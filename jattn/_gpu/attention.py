@@ -29,7 +29,8 @@ from jattn._checks import KernelRefusalError, Operands, Options, check_sinks
 from jattn._dropout import row_seeds
 from jattn._gpu.deprecation import answer_triton_deprecation
 from jattn._gpu.kernels import Spec
-from jattn._gpu.mosaic_support import TARGETS, refuse_mosaic
+from jattn._gpu.mosaic_support import TARGETS, refuse_mosaic, refuse_windows
+from jattn._gpu.mosaic_tile import windows
 from jattn._gpu.rules import attend
 from jattn._gpu.score_mod import backend_name, convert, on_rows, pointwise, unlowerable
 from jattn._gpu.tiles import bounds, grid_of, kernel_arrays, row_mask, slot_kinds, tile_kinds
@@ -166,6 +167,8 @@ def gpu_attention(
     kf, vf = _pad(kvs[0], grid.s_pad, Dp), _pad(kvs[1], grid.s_pad, Ep)
     kinds = tile_kinds(grid, arrays)
     masks = tuple(x.astype(jnp.int32) for x in kernel_arrays(grid, arrays))
+    if backend in TARGETS:
+        refuse_windows(backend, D, E, sum(map(bool, windows(grid.mask, len(masks)))))
     spec = Spec(
         grid=grid, Dp=Dp, Ep=Ep, G=G, scale=float(scale), mod=mod, sinks=sinks is not None, interpret=interpret,
         n_mask=len(masks), choice=choice, dropout=float(dropout_rate), backend=backend,

@@ -85,7 +85,8 @@ def _dq_kernel(spec, kinds_of, *refs):
         refs[nm + nc : nm + nc + 1 + nf],
         refs[nm + nc + 1 + nf :],
     )
-    (q_s, do_s, k_s, v_s, dq_s, lse_s, delta_s, *bars), dc_s, id_s = refs[:14], refs[14 : 14 + nf], refs[14 + nf :]
+    q_s, do_s, ((k_s, v_s), (dq_s, *dc_s)), lse_s, delta_s, *bars = refs[:12]
+    id_s = refs[12:]
     r, i = lax.axis_index("r"), lax.axis_index("i")
     kr, rows = (r if kinds_ref.shape[0] > 1 else 0), pl.ds(i * g.bq, g.bq)
     ins = (
@@ -156,7 +157,8 @@ def _dkdv_kernel(spec, kinds_of, *refs):
         refs[nm + nc : nm + nc + 2],
         refs[nm + nc + 2 :],
     )
-    (q_s, do_s, k_s, v_s, dk_s, dv_s, lse_s, delta_s, *bars), id_s = refs[:15], refs[15:]
+    ((q_s, do_s), (dk_s, dv_s)), k_s, v_s, lse_s, delta_s, *bars = refs[:12]
+    id_s = refs[12:]
     rk, j = lax.axis_index("r"), lax.axis_index("j")
     cols = pl.ds(j * g.bk, g.bk)
     _copy_in(((k_ref.at[rk, cols], k_s), (v_ref.at[rk, cols], v_s)), bars[4:6])
@@ -210,16 +212,19 @@ def dq(spec, q, k, v, do, lse, delta, kinds, bounds, sinks, seeds, masks, consts
     q, k, v, do = _widened(spec, q, k, v, do)
     kinds_of, ids = _id_scratch(spec)
     rows = plgpu.SMEM((g.bq,), jnp.float32)
-    tiles = ((g.bq, q.shape[2]), (g.bq, v.shape[2]), (g.bk, q.shape[2]), (g.bk, v.shape[2]), (g.bq, q.shape[2]))
+    Dw, Ew = q.shape[2], v.shape[2]
+    keys = (swizzled((g.bk, Dw), q.dtype), swizzled((g.bk, Ew), q.dtype))
+    staged = (swizzled((g.bq, Dw), q.dtype), *(rows,) * nf)  # dq and the values' gradients, once the loop is done
     out = launch(
         functools.partial(_dq_kernel, spec, kinds_of),
         out_type=[jax.ShapeDtypeStruct(q.shape, q.dtype), *(jax.ShapeDtypeStruct((b, g.t_pad), jnp.float32),) * nf],
         scratch_types=[
-            *(swizzled(s, q.dtype) for s in tiles),
+            swizzled((g.bq, Dw), q.dtype),
+            swizzled((g.bq, Ew), q.dtype),
+            plgpu.RefUnion(keys, staged),
             rows,
             rows,
             *(plgpu.Barrier() for _ in range(7)),
-            *(rows,) * nf,
             *ids,
         ],
         grid=(b, g.nq),
@@ -238,11 +243,13 @@ def dkdv(spec, q, k, v, do, lse, delta, kinds, tbounds, sinks, seeds, masks, con
     kinds_of, ids = _id_scratch(spec)
     rows = plgpu.SMEM((g.bq,), jnp.float32)
     Dw, Ew = q.shape[2], v.shape[2]
-    tiles = ((g.bq, Dw), (g.bq, Ew), (g.bk, Dw), (g.bk, Ew), (g.bk, Dw), (g.bk, Ew))
+    queries = (swizzled((g.bq, Dw), q.dtype), swizzled((g.bq, Ew), q.dtype))
+    staged = (swizzled((g.bk, Dw), q.dtype), swizzled((g.bk, Ew), q.dtype))  # dk and dv, once the loop is done
+    keys = (swizzled((g.bk, Dw), q.dtype), swizzled((g.bk, Ew), q.dtype))
     dk, dv = launch(
         functools.partial(_dkdv_kernel, spec, kinds_of),
         out_type=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-        scratch_types=[*(swizzled(s, q.dtype) for s in tiles), rows, rows, *(plgpu.Barrier() for _ in range(7)), *ids],
+        scratch_types=[plgpu.RefUnion(queries, staged), *keys, rows, rows, *(plgpu.Barrier() for _ in range(7)), *ids],
         grid=(k.shape[0], g.nk),
         grid_names=("r", "j"),
         interpret=spec.interpret,

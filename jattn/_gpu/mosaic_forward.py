@@ -78,7 +78,7 @@ def _kernel(spec, kinds, *refs):
         refs[nm + nc : nm + nc + 3],
         refs[nm + nc + 3 :],
     )
-    q_s, k_s, v_s, o_s, lse_s, top_s, bar_q, bar_k, bar_v, bar_ids, *id_s = scratch
+    q_s, ((k_s, v_s), (o_s, lse_s, top_s)), bar_q, bar_k, bar_v, bar_ids, *id_s = scratch
     g, r, i = spec.grid, lax.axis_index("r"), lax.axis_index("i")
     plgpu.copy_gmem_to_smem(q_ref.at[r, pl.ds(i * g.bq, g.bq)], q_s, bar_q)
     plgpu.barrier_wait(bar_q)
@@ -115,10 +115,11 @@ def forward(spec, q, k, v, kinds, bounds, sinks, seeds, masks, consts) -> tuple[
     v = jnp.pad(v, ((0, 0), (0, 0), (0, Ew - spec.Ep)))
     kinds_of = windows(g.mask, spec.n_mask)
     ids = [plgpu.SMEM((g.bq if w == "q" else g.bk,), jnp.int32) for w in kinds_of if w]
+    keys = (swizzled((g.bk, Dw), q.dtype), swizzled((g.bk, Ew), q.dtype))
+    staged = (swizzled((g.bq, Ew), q.dtype), *(plgpu.SMEM((g.bq,), jnp.float32),) * 2)  # o, lse, the max logit
     scratch = [
-        *(swizzled(shape, q.dtype) for shape in ((g.bq, Dw), (g.bk, Dw), (g.bk, Ew), (g.bq, Ew))),
-        plgpu.SMEM((g.bq,), jnp.float32),
-        plgpu.SMEM((g.bq,), jnp.float32),
+        swizzled((g.bq, Dw), q.dtype),
+        plgpu.RefUnion(keys, staged),  # the outputs staged in the key tiles' memory once the loop is done
         *(plgpu.Barrier(num_arrivals=1) for _ in range(4)),
         *ids,
     ]

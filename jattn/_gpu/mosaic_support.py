@@ -24,6 +24,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jattn._checks import KernelRefusalError
 
 __all__ = [
+    "EDGE_ROOM",
     "SHARED_WIDTH",
     "TARGETS",
     "Target",
@@ -34,6 +35,7 @@ __all__ = [
     "load",
     "product",
     "refuse_mosaic",
+    "refuse_windows",
     "swizzled",
     "target",
     "width",
@@ -84,16 +86,40 @@ _TAKE = "use implementation='blockwise' or 'dense', or the Triton kernel (sm_80-
 _NEW_LOAD = "idx" not in inspect.signature(plgpu.load).parameters
 
 
-#: The widest ``Dw + Ew`` (``D`` and ``E`` padded as the kernels pad them: :func:`width`) at which every kernel of a
-#: target (forward, dq, dk/dv, the one-pass jvp, the tangent) fits the 227 KiB of shared memory a block may ask
-#: on sm_90 and sm_100 (Mosaic GPU's lowering checks it against that figure ahead of time, and raises). Each
-#: kernel's tiles grow with Dw and with Ew, so the fitting pairs are those of a bounded sum. KiB per kernel
-#: (forward, dq, dk/dv, jvp, tangent), measured by lowering for CUDA (``test_every_kernel_fits_shared_memory_
-#: within_the_table_and_not_beyond`` in tests/test_mosaic_gpu.py checks the edges both ways):
-#: wgmma, (Dw, Ew) = (256, 256): 132, 162, 194, 197, 196 (every pair fits);
-#: tcgen05 (128, 64): 130, 162, 178, 195, 194; over: the jvp at (128, 128), dq at (64, 256) and (256, 64).
+#: The largest ``2 Dw + Ew`` (``D`` and ``E`` padded as the kernels pad them: :func:`width`) at which every kernel
+#: of a target (forward, dq, dk/dv, the one-pass jvp, the tangent) fits the 227 KiB of shared memory a block may
+#: ask on sm_90 and sm_100 (Mosaic GPU's lowering checks it against that figure ahead of time, and raises). The
+#: largest kernels are the jvp's and the tangent's: four tiles of depth D (q, k and their tangents), two of E
+#: (v and its tangent); every kernel stages its outputs in the loop's tiles once the loop is done (a
+#: ``RefUnion``). KiB per kernel (forward, dq, dk/dv, jvp, tangent), measured by lowering for CUDA
+#: (``test_every_kernel_fits_shared_memory_within_the_table_and_not_beyond`` in tests/test_mosaic_gpu.py checks
+#: the edges both ways, with the features that add shared memory):
+#: wgmma, (Dw, Ew) = (256, 256): 98, 130, 130, 194, 195 (every pair fits);
+#: tcgen05 (128, 128): 128, 162, 162, 224, 225; (64, 256): 128, 194, 194, 224, 225;
+#: over: the jvp and the tangent at (128, 256) and (256, 64).
 #: Wider calls are refused by name: the automatic choice takes the Triton kernel for them.
-SHARED_WIDTH = {"mosaic_gpu": 512, "mosaic_gpu_tcgen05": 192}
+SHARED_WIDTH = {"mosaic_gpu": 768, "mosaic_gpu_tcgen05": 384}
+
+
+#: Bytes left in the largest kernel at the edge of :data:`SHARED_WIDTH` with the edge test's two segment-id windows
+#: (measured: tcgen05 at (128, 128) 231,484 of 232,448; wgmma at (256, 256) 200,752): room for more windows there.
+#: Below the edge, 64 columns less leave 8 KiB (wgmma) or 16 KiB (tcgen05) more.
+EDGE_ROOM = {"mosaic_gpu": 31 * 1024, "mosaic_gpu_tcgen05": 900}
+
+
+def refuse_windows(backend: str, D: int, E: int, windows: int) -> None:
+    """Raises :class:`KernelRefusalError` where the mask's segment-id windows overflow shared memory; else nothing.
+
+    ``windows``: one ``(block,)`` int32 tile per side of each ``segment_ids()``, at head depths ``D``, ``E``.
+    """
+    block, room = TARGETS[backend].block, EDGE_ROOM[backend]
+    if 2 * width(D) + width(E) < SHARED_WIDTH[backend]:
+        room += 64 * block * 2
+    if (windows - 2) * block * 4 > room:
+        raise KernelRefusalError(
+            f"{_WHERE} at D={D}, E={E} takes fewer segment_ids() in the mask (got {windows // 2}): their id windows "
+            f"would take its kernels past the 227 KiB of shared memory a block has; {_TAKE}"
+        )
 
 
 def width(n: int) -> int:
@@ -116,11 +142,11 @@ def refuse_mosaic(backend: str, dtype, D: int, E: int, *, interpret: bool, block
         )
     if max(D, E) > 256:
         raise KernelRefusalError(f"{_WHERE} takes head depths up to 256, got D={D}, E={E}; {_TAKE}")
-    if width(D) + width(E) > SHARED_WIDTH[backend]:
+    if 2 * width(D) + width(E) > SHARED_WIDTH[backend]:
         raise KernelRefusalError(
-            f"{_WHERE} takes head depths of padded sum up to {SHARED_WIDTH[backend]} on {TARGETS[backend].name}, got "
-            f"D={D}, E={E} (padded {width(D)} + {width(E)}): its kernels' tiles would need more than the 227 KiB of "
-            f"shared memory a block has; {_TAKE}"
+            f"{_WHERE} takes head depths with 2 D + E up to {SHARED_WIDTH[backend]} (padded) on "
+            f"{TARGETS[backend].name}, got D={D}, E={E} (padded {width(D)}, {width(E)}): its kernels' tiles would "
+            f"need more than the 227 KiB of shared memory a block has; {_TAKE}"
         )
     if blocks is not None and tuple(blocks) != (block, block):
         raise KernelRefusalError(

@@ -120,10 +120,10 @@ def _one_pass_kernel(spec, kinds_of, *refs):
     g = spec.grid
     q_ref, k_ref, v_ref, dq_ref, dk_ref, dv_ref, kinds_ref, bounds_ref, sinks_ref, dsinks_ref, seeds_ref, *refs = refs
     masks, row, outs, refs = _split(spec, refs, seeds_ref, 5)
-    q_s, dq_s, ((k_s, v_s, dk_s, dv_s), (o_s, do_s)), lse_s, top_s, dlse_s, *bars = refs[:11]
+    q_s, dq_s, ((k_s, v_s, dk_s, dv_s), (o_s, do_s, lse_s, top_s, dlse_s)), *bars = refs[:8]
     r, i = lax.axis_index("r"), lax.axis_index("i")
     gm = (q_ref, dq_ref, k_ref, v_ref, dk_ref, dv_ref, kinds_ref, bounds_ref, masks, kinds_of, row)
-    scratch = (q_s, dq_s, k_s, v_s, dk_s, dv_s, bars[:4], bars[4], refs[11:])
+    scratch = (q_s, dq_s, k_s, v_s, dk_s, dv_s, bars[:4], bars[4], refs[8:])
     m0 = plgpu.layout_cast(jnp.full((g.bq,), _NEG, jnp.float32), target(spec).layout.reduce(1))
     m, den, acc, tacc, dlse = _sweep(spec, False, scratch, gm, r, i, _init(spec, o_s.shape[1], m0))
     seen = den > 0
@@ -165,31 +165,33 @@ def _tangent_kernel(spec, kinds_of, *refs):
         *refs,
     ) = refs
     masks, row, (acc_ref, dlse_ref), refs = _split(spec, refs, seeds_ref, 2)
-    q_s, dq_s, ((k_s, v_s, dk_s, dv_s), (acc_s,)), lse_s, dlse_s, *bars = refs[:11]
+    q_s, dq_s, ((k_s, v_s, dk_s, dv_s), (acc_s, dlse_s), (lse_s,)), *bars = refs[:9]
     r, i = lax.axis_index("r"), lax.axis_index("i")
     plgpu.copy_gmem_to_smem(lse_ref.at[r, pl.ds(i * g.bq, g.bq)], lse_s, bars[5])
     plgpu.barrier_wait(bars[5])
     lse = load(lse_s, target(spec).layout.reduce(1))
+    plgpu.commit_smem()  # lse read before TMA writes the key tiles over it (they share its memory)
     lse = jnp.where(lse == _NEG, jnp.inf, lse)  # a row that sees no key: weights 0
     gm = (q_ref, dq_ref, k_ref, v_ref, dk_ref, dv_ref, kinds_ref, bounds_ref, masks, kinds_of, row)
-    scratch = (q_s, dq_s, k_s, v_s, dk_s, dv_s, bars[:4], bars[4], refs[11:])
+    scratch = (q_s, dq_s, k_s, v_s, dk_s, dv_s, bars[:4], bars[4], refs[9:])
     _, _, _, tacc, dlse = _sweep(spec, True, scratch, gm, r, i, _init(spec, acc_s.shape[1], lse))
     dlse = _sink(spec, sinks_ref, dsinks_ref, r, lse, dlse)
     _store(((tacc, acc_s, acc_ref.at[r]), (dlse, dlse_s, dlse_ref.at[r])), pl.ds(i * g.bq, g.bq))
 
 
-def _operands(spec, q, k, v, dq, dk, dv, *outputs):
+def _operands(spec, q, k, v, dq, dk, dv, outputs: tuple, before: tuple = ()):
     """The six operands widened for ``wgmma`` (:func:`jattn._gpu.mosaic_support.depth`), the tiles and id scratch.
 
-    The tiles: q's and dq's, then one union of the key tiles (k, v, dk, dv) with the ``outputs``' staging tiles:
-    the outputs are written once the key loop is done with its tiles, so they share its shared memory (without
-    it the jvp at D = E = 256 needs more than a block's 227 KiB).
+    The tiles: q's and dq's, then one union of the key tiles (k, v, dk, dv) with the ``outputs``' staging tiles
+    and the tiles read ``before`` the loop: the outputs are written once the key loop is done with its tiles, so
+    they share its shared memory (without it the jvp at D = E = 256 needs more than a block's 227 KiB).
     """
     g, Dw, Ew = spec.grid, depth(spec.Dp), depth(spec.Ep)
     pad = lambda x, n: jnp.pad(x, ((0, 0), (0, 0), (0, n - x.shape[-1])))  # noqa: E731
     ops = (pad(q, Dw), pad(k, Dw), pad(v, Ew), pad(dq, Dw), pad(dk, Dw), pad(dv, Ew))
     keys = tuple(swizzled(s, q.dtype) for s in ((g.bk, Dw), (g.bk, Ew), (g.bk, Dw), (g.bk, Ew)))
-    tiles = [swizzled((g.bq, Dw), q.dtype), swizzled((g.bq, Dw), q.dtype), plgpu.RefUnion(keys, tuple(outputs))]
+    union = plgpu.RefUnion(keys, outputs, *((before,) if before else ()))
+    tiles = [swizzled((g.bq, Dw), q.dtype), swizzled((g.bq, Dw), q.dtype), union]
     kinds_of = windows(g.mask, spec.n_mask)
     ids = [plgpu.SMEM((g.bq if w == "q" else g.bk,), jnp.int32) for w in kinds_of if w]
     return ops, tiles, kinds_of, ids
@@ -199,18 +201,16 @@ def forward_tangent(spec, q, k, v, dq, dk, dv, kinds, bounds, sinks, seeds, dsin
     """``[o, lse, max logit, d o, d lse]`` as :func:`jattn._gpu.kernels.forward_tangent`, on Mosaic GPU."""
     check_mod(spec)
     g, b = spec.grid, q.shape[0]
-    staged = [swizzled((g.bq, depth(spec.Ep)), v.dtype) for _ in "od"]
-    (q, k, v, dq, dk, dv), tiles, kinds_of, ids = _operands(spec, q, k, v, dq, dk, dv, *staged)
-    row, o = plgpu.SMEM((g.bq,), jnp.float32), jax.ShapeDtypeStruct((b, g.t_pad, v.shape[2]), v.dtype)
+    row = plgpu.SMEM((g.bq,), jnp.float32)
+    staged = [*(swizzled((g.bq, depth(spec.Ep)), v.dtype) for _ in "od"), row, row, row]  # o, d o, lse, top, d lse
+    (q, k, v, dq, dk, dv), tiles, kinds_of, ids = _operands(spec, q, k, v, dq, dk, dv, tuple(staged))
+    o = jax.ShapeDtypeStruct((b, g.t_pad, v.shape[2]), v.dtype)
     rows = jax.ShapeDtypeStruct((b, g.t_pad), jnp.float32)
     outs = launch(
         functools.partial(_one_pass_kernel, spec, kinds_of),
         out_type=[o, rows, rows, o, rows],
         scratch_types=[
             *tiles,
-            row,
-            row,
-            row,
             *(plgpu.Barrier() for _ in range(5)),
             *ids,
         ],
@@ -226,9 +226,9 @@ def tangent(spec, q, k, v, o, lse, dq, dk, dv, kinds, bounds, sinks, seeds, dsin
     """``(d o (b, Tp, Ep), d lse (b, Tp))`` as :func:`jattn._gpu.kernels.tangent`: ``d o = acc - d lse o`` outside."""
     check_mod(spec)
     g, b = spec.grid, q.shape[0]
-    acc_s = plgpu.SMEM((g.bq, depth(spec.Ep)), jnp.float32)
-    (q, k, v, dq, dk, dv), tiles, kinds_of, ids = _operands(spec, q, k, v, dq, dk, dv, acc_s)
     row = plgpu.SMEM((g.bq,), jnp.float32)
+    staged = (plgpu.SMEM((g.bq, depth(spec.Ep)), jnp.float32), row)  # acc, d lse
+    (q, k, v, dq, dk, dv), tiles, kinds_of, ids = _operands(spec, q, k, v, dq, dk, dv, staged, (row,))  # lse
     acc, d_lse = launch(
         functools.partial(_tangent_kernel, spec, kinds_of),
         out_type=[
@@ -237,8 +237,6 @@ def tangent(spec, q, k, v, o, lse, dq, dk, dv, kinds, bounds, sinks, seeds, dsin
         ],
         scratch_types=[
             *tiles,
-            row,
-            row,
             *(plgpu.Barrier() for _ in range(6)),
             *ids,
         ],
