@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -164,22 +165,34 @@ def refuse_mosaic(backend: str, dtype, D: int, E: int, *, interpret: bool, block
         )
 
 
-def launch(body, *, interpret: bool, out_type, **kernel):
+#: One Mosaic GPU interpreter at a time in this process. JAX keeps the interpreter's shared memory in one global,
+#: set up by the kernel that starts first and cleared by the one that ends: two kernels interpreted at once
+#: (independent kernels of one program, which XLA may run side by side, e.g. dq and dk/dv) would clear each
+#: other's memory mid-run (seen under load: an AssertionError in the interpreter, or wrong values).
+_INTERPRETING = threading.Lock()
+
+
+def launch(body, *, interpret: bool, out_type, detect_races: bool | None = None, **kernel):
     """``plgpu.kernel(body, ...)``: compiled, or run by Mosaic GPU's interpreter inside a ``jax.pure_callback``.
 
     The interpreter threads ordered IO effects through the program, which jattn's derivative primitives
     (:mod:`jattn._autodiff`, lowered from their implementations) do not declare; the callback hides them: a
-    pure function of its operands, as the compiled kernel is.
+    pure function of its operands, as the compiled kernel is. Interpreted kernels run one at a time
+    (:data:`_INTERPRETING`); ``detect_races`` (default :data:`DETECT_RACES`) has the interpreter raise at a race.
     """
     if not interpret:
         return plgpu.kernel(body, out_type=out_type, **kernel)
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # no public name yet (jax 0.12)
 
-    params = InterpretGPUParams(detect_races=DETECT_RACES)  # a race raises (on_race="raise")
-    run = jax.jit(plgpu.kernel(body, out_type=out_type, interpret=params, **kernel))
+    races = DETECT_RACES if detect_races is None else detect_races
+    run = jax.jit(plgpu.kernel(body, out_type=out_type, interpret=InterpretGPUParams(detect_races=races), **kernel))
+
+    def host(*xs):
+        with _INTERPRETING:
+            return jax.device_get(run(*xs))
 
     def call(*args):
-        return jax.pure_callback(lambda *xs: jax.device_get(run(*xs)), out_type, *args, vmap_method="sequential")
+        return jax.pure_callback(host, out_type, *args, vmap_method="sequential")
 
     return call
 

@@ -10,7 +10,7 @@ page index and a column offset ``h·D`` of the pool viewed as ``(P, Z, K·D)``, 
 shared memory, where ``wgmma`` forms the scores and ``p v`` in float32 registers (online softmax, as
 :mod:`jattn._gpu.mosaic_forward`). Rows' positions are iotas of the block's first position, so no row array is
 read. bfloat16 and float16 only (float32 is refused by name: the Triton kernel takes it); head depths multiples
-of 64 up to 256, pages of a multiple of 64 tokens. Interpreted on CPU from jax 0.12 (:func:`_launch`).
+of 64 up to 256, pages of a multiple of 64 tokens. Interpreted on CPU from jax 0.12 (``jattn._gpu.mosaic_launch``).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from jax import Array, lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jattn._gpu import mosaic_launch
 from jattn._masks import UNBOUNDED, key_interval
 from jattn._paged.blocks import BLOCK_Q, block_queries, no_rows
 from jattn._paged.checks import Paged
@@ -50,26 +51,6 @@ _NEG = -float("inf")
 def _swizzled(shape: tuple[int, ...], dtype) -> plgpu.SMEM:
     """A shared-memory tile of 16-bit rows as ``wgmma`` reads them: (8, 64) tiles, 128-byte swizzle."""
     return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
-
-
-def _launch(body, *, interpret: bool, out_type, **kernel):
-    """``plgpu.kernel(body, ...)``: compiled, or run by Mosaic GPU's interpreter inside a ``jax.pure_callback``.
-
-    As ``jattn._gpu``'s ``launch`` (its files are reached through its face only): the callback hides the
-    interpreter's IO effects, a pure function of its operands as the compiled kernel is.
-    """
-    if not interpret:
-        return plgpu.kernel(body, out_type=out_type, **kernel)
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # no public name yet (jax 0.12)
-
-    run = jax.jit(
-        plgpu.kernel(body, out_type=out_type, interpret=InterpretGPUParams(detect_races=DETECT_RACES), **kernel)
-    )
-
-    def call(*args):
-        return jax.pure_callback(lambda *xs: jax.device_get(run(*xs)), out_type, *args, vmap_method="sequential")
-
-    return call
 
 
 assert BLOCK_Q & (BLOCK_Q - 1) == 0, "a row's position within its block is its row index & (BLOCK_Q - 1)"
@@ -161,7 +142,7 @@ def _call(p: Paged, q: Array, table: Array, bq: int, interpret: bool) -> tuple[A
         *(plgpu.Barrier(num_arrivals=1) for _ in range(3)),
     ]
     kernel = functools.partial(_kernel, float(p.scale), left, right, per_split, P)
-    return _launch(
+    return mosaic_launch(
         kernel,
         out_type=[
             jax.ShapeDtypeStruct((B, K, n, bq, E), jnp.float32),
@@ -171,6 +152,7 @@ def _call(p: Paged, q: Array, table: Array, bq: int, interpret: bool) -> tuple[A
         grid=(B, K, n),
         grid_names=("i", "h", "s"),
         interpret=interpret,
+        detect_races=DETECT_RACES,
     )(table, p.page_table.astype(jnp.int32), q, k.astype(q.dtype), v.astype(q.dtype))
 
 
