@@ -11,7 +11,8 @@ score modification read in the kernel; ``tuning`` the Triton kernel's tiles, lau
 ``"mosaic_gpu_tcgen05"`` (Blackwell: ``tcgen05`` into tensor memory) those of ``mosaic_kernels`` (Pallas' Mosaic
 GPU backend: ``mosaic_forward``, ``mosaic_backward``, ``mosaic_tangent``, ``mosaic_tile``, ``mosaic_mod``,
 ``mosaic_support``) on the same operands; :func:`backend_for` names the one for a compute capability;
-``mosaic_launch`` launches a Mosaic GPU kernel, compiled or interpreted one at a time (the paged kernel's too).
+``mosaic_launch`` launches a Mosaic GPU kernel, compiled or interpreted one at a time, ``mosaic_swizzled`` and
+``mosaic_load`` its shared tiles and their loads (the paged kernel's too).
 
 May import: ``_autodiff``, ``_checks``, ``_dropout``, ``_masks``, ``_arrays``, ``_platform``. The rest of jattn imports this subpackage
 through this face only: the names imported below, and nothing else. Its files import each other directly,
@@ -22,3 +23,5 @@ from jattn._gpu.attention import MAX_DEPTH, gpu_attention, refuse
 from jattn._gpu.deprecation import answer_triton_deprecation
 from jattn._gpu.mosaic_support import backend_for
 from jattn._gpu.mosaic_support import launch as mosaic_launch
+from jattn._gpu.mosaic_support import load as mosaic_load
+from jattn._gpu.mosaic_support import swizzled as mosaic_swizzled

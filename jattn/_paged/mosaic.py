@@ -16,7 +16,6 @@ of 64 up to 256, pages of a multiple of 64 tokens. Interpreted on CPU from jax 0
 from __future__ import annotations
 
 import functools
-import inspect
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +24,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jattn._gpu import mosaic_launch
+from jattn._gpu import mosaic_load as load
+from jattn._gpu import mosaic_swizzled as swizzled
 from jattn._masks import UNBOUNDED, key_interval
 from jattn._paged.blocks import BLOCK_Q, block_queries, no_rows
 from jattn._paged.checks import Paged
@@ -48,19 +49,7 @@ SMEM_RESERVE = 3 * 1024
 _NEG = -float("inf")
 
 
-def _swizzled(shape: tuple[int, ...], dtype) -> plgpu.SMEM:
-    """A shared-memory tile of 16-bit rows as ``wgmma`` reads them: (8, 64) tiles, 128-byte swizzle."""
-    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
-
-
 assert BLOCK_Q & (BLOCK_Q - 1) == 0, "a row's position within its block is its row index & (BLOCK_Q - 1)"
-
-
-def _load(ref, layout):
-    """The whole of a shared-memory ref in registers of ``layout`` (jax 0.10-0.11 take an index, 0.12 none)."""
-    if "idx" in inspect.signature(plgpu.load).parameters:
-        return plgpu.load(ref, (), layout=layout)
-    return plgpu.load(ref, layout=layout)
 
 
 def _rows(p: Paged) -> int:
@@ -134,9 +123,9 @@ def _call(p: Paged, q: Array, table: Array, bq: int, interpret: bool) -> tuple[A
     v = p.v_pages.reshape(P, Z, K * E)
     left, right = key_interval(p.mask)
     scratch = [  # shared_bytes counts them
-        _swizzled((bq, D), q.dtype),
-        _swizzled((Z, D), q.dtype),
-        _swizzled((Z, E), q.dtype),
+        swizzled((bq, D), q.dtype),
+        swizzled((Z, D), q.dtype),
+        swizzled((Z, E), q.dtype),
         plgpu.SMEM((bq, E), jnp.float32),
         plgpu.SMEM((bq,), jnp.float32),
         *(plgpu.Barrier(num_arrivals=1) for _ in range(3)),
@@ -179,7 +168,7 @@ def _zero_stale(v_s, fill: Array, layout) -> None:
     @pl.when(fill < Z)
     def _():
         slot = plgpu.broadcasted_iota(jnp.int32, (Z, E), 0, layout=layout)
-        v_s[...] = jnp.where(slot < fill, _load(v_s, layout), jnp.zeros((), v_s.dtype))
+        v_s[...] = jnp.where(slot < fill, load(v_s, layout), jnp.zeros((), v_s.dtype))
         plgpu.commit_smem()  # the stores seen by wgmma (async proxy), all the warpgroup's threads
 
 
