@@ -2,8 +2,8 @@
 #   make train   the default training run
 #   make test    lint + the docs site + the test suite but its heavy tests (one device, then 8 simulated ones)
 # and more: make test-heavy (the heavy tests, tests/tiers.py), make test-newest (the files tests/tiers.py names,
-# on the newest JAX, Python 3.12+), make compile-check (the GPU kernels compiled for sm_80 and sm_90 by Triton,
-# no GPU needed), make jax-triton-route (the forward in Triton's DSL through jax_triton), make ci (what .ci/run
+# on the newest JAX, Python 3.12+), make compile-check (the GPU kernels compiled, no GPU needed: Triton's for sm_80
+# and sm_90, Mosaic GPU's for sm_90a and sm_100a), make jax-triton-route (the forward in Triton's DSL through jax_triton), make ci (what .ci/run
 # runs: test, test-heavy, test-newest, compile-check), make docs (the docs site into site/), make fuzz (the slow
 # differential fuzz), make bench (benchmarks, ARGS=...).
 VENV ?= .venv
@@ -36,6 +36,17 @@ TRITON_VENV ?= .venv-triton
 $(TRITON_VENV)/.installed:
 	python3 -m venv $(TRITON_VENV)
 	$(TRITON_VENV)/bin/pip install -q triton==3.8.0
+	touch $@
+
+# make compile-check's Mosaic GPU half (bench/mosaic_compile.py): JAX's CUDA PJRT plugin of the newest venv's jaxlib
+# version (its Mosaic GPU compiler and NVIDIA's PTX compiler inside; no dependencies, no GPU), and the stand-in
+# CUDA driver that tells it the chip (bench/fake_cuda.c)
+MOSAIC_VENV ?= .venv-mosaic
+$(MOSAIC_VENV)/.installed: $(NEWEST_VENV)/.installed bench/fake_cuda.c
+	python3 -m venv $(MOSAIC_VENV)
+	$(MOSAIC_VENV)/bin/pip install -q --no-deps "jax-cuda13-pjrt==$$($(NEWEST_PY) -c 'import jaxlib; print(jaxlib.__version__)')"
+	mkdir -p $(MOSAIC_VENV)/fake-cuda
+	$${CC:-cc} -shared -fPIC -o $(MOSAIC_VENV)/fake-cuda/libcuda.so.1 bench/fake_cuda.c
 	touch $@
 
 # make jax-triton-route (bench/jax_triton_route.py): torch (CPU, for Triton's interpreter) beside that Triton,
@@ -118,8 +129,13 @@ test-newest: $(NEWEST_VENV)/.installed
 # score mod, sinks; D 64/128/256; bf16, f16, f32) lowered by jax 0.10.2 and compiled by Triton 3.8.0 for
 # sm_80 and sm_90: fails on a compile error, shared memory over the chips' limit, or spills over the
 # targets (bench/triton_compile.py; docs/design/pallas.md, "Launches and compile statistics").
-compile-check: $(VENV)/.installed $(TRITON_VENV)/.installed
-	TRITON_PY=$(TRITON_VENV)/bin/python $(PY) -m bench.triton_compile
+# Then every Mosaic GPU kernel (forward, dq, dk/dv, the one-pass jvp, the tangent, the paged kernel; plain and with
+# features; D 64/128/256; bf16, f16) lowered by the newest jax and compiled by JAX's CUDA plugin for sm_90a and
+# sm_100a: fails on a compile error or spills over the measured ceilings (bench/mosaic_compile.py). Both run.
+compile-check: $(VENV)/.installed $(TRITON_VENV)/.installed $(MOSAIC_VENV)/.installed
+	status=0; TRITON_PY=$(TRITON_VENV)/bin/python $(PY) -m bench.triton_compile || status=1; \
+	MOSAIC_PY=$(MOSAIC_VENV)/bin/python FAKE_CUDA_DIR=$(MOSAIC_VENV)/fake-cuda $(NEWEST_PY) -m bench.mosaic_compile || status=1; \
+	exit $$status
 
 # The jax_triton route for when JAX drops Pallas' Triton backend: jattn's forward in Triton's DSL
 # (bench/triton_dsl.py) checked in Triton's interpreter against float64, compiled for sm_80/sm_90, and lowered

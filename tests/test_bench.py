@@ -224,6 +224,31 @@ def test_the_compile_check_fails_a_kernel_over_its_shared_memory_or_spill_target
     assert problems({"config": Config("plain", 64, "float32", 80)}, None)
 
 
+_PTXAS = """ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'jattn_mosaic_dq_mosaic_gpu_kernel' for 'sm_{arch}a'
+ptxas info    : Function properties for jattn_mosaic_dq_mosaic_gpu_kernel
+    {stack} bytes stack frame, {spills} bytes spill stores, {loads} bytes spill loads
+ptxas info    : Used {regs} registers, used 2 barriers, 1 bytes smem
+"""
+
+
+def test_the_mosaic_compile_check_reads_the_ptx_compilers_statistics_and_holds_each_kernel_to_its_ceiling():
+    """bench/mosaic_compile.py: the statistics of a hand-written PTX compiler report, the arch it names, the
+    pipeline failing before it; a kernel may spill what SPILLS records for it and no byte more (others: none)."""
+    from bench.mosaic_compile import SPILLS, problems, statistics
+
+    text = _PTXAS.format(arch=90, stack=104, spills=108, loads=96, regs=251) + "JIT session error: Symbols not found"
+    assert statistics(text, 90) == {"stack": 104, "spill_st": 108, "spill_ld": 96, "regs": 251}
+    assert "not sm_100a" in statistics(text, 100)["error"]
+    assert "no cubin" in statistics("error: 'nvvm.wgmma' op failed to verify", 90)["error"]
+    assert "no regs" in statistics(text.replace("Used 251 registers", ""), 90)["error"]
+    for (arch, kernel, D), ceiling in SPILLS.items():
+        assert ceiling > 0 and not problems({"spill_st": ceiling}, arch, kernel, D)
+        assert problems({"spill_st": ceiling + 4}, arch, kernel, D)
+    assert not problems({"spill_st": 0}, 90, "forward", 128) and problems({"spill_st": 4}, 90, "forward", 128)
+    assert problems({"error": "no cubin"}, 90, "forward", 64) == ["no cubin"]
+
+
 @pytest.mark.parametrize(("t", "s", "bq", "bk"), [(100, 130, 64, 64), (130, 100, 32, 64), (77, 77, 64, 32)])
 def test_the_jax_triton_route_classifies_tiles_and_computes_its_reference_as_jattn_does(t, s, bq, bk):
     """bench/jax_triton_route.py (run in venvs of its own): its tile kinds against jattn's causal mask, tile by

@@ -230,3 +230,16 @@ def test_the_automatic_choice_takes_the_kernel_of_the_compute_capability(on_gpu,
         text = cuda_text(lambda q: jattn.attention(q, q, q, mask=masks.causal()), q, arch=arch)
         other = "__gpu$xla.gpu.triton" if want == "@mosaic_gpu" else "@mosaic_gpu"
         assert text.count(want) == 1 and other not in text, (arch, dtype)
+
+
+@pytest.mark.skipif(jax.__version_info__ < (0, 12), reason="the Mosaic GPU compile check lowers with jax 0.12+")
+def test_the_mosaic_extract_finds_each_kernel_by_name_and_lists_what_jattn_refuses():
+    """Lowered for an H100, the gradient, jvp and linearize programs hold jattn's five Mosaic GPU kernels, each once
+    (no Triton kernel); for a B200 at D=256 each program is refused by name (its tiles pass shared memory)."""
+    from bench.mosaic_extract import extract
+
+    kernels, refused = extract("plain", 64, "bfloat16", 90)
+    assert sorted(kernels) == ["dkdv", "dq", "forward", "forward_tangent", "tangent"] and not refused
+    assert all(k["module"].startswith(b"ML\xefR") for k in kernels.values())  # MLIR bytecode
+    kernels, refused = extract("plain", 256, "bfloat16", 100)
+    assert not kernels and len(refused) == 3 and all("227 KiB of shared memory" in r for r in refused)

@@ -217,6 +217,7 @@ def dq(spec, q, k, v, do, lse, delta, kinds, bounds, sinks, seeds, masks, consts
     staged = (swizzled((g.bq, Dw), q.dtype), *(rows,) * nf)  # dq and the values' gradients, once the loop is done
     out = launch(
         functools.partial(_dq_kernel, spec, kinds_of),
+        name="jattn_mosaic_dq",
         out_type=[jax.ShapeDtypeStruct(q.shape, q.dtype), *(jax.ShapeDtypeStruct((b, g.t_pad), jnp.float32),) * nf],
         scratch_types=[
             swizzled((g.bq, Dw), q.dtype),
@@ -248,6 +249,7 @@ def dkdv(spec, q, k, v, do, lse, delta, kinds, tbounds, sinks, seeds, masks, con
     keys = (swizzled((g.bk, Dw), q.dtype), swizzled((g.bk, Ew), q.dtype))
     dk, dv = launch(
         functools.partial(_dkdv_kernel, spec, kinds_of),
+        name="jattn_mosaic_dkdv",
         out_type=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         scratch_types=[plgpu.RefUnion(queries, staged), *keys, rows, rows, *(plgpu.Barrier() for _ in range(7)), *ids],
         grid=(k.shape[0], g.nk),

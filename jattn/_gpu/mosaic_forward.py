@@ -126,6 +126,7 @@ def forward(spec, q, k, v, kinds, bounds, sinks, seeds, masks, consts) -> tuple[
     rows = jax.ShapeDtypeStruct((b, g.t_pad), jnp.float32)
     o, lse, top = launch(
         functools.partial(_kernel, spec, kinds_of),
+        name="jattn_mosaic_forward",
         out_type=[jax.ShapeDtypeStruct((b, g.t_pad, Ew), v.dtype), rows, rows],
         scratch_types=scratch,
         grid=(b, g.nq),

@@ -172,14 +172,17 @@ def refuse_mosaic(backend: str, dtype, D: int, E: int, *, interpret: bool, block
 _INTERPRETING = threading.Lock()
 
 
-def launch(body, *, interpret: bool, out_type, detect_races: bool | None = None, **kernel):
+def launch(body, *, name: str, interpret: bool, out_type, detect_races: bool | None = None, **kernel):
     """``plgpu.kernel(body, ...)``: compiled, or run by Mosaic GPU's interpreter inside a ``jax.pure_callback``.
+
+    ``name``: the kernel's name in the lowered module, in profiles and in ``make compile-check``'s lines.
 
     The interpreter threads ordered IO effects through the program, which jattn's derivative primitives
     (:mod:`jattn._autodiff`, lowered from their implementations) do not declare; the callback hides them: a
     pure function of its operands, as the compiled kernel is. Interpreted kernels run one at a time
     (:data:`_INTERPRETING`); ``detect_races`` (default :data:`DETECT_RACES`) has the interpreter raise at a race.
     """
+    body = _named(body, name)
     if not interpret:
         return plgpu.kernel(body, out_type=out_type, **kernel)
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # no public name yet (jax 0.12)
@@ -195,6 +198,16 @@ def launch(body, *, interpret: bool, out_type, detect_races: bool | None = None,
         return jax.pure_callback(host, out_type, *args, vmap_method="sequential")
 
     return call
+
+
+def _named(body, name: str):
+    """``body`` under ``name``: Mosaic GPU names a kernel after its body's ``__name__`` (a ``partial`` has none)."""
+
+    def kernel(*refs):
+        return body(*refs)
+
+    kernel.__name__ = kernel.__qualname__ = name
+    return kernel
 
 
 def load(ref, layout):

@@ -208,6 +208,7 @@ def forward_tangent(spec, q, k, v, dq, dk, dv, kinds, bounds, sinks, seeds, dsin
     rows = jax.ShapeDtypeStruct((b, g.t_pad), jnp.float32)
     outs = launch(
         functools.partial(_one_pass_kernel, spec, kinds_of),
+        name="jattn_mosaic_forward_tangent",
         out_type=[o, rows, rows, o, rows],
         scratch_types=[
             *tiles,
@@ -231,6 +232,7 @@ def tangent(spec, q, k, v, o, lse, dq, dk, dv, kinds, bounds, sinks, seeds, dsin
     (q, k, v, dq, dk, dv), tiles, kinds_of, ids = _operands(spec, q, k, v, dq, dk, dv, staged, (row,))  # lse
     acc, d_lse = launch(
         functools.partial(_tangent_kernel, spec, kinds_of),
+        name="jattn_mosaic_tangent",
         out_type=[
             jax.ShapeDtypeStruct((b, g.t_pad, v.shape[2]), jnp.float32),
             jax.ShapeDtypeStruct((b, g.t_pad), jnp.float32),

@@ -133,6 +133,7 @@ def _call(p: Paged, q: Array, table: Array, bq: int, interpret: bool) -> tuple[A
     kernel = functools.partial(_kernel, float(p.scale), left, right, per_split, P)
     return mosaic_launch(
         kernel,
+        name="jattn_mosaic_paged",
         out_type=[
             jax.ShapeDtypeStruct((B, K, n, bq, E), jnp.float32),
             jax.ShapeDtypeStruct((B, K, n, bq), jnp.float32),
