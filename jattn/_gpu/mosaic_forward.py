@@ -4,7 +4,7 @@ Operands as :func:`jattn._gpu.kernels.forward`'s (dimension key in :mod:`jattn._
 k ``(b/G, Sp, Dp)``, v ``(b/G, Sp, Ep)`` (query row ``r`` reads kv row ``r // G``), the tile kinds and their
 bounds, the sinks and the mask's arrays, all in global memory. Grid ``(b, nq)``: TMA copies the query block
 into shared memory once, then each key block's k and v tiles; ``wgmma`` forms the scores ``q k^T`` and the
-product ``p v`` (accumulating in float32 registers). EMPTY tiles are outside the loop's bounds or skipped,
+product ``p v`` (accumulating in float32 registers on Hopper, in tensor memory on Blackwell). EMPTY tiles are outside the loop's bounds or skipped,
 FULL ones unmasked, PARTIAL ones masked by the predicate (:func:`jattn._gpu.mosaic_tile.tile_keep`).
 """
 
@@ -19,7 +19,17 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jattn._gpu.mosaic_mod import check_mod, dropped, modified, row_values
-from jattn._gpu.mosaic_support import accumulate, depth, launch, product, swizzled, target
+from jattn._gpu.mosaic_support import (
+    accumulate,
+    depth,
+    launch,
+    product,
+    swizzled,
+    target,
+    tmem_accumulate,
+    tmem_chunks,
+    tmem_zero,
+)
 from jattn._gpu.mosaic_tile import Ids, positions, tile_keep, unless_empty, windows
 from jattn._masks import PARTIAL
 
@@ -34,8 +44,12 @@ def _rows(x: Array, shape) -> Array:
 
 
 def _tile(spec, refs, r, i, j, carry):
-    """One key block's step of the online softmax: ``(max, denominator, acc)`` updated by tile ``(i, j)``."""
-    g, (q_s, k_s, v_s, bar_k, bar_v), (k_ref, v_ref, kinds_ref, ids, seed, values) = spec.grid, refs[0], refs[1]
+    """One key block's step of the online softmax: ``(max, denominator, acc)`` updated by tile ``(i, j)``.
+
+    ``acc`` is None where the accumulator is in tensor memory (``acc_tmem``, Blackwell), updated in place.
+    """
+    g, (q_s, k_s, v_s, bar_k, bar_v, acc_tmem) = spec.grid, refs[0]
+    k_ref, v_ref, kinds_ref, ids, seed, values = refs[1]
     m, den, acc = carry
     at = (lax.div(r, spec.G), pl.ds(j * g.bk, g.bk))
     plgpu.copy_gmem_to_smem(k_ref.at[at], k_s, bar_k)
@@ -49,22 +63,24 @@ def _tile(spec, refs, r, i, j, carry):
     top = jnp.maximum(m, x.max(axis=1))
     safe = jnp.where(top == _NEG, 0.0, top)  # a row masked so far: its weights are 0, not NaN
     p, alpha = jnp.exp(x - _rows(safe, x.shape)), jnp.exp(m - safe)
+    den = alpha * den + p.sum(axis=1)  # the sum of undropped p normalises
+    pz = dropped(spec, seed, t, s, p).astype(v_s.dtype)
     plgpu.barrier_wait(bar_v)
-    pz = dropped(spec, seed, t, s, p)  # the sum of undropped p normalises
-    acc = accumulate(spec, acc * _rows(alpha, acc.shape), pz.astype(v_s.dtype), v_s)
-    return top, alpha * den + p.sum(axis=1), acc
+    if acc_tmem is not None:
+        tmem_accumulate(acc_tmem, alpha, pz, v_s)
+        return top, den, None
+    return top, den, accumulate(spec, acc * _rows(alpha, acc.shape), pz, v_s)
 
 
-def _finish(spec, sinks_ref, r, m, den, acc):
-    """``(o (bq, Ep) float32, lse (bq,))`` of the loop's sums; the sink joins every row's denominator."""
+def _finish(spec, sinks_ref, r, m, den):
+    """``(weight (bq,), lse (bq,))`` of the loop's sums (``o = acc weight``); the sink joins every row's denominator."""
     seen = den > 0
     lse = jnp.where(seen, m + jnp.log(jnp.where(seen, den, 1.0)), _NEG)
     if spec.sinks:
         sink = sinks_ref[r]
         top = jnp.maximum(lse, sink)
         lse = top + jnp.log(jnp.exp(lse - top) + jnp.exp(sink - top))
-    weight = jnp.where(seen, jnp.exp(m - jnp.where(seen, lse, 0.0)), 0.0)
-    return acc * _rows(weight, acc.shape), lse
+    return jnp.where(seen, jnp.exp(m - jnp.where(seen, lse, 0.0)), 0.0), lse
 
 
 def _kernel(spec, kinds, *refs):
@@ -78,26 +94,38 @@ def _kernel(spec, kinds, *refs):
         refs[nm + nc : nm + nc + 3],
         refs[nm + nc + 3 :],
     )
-    q_s, ((k_s, v_s), (o_s, lse_s, top_s)), bar_q, bar_k, bar_v, bar_ids, *id_s = scratch
+    tmem = target(spec).tensor_memory
+    q_s, ((k_s, v_s), (o_s, lse_s, top_s)), bar_q, bar_k, bar_v, bar_ids, *id_s = scratch[tmem:]
+    acc_tmem = scratch[0] if tmem else None
     g, r, i = spec.grid, lax.axis_index("r"), lax.axis_index("i")
     plgpu.copy_gmem_to_smem(q_ref.at[r, pl.ds(i * g.bq, g.bq)], q_s, bar_q)
     plgpu.barrier_wait(bar_q)
     L = target(spec).layout
     ids = Ids.windowed(masks, id_s, bar_ids, kinds, L)
-    refs = ((q_s, k_s, v_s, bar_k, bar_v), (k_ref, v_ref, kinds_ref, ids, seeds_ref[r], row_values(consts, r)))
+    refs = (
+        (q_s, k_s, v_s, bar_k, bar_v, acc_tmem),
+        (k_ref, v_ref, kinds_ref, ids, seeds_ref[r], row_values(consts, r)),
+    )
     kr = r if kinds_ref.shape[0] > 1 else 0
 
     def step(j, carry):
         return unless_empty(kinds_ref, r, i, j, functools.partial(_tile, spec, refs, r, i, j), carry)
 
+    if tmem:
+        tmem_zero(acc_tmem)
     init = (
         plgpu.layout_cast(jnp.full((g.bq,), _NEG, jnp.float32), L.reduce(1)),
         plgpu.layout_cast(jnp.zeros((g.bq,), jnp.float32), L.reduce(1)),
-        plgpu.layout_cast(jnp.zeros((g.bq, o_s.shape[1]), jnp.float32), L),
+        None if tmem else plgpu.layout_cast(jnp.zeros((g.bq, o_s.shape[1]), jnp.float32), L),
     )
     m, den, acc = lax.fori_loop(bounds_ref[kr, i, 0], bounds_ref[kr, i, 1], step, init)
-    o, lse = _finish(spec, sinks_ref, r, m, den, acc)
-    o_s[...], lse_s[...], top_s[...] = o.astype(o_s.dtype), lse, m
+    weight, lse = _finish(spec, sinks_ref, r, m, den)
+    if tmem:
+        for cols, x in tmem_chunks(acc_tmem):
+            o_s.at[:, cols][...] = (x * _rows(weight, x.shape)).astype(o_s.dtype)
+    else:
+        o_s[...] = (acc * _rows(weight, acc.shape)).astype(o_s.dtype)
+    lse_s[...], top_s[...] = lse, m
     plgpu.commit_smem()
     rows = pl.ds(i * g.bq, g.bq)
     plgpu.copy_smem_to_gmem(o_s, o_ref.at[r, rows])
@@ -117,7 +145,9 @@ def forward(spec, q, k, v, kinds, bounds, sinks, seeds, masks, consts) -> tuple[
     ids = [plgpu.SMEM((g.bq if w == "q" else g.bk,), jnp.int32) for w in kinds_of if w]
     keys = (swizzled((g.bk, Dw), q.dtype), swizzled((g.bk, Ew), q.dtype))
     staged = (swizzled((g.bq, Ew), q.dtype), *(plgpu.SMEM((g.bq,), jnp.float32),) * 2)  # o, lse, the max logit
+    tmem = [plgpu.TMEM((g.bq, Ew), jnp.float32)] if target(spec).tensor_memory else []  # Blackwell's accumulator
     scratch = [
+        *tmem,
         swizzled((g.bq, Dw), q.dtype),
         plgpu.RefUnion(keys, staged),  # the outputs staged in the key tiles' memory once the loop is done
         *(plgpu.Barrier(num_arrivals=1) for _ in range(4)),

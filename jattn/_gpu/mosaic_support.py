@@ -39,6 +39,9 @@ __all__ = [
     "refuse_windows",
     "swizzled",
     "target",
+    "tmem_accumulate",
+    "tmem_chunks",
+    "tmem_zero",
     "width",
 ]
 
@@ -243,6 +246,48 @@ def _tcgen05(a, b, shape: tuple[int, int]) -> Array:
         return x
 
     return pl.run_scoped(run, plgpu.TMEM(shape, jnp.float32), plgpu.Barrier(orders_tensor_core=True))
+
+
+#: Columns of a tensor-memory accumulator moved through registers at once (a thread's 64 of them, at 128 rows).
+CHUNK = 64
+
+
+def tmem_zero(acc_tmem) -> None:
+    """A tensor-memory accumulator ``(128, n)`` float32 set to zeros, :data:`CHUNK` columns at a time."""
+    for c in range(0, acc_tmem.shape[1], CHUNK):
+        zeros = jnp.zeros((acc_tmem.shape[0], CHUNK), jnp.float32)
+        plgpu.async_store_tmem(acc_tmem.at[:, pl.ds(c, CHUNK)], plgpu.layout_cast(zeros, plgpu.Layout.TCGEN05))
+    plgpu.commit_tmem()
+
+
+def tmem_accumulate(acc_tmem, alpha: Array, a: Array, b) -> None:
+    """``acc = acc alpha + a @ b`` in tensor memory (Blackwell), its rows scaled by ``alpha (128,)``.
+
+    ``a (128, k)`` 16-bit registers (the weights) go through a shared tile, ``b`` is a shared tile; the
+    accumulator stays in tensor memory, so a thread holds :data:`CHUNK` of its columns at a time, not all.
+    """
+
+    def run(a_smem, done):
+        a_smem[...] = a
+        for c in range(0, acc_tmem.shape[1], CHUNK):
+            chunk = acc_tmem.at[:, pl.ds(c, CHUNK)]
+            x = plgpu.async_load_tmem(chunk)
+            plgpu.wait_load_tmem()
+            plgpu.async_store_tmem(chunk, x * jax.lax.broadcast_in_dim(alpha, x.shape, [0]))
+        plgpu.commit_tmem()
+        plgpu.commit_smem()
+        plgpu.tcgen05_mma(acc_tmem, a_smem, b, done, accumulate=True)
+        plgpu.barrier_wait(done)
+
+    pl.run_scoped(run, swizzled(a.shape, a.dtype), plgpu.Barrier(orders_tensor_core=True))
+
+
+def tmem_chunks(acc_tmem):
+    """``(column slice, (128, CHUNK) float32 registers)`` of a tensor-memory accumulator, one chunk at a time."""
+    for c in range(0, acc_tmem.shape[1], CHUNK):
+        x = plgpu.async_load_tmem(acc_tmem.at[:, pl.ds(c, CHUNK)])
+        plgpu.wait_load_tmem()
+        yield pl.ds(c, CHUNK), x
 
 
 def accumulate(spec, acc: Array, a: Array, b) -> Array:
