@@ -19,7 +19,18 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jattn._gpu.mosaic_mod import check_mod, dropped, modified_vjp, row_values
-from jattn._gpu.mosaic_support import accumulate, depth, launch, load, product, swizzled, target
+from jattn._gpu.mosaic_support import (
+    acc_add,
+    acc_chunks,
+    acc_scratch,
+    acc_zero,
+    depth,
+    launch,
+    load,
+    product,
+    swizzled,
+    target,
+)
 from jattn._gpu.mosaic_tile import Ids, positions, tile_keep, unless_empty, windows
 from jattn._masks import PARTIAL
 
@@ -55,7 +66,7 @@ def _masked(g, ids, r, i, j, kind, x, transposed: bool = False) -> Array:
 
 def _dq_tile(spec, refs, r, i, j, carry):
     """Key block ``j``'s share of query block ``i``'s ``dq`` and of the score modification's values' gradients."""
-    g, (q_s, do_s, k_s, v_s, bars, lse, delta), (k_ref, v_ref, kinds_ref, ids, seed, values) = spec.grid, *refs
+    g, (q_s, do_s, k_s, v_s, bars, lse, delta, dq_tmem), (k_ref, v_ref, kinds_ref, ids, seed, values) = spec.grid, *refs
     at = (lax.div(r, spec.G), pl.ds(j * g.bk, g.bk))
     _copy_in(((k_ref.at[at], k_s), (v_ref.at[at], v_s)), bars)
     t, s = positions(g, i, j, ids.layout)
@@ -68,7 +79,7 @@ def _dq_tile(spec, refs, r, i, j, carry):
     ds, dcs = pull(p * (dp - _rows(delta, x.shape)))
     acc, dvalues = carry
     dvalues = tuple(a + d.sum(axis=1) for a, d in zip(dvalues, dcs, strict=True))  # per query row
-    return accumulate(spec, acc, (ds * spec.scale).astype(k_s.dtype), k_s), dvalues
+    return acc_add(spec, acc, dq_tmem, (ds * spec.scale).astype(k_s.dtype), k_s), dvalues
 
 
 def _rows(x: Array, shape, axis: int = 0) -> Array:
@@ -85,6 +96,8 @@ def _dq_kernel(spec, kinds_of, *refs):
         refs[nm + nc : nm + nc + 1 + nf],
         refs[nm + nc + 1 + nf :],
     )
+    tm = target(spec).tensor_memory  # Blackwell: dq accumulates in tensor memory, the first scratch
+    dq_tmem, refs = (refs[0] if tm else None), refs[tm:]
     q_s, do_s, ((k_s, v_s), (dq_s, *dc_s)), lse_s, delta_s, *bars = refs[:12]
     id_s = refs[12:]
     r, i = lax.axis_index("r"), lax.axis_index("i")
@@ -100,15 +113,16 @@ def _dq_kernel(spec, kinds_of, *refs):
     lse, delta = _stats(lse_s, delta_s, 0, L)
     ids = Ids.windowed(masks, id_s, bars[6], kinds_of, target(spec).layout)
     refs = (
-        (q_s, do_s, k_s, v_s, bars[4:6], lse, delta),
+        (q_s, do_s, k_s, v_s, bars[4:6], lse, delta, dq_tmem),
         (k_ref, v_ref, kinds_ref, ids, seeds_ref[r], row_values(consts, r)),
     )
     tile = functools.partial(_dq_tile, spec, refs, r, i)
     step = lambda j, c: unless_empty(kinds_ref, r, i, j, functools.partial(tile, j), c)  # noqa: E731
     zero_rows = plgpu.layout_cast(jnp.zeros((g.bq,), jnp.float32), L.reduce(1))
-    init = (plgpu.layout_cast(jnp.zeros(dq_s.shape, jnp.float32), L), (zero_rows,) * nf)
+    init = (acc_zero(spec, dq_tmem, dq_s.shape), (zero_rows,) * nf)
     acc, dvalues = lax.fori_loop(bounds_ref[kr, i, 0], bounds_ref[kr, i, 1], step, init)
-    dq_s[...] = acc.astype(dq_s.dtype)
+    for part, x in acc_chunks(acc, dq_tmem):
+        dq_s.at[:, part][...] = x.astype(dq_s.dtype)
     for smem, d in zip(dc_s, dvalues, strict=True):
         smem[...] = d
     plgpu.commit_smem()
@@ -123,7 +137,7 @@ def _dkdv_tile(spec, refs, r, j, i, carry):
     (
         g,
         (q_ref, do_ref, lse_ref, delta_ref, kinds_ref, ids, seed, values),
-        (q_s, do_s, k_s, v_s, lse_s, delta_s, bars),
+        (q_s, do_s, k_s, v_s, lse_s, delta_s, bars, (dk_tmem, dv_tmem)),
     ) = spec.grid, *refs
     rows = pl.ds(i * g.bq, g.bq)
     ins = (
@@ -142,9 +156,9 @@ def _dkdv_tile(spec, refs, r, j, i, carry):
     p = jnp.exp(x - _rows(lse, x.shape, 1))
     pz = dropped(spec, seed, t, s, p)  # p (z dp - delta) = pz dp - p delta
     dk, dv = carry
-    dv = accumulate(spec, dv, pz.astype(do_s.dtype), do_s)
+    dv = acc_add(spec, dv, dv_tmem, pz.astype(do_s.dtype), do_s)
     ds, _ = pull(pz * product(spec, v_s, do_s.T, x.shape) - p * _rows(delta, x.shape, 1))
-    return accumulate(spec, dk, (ds * spec.scale).astype(q_s.dtype), q_s), dv
+    return acc_add(spec, dk, dk_tmem, (ds * spec.scale).astype(q_s.dtype), q_s), dv
 
 
 def _dkdv_kernel(spec, kinds_of, *refs):
@@ -157,6 +171,8 @@ def _dkdv_kernel(spec, kinds_of, *refs):
         refs[nm + nc : nm + nc + 2],
         refs[nm + nc + 2 :],
     )
+    tm = target(spec).tensor_memory  # Blackwell: dk and dv accumulate in tensor memory, the first two scratch
+    tmems, refs = ((refs[0], refs[1]) if tm else (None, None)), refs[2 * tm :]
     ((q_s, do_s), (dk_s, dv_s)), k_s, v_s, lse_s, delta_s, *bars = refs[:12]
     id_s = refs[12:]
     rk, j = lax.axis_index("r"), lax.axis_index("j")
@@ -168,13 +184,15 @@ def _dkdv_kernel(spec, kinds_of, *refs):
         r = rk * spec.G + gi
         kr = r if kinds_ref.shape[0] > 1 else 0
         gm = (q_ref, do_ref, lse_ref, delta_ref, kinds_ref, ids, seeds_ref[r], row_values(consts, r))
-        tile = functools.partial(_dkdv_tile, spec, (gm, (q_s, do_s, k_s, v_s, lse_s, delta_s, bars[:4])), r, j)
+        tiles = (q_s, do_s, k_s, v_s, lse_s, delta_s, bars[:4], tmems)
+        tile = functools.partial(_dkdv_tile, spec, (gm, tiles), r, j)
         step = lambda i, c: unless_empty(kinds_ref, r, i, j, functools.partial(tile, i), c)  # noqa: E731
         return lax.fori_loop(tbounds_ref[kr, j, 0], tbounds_ref[kr, j, 1], step, carry)
 
-    init = tuple(plgpu.layout_cast(jnp.zeros(s.shape, jnp.float32), ids.layout) for s in (dk_s, dv_s))
-    dk, dv = lax.fori_loop(0, spec.G, group, init)
-    dk_s[...], dv_s[...] = dk.astype(dk_s.dtype), dv.astype(dv_s.dtype)
+    init = tuple(acc_zero(spec, tmem, s.shape) for tmem, s in zip(tmems, (dk_s, dv_s), strict=True))
+    for acc, tmem, smem in zip(lax.fori_loop(0, spec.G, group, init), tmems, (dk_s, dv_s), strict=True):
+        for part, x in acc_chunks(acc, tmem):
+            smem.at[:, part][...] = x.astype(smem.dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(dk_s, dk_ref.at[rk, cols])
     plgpu.copy_smem_to_gmem(dv_s, dv_ref.at[rk, cols])
@@ -220,6 +238,7 @@ def dq(spec, q, k, v, do, lse, delta, kinds, bounds, sinks, seeds, masks, consts
         name="jattn_mosaic_dq",
         out_type=[jax.ShapeDtypeStruct(q.shape, q.dtype), *(jax.ShapeDtypeStruct((b, g.t_pad), jnp.float32),) * nf],
         scratch_types=[
+            *acc_scratch(spec, (g.bq, Dw)),
             swizzled((g.bq, Dw), q.dtype),
             swizzled((g.bq, Ew), q.dtype),
             plgpu.RefUnion(keys, staged),
@@ -251,7 +270,16 @@ def dkdv(spec, q, k, v, do, lse, delta, kinds, tbounds, sinks, seeds, masks, con
         functools.partial(_dkdv_kernel, spec, kinds_of),
         name="jattn_mosaic_dkdv",
         out_type=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-        scratch_types=[plgpu.RefUnion(queries, staged), *keys, rows, rows, *(plgpu.Barrier() for _ in range(7)), *ids],
+        scratch_types=[
+            *acc_scratch(spec, (g.bk, Dw)),
+            *acc_scratch(spec, (g.bk, Ew)),
+            plgpu.RefUnion(queries, staged),
+            *keys,
+            rows,
+            rows,
+            *(plgpu.Barrier() for _ in range(7)),
+            *ids,
+        ],
         grid=(k.shape[0], g.nk),
         grid_names=("r", "j"),
         interpret=spec.interpret,

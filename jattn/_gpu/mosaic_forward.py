@@ -20,15 +20,15 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jattn._gpu.mosaic_mod import check_mod, dropped, modified, row_values
 from jattn._gpu.mosaic_support import (
-    accumulate,
+    acc_add,
+    acc_chunks,
+    acc_scratch,
+    acc_zero,
     depth,
     launch,
     product,
     swizzled,
     target,
-    tmem_accumulate,
-    tmem_chunks,
-    tmem_zero,
 )
 from jattn._gpu.mosaic_tile import Ids, positions, tile_keep, unless_empty, windows
 from jattn._masks import PARTIAL
@@ -66,10 +66,7 @@ def _tile(spec, refs, r, i, j, carry):
     den = alpha * den + p.sum(axis=1)  # the sum of undropped p normalises
     pz = dropped(spec, seed, t, s, p).astype(v_s.dtype)
     plgpu.barrier_wait(bar_v)
-    if acc_tmem is not None:
-        tmem_accumulate(acc_tmem, alpha, pz, v_s)
-        return top, den, None
-    return top, den, accumulate(spec, acc * _rows(alpha, acc.shape), pz, v_s)
+    return top, den, acc_add(spec, acc, acc_tmem, pz, v_s, alpha)
 
 
 def _finish(spec, sinks_ref, r, m, den):
@@ -111,20 +108,15 @@ def _kernel(spec, kinds, *refs):
     def step(j, carry):
         return unless_empty(kinds_ref, r, i, j, functools.partial(_tile, spec, refs, r, i, j), carry)
 
-    if tmem:
-        tmem_zero(acc_tmem)
     init = (
         plgpu.layout_cast(jnp.full((g.bq,), _NEG, jnp.float32), L.reduce(1)),
         plgpu.layout_cast(jnp.zeros((g.bq,), jnp.float32), L.reduce(1)),
-        None if tmem else plgpu.layout_cast(jnp.zeros((g.bq, o_s.shape[1]), jnp.float32), L),
+        acc_zero(spec, acc_tmem, o_s.shape),
     )
     m, den, acc = lax.fori_loop(bounds_ref[kr, i, 0], bounds_ref[kr, i, 1], step, init)
     weight, lse = _finish(spec, sinks_ref, r, m, den)
-    if tmem:
-        for cols, x in tmem_chunks(acc_tmem):
-            o_s.at[:, cols][...] = (x * _rows(weight, x.shape)).astype(o_s.dtype)
-    else:
-        o_s[...] = (acc * _rows(weight, acc.shape)).astype(o_s.dtype)
+    for cols, x in acc_chunks(acc, acc_tmem):
+        o_s.at[:, cols][...] = (x * _rows(weight, x.shape)).astype(o_s.dtype)
     lse_s[...], top_s[...] = lse, m
     plgpu.commit_smem()
     rows = pl.ds(i * g.bq, g.bq)
@@ -145,9 +137,8 @@ def forward(spec, q, k, v, kinds, bounds, sinks, seeds, masks, consts) -> tuple[
     ids = [plgpu.SMEM((g.bq if w == "q" else g.bk,), jnp.int32) for w in kinds_of if w]
     keys = (swizzled((g.bk, Dw), q.dtype), swizzled((g.bk, Ew), q.dtype))
     staged = (swizzled((g.bq, Ew), q.dtype), *(plgpu.SMEM((g.bq,), jnp.float32),) * 2)  # o, lse, the max logit
-    tmem = [plgpu.TMEM((g.bq, Ew), jnp.float32)] if target(spec).tensor_memory else []  # Blackwell's accumulator
     scratch = [
-        *tmem,
+        *acc_scratch(spec, (g.bq, Ew)),  # Blackwell's accumulator, in tensor memory
         swizzled((g.bq, Dw), q.dtype),
         plgpu.RefUnion(keys, staged),  # the outputs staged in the key tiles' memory once the loop is done
         *(plgpu.Barrier(num_arrivals=1) for _ in range(4)),

@@ -29,6 +29,10 @@ __all__ = [
     "SHARED_WIDTH",
     "TARGETS",
     "Target",
+    "acc_add",
+    "acc_chunks",
+    "acc_scratch",
+    "acc_zero",
     "accumulate",
     "backend_for",
     "depth",
@@ -39,9 +43,6 @@ __all__ = [
     "refuse_windows",
     "swizzled",
     "target",
-    "tmem_accumulate",
-    "tmem_chunks",
-    "tmem_zero",
     "width",
 ]
 
@@ -252,42 +253,61 @@ def _tcgen05(a, b, shape: tuple[int, int]) -> Array:
 CHUNK = 64
 
 
-def tmem_zero(acc_tmem) -> None:
-    """A tensor-memory accumulator ``(128, n)`` float32 set to zeros, :data:`CHUNK` columns at a time."""
-    for c in range(0, acc_tmem.shape[1], CHUNK):
-        zeros = jnp.zeros((acc_tmem.shape[0], CHUNK), jnp.float32)
-        plgpu.async_store_tmem(acc_tmem.at[:, pl.ds(c, CHUNK)], plgpu.layout_cast(zeros, plgpu.Layout.TCGEN05))
+def acc_scratch(spec, shape: tuple[int, int]) -> list:
+    """The scratch of one ``(rows, cols)`` float32 accumulator: tensor memory on Blackwell, none on Hopper."""
+    return [plgpu.TMEM(shape, jnp.float32)] if target(spec).tensor_memory else []
+
+
+def acc_zero(spec, tmem, shape: tuple[int, int]) -> Array | None:
+    """A zero accumulator: float32 registers ``shape`` (Hopper), or ``tmem`` zeroed in place and None (Blackwell)."""
+    if tmem is None:
+        return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), target(spec).layout)
+    for c in range(0, shape[1], CHUNK):
+        zeros = plgpu.layout_cast(jnp.zeros((shape[0], CHUNK), jnp.float32), target(spec).layout)
+        plgpu.async_store_tmem(tmem.at[:, pl.ds(c, CHUNK)], zeros)
     plgpu.commit_tmem()
+    return None
 
 
-def tmem_accumulate(acc_tmem, alpha: Array, a: Array, b) -> None:
-    """``acc = acc alpha + a @ b`` in tensor memory (Blackwell), its rows scaled by ``alpha (128,)``.
+def acc_add(spec, acc: Array | None, tmem, a: Array, b, alpha: Array | None = None) -> Array | None:
+    """``acc alpha + a @ b`` (rows scaled by ``alpha (m,)`` if given): ``a (m, k)`` 16-bit registers, ``b`` a tile.
 
-    ``a (128, k)`` 16-bit registers (the weights) go through a shared tile, ``b`` is a shared tile; the
-    accumulator stays in tensor memory, so a thread holds :data:`CHUNK` of its columns at a time, not all.
+    In registers (``tmem`` None): the new accumulator. In tensor memory (Blackwell): updated in place, None;
+    a thread holds :data:`CHUNK` of its columns at a time to scale them, and ``a`` goes through a shared tile.
     """
+    if tmem is None:
+        return accumulate(spec, acc if alpha is None else acc * _rows(alpha, acc.shape), a, b)
 
     def run(a_smem, done):
         a_smem[...] = a
-        for c in range(0, acc_tmem.shape[1], CHUNK):
-            chunk = acc_tmem.at[:, pl.ds(c, CHUNK)]
+        for c in range(0, tmem.shape[1], CHUNK) if alpha is not None else ():
+            chunk = tmem.at[:, pl.ds(c, CHUNK)]
             x = plgpu.async_load_tmem(chunk)
             plgpu.wait_load_tmem()
-            plgpu.async_store_tmem(chunk, x * jax.lax.broadcast_in_dim(alpha, x.shape, [0]))
+            plgpu.async_store_tmem(chunk, x * _rows(alpha, x.shape))
         plgpu.commit_tmem()
         plgpu.commit_smem()
-        plgpu.tcgen05_mma(acc_tmem, a_smem, b, done, accumulate=True)
+        plgpu.tcgen05_mma(tmem, a_smem, b, done, accumulate=True)
         plgpu.barrier_wait(done)
 
     pl.run_scoped(run, swizzled(a.shape, a.dtype), plgpu.Barrier(orders_tensor_core=True))
+    return None
 
 
-def tmem_chunks(acc_tmem):
-    """``(column slice, (128, CHUNK) float32 registers)`` of a tensor-memory accumulator, one chunk at a time."""
-    for c in range(0, acc_tmem.shape[1], CHUNK):
-        x = plgpu.async_load_tmem(acc_tmem.at[:, pl.ds(c, CHUNK)])
+def acc_chunks(acc: Array | None, tmem):
+    """``(columns, float32 registers)`` of an accumulator: all of it at once, or :data:`CHUNK` columns at a time."""
+    if tmem is None:
+        yield pl.ds(0, acc.shape[1]), acc
+        return
+    for c in range(0, tmem.shape[1], CHUNK):
+        x = plgpu.async_load_tmem(tmem.at[:, pl.ds(c, CHUNK)])
         plgpu.wait_load_tmem()
         yield pl.ds(c, CHUNK), x
+
+
+def _rows(x: Array, shape) -> Array:
+    """A row value ``(m,)`` broadcast over a tile's columns."""
+    return jax.lax.broadcast_in_dim(x, shape, [0])
 
 
 def accumulate(spec, acc: Array, a: Array, b) -> Array:
