@@ -253,9 +253,17 @@ def _tcgen05(a, b, shape: tuple[int, int]) -> Array:
 CHUNK = 64
 
 
-def acc_scratch(spec, shape: tuple[int, int]) -> list:
-    """The scratch of one ``(rows, cols)`` float32 accumulator: tensor memory on Blackwell, none on Hopper."""
-    return [plgpu.TMEM(shape, jnp.float32)] if target(spec).tensor_memory else []
+#: Columns of tensor memory (Blackwell: 512 of 32-bit values, at 128 lanes); a product's scores take a block's.
+TMEM_COLUMNS = 512
+
+
+def acc_scratch(spec, *shapes: tuple[int, int]) -> list:
+    """The scratch of ``(rows, cols)`` float32 accumulators: tensor memory on Blackwell, else none.
+
+    None on Hopper, nor where they would not fit beside a product's scores (:data:`TMEM_COLUMNS`): in registers.
+    """
+    tmem = target(spec).tensor_memory and sum(c for _, c in shapes) + target(spec).block <= TMEM_COLUMNS
+    return [plgpu.TMEM(shape, jnp.float32) for shape in shapes] if tmem else []
 
 
 def acc_zero(spec, tmem, shape: tuple[int, int]) -> Array | None:

@@ -3,7 +3,7 @@
 Operands as :func:`jattn._gpu.kernels.forward_tangent`'s and :func:`jattn._gpu.kernels.tangent`'s (dimension
 key in :mod:`jattn._core`): q, k, v and their tangents dq ``(b, Tp, Dp)``, dk ``(b/G, Sp, Dp)``, dv ``(b/G, Sp,
 Ep)``, the sinks' ``(b,)``. Each tile's scores ``x`` and their tangent ``dx = (dq k^T + q dk^T) scale`` are
-``wgmma`` products of shared-memory tiles; the sweep accumulates ``sum p dx v + p dv`` and ``d lse = sum p dx``
+tensor-core products of shared-memory tiles; the sweep accumulates ``sum p dx v + p dv`` and ``d lse = sum p dx``
 (the weights ``p`` from the online softmax in one sweep, or ``exp(x - lse)`` from the forward's ``lse``).
 """
 
@@ -18,7 +18,18 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jattn._gpu.mosaic_mod import check_mod, dropped, modified_jvp, row_values
-from jattn._gpu.mosaic_support import accumulate, depth, launch, load, product, swizzled, target
+from jattn._gpu.mosaic_support import (
+    acc_add,
+    acc_chunks,
+    acc_scratch,
+    acc_zero,
+    depth,
+    launch,
+    load,
+    product,
+    swizzled,
+    target,
+)
 from jattn._gpu.mosaic_tile import Ids, positions, tile_keep, unless_empty, windows
 from jattn._masks import PARTIAL
 
@@ -32,8 +43,12 @@ def _rows(x: Array, shape) -> Array:
 
 
 def _tile(spec, fixed: bool, refs, r, i, j, carry):
-    """Tile ``(i, j)``'s step: ``(max, denominator, acc, tangent acc, d lse)``; ``fixed``: the max is ``lse``."""
-    g, (q_s, dq_s, k_s, v_s, dk_s, dv_s, bars), (k_ref, v_ref, dk_ref, dv_ref, kinds_ref, ids, row) = spec.grid, *refs
+    """Tile ``(i, j)``'s step: ``(max, denominator, acc, tangent acc, d lse)``; ``fixed``: the max is ``lse``.
+
+    The accumulators are None where they are in tensor memory (``tmems``, Blackwell), and ``acc`` where ``fixed``.
+    """
+    g, (q_s, dq_s, k_s, v_s, dk_s, dv_s, bars, tmems), gm = spec.grid, *refs
+    k_ref, v_ref, dk_ref, dv_ref, kinds_ref, ids, row = gm
     seed, values, dvalues = row
     at = (lax.div(r, spec.G), pl.ds(j * g.bk, g.bk))
     for (src, dst), bar in zip(((k_ref, k_s), (v_ref, v_s), (dk_ref, dk_s), (dv_ref, dv_s)), bars, strict=True):
@@ -55,21 +70,20 @@ def _tile(spec, fixed: bool, refs, r, i, j, carry):
     safe = jnp.where(top == _NEG, 0.0, top)
     p, alpha = jnp.exp(x - _rows(safe, x.shape)), (1.0 if fixed else jnp.exp(m - safe))
     pdx, pz, dt = p * dx, dropped(spec, seed, t, s, p), v_s.dtype  # d lse sums the undropped weights' tangents
-    tacc = accumulate(
-        spec,
-        accumulate(spec, tacc * (1.0 if fixed else _rows(alpha, tacc.shape)), (pz * dx).astype(dt), v_s),
-        pz.astype(dt),
-        dv_s,
-    )
-    acc = acc if fixed else accumulate(spec, acc * _rows(alpha, acc.shape), pz.astype(dt), v_s)
-    return top, (den if fixed else alpha * den + p.sum(axis=1)), acc, tacc, alpha * dlse + pdx.sum(axis=1)
+    sums = lambda: ((den if fixed else alpha * den + p.sum(axis=1)), alpha * dlse + pdx.sum(axis=1))  # noqa: E731
+    early = sums() if tmems[1] is not None else None  # in tensor memory: p freed before the products (fewer spills)
+    tacc = acc_add(spec, tacc, tmems[1], (pz * dx).astype(dt), v_s, None if fixed else alpha)
+    tacc = acc_add(spec, tacc, tmems[1], pz.astype(dt), dv_s)
+    acc = acc if fixed else acc_add(spec, acc, tmems[0], pz.astype(dt), v_s, alpha)
+    den, dlse = early or sums()
+    return top, den, acc, tacc, dlse
 
 
 def _sweep(spec, fixed, scratch, gm, r, i, init):
     """Copies the query block and its tangent in, then runs :func:`_tile` over the non-empty key blocks."""
     g = spec.grid
     (
-        (q_s, dq_s, k_s, v_s, dk_s, dv_s, bars, bar_ids, id_s),
+        (q_s, dq_s, k_s, v_s, dk_s, dv_s, bars, bar_ids, id_s, tmems),
         (q_ref, dq_ref, k_ref, v_ref, dk_ref, dv_ref, kinds_ref, bounds_ref, masks, kinds_of, row),
     ) = scratch, gm
     rows = pl.ds(i * g.bq, g.bq)
@@ -78,7 +92,7 @@ def _sweep(spec, fixed, scratch, gm, r, i, init):
     plgpu.barrier_wait(bars[0])
     plgpu.barrier_wait(bars[1])
     ids = Ids.windowed(masks, id_s, bar_ids, kinds_of, target(spec).layout)
-    refs = ((q_s, dq_s, k_s, v_s, dk_s, dv_s, bars), (k_ref, v_ref, dk_ref, dv_ref, kinds_ref, ids, row))
+    refs = ((q_s, dq_s, k_s, v_s, dk_s, dv_s, bars, tmems), (k_ref, v_ref, dk_ref, dv_ref, kinds_ref, ids, row))
     kr = r if kinds_ref.shape[0] > 1 else 0
     tile = functools.partial(_tile, spec, fixed, refs, r, i)
     step = lambda j, c: unless_empty(kinds_ref, r, i, j, functools.partial(tile, j), c)  # noqa: E731
@@ -93,11 +107,12 @@ def _split(spec, refs, seeds_ref, n_out: int) -> tuple:
     return masks, (seeds_ref[r], row_values(consts, r), row_values(dconsts, r)), refs[:n_out], refs[n_out:]
 
 
-def _init(spec, width: int, m) -> tuple:
+def _init(spec, width: int, m, tmems, fixed: bool) -> tuple:
+    """The sweep's first carry: ``(m, 0, acc 0 (None where fixed), tangent acc 0, 0)`` (:func:`_tile`)."""
     g, L = spec.grid, target(spec).layout
     rows = plgpu.layout_cast(jnp.zeros((g.bq,), jnp.float32), L.reduce(1))
-    cols = plgpu.layout_cast(jnp.zeros((g.bq, width), jnp.float32), L)
-    return m, rows, cols, cols, rows
+    acc = None if fixed else acc_zero(spec, tmems[0], (g.bq, width))
+    return m, rows, acc, acc_zero(spec, tmems[1], (g.bq, width)), rows
 
 
 def _sink(spec, sinks_ref, dsinks_ref, r, lse, dlse):
@@ -105,49 +120,52 @@ def _sink(spec, sinks_ref, dsinks_ref, r, lse, dlse):
     return dlse + jnp.exp(sinks_ref[r] - lse) * dsinks_ref[r] if spec.sinks else dlse
 
 
-def _store(pairs, rows) -> None:
-    """Values into shared tiles, then TMA copies of them to their rows of the outputs."""
+def _store(pairs, rows, written=()) -> None:
+    """Values into shared tiles, then TMA copies of them and of the ``written`` ``(tile, output)`` to their rows."""
     for value, smem, _ in pairs:
         smem[...] = value.astype(smem.dtype)
     plgpu.commit_smem()
-    for _, smem, ref in pairs:
+    for smem, ref in (*written, *((smem, ref) for _, smem, ref in pairs)):
         plgpu.copy_smem_to_gmem(smem, ref.at[rows])
     plgpu.wait_smem_to_gmem(0)
 
 
-def _one_pass_kernel(spec, kinds_of, *refs):
-    """One query block: ``o``, ``lse``, the max logit, ``d o`` and ``d lse`` in one sweep."""
+def _one_pass_kernel(spec, kinds_of, n_tmem, *refs):
+    """One query block: ``o``, ``lse``, the max logit, ``d o`` and ``d lse`` in one sweep.
+
+    ``n_tmem``: 2 where the accumulators are in tensor memory (Blackwell, the first scratch), else 0.
+    """
     g = spec.grid
     q_ref, k_ref, v_ref, dq_ref, dk_ref, dv_ref, kinds_ref, bounds_ref, sinks_ref, dsinks_ref, seeds_ref, *refs = refs
     masks, row, outs, refs = _split(spec, refs, seeds_ref, 5)
+    tmems, refs = (tuple(refs[:2]) if n_tmem else (None, None)), refs[n_tmem:]
     q_s, dq_s, ((k_s, v_s, dk_s, dv_s), (o_s, do_s, lse_s, top_s, dlse_s)), *bars = refs[:8]
     r, i = lax.axis_index("r"), lax.axis_index("i")
     gm = (q_ref, dq_ref, k_ref, v_ref, dk_ref, dv_ref, kinds_ref, bounds_ref, masks, kinds_of, row)
-    scratch = (q_s, dq_s, k_s, v_s, dk_s, dv_s, bars[:4], bars[4], refs[8:])
+    scratch = (q_s, dq_s, k_s, v_s, dk_s, dv_s, bars[:4], bars[4], refs[8:], tmems)
     m0 = plgpu.layout_cast(jnp.full((g.bq,), _NEG, jnp.float32), target(spec).layout.reduce(1))
-    m, den, acc, tacc, dlse = _sweep(spec, False, scratch, gm, r, i, _init(spec, o_s.shape[1], m0))
+    m, den, acc, tacc, dlse = _sweep(spec, False, scratch, gm, r, i, _init(spec, o_s.shape[1], m0, tmems, False))
     seen = den > 0
     lse = jnp.where(seen, m + jnp.log(jnp.where(seen, den, 1.0)), _NEG)
     if spec.sinks:
         top = jnp.maximum(lse, sinks_ref[r])
         lse = top + jnp.log(jnp.exp(lse - top) + jnp.exp(sinks_ref[r] - top))
     weight = jnp.where(seen, jnp.exp(m - jnp.where(seen, lse, 0.0)), 0.0)
-    o = acc * _rows(weight, acc.shape)
     dlse = _sink(spec, sinks_ref, dsinks_ref, r, lse, dlse * weight)
-    do = tacc * _rows(weight, acc.shape) - _rows(dlse, acc.shape) * o
+    for (part, a), (_, ta) in zip(acc_chunks(acc, tmems[0]), acc_chunks(tacc, tmems[1]), strict=True):
+        o = a * _rows(weight, a.shape)
+        o_s.at[:, part][...] = o.astype(o_s.dtype)
+        do_s.at[:, part][...] = (ta * _rows(weight, a.shape) - _rows(dlse, a.shape) * o).astype(do_s.dtype)
     o_ref, lse_ref, top_ref, do_ref, dlse_ref = outs
-    pairs = (
-        (o, o_s, o_ref.at[r]),
-        (lse, lse_s, lse_ref.at[r]),
-        (m, top_s, top_ref.at[r]),
-        (do, do_s, do_ref.at[r]),
-        (dlse, dlse_s, dlse_ref.at[r]),
-    )
-    _store(pairs, pl.ds(i * g.bq, g.bq))
+    pairs = ((lse, lse_s, lse_ref.at[r]), (m, top_s, top_ref.at[r]), (dlse, dlse_s, dlse_ref.at[r]))
+    _store(pairs, pl.ds(i * g.bq, g.bq), ((o_s, o_ref.at[r]), (do_s, do_ref.at[r])))
 
 
-def _tangent_kernel(spec, kinds_of, *refs):
-    """One query block: ``sum p dx v + p dv`` ``(bq, Ep)`` float32 and ``d lse`` from the forward's ``lse``."""
+def _tangent_kernel(spec, kinds_of, n_tmem, *refs):
+    """One query block: ``sum p dx v + p dv`` ``(bq, Ep)`` float32 and ``d lse`` from the forward's ``lse``.
+
+    ``n_tmem``: 1 where the accumulator is in tensor memory (Blackwell, the first scratch), else 0.
+    """
     g = spec.grid
     (
         q_ref,
@@ -165,6 +183,7 @@ def _tangent_kernel(spec, kinds_of, *refs):
         *refs,
     ) = refs
     masks, row, (acc_ref, dlse_ref), refs = _split(spec, refs, seeds_ref, 2)
+    tmems, refs = (None, refs[0] if n_tmem else None), refs[n_tmem:]
     q_s, dq_s, ((k_s, v_s, dk_s, dv_s), (acc_s, dlse_s), (lse_s,)), *bars = refs[:9]
     r, i = lax.axis_index("r"), lax.axis_index("i")
     plgpu.copy_gmem_to_smem(lse_ref.at[r, pl.ds(i * g.bq, g.bq)], lse_s, bars[5])
@@ -173,10 +192,12 @@ def _tangent_kernel(spec, kinds_of, *refs):
     plgpu.commit_smem()  # lse read before TMA writes the key tiles over it (they share its memory)
     lse = jnp.where(lse == _NEG, jnp.inf, lse)  # a row that sees no key: weights 0
     gm = (q_ref, dq_ref, k_ref, v_ref, dk_ref, dv_ref, kinds_ref, bounds_ref, masks, kinds_of, row)
-    scratch = (q_s, dq_s, k_s, v_s, dk_s, dv_s, bars[:4], bars[4], refs[9:])
-    _, _, _, tacc, dlse = _sweep(spec, True, scratch, gm, r, i, _init(spec, acc_s.shape[1], lse))
+    scratch = (q_s, dq_s, k_s, v_s, dk_s, dv_s, bars[:4], bars[4], refs[9:], tmems)
+    _, _, _, tacc, dlse = _sweep(spec, True, scratch, gm, r, i, _init(spec, acc_s.shape[1], lse, tmems, True))
     dlse = _sink(spec, sinks_ref, dsinks_ref, r, lse, dlse)
-    _store(((tacc, acc_s, acc_ref.at[r]), (dlse, dlse_s, dlse_ref.at[r])), pl.ds(i * g.bq, g.bq))
+    for part, x in acc_chunks(tacc, tmems[1]):
+        acc_s.at[:, part][...] = x
+    _store(((dlse, dlse_s, dlse_ref.at[r]),), pl.ds(i * g.bq, g.bq), ((acc_s, acc_ref.at[r]),))
 
 
 def _operands(spec, q, k, v, dq, dk, dv, outputs: tuple, before: tuple = ()):
@@ -206,11 +227,13 @@ def forward_tangent(spec, q, k, v, dq, dk, dv, kinds, bounds, sinks, seeds, dsin
     (q, k, v, dq, dk, dv), tiles, kinds_of, ids = _operands(spec, q, k, v, dq, dk, dv, tuple(staged))
     o = jax.ShapeDtypeStruct((b, g.t_pad, v.shape[2]), v.dtype)
     rows = jax.ShapeDtypeStruct((b, g.t_pad), jnp.float32)
+    tmem = acc_scratch(spec, *((g.bq, depth(spec.Ep)),) * 2)  # Blackwell: o's and d o's accumulators
     outs = launch(
-        functools.partial(_one_pass_kernel, spec, kinds_of),
+        functools.partial(_one_pass_kernel, spec, kinds_of, len(tmem)),
         name="jattn_mosaic_forward_tangent",
         out_type=[o, rows, rows, o, rows],
         scratch_types=[
+            *tmem,
             *tiles,
             *(plgpu.Barrier() for _ in range(5)),
             *ids,
@@ -230,14 +253,16 @@ def tangent(spec, q, k, v, o, lse, dq, dk, dv, kinds, bounds, sinks, seeds, dsin
     row = plgpu.SMEM((g.bq,), jnp.float32)
     staged = (plgpu.SMEM((g.bq, depth(spec.Ep)), jnp.float32), row)  # acc, d lse
     (q, k, v, dq, dk, dv), tiles, kinds_of, ids = _operands(spec, q, k, v, dq, dk, dv, staged, (row,))  # lse
+    tmem = acc_scratch(spec, (g.bq, depth(spec.Ep)))  # Blackwell: the accumulator
     acc, d_lse = launch(
-        functools.partial(_tangent_kernel, spec, kinds_of),
+        functools.partial(_tangent_kernel, spec, kinds_of, len(tmem)),
         name="jattn_mosaic_tangent",
         out_type=[
             jax.ShapeDtypeStruct((b, g.t_pad, v.shape[2]), jnp.float32),
             jax.ShapeDtypeStruct((b, g.t_pad), jnp.float32),
         ],
         scratch_types=[
+            *tmem,
             *tiles,
             *(plgpu.Barrier() for _ in range(6)),
             *ids,
