@@ -63,10 +63,13 @@ def _tile(spec, refs, r, i, j, carry):
     top = jnp.maximum(m, x.max(axis=1))
     safe = jnp.where(top == _NEG, 0.0, top)  # a row masked so far: its weights are 0, not NaN
     p, alpha = jnp.exp(x - _rows(safe, x.shape)), jnp.exp(m - safe)
-    den = alpha * den + p.sum(axis=1)  # the sum of undropped p normalises
-    pz = dropped(spec, seed, t, s, p).astype(v_s.dtype)
+    if acc_tmem is not None:  # in tensor memory: p's sum and its 16-bit copy before v's wait frees p (fewer spills)
+        den, pz = alpha * den + p.sum(axis=1), dropped(spec, seed, t, s, p).astype(v_s.dtype)
+        plgpu.barrier_wait(bar_v)
+        return top, den, acc_add(spec, None, acc_tmem, pz, v_s, alpha)
     plgpu.barrier_wait(bar_v)
-    return top, den, acc_add(spec, acc, acc_tmem, pz, v_s, alpha)
+    acc = acc_add(spec, acc, None, dropped(spec, seed, t, s, p).astype(v_s.dtype), v_s, alpha)
+    return top, alpha * den + p.sum(axis=1), acc  # the sum of undropped p normalises
 
 
 def _finish(spec, sinks_ref, r, m, den):

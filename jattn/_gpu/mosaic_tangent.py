@@ -151,14 +151,20 @@ def _one_pass_kernel(spec, kinds_of, n_tmem, *refs):
         top = jnp.maximum(lse, sinks_ref[r])
         lse = top + jnp.log(jnp.exp(lse - top) + jnp.exp(sinks_ref[r] - top))
     weight = jnp.where(seen, jnp.exp(m - jnp.where(seen, lse, 0.0)), 0.0)
+    o_ref, lse_ref, top_ref, do_ref, dlse_ref = outs
+    rows, stats = pl.ds(i * g.bq, g.bq), ((lse, lse_s, lse_ref.at[r]), (m, top_s, top_ref.at[r]))
+    if tmems[0] is None:  # in registers
+        o = acc * _rows(weight, acc.shape)
+        dlse = _sink(spec, sinks_ref, dsinks_ref, r, lse, dlse * weight)
+        do = tacc * _rows(weight, acc.shape) - _rows(dlse, acc.shape) * o
+        _store(((o, o_s, o_ref.at[r]), *stats, (do, do_s, do_ref.at[r]), (dlse, dlse_s, dlse_ref.at[r])), rows)
+        return
     dlse = _sink(spec, sinks_ref, dsinks_ref, r, lse, dlse * weight)
     for (part, a), (_, ta) in zip(acc_chunks(acc, tmems[0]), acc_chunks(tacc, tmems[1]), strict=True):
         o = a * _rows(weight, a.shape)
         o_s.at[:, part][...] = o.astype(o_s.dtype)
         do_s.at[:, part][...] = (ta * _rows(weight, a.shape) - _rows(dlse, a.shape) * o).astype(do_s.dtype)
-    o_ref, lse_ref, top_ref, do_ref, dlse_ref = outs
-    pairs = ((lse, lse_s, lse_ref.at[r]), (m, top_s, top_ref.at[r]), (dlse, dlse_s, dlse_ref.at[r]))
-    _store(pairs, pl.ds(i * g.bq, g.bq), ((o_s, o_ref.at[r]), (do_s, do_ref.at[r])))
+    _store((*stats, (dlse, dlse_s, dlse_ref.at[r])), rows, ((o_s, o_ref.at[r]), (do_s, do_ref.at[r])))
 
 
 def _tangent_kernel(spec, kinds_of, n_tmem, *refs):
