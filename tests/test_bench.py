@@ -235,18 +235,24 @@ ptxas info    : Used {regs} registers, used 2 barriers, 1 bytes smem
 def test_the_mosaic_compile_check_reads_the_ptx_compilers_statistics_and_holds_each_kernel_to_its_ceiling():
     """bench/mosaic_compile.py: the statistics of a hand-written PTX compiler report, the arch it names, the
     pipeline failing before it; a kernel may spill what SPILLS records for it and no byte more (others: none)."""
-    from bench.mosaic_compile import SPILLS, problems, statistics
+    from bench.mosaic_compile import SPILLS, Config, problems, statistics
 
     text = _PTXAS.format(arch=90, stack=104, spills=108, loads=96, regs=251) + "JIT session error: Symbols not found"
     assert statistics(text, 90) == {"stack": 104, "spill_st": 108, "spill_ld": 96, "regs": 251}
     assert "not sm_100a" in statistics(text, 100)["error"]
     assert "no cubin" in statistics("error: 'nvvm.wgmma' op failed to verify", 90)["error"]
     assert "no regs" in statistics(text.replace("Used 251 registers", ""), 90)["error"]
-    for (arch, kernel, D), ceiling in SPILLS.items():
-        assert ceiling > 0 and not problems({"spill_st": ceiling}, arch, kernel, D)
-        assert problems({"spill_st": ceiling + 4}, arch, kernel, D)
-    assert not problems({"spill_st": 0}, 90, "forward", 128) and problems({"spill_st": 4}, 90, "forward", 128)
-    assert problems({"error": "no cubin"}, 90, "forward", 64) == ["no cubin"]
+    for variant, table in SPILLS.items():
+        for (arch, kernel, D), ceiling in table.items():
+            c = Config(variant, D, "bfloat16", arch)
+            assert ceiling > 0 and not problems({"spill_st": ceiling}, c, kernel)
+            assert problems({"spill_st": ceiling + 4}, c, kernel)
+    plain = Config("plain", 128, "float16", 90)
+    assert not problems({"spill_st": 0}, plain, "forward") and problems({"spill_st": 4}, plain, "forward")
+    assert problems({"spill_st": 76}, plain, "dq") and not problems(
+        {"spill_st": 76}, plain._replace(variant="features"), "dq"
+    )
+    assert problems({"error": "no cubin"}, plain, "forward") == ["no cubin"]
 
 
 @pytest.mark.parametrize(("t", "s", "bq", "bk"), [(100, 130, 64, 64), (130, 100, 32, 64), (77, 77, 64, 32)])

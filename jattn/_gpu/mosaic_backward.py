@@ -52,10 +52,19 @@ def _copy_in(pairs, barriers) -> None:
 
 
 def _stats(lse_s, delta_s, axis: int, layout) -> tuple[Array, Array]:
-    """A query block's ``lse`` (``+inf`` for a row that sees no key: weights 0) and ``delta``, along tile ``axis``."""
-    layout = layout.reduce(1 - axis)
-    lse = load(lse_s, layout)
-    return jnp.where(lse == _NEG, jnp.inf, lse), load(delta_s, layout)
+    """A query block's ``lse`` and ``delta`` along tile ``axis`` (:func:`_lse`, :func:`_delta`)."""
+    return _lse(lse_s, axis, layout), _delta(delta_s, axis, layout)
+
+
+def _lse(lse_s, axis: int, layout) -> Array:
+    """A query block's ``lse`` along tile ``axis``, ``+inf`` for a row that sees no key (its weights 0)."""
+    lse = load(lse_s, layout.reduce(1 - axis))
+    return jnp.where(lse == _NEG, jnp.inf, lse)
+
+
+def _delta(delta_s, axis: int, layout) -> Array:
+    """A query block's ``delta`` along tile ``axis``."""
+    return load(delta_s, layout.reduce(1 - axis))
 
 
 def _masked(g, ids, r, i, j, kind, x, transposed: bool = False) -> Array:
@@ -147,16 +156,17 @@ def _dkdv_tile(spec, refs, r, j, i, carry):
         (delta_ref.at[r, rows], delta_s),
     )
     _copy_in(ins, bars)
-    lse, delta = _stats(lse_s, delta_s, 1, ids.layout)
     t, s = positions(g, i, j, ids.layout, transposed=True)
     x, pull = modified_vjp(
         spec, product(spec, k_s, q_s.T, (g.bk, g.bq)) * spec.scale, g.q_offset + t, g.kv_offset + s, values
     )
     x = _masked(g, ids, r, i, j, kinds_ref[r if kinds_ref.shape[0] > 1 else 0, i, j], x, transposed=True)
+    lse = _lse(lse_s, 1, ids.layout)  # lse and delta read as needed, not held through the mask (fewer spills)
     p = jnp.exp(x - _rows(lse, x.shape, 1))
     pz = dropped(spec, seed, t, s, p)  # p (z dp - delta) = pz dp - p delta
     dk, dv = carry
     dv = acc_add(spec, dv, dv_tmem, pz.astype(do_s.dtype), do_s)
+    delta = _delta(delta_s, 1, ids.layout)
     ds, _ = pull(pz * product(spec, v_s, do_s.T, x.shape) - p * _rows(delta, x.shape, 1))
     return acc_add(spec, dk, dk_tmem, (ds * spec.scale).astype(q_s.dtype), q_s), dv
 
