@@ -39,24 +39,24 @@ ARCHS = (90, 100)
 #: ``dp`` (docs/design/pallas.md, "Mosaic GPU compiled for the chips").
 SPILLS = {
     "plain": {
-        **{(90, "dkdv", 256): 1536, (90, "dq", 256): 4, (90, "tangent", 256): 492},
-        **{(90, "forward_tangent", D): b for D, b in ((128, 80), (256, 2536))},
+        **{(90, "dkdv", 256): 1536, (90, "dq", 256): 4, (90, "tangent", 256): 360},
+        **{(90, "forward_tangent", D): b for D, b in ((128, 60), (256, 2392))},
         **{(100, "forward", D): b for D, b in ((64, 36), (128, 16))},
         **{(100, "dq", D): b for D, b in ((64, 288), (128, 280))},
         **{(100, "dkdv", D): b for D, b in ((64, 32), (128, 16))},
-        **{(100, "forward_tangent", D): b for D, b in ((64, 1380), (128, 1168))},
-        **{(100, "tangent", D): b for D, b in ((64, 2092), (128, 2100))},
+        **{(100, "forward_tangent", D): b for D, b in ((64, 1076), (128, 848))},
+        **{(100, "tangent", D): b for D, b in ((64, 1796), (128, 1804))},
     },
     "features": {
         **{(90, "dq", D): b for D, b in ((128, 76), (256, 384))},
         **{(90, "dkdv", D): b for D, b in ((128, 296), (256, 1800))},
-        **{(90, "forward_tangent", D): b for D, b in ((64, 32), (128, 168), (256, 2644))},
-        (90, "tangent", 256): 608,
+        **{(90, "forward_tangent", D): b for D, b in ((128, 152), (256, 2540))},
+        **{(90, "tangent", D): b for D, b in ((128, 8), (256, 468))},
         **{(100, "forward", D): b for D, b in ((64, 1258), (128, 1250))},
         **{(100, "dq", D): b for D, b in ((64, 4896), (128, 4888))},
         **{(100, "dkdv", D): b for D, b in ((64, 4568), (128, 4572))},
-        **{(100, "forward_tangent", D): b for D, b in ((64, 3780), (128, 3540))},
-        **{(100, "tangent", D): b for D, b in ((64, 3664), (128, 3672))},
+        **{(100, "forward_tangent", D): b for D, b in ((64, 3432), (128, 3360))},
+        **{(100, "tangent", D): b for D, b in ((64, 3468), (128, 3476))},
     },
     "paged": {(90, "paged", 256): 172},
 }

@@ -224,23 +224,30 @@ def swizzled(shape: tuple[int, ...], dtype) -> plgpu.SMEM:
     return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
 
 
-def product(spec, a, b, shape: tuple[int, int]) -> Array:
-    """``a @ b`` ``(m, n)`` float32 in registers: ``a`` a shared tile, ``b`` a tile or ``.T`` (the target's product)."""
+def product(spec, a, b, shape: tuple[int, int], plus: tuple | None = None) -> Array:
+    """``a @ b`` ``(m, n)`` float32 in registers: ``a`` a shared tile, ``b`` a tile or ``.T`` (the target's product).
+
+    ``plus``: a second pair ``(a2, b2)`` whose product the same accumulator adds (one tile in registers, not two).
+    """
+    pairs = ((a, b),) if plus is None else ((a, b), plus)
     if target(spec).tensor_memory:
-        return _tcgen05(a, b, shape)
+        return _tcgen05(pairs, shape)
 
     def run(acc_ref):
-        plgpu.wgmma(acc_ref, a, b)
+        for x, y in pairs:
+            plgpu.wgmma(acc_ref, x, y)
         return acc_ref[...]
 
     return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
 
 
-def _tcgen05(a, b, shape: tuple[int, int]) -> Array:
-    """``a @ b`` by ``tcgen05`` into tensor memory, loaded into registers."""
+def _tcgen05(pairs, shape: tuple[int, int]) -> Array:
+    """The sum of the pairs' products ``a @ b`` by ``tcgen05`` into tensor memory, loaded into registers."""
 
     def run(acc_tmem, done):
-        plgpu.tcgen05_mma(acc_tmem, a, b, done, accumulate=False)
+        for n, (a, b) in enumerate(pairs):
+            last = n == len(pairs) - 1
+            plgpu.tcgen05_mma(acc_tmem, a, b, done if last else None, accumulate=n > 0)
         plgpu.barrier_wait(done)
         x = plgpu.async_load_tmem(acc_tmem)
         plgpu.wait_load_tmem()
@@ -329,7 +336,7 @@ def accumulate(spec, acc: Array, a: Array, b) -> Array:
         def through(a_smem):
             a_smem[...] = a
             plgpu.commit_smem()
-            return acc + _tcgen05(a_smem, b, acc.shape)
+            return acc + _tcgen05(((a_smem, b),), acc.shape)
 
         return pl.run_scoped(through, swizzled(a.shape, a.dtype))
 

@@ -56,7 +56,7 @@ def _tile(spec, fixed: bool, refs, r, i, j, carry):
     for bar in bars:
         plgpu.barrier_wait(bar)
     x = product(spec, q_s, k_s.T, (g.bq, g.bk)) * spec.scale
-    dx = (product(spec, dq_s, k_s.T, x.shape) + product(spec, q_s, dk_s.T, x.shape)) * spec.scale
+    dx = product(spec, dq_s, k_s.T, x.shape, plus=(q_s, dk_s.T)) * spec.scale  # one accumulator for both
     t, s = positions(g, i, j, ids.layout)
     x, dx = modified_jvp(spec, x, dx, g.q_offset + t, g.kv_offset + s, values, dvalues)
 
