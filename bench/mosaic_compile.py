@@ -16,7 +16,6 @@ driver; ``MOSAIC_PY`` and ``FAKE_CUDA_DIR`` name others.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import os
 import re
@@ -25,6 +24,8 @@ import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
+
+from bench.compile_matrix import matrix_parser, text_table
 
 VARIANTS = ("plain", "features", "paged")  # causal; + dropout, ALiBi and a soft cap, sinks; paged attention
 DEPTHS = (64, 128, 256)
@@ -153,18 +154,11 @@ def summary(rows: list[dict], results: dict) -> str:
         lines.append(
             [kernel, str(D), dtype, *(", ".join(map(str, by_arch[a])) if a in by_arch else "-" for a in ARCHS)]
         )
-    widths = [max(len(r[i]) for r in lines) for i in range(len(head))]
-    return "\n".join("  ".join(x.ljust(w) for x, w in zip(r, widths, strict=True)) for r in lines)
+    return text_table(lines)
 
 
 def _args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--variant", nargs="+", default=list(VARIANTS), choices=VARIANTS)
-    p.add_argument("--D", nargs="+", type=int, default=list(DEPTHS))
-    p.add_argument("--dtype", nargs="+", default=list(DTYPES), choices=DTYPES)
-    p.add_argument("--arch", nargs="+", type=int, default=list(ARCHS), choices=ARCHS)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    p.add_argument("--jobs", type=int, default=cores, help=f"compiles at once (default: the cores, {cores})")
+    p = matrix_parser(__doc__, VARIANTS, DEPTHS, DTYPES, ARCHS, "compiles")
     return p.parse_args(argv)
 
 

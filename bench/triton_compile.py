@@ -17,7 +17,6 @@ launch before writing it into the table. ``--D/--dtype/--arch/--variant`` narrow
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import itertools
 import json
@@ -27,6 +26,8 @@ import sys
 import tempfile
 import time
 from typing import NamedTuple
+
+from bench.compile_matrix import matrix_parser, text_table
 
 VARIANTS = ("plain", "features", "paged")  # causal; + dropout, ALiBi and a soft cap, sinks; paged attention
 DEPTHS = (64, 128, 256)
@@ -164,18 +165,11 @@ def summary(rows: list[dict], results: dict, markdown: bool = False) -> str:
     if markdown:
         rule = ["---"] * len(head)
         return "\n".join("| " + " | ".join(r) + " |" for r in [lines[0], rule, *lines[1:]])
-    widths = [max(len(r[i]) for r in lines) for i in range(len(head))]
-    return "\n".join("  ".join(x.ljust(w) for x, w in zip(r, widths, strict=True)) for r in lines)
+    return text_table(lines)
 
 
 def _args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--variant", nargs="+", default=list(VARIANTS), choices=VARIANTS)
-    p.add_argument("--D", nargs="+", type=int, default=list(DEPTHS))
-    p.add_argument("--dtype", nargs="+", default=list(DTYPES), choices=DTYPES)
-    p.add_argument("--arch", nargs="+", type=int, default=list(ARCHS), choices=ARCHS)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    p.add_argument("--jobs", type=int, default=cores, help=f"triton processes at once (default: the cores, {cores})")
+    p = matrix_parser(__doc__, VARIANTS, DEPTHS, DTYPES, ARCHS, "triton processes")
     p.add_argument("--blocks", type=int, nargs=2, default=None, help="override: (bq, bk) of every cell")
     p.add_argument("--warps", type=int, default=None, help="override: num_warps")
     p.add_argument("--stages", type=int, default=None, help="override: num_stages")

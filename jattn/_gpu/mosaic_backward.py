@@ -28,6 +28,7 @@ from jattn._gpu.mosaic_support import (
     launch,
     load,
     product,
+    spread,
     swizzled,
     target,
 )
@@ -49,11 +50,6 @@ def _copy_in(pairs, barriers) -> None:
         plgpu.copy_gmem_to_smem(src, dst, bar)
     for bar in barriers:
         plgpu.barrier_wait(bar)
-
-
-def _stats(lse_s, delta_s, axis: int, layout) -> tuple[Array, Array]:
-    """A query block's ``lse`` and ``delta`` along tile ``axis`` (:func:`_lse`, :func:`_delta`)."""
-    return _lse(lse_s, axis, layout), _delta(delta_s, axis, layout)
 
 
 def _lse(lse_s, axis: int, layout) -> Array:
@@ -83,20 +79,19 @@ def _dq_tile(spec, refs, r, i, j, carry):
         spec, product(spec, q_s, k_s.T, (g.bq, g.bk)) * spec.scale, g.q_offset + t, g.kv_offset + s, values
     )
     x = _masked(g, ids, r, i, j, kinds_ref[r if kinds_ref.shape[0] > 1 else 0, i, j], x)
-    p = jnp.exp(x - _rows(lse, x.shape))
+    p = jnp.exp(x - spread(lse, x.shape))
     dp = dropped(spec, seed, t, s, product(spec, do_s, v_s.T, x.shape))
-    ds, dcs = pull(p * (dp - _rows(delta, x.shape)))
+    ds, dcs = pull(p * (dp - spread(delta, x.shape)))
     acc, dvalues = carry
     dvalues = tuple(a + d.sum(axis=1) for a, d in zip(dvalues, dcs, strict=True))  # per query row
     return acc_add(spec, acc, dq_tmem, (ds * spec.scale).astype(k_s.dtype), k_s), dvalues
 
 
-def _rows(x: Array, shape, axis: int = 0) -> Array:
-    return lax.broadcast_in_dim(x, shape, [axis])
+def _dq_kernel(spec, kinds_of, n_tmem, *refs):
+    """One query block of row ``r``: ``dq (bq, Dp)`` and each floating row value's gradient per query ``(bq,)``.
 
-
-def _dq_kernel(spec, kinds_of, *refs):
-    """One query block of row ``r``: ``dq (bq, Dp)`` and each floating row value's gradient per query ``(bq,)``."""
+    ``n_tmem``: 1 where dq accumulates in tensor memory (Blackwell, the first scratch), else 0.
+    """
     nm, nc, nf, g = spec.n_mask, spec.mod_count, _floats(spec), spec.grid
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kinds_ref, bounds_ref, seeds_ref, *refs = refs
     masks, consts, (dq_ref, *dc_refs), refs = (
@@ -105,8 +100,7 @@ def _dq_kernel(spec, kinds_of, *refs):
         refs[nm + nc : nm + nc + 1 + nf],
         refs[nm + nc + 1 + nf :],
     )
-    tm = target(spec).tensor_memory  # Blackwell: dq accumulates in tensor memory, the first scratch
-    dq_tmem, refs = (refs[0] if tm else None), refs[tm:]
+    dq_tmem, refs = (refs[0] if n_tmem else None), refs[n_tmem:]
     q_s, do_s, ((k_s, v_s), (dq_s, *dc_s)), lse_s, delta_s, *bars = refs[:12]
     id_s = refs[12:]
     r, i = lax.axis_index("r"), lax.axis_index("i")
@@ -119,7 +113,7 @@ def _dq_kernel(spec, kinds_of, *refs):
     )
     _copy_in(ins, bars[:4])
     L = target(spec).layout
-    lse, delta = _stats(lse_s, delta_s, 0, L)
+    lse, delta = _lse(lse_s, 0, L), _delta(delta_s, 0, L)
     ids = Ids.windowed(masks, id_s, bars[6], kinds_of, target(spec).layout)
     refs = (
         (q_s, do_s, k_s, v_s, bars[4:6], lse, delta, dq_tmem),
@@ -162,17 +156,20 @@ def _dkdv_tile(spec, refs, r, j, i, carry):
     )
     x = _masked(g, ids, r, i, j, kinds_ref[r if kinds_ref.shape[0] > 1 else 0, i, j], x, transposed=True)
     lse = _lse(lse_s, 1, ids.layout)  # lse and delta read as needed, not held through the mask (fewer spills)
-    p = jnp.exp(x - _rows(lse, x.shape, 1))
+    p = jnp.exp(x - spread(lse, x.shape, 1))
     pz = dropped(spec, seed, t, s, p)  # p (z dp - delta) = pz dp - p delta
     dk, dv = carry
     dv = acc_add(spec, dv, dv_tmem, pz.astype(do_s.dtype), do_s)
     delta = _delta(delta_s, 1, ids.layout)
-    ds, _ = pull(pz * product(spec, v_s, do_s.T, x.shape) - p * _rows(delta, x.shape, 1))
+    ds, _ = pull(pz * product(spec, v_s, do_s.T, x.shape) - p * spread(delta, x.shape, 1))
     return acc_add(spec, dk, dk_tmem, (ds * spec.scale).astype(q_s.dtype), q_s), dv
 
 
-def _dkdv_kernel(spec, kinds_of, *refs):
-    """One key block of kv row ``rk``: ``dk (bk, Dp)`` and ``dv (bk, Ep)`` over the G query rows it serves."""
+def _dkdv_kernel(spec, kinds_of, n_tmem, *refs):
+    """One key block of kv row ``rk``: ``dk (bk, Dp)`` and ``dv (bk, Ep)`` over the G query rows it serves.
+
+    ``n_tmem``: 2 where dk and dv accumulate in tensor memory (Blackwell, the first scratch), else 0.
+    """
     nm, nc, g = spec.n_mask, spec.mod_count, spec.grid
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kinds_ref, tbounds_ref, seeds_ref, *refs = refs
     masks, consts, (dk_ref, dv_ref), refs = (
@@ -181,8 +178,7 @@ def _dkdv_kernel(spec, kinds_of, *refs):
         refs[nm + nc : nm + nc + 2],
         refs[nm + nc + 2 :],
     )
-    tm = target(spec).tensor_memory  # Blackwell: dk and dv accumulate in tensor memory, the first two scratch
-    tmems, refs = ((refs[0], refs[1]) if tm else (None, None)), refs[2 * tm :]
+    tmems, refs = (tuple(refs[:2]) if n_tmem else (None, None)), refs[n_tmem:]
     ((q_s, do_s), (dk_s, dv_s)), k_s, v_s, lse_s, delta_s, *bars = refs[:12]
     id_s = refs[12:]
     rk, j = lax.axis_index("r"), lax.axis_index("j")
@@ -243,12 +239,13 @@ def dq(spec, q, k, v, do, lse, delta, kinds, bounds, sinks, seeds, masks, consts
     Dw, Ew = q.shape[2], v.shape[2]
     keys = (swizzled((g.bk, Dw), q.dtype), swizzled((g.bk, Ew), q.dtype))
     staged = (swizzled((g.bq, Dw), q.dtype), *(rows,) * nf)  # dq and the values' gradients, once the loop is done
+    tmem = acc_scratch(spec, (g.bq, Dw))  # Blackwell: dq's accumulator
     out = launch(
-        functools.partial(_dq_kernel, spec, kinds_of),
+        functools.partial(_dq_kernel, spec, kinds_of, len(tmem)),
         name="jattn_mosaic_dq",
         out_type=[jax.ShapeDtypeStruct(q.shape, q.dtype), *(jax.ShapeDtypeStruct((b, g.t_pad), jnp.float32),) * nf],
         scratch_types=[
-            *acc_scratch(spec, (g.bq, Dw)),
+            *tmem,
             swizzled((g.bq, Dw), q.dtype),
             swizzled((g.bq, Ew), q.dtype),
             plgpu.RefUnion(keys, staged),
@@ -276,13 +273,13 @@ def dkdv(spec, q, k, v, do, lse, delta, kinds, tbounds, sinks, seeds, masks, con
     queries = (swizzled((g.bq, Dw), q.dtype), swizzled((g.bq, Ew), q.dtype))
     staged = (swizzled((g.bk, Dw), q.dtype), swizzled((g.bk, Ew), q.dtype))  # dk and dv, once the loop is done
     keys = (swizzled((g.bk, Dw), q.dtype), swizzled((g.bk, Ew), q.dtype))
+    tmem = acc_scratch(spec, (g.bk, Dw), (g.bk, Ew))  # Blackwell: dk's and dv's accumulators
     dk, dv = launch(
-        functools.partial(_dkdv_kernel, spec, kinds_of),
+        functools.partial(_dkdv_kernel, spec, kinds_of, len(tmem)),
         name="jattn_mosaic_dkdv",
         out_type=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         scratch_types=[
-            *acc_scratch(spec, (g.bk, Dw)),
-            *acc_scratch(spec, (g.bk, Ew)),
+            *tmem,
             plgpu.RefUnion(queries, staged),
             *keys,
             rows,

@@ -27,6 +27,7 @@ from jattn._gpu.mosaic_support import (
     depth,
     launch,
     product,
+    spread,
     swizzled,
     target,
 )
@@ -36,11 +37,6 @@ from jattn._masks import PARTIAL
 __all__ = ["forward"]
 
 _NEG = -float("inf")
-
-
-def _rows(x: Array, shape) -> Array:
-    """A row value ``(bq,)`` broadcast over a tile's columns."""
-    return lax.broadcast_in_dim(x, shape, [0])
 
 
 def _tile(spec, refs, r, i, j, carry):
@@ -62,7 +58,7 @@ def _tile(spec, refs, r, i, j, carry):
     x = lax.cond(kinds_ref[kr, i, j] == PARTIAL, masked, lambda x: x, x)
     top = jnp.maximum(m, x.max(axis=1))
     safe = jnp.where(top == _NEG, 0.0, top)  # a row masked so far: its weights are 0, not NaN
-    p, alpha = jnp.exp(x - _rows(safe, x.shape)), jnp.exp(m - safe)
+    p, alpha = jnp.exp(x - spread(safe, x.shape)), jnp.exp(m - safe)
     if acc_tmem is not None:  # in tensor memory: p's sum and its 16-bit copy before v's wait frees p (fewer spills)
         den, pz = alpha * den + p.sum(axis=1), dropped(spec, seed, t, s, p).astype(v_s.dtype)
         plgpu.barrier_wait(bar_v)
@@ -83,8 +79,11 @@ def _finish(spec, sinks_ref, r, m, den):
     return jnp.where(seen, jnp.exp(m - jnp.where(seen, lse, 0.0)), 0.0), lse
 
 
-def _kernel(spec, kinds, *refs):
-    """One query block of row ``r``: ``o``, ``lse`` and the max logit through shared memory."""
+def _kernel(spec, kinds, n_tmem, *refs):
+    """One query block of row ``r``: ``o``, ``lse`` and the max logit through shared memory.
+
+    ``n_tmem``: 1 where the accumulator is in tensor memory (Blackwell, the first scratch), else 0.
+    """
     nm = spec.n_mask
     q_ref, k_ref, v_ref, kinds_ref, bounds_ref, sinks_ref, seeds_ref, *refs = refs
     nc = spec.mod_count
@@ -94,9 +93,8 @@ def _kernel(spec, kinds, *refs):
         refs[nm + nc : nm + nc + 3],
         refs[nm + nc + 3 :],
     )
-    tmem = target(spec).tensor_memory
-    q_s, ((k_s, v_s), (o_s, lse_s, top_s)), bar_q, bar_k, bar_v, bar_ids, *id_s = scratch[tmem:]
-    acc_tmem = scratch[0] if tmem else None
+    acc_tmem = scratch[0] if n_tmem else None
+    q_s, ((k_s, v_s), (o_s, lse_s, top_s)), bar_q, bar_k, bar_v, bar_ids, *id_s = scratch[n_tmem:]
     g, r, i = spec.grid, lax.axis_index("r"), lax.axis_index("i")
     plgpu.copy_gmem_to_smem(q_ref.at[r, pl.ds(i * g.bq, g.bq)], q_s, bar_q)
     plgpu.barrier_wait(bar_q)
@@ -119,7 +117,7 @@ def _kernel(spec, kinds, *refs):
     m, den, acc = lax.fori_loop(bounds_ref[kr, i, 0], bounds_ref[kr, i, 1], step, init)
     weight, lse = _finish(spec, sinks_ref, r, m, den)
     for cols, x in acc_chunks(acc, acc_tmem):
-        o_s.at[:, cols][...] = (x * _rows(weight, x.shape)).astype(o_s.dtype)
+        o_s.at[:, cols][...] = (x * spread(weight, x.shape)).astype(o_s.dtype)
     lse_s[...], top_s[...] = lse, m
     plgpu.commit_smem()
     rows = pl.ds(i * g.bq, g.bq)
@@ -140,8 +138,9 @@ def forward(spec, q, k, v, kinds, bounds, sinks, seeds, masks, consts) -> tuple[
     ids = [plgpu.SMEM((g.bq if w == "q" else g.bk,), jnp.int32) for w in kinds_of if w]
     keys = (swizzled((g.bk, Dw), q.dtype), swizzled((g.bk, Ew), q.dtype))
     staged = (swizzled((g.bq, Ew), q.dtype), *(plgpu.SMEM((g.bq,), jnp.float32),) * 2)  # o, lse, the max logit
+    tmem = acc_scratch(spec, (g.bq, Ew))  # Blackwell's accumulator, in tensor memory
     scratch = [
-        *acc_scratch(spec, (g.bq, Ew)),  # Blackwell's accumulator, in tensor memory
+        *tmem,
         swizzled((g.bq, Dw), q.dtype),
         plgpu.RefUnion(keys, staged),  # the outputs staged in the key tiles' memory once the loop is done
         *(plgpu.Barrier(num_arrivals=1) for _ in range(4)),
@@ -149,7 +148,7 @@ def forward(spec, q, k, v, kinds, bounds, sinks, seeds, masks, consts) -> tuple[
     ]
     rows = jax.ShapeDtypeStruct((b, g.t_pad), jnp.float32)
     o, lse, top = launch(
-        functools.partial(_kernel, spec, kinds_of),
+        functools.partial(_kernel, spec, kinds_of, len(tmem)),
         name="jattn_mosaic_forward",
         out_type=[jax.ShapeDtypeStruct((b, g.t_pad, Ew), v.dtype), rows, rows],
         scratch_types=scratch,

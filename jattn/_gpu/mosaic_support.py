@@ -41,6 +41,7 @@ __all__ = [
     "product",
     "refuse_mosaic",
     "refuse_windows",
+    "spread",
     "swizzled",
     "target",
     "width",
@@ -291,7 +292,7 @@ def acc_add(spec, acc: Array | None, tmem, a: Array, b, alpha: Array | None = No
     a thread holds :data:`CHUNK` of its columns at a time to scale them, and ``a`` goes through a shared tile.
     """
     if tmem is None:
-        return accumulate(spec, acc if alpha is None else acc * _rows(alpha, acc.shape), a, b)
+        return accumulate(spec, acc if alpha is None else acc * spread(alpha, acc.shape), a, b)
 
     def run(a_smem, done):
         a_smem[...] = a
@@ -299,7 +300,7 @@ def acc_add(spec, acc: Array | None, tmem, a: Array, b, alpha: Array | None = No
             chunk = tmem.at[:, pl.ds(c, CHUNK)]
             x = plgpu.async_load_tmem(chunk)
             plgpu.wait_load_tmem()
-            plgpu.async_store_tmem(chunk, x * _rows(alpha, x.shape))
+            plgpu.async_store_tmem(chunk, x * spread(alpha, x.shape))
         plgpu.commit_tmem()
         plgpu.commit_smem()
         plgpu.tcgen05_mma(tmem, a_smem, b, done, accumulate=True)
@@ -320,9 +321,9 @@ def acc_chunks(acc: Array | None, tmem):
         yield pl.ds(c, CHUNK), x
 
 
-def _rows(x: Array, shape) -> Array:
-    """A row value ``(m,)`` broadcast over a tile's columns."""
-    return jax.lax.broadcast_in_dim(x, shape, [0])
+def spread(x: Array, shape, axis: int = 0) -> Array:
+    """A row value ``(m,)`` spread over a tile's columns (``axis=1``: a column value over its rows)."""
+    return jax.lax.broadcast_in_dim(x, shape, [axis])
 
 
 def accumulate(spec, acc: Array, a: Array, b) -> Array:

@@ -13,7 +13,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import Array, lax
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -27,6 +27,7 @@ from jattn._gpu.mosaic_support import (
     launch,
     load,
     product,
+    spread,
     swizzled,
     target,
 )
@@ -36,10 +37,6 @@ from jattn._masks import PARTIAL
 __all__ = ["forward_tangent", "tangent"]
 
 _NEG = -float("inf")
-
-
-def _rows(x: Array, shape) -> Array:
-    return lax.broadcast_in_dim(x, shape, [0])
 
 
 def _tile(spec, fixed: bool, refs, r, i, j, carry):
@@ -68,7 +65,7 @@ def _tile(spec, fixed: bool, refs, r, i, j, carry):
     m, den, acc, tacc, dlse = carry
     top = m if fixed else jnp.maximum(m, x.max(axis=1))
     safe = jnp.where(top == _NEG, 0.0, top)
-    p, alpha = jnp.exp(x - _rows(safe, x.shape)), (1.0 if fixed else jnp.exp(m - safe))
+    p, alpha = jnp.exp(x - spread(safe, x.shape)), (1.0 if fixed else jnp.exp(m - safe))
     pdx, pz, dt = p * dx, dropped(spec, seed, t, s, p), v_s.dtype  # d lse sums the undropped weights' tangents
     sums = lambda: ((den if fixed else alpha * den + p.sum(axis=1)), alpha * dlse + pdx.sum(axis=1))  # noqa: E731
     early = sums() if tmems[1] is not None else None  # in tensor memory: p freed before the products (fewer spills)
@@ -154,16 +151,16 @@ def _one_pass_kernel(spec, kinds_of, n_tmem, *refs):
     o_ref, lse_ref, top_ref, do_ref, dlse_ref = outs
     rows, stats = pl.ds(i * g.bq, g.bq), ((lse, lse_s, lse_ref.at[r]), (m, top_s, top_ref.at[r]))
     if tmems[0] is None:  # in registers
-        o = acc * _rows(weight, acc.shape)
+        o = acc * spread(weight, acc.shape)
         dlse = _sink(spec, sinks_ref, dsinks_ref, r, lse, dlse * weight)
-        do = tacc * _rows(weight, acc.shape) - _rows(dlse, acc.shape) * o
+        do = tacc * spread(weight, acc.shape) - spread(dlse, acc.shape) * o
         _store(((o, o_s, o_ref.at[r]), *stats, (do, do_s, do_ref.at[r]), (dlse, dlse_s, dlse_ref.at[r])), rows)
         return
     dlse = _sink(spec, sinks_ref, dsinks_ref, r, lse, dlse * weight)
     for (part, a), (_, ta) in zip(acc_chunks(acc, tmems[0]), acc_chunks(tacc, tmems[1]), strict=True):
-        o = a * _rows(weight, a.shape)
+        o = a * spread(weight, a.shape)
         o_s.at[:, part][...] = o.astype(o_s.dtype)
-        do_s.at[:, part][...] = (ta * _rows(weight, a.shape) - _rows(dlse, a.shape) * o).astype(do_s.dtype)
+        do_s.at[:, part][...] = (ta * spread(weight, a.shape) - spread(dlse, a.shape) * o).astype(do_s.dtype)
     _store((*stats, (dlse, dlse_s, dlse_ref.at[r])), rows, ((o_s, o_ref.at[r]), (do_s, do_ref.at[r])))
 
 
