@@ -259,12 +259,13 @@ def linen_params(m: jattn.nnx.SelfAttention) -> dict:
     return params | {name: getattr(m, name)[...] for name in m.gate_names}  # a recurrent kind's gates
 
 
-def dense_jax(q, k, v, keep=None, bias=None, sinks=None, softcap=None):
+def dense_jax(q, k, v, keep=None, bias=None, sinks=None, softcap=None, drop=None):
     """Dense attention in float64 JAX, differentiable by JAX at every order: ``(out (..., T, E), lse (..., T))``.
 
     ``keep`` a boolean mask broadcastable to ``(..., T, S)``; ``sinks`` broadcastable to the leading
     shape; ``softcap`` caps the scaled scores as ``cap · tanh(s / cap)``. A row with no key (and no
-    sink) gives 0 and lse ``-inf``, and its derivatives are 0. Written from the definition, sharing no
+    sink) gives 0 and lse ``-inf``, and its derivatives are 0. ``drop``: dropout's factor on each weight
+    (``(..., T, S)``: ``1 / keep_prob`` or 0), after the softmax. Written from the definition, sharing no
     code with jattn, so that JAX's own differentiation of it is the reference for every order.
     """
     q, k, v = (jnp.asarray(x, wide()) for x in (q, k, v))
@@ -283,7 +284,8 @@ def dense_jax(q, k, v, keep=None, bias=None, sinks=None, softcap=None):
     e = jnp.where(keep, jnp.exp(s - m[..., None]), 0.0)
     den = e.sum(-1) + (0.0 if sink is None else jnp.exp(sink - m))
     safe = jnp.where(den > 0, den, 1.0)
-    out = jnp.einsum("...ts,...se->...te", e / safe[..., None], v)
+    w = e / safe[..., None] if drop is None else e / safe[..., None] * jnp.asarray(drop, wide())
+    out = jnp.einsum("...ts,...se->...te", w, v)
     return out, jnp.where(den > 0, m + jnp.log(safe), -jnp.inf)
 
 

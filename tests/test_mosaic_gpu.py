@@ -275,12 +275,12 @@ def test_grad_of_grad_equals_the_dense_path():
 _RATE = 0.3
 
 
-def _drop_factor(lq, lkv, key, **kw):
+def _drop_factor(lq, lkv, key, T=_T, S=_S, **kw):
     """The dropout factor Z ``(*lead, T, S)`` of a call (q = k = 0: weights 1 / S; v = I: weight s in out[..., s])."""
-    q, k = jnp.zeros((*lq, _T, 64), jnp.float16), jnp.zeros((*lkv, _S, 64), jnp.float16)
-    v = jnp.broadcast_to(jnp.eye(_S, dtype=jnp.float16), (*lkv, _S, _S))
+    q, k = jnp.zeros((*lq, T, 64), jnp.float16), jnp.zeros((*lkv, S, 64), jnp.float16)
+    v = jnp.broadcast_to(jnp.eye(S, dtype=jnp.float16), (*lkv, S, S))
     out = jattn.attention(q, k, v, dropout_rate=_RATE, dropout_rng=key, **kw)
-    return np.asarray(out, np.float64) * _S
+    return np.asarray(out, np.float64) * S
 
 
 @needs_interpreter
@@ -496,6 +496,48 @@ def test_blackwell_jvp_with_softcap_and_dropout(blackwell):
         ref.assert_grad_close(a, ref.f64(w), jnp.float16)
 
 
+@needs_interpreter
+def test_blackwell_gradients_and_tangents_with_every_feature(blackwell):
+    """tcgen05 tiles a 64-column chunk at a time: out, lse, dq, dk, dv, d slopes, d sinks and the linearized tangent
+    with ALiBi composed with a soft cap, sinks and dropout (grouped heads, a window, documents), against float64 JAX."""
+    lq, lkv, key, cap = (2, 3, 2), (2, 3, 1), jax.random.key(5), 4.0
+    q, k, v = (_rand((*lq, _BW, 64), 0, jnp.bfloat16), *(_rand((*lkv, _BW, 64), n, jnp.bfloat16) for n in (1, 2)))
+    slopes = jnp.asarray([0.01, 0.02, 0.05, 0.1, 0.2, 0.3], jnp.float32)  # (K G,) heads
+    sinks = _rand((3, 2), 4, jnp.float32) + 1.0
+    g = np.random.default_rng(3).normal(size=(*lq, _BW, 64))
+    keep = np.asarray(_BW_MASK.dense(_BW, _BW)).reshape(2, 1, 1, _BW, _BW)
+    drop = np.where(_drop_factor(lq, lkv, key, _BW, _BW, implementation="dense") != 0, 1 / (1 - _RATE), 0.0)
+    distance = np.abs(np.arange(_BW)[:, None] - np.arange(_BW)[None, :]).reshape(1, 1, 1, _BW, _BW)
+
+    def kernel(q, k, v, slopes, sinks):
+        mod = score_mods.compose(score_mods.alibi(slopes), score_mods.softcap(cap))
+        kw = dict(mask=_BW_MASK, score_mod=mod, sinks=sinks, dropout_rate=_RATE, dropout_rng=key)
+        return jattn.attention(q, k, v, **kw, return_lse=True, implementation="pallas")
+
+    def dense(q, k, v, slopes, sinks):
+        bias = -slopes.reshape(1, 3, 2, 1, 1) * jnp.asarray(distance, slopes.dtype)
+        return ref.dense_jax(q, k, v, keep=keep, bias=bias, sinks=sinks, softcap=cap, drop=drop)
+
+    def loss(f, *args):
+        return jnp.sum(f(*args)[0].astype(ref.wide()) * jnp.asarray(g, ref.wide()))
+
+    def both(f, *args):  # (value, gradients in every input) and the tangent of (out, lse) along q, k, v, slopes
+        tangent = jax.linearize(lambda *x: f(*x, sinks), *args[:4])[1](*args[:4])
+        return jax.value_and_grad(functools.partial(loss, f), argnums=(0, 1, 2, 3, 4))(*args), tangent
+
+    args = (q, k, v, slopes, sinks)
+    (_, grads), tangent = jax.jit(functools.partial(both, kernel))(*args)
+    with jax.enable_x64(True):
+        wide = tuple(jnp.asarray(ref.f64(x)) for x in args)
+        (_, want_grads), want_tangent = jax.jit(functools.partial(both, dense))(*wide)
+        want_out, want_lse = dense(*wide)
+    out, lse = kernel(*args)
+    np.testing.assert_allclose(ref.f64(out), np.asarray(want_out), **ref.tol(jnp.bfloat16))
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), **ref.tol(jnp.bfloat16))
+    for a, w in zip((*grads, *tangent), (*want_grads, *want_tangent), strict=True):
+        ref.assert_grad_close(a, np.asarray(w), jnp.bfloat16)
+
+
 @pytest.mark.skipif(not INTERPRETS, reason=f"the tcgen05 kernel lowers from jax 0.12 (here {jax.__version__})")
 def test_blackwell_lowers_to_mosaic_gpu_for_b200(monkeypatch, blackwell):
     """Lowered for an abstract B200 (sm_100): forward one Mosaic GPU call, grad three, jvp one; no Triton."""
@@ -567,24 +609,32 @@ def test_every_kernel_fits_shared_memory_within_the_table_and_not_beyond(monkeyp
         assert failed and all(failed), (D, E)
 
 
-@pytest.mark.skipif(not INTERPRETS, reason=f"the tcgen05 kernel lowers from jax 0.12 (here {jax.__version__})")
-def test_segment_id_windows_past_the_edge_room_are_refused_and_would_overflow(monkeypatch, blackwell):
-    """Blackwell at D = E = 128 (the edge of SHARED_WIDTH): one segment_ids() fits (the edge test), two would take
-    the tangent kernel past 227 KiB; they are refused by name (Triton takes the call), and admitted they overflow."""
+#: backend, arch, the edge's D = E, and how many segment_ids() fit its largest kernel there (one more would not).
+WINDOWS = [("mosaic_gpu", "sm_90", 256, 16), pytest.param("mosaic_gpu_tcgen05", "sm_100", 128, 9, marks=pytest.mark.skipif(
+    not INTERPRETS, reason=f"the tcgen05 kernel lowers from jax 0.12 (here {jax.__version__})"))]  # fmt: skip
+
+
+@pytest.mark.parametrize(("backend", "arch", "D", "fit"), WINDOWS)
+def test_segment_id_windows_past_the_edge_room_are_refused_and_would_overflow(monkeypatch, backend, arch, D, fit):
+    """At the edge of SHARED_WIDTH (D = E), the tangent kernel takes ``fit`` segment_ids() (each id window a KiB of
+    shared memory: Mosaic GPU aligns every tile to 1 KiB) and lowers; one more is refused by name (Triton takes
+    the call), and admitted it takes the kernel past 227 KiB."""
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(pallas_path, "gpu_attention", functools.partial(gpu_attention, backend=backend))
     ids = np.repeat(np.array([[0, 1]]), [120, 80], axis=1)
-    two = masks.causal() & masks.segment_ids(ids, ids) & masks.segment_ids(ids % 1, ids % 1)
-    q = jnp.zeros((1, 2, 200, 128), jnp.bfloat16)
+    q = jnp.zeros((1, 2, 200, D), jnp.bfloat16)
 
-    def lin(q):  # a new function each call: jit's trace cache would keep the first choice of kernel
-        return jax.linearize(lambda q: jattn.attention(q, q, q, mask=two, implementation="pallas"), q)[1](q)
+    def lin(n):  # a new function each call: jit's trace cache would keep the first choice of kernel
+        mask = functools.reduce(lambda m, c: m & masks.segment_ids(ids + c, ids + c), range(n), masks.causal())
+        return lambda q: jax.linearize(lambda q: jattn.attention(q, q, q, mask=mask, implementation="pallas"), q)[1](q)
 
-    with pytest.raises(KernelRefusalError, match=r"fewer segment_ids\(\) in the mask \(got 2\)"):
-        mosaic_support.refuse_windows("mosaic_gpu_tcgen05", 128, 128, 4)
-    mosaic_support.refuse_windows("mosaic_gpu_tcgen05", 128, 128, 2)  # one: fits
-    mosaic_support.refuse_windows("mosaic_gpu_tcgen05", 64, 128, 8)  # four, 64 columns below the edge: fit
+    with pytest.raises(KernelRefusalError, match=rf"fewer segment_ids\(\) in the mask \(got {fit + 1}\)"):
+        mosaic_support.refuse_windows(backend, D, D, 2 * (fit + 1))
+    mosaic_support.refuse_windows(backend, D, D, 2 * fit)
+    mosaic_support.refuse_windows(backend, D // 2, D, 2 * fit + 8)  # 64 columns below the edge: 8 KiB more at least
+    assert cuda_text(lin(fit), q, arch=arch).count("@mosaic_gpu") == 2
     if platform_facts.has_pallas_triton():
-        assert "@mosaic_gpu" not in cuda_text(lin, q, arch="sm_100")
-    monkeypatch.setitem(mosaic_support.EDGE_ROOM, "mosaic_gpu_tcgen05", 10**6)
+        assert "@mosaic_gpu" not in cuda_text(lin(fit + 1), q, arch=arch)
+    monkeypatch.setitem(mosaic_support.EDGE_ROOM, backend, 10**6)
     with pytest.raises(ValueError, match="exceeds available shared memory"):
-        cuda_text(lambda q: lin(q), q, arch="sm_100")
+        cuda_text(lin(fit + 1), q, arch=arch)

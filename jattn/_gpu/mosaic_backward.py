@@ -27,9 +27,11 @@ from jattn._gpu.mosaic_support import (
     depth,
     launch,
     load,
-    product,
+    over_columns,
+    scores,
     spread,
     swizzled,
+    taken,
     target,
 )
 from jattn._gpu.mosaic_tile import Ids, positions, tile_keep, unless_empty, windows
@@ -52,20 +54,23 @@ def _copy_in(pairs, barriers) -> None:
         plgpu.barrier_wait(bar)
 
 
-def _lse(lse_s, axis: int, layout) -> Array:
-    """A query block's ``lse`` along tile ``axis``, ``+inf`` for a row that sees no key (its weights 0)."""
-    lse = load(lse_s, layout.reduce(1 - axis))
+def _lse(lse_s, axis: int, layout, cols=None) -> Array:
+    """A query block's ``lse`` along tile ``axis``, ``+inf`` for a row that sees no key (its weights 0).
+
+    ``cols``: the tile's columns taken, where ``lse`` runs along them (``axis=1``, a ``pl.ds``).
+    """
+    lse = load(taken(lse_s, cols), layout.reduce(1 - axis))
     return jnp.where(lse == _NEG, jnp.inf, lse)
 
 
-def _delta(delta_s, axis: int, layout) -> Array:
-    """A query block's ``delta`` along tile ``axis``."""
-    return load(delta_s, layout.reduce(1 - axis))
+def _delta(delta_s, axis: int, layout, cols=None) -> Array:
+    """A query block's ``delta`` along tile ``axis`` (on the columns ``cols`` taken, as :func:`_lse`)."""
+    return load(taken(delta_s, cols), layout.reduce(1 - axis))
 
 
-def _masked(g, ids, r, i, j, kind, x, transposed: bool = False) -> Array:
+def _masked(g, ids, r, i, j, kind, x, transposed: bool = False, cols=None) -> Array:
     """``x`` with ``-inf`` where the mask drops a score, on PARTIAL tiles (FULL ones as they are)."""
-    keep = lambda x: jnp.where(tile_keep(g, ids, r, i, j, transposed), x, _NEG)  # noqa: E731
+    keep = lambda x: jnp.where(tile_keep(g, ids, r, i, j, transposed, cols), x, _NEG)  # noqa: E731
     return lax.cond(kind == PARTIAL, keep, lambda x: x, x)
 
 
@@ -74,17 +79,20 @@ def _dq_tile(spec, refs, r, i, j, carry):
     g, (q_s, do_s, k_s, v_s, bars, lse, delta, dq_tmem), (k_ref, v_ref, kinds_ref, ids, seed, values) = spec.grid, *refs
     at = (lax.div(r, spec.G), pl.ds(j * g.bk, g.bk))
     _copy_in(((k_ref.at[at], k_s), (v_ref.at[at], v_s)), bars)
-    t, s = positions(g, i, j, ids.layout)
-    x, pull = modified_vjp(
-        spec, product(spec, q_s, k_s.T, (g.bq, g.bk)) * spec.scale, g.q_offset + t, g.kv_offset + s, values
-    )
-    x = _masked(g, ids, r, i, j, kinds_ref[r if kinds_ref.shape[0] > 1 else 0, i, j], x)
-    p = jnp.exp(x - spread(lse, x.shape))
-    dp = dropped(spec, seed, t, s, product(spec, do_s, v_s.T, x.shape))
-    ds, dcs = pull(p * (dp - spread(delta, x.shape)))
-    acc, dvalues = carry
-    dvalues = tuple(a + d.sum(axis=1) for a, d in zip(dvalues, dcs, strict=True))  # per query row
-    return acc_add(spec, acc, dq_tmem, (ds * spec.scale).astype(k_s.dtype), k_s), dvalues
+    kind = kinds_ref[r if kinds_ref.shape[0] > 1 else 0, i, j]
+
+    def keys(cols, carry):  # the keys cols of the tile (all of them on Hopper)
+        t, s = positions(g, i, j, ids.layout, cols=cols)
+        x, pull = modified_vjp(spec, scores(spec, q_s, k_s, cols) * spec.scale, g.q_offset + t, g.kv_offset + s, values)
+        x = _masked(g, ids, r, i, j, kind, x, cols=cols)
+        p = jnp.exp(x - spread(lse, x.shape))
+        dp = dropped(spec, seed, t, s, scores(spec, do_s, v_s, cols))
+        ds, dcs = pull(p * (dp - spread(delta, x.shape)))
+        acc, dvalues = carry
+        dvalues = tuple(a + d.sum(axis=1) for a, d in zip(dvalues, dcs, strict=True))  # per query row
+        return acc_add(spec, acc, dq_tmem, (ds * spec.scale).astype(k_s.dtype), taken(k_s, cols)), dvalues
+
+    return over_columns(spec, g.bk, keys, carry)
 
 
 def _dq_kernel(spec, kinds_of, n_tmem, *refs):
@@ -150,19 +158,22 @@ def _dkdv_tile(spec, refs, r, j, i, carry):
         (delta_ref.at[r, rows], delta_s),
     )
     _copy_in(ins, bars)
-    t, s = positions(g, i, j, ids.layout, transposed=True)
-    x, pull = modified_vjp(
-        spec, product(spec, k_s, q_s.T, (g.bk, g.bq)) * spec.scale, g.q_offset + t, g.kv_offset + s, values
-    )
-    x = _masked(g, ids, r, i, j, kinds_ref[r if kinds_ref.shape[0] > 1 else 0, i, j], x, transposed=True)
-    lse = _lse(lse_s, 1, ids.layout)  # lse and delta read as needed, not held through the mask (fewer spills)
-    p = jnp.exp(x - spread(lse, x.shape, 1))
-    pz = dropped(spec, seed, t, s, p)  # p (z dp - delta) = pz dp - p delta
-    dk, dv = carry
-    dv = acc_add(spec, dv, dv_tmem, pz.astype(do_s.dtype), do_s)
-    delta = _delta(delta_s, 1, ids.layout)
-    ds, _ = pull(pz * product(spec, v_s, do_s.T, x.shape) - p * spread(delta, x.shape, 1))
-    return acc_add(spec, dk, dk_tmem, (ds * spec.scale).astype(q_s.dtype), q_s), dv
+    kind = kinds_ref[r if kinds_ref.shape[0] > 1 else 0, i, j]
+
+    def queries(cols, carry):  # the queries cols of the tile (all of them on Hopper)
+        t, s = positions(g, i, j, ids.layout, transposed=True, cols=cols)
+        x, pull = modified_vjp(spec, scores(spec, k_s, q_s, cols) * spec.scale, g.q_offset + t, g.kv_offset + s, values)
+        x = _masked(g, ids, r, i, j, kind, x, transposed=True, cols=cols)
+        lse = _lse(lse_s, 1, ids.layout, cols)  # lse and delta read as needed, not held through the mask
+        p = jnp.exp(x - spread(lse, x.shape, 1))
+        pz = dropped(spec, seed, t, s, p)  # p (z dp - delta) = pz dp - p delta
+        dk, dv = carry
+        dv = acc_add(spec, dv, dv_tmem, pz.astype(do_s.dtype), taken(do_s, cols))
+        delta = _delta(delta_s, 1, ids.layout, cols)
+        ds, _ = pull(pz * scores(spec, v_s, do_s, cols) - p * spread(delta, x.shape, 1))
+        return acc_add(spec, dk, dk_tmem, (ds * spec.scale).astype(q_s.dtype), taken(q_s, cols)), dv
+
+    return over_columns(spec, g.bq, queries, carry)
 
 
 def _dkdv_kernel(spec, kinds_of, n_tmem, *refs):

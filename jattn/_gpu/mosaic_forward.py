@@ -26,9 +26,11 @@ from jattn._gpu.mosaic_support import (
     acc_zero,
     depth,
     launch,
-    product,
+    over_columns,
+    scores,
     spread,
     swizzled,
+    taken,
     target,
 )
 from jattn._gpu.mosaic_tile import Ids, positions, tile_keep, unless_empty, windows
@@ -40,32 +42,40 @@ _NEG = -float("inf")
 
 
 def _tile(spec, refs, r, i, j, carry):
-    """One key block's step of the online softmax: ``(max, denominator, acc)`` updated by tile ``(i, j)``.
+    """Key block ``j``'s steps of the online softmax: ``(max, denominator, acc)`` updated by tile ``(i, j)``.
 
-    ``acc`` is None where the accumulator is in tensor memory (``acc_tmem``, Blackwell), updated in place.
+    One step for the whole tile on Hopper, one per :func:`jattn._gpu.mosaic_support.over_columns` chunk on
+    Blackwell; ``acc`` is None where the accumulator is in tensor memory (``acc_tmem``), updated in place.
     """
     g, (q_s, k_s, v_s, bar_k, bar_v, acc_tmem) = spec.grid, refs[0]
     k_ref, v_ref, kinds_ref, ids, seed, values = refs[1]
-    m, den, acc = carry
     at = (lax.div(r, spec.G), pl.ds(j * g.bk, g.bk))
     plgpu.copy_gmem_to_smem(k_ref.at[at], k_s, bar_k)
     plgpu.copy_gmem_to_smem(v_ref.at[at], v_s, bar_v)
     plgpu.barrier_wait(bar_k)
-    t, s = positions(g, i, j, ids.layout)
-    x = modified(spec, product(spec, q_s, k_s.T, (g.bq, g.bk)) * spec.scale, g.q_offset + t, g.kv_offset + s, values)
-    kr = r if kinds_ref.shape[0] > 1 else 0
-    masked = lambda x: jnp.where(tile_keep(g, ids, r, i, j), x, _NEG)  # noqa: E731
-    x = lax.cond(kinds_ref[kr, i, j] == PARTIAL, masked, lambda x: x, x)
-    top = jnp.maximum(m, x.max(axis=1))
-    safe = jnp.where(top == _NEG, 0.0, top)  # a row masked so far: its weights are 0, not NaN
-    p, alpha = jnp.exp(x - spread(safe, x.shape)), jnp.exp(m - safe)
-    if acc_tmem is not None:  # in tensor memory: p's sum and its 16-bit copy before v's wait frees p (fewer spills)
-        den, pz = alpha * den + p.sum(axis=1), dropped(spec, seed, t, s, p).astype(v_s.dtype)
-        plgpu.barrier_wait(bar_v)
-        return top, den, acc_add(spec, None, acc_tmem, pz, v_s, alpha)
-    plgpu.barrier_wait(bar_v)
-    acc = acc_add(spec, acc, None, dropped(spec, seed, t, s, p).astype(v_s.dtype), v_s, alpha)
-    return top, alpha * den + p.sum(axis=1), acc  # the sum of undropped p normalises
+    kind = kinds_ref[r if kinds_ref.shape[0] > 1 else 0, i, j]
+
+    def keys(cols, carry):  # the keys cols of the tile (all of them on Hopper)
+        m, den, acc = carry
+        t, s = positions(g, i, j, ids.layout, cols=cols)
+        x = modified(spec, scores(spec, q_s, k_s, cols) * spec.scale, g.q_offset + t, g.kv_offset + s, values)
+        masked = lambda x: jnp.where(tile_keep(g, ids, r, i, j, cols=cols), x, _NEG)  # noqa: E731
+        x = lax.cond(kind == PARTIAL, masked, lambda x: x, x)
+        top = jnp.maximum(m, x.max(axis=1))
+        safe = jnp.where(top == _NEG, 0.0, top)  # a row masked so far: its weights are 0, not NaN
+        p, alpha = jnp.exp(x - spread(safe, x.shape)), jnp.exp(m - safe)
+        v_cols = taken(v_s, cols)
+        if acc_tmem is not None:  # in tensor memory: p's sum and its 16-bit copy before v's wait frees p
+            den, pz = alpha * den + p.sum(axis=1), dropped(spec, seed, t, s, p).astype(v_s.dtype)
+            if cols.start == 0:
+                plgpu.barrier_wait(bar_v)
+            return top, den, acc_add(spec, None, acc_tmem, pz, v_cols, alpha)
+        if cols.start == 0:
+            plgpu.barrier_wait(bar_v)
+        acc = acc_add(spec, acc, None, dropped(spec, seed, t, s, p).astype(v_s.dtype), v_cols, alpha)
+        return top, alpha * den + p.sum(axis=1), acc  # the sum of undropped p normalises
+
+    return over_columns(spec, g.bk, keys, carry)
 
 
 def _finish(spec, sinks_ref, r, m, den):

@@ -28,6 +28,7 @@ __all__ = [
     "EDGE_ROOM",
     "SHARED_WIDTH",
     "TARGETS",
+    "WINDOW_BYTES",
     "Target",
     "acc_add",
     "acc_chunks",
@@ -38,11 +39,14 @@ __all__ = [
     "depth",
     "launch",
     "load",
+    "over_columns",
     "product",
     "refuse_mosaic",
     "refuse_windows",
+    "scores",
     "spread",
     "swizzled",
+    "taken",
     "target",
     "width",
 ]
@@ -101,16 +105,20 @@ _NEW_LOAD = "idx" not in inspect.signature(plgpu.load).parameters
 #: (``test_every_kernel_fits_shared_memory_within_the_table_and_not_beyond`` in tests/test_mosaic_gpu.py checks
 #: the edges both ways, with the features that add shared memory):
 #: wgmma, (Dw, Ew) = (256, 256): 98, 130, 130, 194, 194 (every pair fits);
-#: tcgen05 (128, 128): 128, 162, 162, 224, 224; (64, 256): 128, 194, 194, 224, 224;
-#: over: the jvp and the tangent at (128, 256), dq and dk/dv at (256, 256).
+#: tcgen05 (128, 128): 112, 146, 146, 208, 208; (64, 256): 112, 178, 178, 208, 208;
+#: over: the jvp and the tangent at (128, 256) (272 KiB), dq and dk/dv at (256, 256) (274 KiB).
 #: Wider calls are refused by name: the automatic choice takes the Triton kernel for them.
 SHARED_WIDTH = {"mosaic_gpu": 768, "mosaic_gpu_tcgen05": 384}
 
 
 #: Bytes left in the largest kernel at the edge of :data:`SHARED_WIDTH` with the edge test's two segment-id windows
-#: (measured: tcgen05 at (128, 128) 231,484 of 232,448; wgmma at (256, 256) 200,752): room for more windows there.
+#: (measured: tcgen05 at (128, 128) 215,100 of 232,448; wgmma at (256, 256) 200,752): room for more windows there.
 #: Below the edge, 64 columns less leave 8 KiB (wgmma) or 16 KiB (tcgen05) more.
-EDGE_ROOM = {"mosaic_gpu": 31 * 1024, "mosaic_gpu_tcgen05": 900}
+EDGE_ROOM = {"mosaic_gpu": 31 * 1024, "mosaic_gpu_tcgen05": 16 * 1024}
+
+#: Bytes one segment-id window takes: Mosaic GPU starts every shared tile at a multiple of 1 KiB, so a window of
+#: 64 or 128 int32 ids takes 1 KiB (measured: each ``segment_ids()`` adds 2,048 bytes on either target).
+WINDOW_BYTES = 1024
 
 
 def refuse_windows(backend: str, D: int, E: int, windows: int) -> None:
@@ -121,7 +129,7 @@ def refuse_windows(backend: str, D: int, E: int, windows: int) -> None:
     block, room = TARGETS[backend].block, EDGE_ROOM[backend]
     if 2 * width(D) + width(E) < SHARED_WIDTH[backend]:
         room += 64 * block * 2
-    if (windows - 2) * block * 4 > room:
+    if (windows - 2) * max(block * 4, WINDOW_BYTES) > room:
         raise KernelRefusalError(
             f"{_WHERE} at D={D}, E={E} takes fewer segment_ids() in the mask (got {windows // 2}): their id windows "
             f"would take its kernels past the 227 KiB of shared memory a block has; {_TAKE}"
@@ -240,6 +248,34 @@ def product(spec, a, b, shape: tuple[int, int], plus: tuple | None = None) -> Ar
         return acc_ref[...]
 
     return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+
+
+def over_columns(spec, n: int, body, carry):
+    """``body(cols, carry) -> carry`` over a tile's ``n`` columns: all at once (Hopper), :data:`CHUNK` at a time.
+
+    On Blackwell a 128-row tile gives each thread a whole row: 128 float32 scores, another 128 for a second
+    score-sized tile (``dp``, a tangent), which with dropout's bits or a score modification pass the 255
+    registers a thread has. A column chunk at a time (its products formed by :func:`scores`, accumulated by
+    :func:`acc_add`: ``ds (m, cols) @ k[cols]`` is the product's share of those keys) halves that.
+    """
+    width = CHUNK if target(spec).tensor_memory else n
+    for c in range(0, n, width):
+        carry = body(pl.ds(c, width), carry)
+    return carry
+
+
+def scores(spec, a, b, cols, plus: tuple | None = None) -> Array:
+    """``a @ b[cols].T`` ``(m, cols)`` float32: ``a`` and ``b`` shared tiles (``m`` and ``b``'s rows, a depth).
+
+    ``plus``: a second pair ``(a2, b2)`` of the same form whose product the same accumulator adds.
+    """
+    second = None if plus is None else (plus[0], taken(plus[1], cols).T)
+    return product(spec, a, taken(b, cols).T, (a.shape[0], cols.size), plus=second)
+
+
+def taken(ref, cols):
+    """``ref``'s rows ``cols`` (a ``pl.ds``): the ref itself where they are all of them, or ``cols`` is None."""
+    return ref if cols is None or cols.size == ref.shape[0] else ref.at[cols]
 
 
 def _tcgen05(pairs, shape: tuple[int, int]) -> Array:

@@ -26,9 +26,11 @@ from jattn._gpu.mosaic_support import (
     depth,
     launch,
     load,
-    product,
+    over_columns,
+    scores,
     spread,
     swizzled,
+    taken,
     target,
 )
 from jattn._gpu.mosaic_tile import Ids, positions, tile_keep, unless_empty, windows
@@ -40,7 +42,7 @@ _NEG = -float("inf")
 
 
 def _tile(spec, fixed: bool, refs, r, i, j, carry):
-    """Tile ``(i, j)``'s step: ``(max, denominator, acc, tangent acc, d lse)``; ``fixed``: the max is ``lse``.
+    """Tile ``(i, j)``'s steps (one, or one a column chunk): ``(max, denominator, acc, tangent acc, d lse)``.
 
     The accumulators are None where they are in tensor memory (``tmems``, Blackwell), and ``acc`` where ``fixed``.
     """
@@ -52,28 +54,34 @@ def _tile(spec, fixed: bool, refs, r, i, j, carry):
         plgpu.copy_gmem_to_smem(src.at[at], dst, bar)
     for bar in bars:
         plgpu.barrier_wait(bar)
-    x = product(spec, q_s, k_s.T, (g.bq, g.bk)) * spec.scale
-    dx = product(spec, dq_s, k_s.T, x.shape, plus=(q_s, dk_s.T)) * spec.scale  # one accumulator for both
-    t, s = positions(g, i, j, ids.layout)
-    x, dx = modified_jvp(spec, x, dx, g.q_offset + t, g.kv_offset + s, values, dvalues)
 
-    def keep(xs):
-        kept = tile_keep(g, ids, r, i, j)
-        return jnp.where(kept, xs[0], _NEG), jnp.where(kept, xs[1], 0.0)
+    def keys(cols, carry):  # the keys cols of the tile (all of them on Hopper)
+        x = scores(spec, q_s, k_s, cols) * spec.scale
+        dx = scores(spec, dq_s, k_s, cols, plus=(q_s, dk_s)) * spec.scale  # one accumulator for both
+        t, s = positions(g, i, j, ids.layout, cols=cols)
+        x, dx = modified_jvp(spec, x, dx, g.q_offset + t, g.kv_offset + s, values, dvalues)
 
-    x, dx = lax.cond(kinds_ref[r if kinds_ref.shape[0] > 1 else 0, i, j] == PARTIAL, keep, lambda xs: xs, (x, dx))
-    m, den, acc, tacc, dlse = carry
-    top = m if fixed else jnp.maximum(m, x.max(axis=1))
-    safe = jnp.where(top == _NEG, 0.0, top)
-    p, alpha = jnp.exp(x - spread(safe, x.shape)), (1.0 if fixed else jnp.exp(m - safe))
-    pdx, pz, dt = p * dx, dropped(spec, seed, t, s, p), v_s.dtype  # d lse sums the undropped weights' tangents
-    sums = lambda: ((den if fixed else alpha * den + p.sum(axis=1)), alpha * dlse + pdx.sum(axis=1))  # noqa: E731
-    early = sums() if tmems[1] is not None else None  # in tensor memory: p freed before the products (fewer spills)
-    tacc = acc_add(spec, tacc, tmems[1], (pz * dx).astype(dt), v_s, None if fixed else alpha)
-    tacc = acc_add(spec, tacc, tmems[1], pz.astype(dt), dv_s)
-    acc = acc if fixed else acc_add(spec, acc, tmems[0], pz.astype(dt), v_s, alpha)
-    den, dlse = early or sums()
-    return top, den, acc, tacc, dlse
+        def keep(xs):
+            kept = tile_keep(g, ids, r, i, j, cols=cols)
+            return jnp.where(kept, xs[0], _NEG), jnp.where(kept, xs[1], 0.0)
+
+        kind = kinds_ref[r if kinds_ref.shape[0] > 1 else 0, i, j]
+        x, dx = lax.cond(kind == PARTIAL, keep, lambda xs: xs, (x, dx))
+        m, den, acc, tacc, dlse = carry
+        top = m if fixed else jnp.maximum(m, x.max(axis=1))
+        safe = jnp.where(top == _NEG, 0.0, top)
+        p, alpha = jnp.exp(x - spread(safe, x.shape)), (1.0 if fixed else jnp.exp(m - safe))
+        pdx, pz, dt = p * dx, dropped(spec, seed, t, s, p), v_s.dtype  # d lse sums the undropped weights' tangents
+        sums = lambda: ((den if fixed else alpha * den + p.sum(axis=1)), alpha * dlse + pdx.sum(axis=1))  # noqa: E731
+        early = sums() if tmems[1] is not None else None  # in tensor memory: p freed before the products
+        v_cols, dv_cols = taken(v_s, cols), taken(dv_s, cols)
+        tacc = acc_add(spec, tacc, tmems[1], (pz * dx).astype(dt), v_cols, None if fixed else alpha)
+        tacc = acc_add(spec, tacc, tmems[1], pz.astype(dt), dv_cols)
+        acc = acc if fixed else acc_add(spec, acc, tmems[0], pz.astype(dt), v_cols, alpha)
+        den, dlse = early or sums()
+        return top, den, acc, tacc, dlse
+
+    return over_columns(spec, g.bk, keys, carry)
 
 
 def _sweep(spec, fixed, scratch, gm, r, i, init):

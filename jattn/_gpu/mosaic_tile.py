@@ -16,7 +16,7 @@ from jax import Array, lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jattn._gpu.mosaic_support import load
+from jattn._gpu.mosaic_support import load, taken
 from jattn._gpu.tiles import Grid, _Local
 from jattn._masks import EMPTY, Mask, RowPadding, RowSegments, map_slots
 
@@ -47,8 +47,11 @@ class Ids:
         """``Ids`` whose shared-memory ``windows`` belong, in order, to the arrays that have one (a kind not None)."""
         return cls(refs, dict(zip((n for n, w in enumerate(kinds) if w), windows, strict=True)), barrier, kinds, layout)
 
-    def read(self, n: int, r, i, j, grid: Grid, transposed: bool = False) -> Array:
-        """Array ``n`` at row ``r``: a length (a scalar), or the tile's ids broadcast over it (transposed too)."""
+    def read(self, n: int, r, i, j, grid: Grid, transposed: bool = False, cols=None) -> Array:
+        """Array ``n`` at row ``r``: a length (a scalar), or the tile's ids broadcast over it (transposed too).
+
+        ``cols``: the tile's columns taken (a ``pl.ds``; None: all of them).
+        """
         ref = self.refs[n]
         row = r if ref.shape[0] > 1 else 0
         if self.kinds[n] is None:
@@ -59,26 +62,39 @@ class Ids:
         plgpu.copy_gmem_to_smem(ref.at[row, at], self.smem[n], self.barrier)
         plgpu.barrier_wait(self.barrier)
         first = q != transposed  # the ids run along the tile's first axis
-        ids = load(self.smem[n], self.layout.reduce(1 if first else 0))
-        shape = (grid.bk, grid.bq) if transposed else (grid.bq, grid.bk)
+        shape = _shape(grid, transposed, cols)
+        ids = load(self.smem[n] if first else taken(self.smem[n], cols), self.layout.reduce(1 if first else 0))
         return lax.broadcast_in_dim(ids, shape, [0] if first else [1])
 
 
-def positions(grid: Grid, i, j, layout, transposed: bool = False) -> tuple[Array, Array]:
-    """The tile's grid positions: query ``t``, key ``s``, ``(bq, bk)`` (transposed ``(bk, bq)``), ``wgmma`` layout."""
-    shape = (grid.bk, grid.bq) if transposed else (grid.bq, grid.bk)
-    t = plgpu.broadcasted_iota(jnp.int32, shape, int(transposed), layout=layout) + i * grid.bq
-    s = plgpu.broadcasted_iota(jnp.int32, shape, 1 - int(transposed), layout=layout) + j * grid.bk
+def _shape(grid: Grid, transposed: bool, cols) -> tuple[int, int]:
+    """A tile's shape, ``(bq, bk)`` (transposed ``(bk, bq)``), or its rows by the ``cols`` taken."""
+    rows, width = (grid.bk, grid.bq) if transposed else (grid.bq, grid.bk)
+    return rows, width if cols is None else cols.size
+
+
+def positions(grid: Grid, i, j, layout, transposed: bool = False, cols=None) -> tuple[Array, Array]:
+    """The tile's grid positions: query ``t``, key ``s``, ``(bq, bk)`` (transposed ``(bk, bq)``), ``wgmma`` layout.
+
+    ``cols``: the tile's columns taken (a ``pl.ds``; None: all of them).
+    """
+    t0, s0, c = i * grid.bq, j * grid.bk, 0 if cols is None else cols.start
+    if c:  # the chunk's first column: a query (transposed) or a key
+        t0, s0 = (t0 + c, s0) if transposed else (t0, s0 + c)
+    shape = _shape(grid, transposed, cols)
+    t = plgpu.broadcasted_iota(jnp.int32, shape, int(transposed), layout=layout) + t0
+    s = plgpu.broadcasted_iota(jnp.int32, shape, 1 - int(transposed), layout=layout) + s0
     return t, s
 
 
-def tile_keep(grid: Grid, ids: Ids, r, i, j, transposed: bool = False) -> Array:
+def tile_keep(grid: Grid, ids: Ids, r, i, j, transposed: bool = False, cols=None) -> Array:
     """``(bq, bk)`` bool (``(bk, bq)`` transposed): the mask on tile ``(i, j)`` of row ``r``, on whole iotas.
 
-    :func:`jattn._gpu.tiles.tile_mask`'s predicate, evaluated elementwise on the tile's positions.
+    :func:`jattn._gpu.tiles.tile_mask`'s predicate, evaluated elementwise on the tile's positions (on the
+    columns ``cols`` only, a ``pl.ds``, where given).
     """
-    t, s = positions(grid, i, j, ids.layout, transposed)
-    read = functools.partial(ids.read, r=r, i=i, j=j, grid=grid, transposed=transposed)
+    t, s = positions(grid, i, j, ids.layout, transposed, cols)
+    read = functools.partial(ids.read, r=r, i=i, j=j, grid=grid, transposed=transposed, cols=cols)
 
     def local(slot: Mask) -> Mask:
         if slot.kind is RowPadding:
