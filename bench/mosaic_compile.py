@@ -49,7 +49,7 @@ SPILLS = {
         **{(90, "dkdv", D): b for D, b in ((128, 296), (256, 1800))},
         **{(90, "forward_tangent", D): b for D, b in ((128, 152), (256, 2540))},
         **{(90, "tangent", D): b for D, b in ((128, 8), (256, 468))},
-        (100, "forward", 128): 8,
+        (100, "forward", 128): 24,
         **{(100, "dq", D): b for D, b in ((64, 1412), (128, 1432))},
         **{(100, "dkdv", D): b for D, b in ((64, 448), (128, 448))},
         **{(100, "forward_tangent", D): b for D, b in ((64, 616), (128, 604))},

@@ -224,6 +224,27 @@ def test_no_data_race_in_shared_memory(monkeypatch, backend):
 
 
 @needs_interpreter
+@pytest.mark.parametrize(("backend", "block"), [("mosaic_gpu", 64), ("mosaic_gpu_tcgen05", 128)])
+def test_the_forward_copies_ahead_past_empty_tiles_inside_its_bounds(monkeypatch, backend, block):
+    """A document that resumes after another (ids 0, 1, 0): the last query block's key tiles are non-empty,
+    EMPTY, EMPTY, EMPTY, then its diagonal. The forward copies each block's k and v a step ahead and skips
+    EMPTY ones (neither copied nor awaited): out and lse against float64 NumPy, under the race detector."""
+    monkeypatch.setattr(mosaic_support, "DETECT_RACES", True)
+    monkeypatch.setattr(pallas_path, "gpu_attention", functools.partial(gpu_attention, backend=backend))
+    T = 5 * block
+    ids = np.repeat(np.array([[0, 1, 0]]), [block, 3 * block, block], axis=1)
+    mask = masks.causal() & masks.segment_ids(ids, ids)
+    dense = np.asarray(mask.dense(T, T))
+    last = dense[0, 0, -block:].reshape(block, 5, block).any(axis=(0, 2))  # (B, 1, T, S): per example
+    assert last.tolist() == [True, False, False, False, True]  # EMPTY inside the bounds
+    q, k, v = (_rand((1, 3, T, 64), n, jnp.bfloat16) for n in range(3))
+    out, lse = jax.jit(functools.partial(jattn.attention, mask=mask, return_lse=True, implementation="pallas"))(q, k, v)
+    want, _, want_lse = ref.attention(q, k, v, dense)
+    np.testing.assert_allclose(ref.f64(out), want, **ref.tol(jnp.bfloat16))
+    np.testing.assert_allclose(np.asarray(lse), want_lse, **ref.tol(jnp.bfloat16))
+
+
+@needs_interpreter
 def test_kernels_interpreted_at_once_equal_each_alone():
     """Two threads calling the kernel at once (as XLA runs independent kernels of one program, dq and dk/dv, side by
     side): each result equals the call alone. JAX's interpreter keeps its shared memory in one global that the

@@ -3,9 +3,10 @@
 Operands as :func:`jattn._gpu.kernels.forward`'s (dimension key in :mod:`jattn._core`): q ``(b, Tp, Dp)``,
 k ``(b/G, Sp, Dp)``, v ``(b/G, Sp, Ep)`` (query row ``r`` reads kv row ``r // G``), the tile kinds and their
 bounds, the sinks and the mask's arrays, all in global memory. Grid ``(b, nq)``: TMA copies the query block
-into shared memory once, then each key block's k and v tiles; ``wgmma`` forms the scores ``q k^T`` and the
-product ``p v`` (accumulating in float32 registers on Hopper, in tensor memory on Blackwell). EMPTY tiles are outside the loop's bounds or skipped,
-FULL ones unmasked, PARTIAL ones masked by the predicate (:func:`jattn._gpu.mosaic_tile.tile_keep`).
+into shared memory once, then each key block's k and v tiles a step ahead (:func:`_loop`, two buffers);
+``wgmma`` forms the scores ``q k^T`` and the product ``p v`` (accumulating in float32 registers on Hopper,
+in tensor memory on Blackwell). EMPTY tiles are outside the loop's bounds or skipped, FULL ones unmasked,
+PARTIAL ones masked by the predicate (:func:`jattn._gpu.mosaic_tile.tile_keep`).
 """
 
 from __future__ import annotations
@@ -34,25 +35,29 @@ from jattn._gpu.mosaic_support import (
     target,
 )
 from jattn._gpu.mosaic_tile import Ids, positions, tile_keep, unless_empty, windows
-from jattn._masks import PARTIAL
+from jattn._masks import EMPTY, PARTIAL
 
 __all__ = ["forward"]
 
 _NEG = -float("inf")
 
 
-def _tile(spec, refs, r, i, j, carry):
+def _copy_keys(spec, refs, buffers, r, j, slot) -> None:
+    """TMA copies of key block ``j``'s k and v tiles into buffer ``slot`` (and its barriers)."""
+    g, (k_ref, v_ref), (k_s, v_s, bar_k, bar_v) = spec.grid, refs, buffers
+    at = (lax.div(r, spec.G), pl.ds(j * g.bk, g.bk))
+    plgpu.copy_gmem_to_smem(k_ref.at[at], k_s.at[slot], bar_k.at[slot])
+    plgpu.copy_gmem_to_smem(v_ref.at[at], v_s.at[slot], bar_v.at[slot])
+
+
+def _tile(spec, refs, r, i, j, k_s, v_s, carry):
     """Key block ``j``'s steps of the online softmax: ``(max, denominator, acc)`` updated by tile ``(i, j)``.
 
-    One step for the whole tile on Hopper, one per :func:`jattn._gpu.mosaic_support.over_columns` chunk on
-    Blackwell; ``acc`` is None where the accumulator is in tensor memory (``acc_tmem``), updated in place.
+    ``k_s``, ``v_s``: its tiles in shared memory. One step for the whole tile on Hopper, one per
+    :func:`jattn._gpu.mosaic_support.over_columns` chunk on Blackwell; ``acc`` is None where the accumulator
+    is in tensor memory (``acc_tmem``), updated in place.
     """
-    g, (q_s, k_s, v_s, bar_k, bar_v, acc_tmem) = spec.grid, refs[0]
-    k_ref, v_ref, kinds_ref, ids, seed, values = refs[1]
-    at = (lax.div(r, spec.G), pl.ds(j * g.bk, g.bk))
-    plgpu.copy_gmem_to_smem(k_ref.at[at], k_s, bar_k)
-    plgpu.copy_gmem_to_smem(v_ref.at[at], v_s, bar_v)
-    plgpu.barrier_wait(bar_k)
+    g, (q_s, acc_tmem), (kinds_ref, ids, seed, values) = spec.grid, *refs
     kind = kinds_ref[r if kinds_ref.shape[0] > 1 else 0, i, j]
 
     def keys(cols, carry):  # the keys cols of the tile (all of them on Hopper)
@@ -65,17 +70,43 @@ def _tile(spec, refs, r, i, j, carry):
         safe = jnp.where(top == _NEG, 0.0, top)  # a row masked so far: its weights are 0, not NaN
         p, alpha = jnp.exp(x - spread(safe, x.shape)), jnp.exp(m - safe)
         v_cols = taken(v_s, cols)
-        if acc_tmem is not None:  # in tensor memory: p's sum and its 16-bit copy before v's wait frees p
+        if acc_tmem is not None:  # in tensor memory: p's sum and its 16-bit copy first, freeing p
             den, pz = alpha * den + p.sum(axis=1), dropped(spec, seed, t, s, p).astype(v_s.dtype)
-            if cols.start == 0:
-                plgpu.barrier_wait(bar_v)
             return top, den, acc_add(spec, None, acc_tmem, pz, v_cols, alpha)
-        if cols.start == 0:
-            plgpu.barrier_wait(bar_v)
         acc = acc_add(spec, acc, None, dropped(spec, seed, t, s, p).astype(v_s.dtype), v_cols, alpha)
         return top, alpha * den + p.sum(axis=1), acc  # the sum of undropped p normalises
 
     return over_columns(spec, g.bk, keys, carry)
+
+
+def _loop(spec, r, i, refs, copy, tile, init):
+    """The online softmax over query block ``i``'s non-empty key blocks, each block's tiles copied a step ahead.
+
+    Two buffers: while tile ``j`` is computed, ``copy(j + 1, slot)`` fills the other one (the one tile ``j - 1``
+    read, its products awaited). EMPTY tiles are neither copied nor awaited nor computed: a copy and its wait
+    go together (a barrier's phase advances a copy at a time). ``refs``: the bounds, the kinds, the buffers
+    and their barriers.
+    """
+    bounds_ref, kinds_ref, (k_s, v_s, bar_k, bar_v) = refs
+    kr = r if kinds_ref.shape[0] > 1 else 0
+    lo, hi = bounds_ref[kr, i, 0], bounds_ref[kr, i, 1]
+
+    def ahead(j, slot):  # tile j's copies, unless it is EMPTY
+        pl.when(kinds_ref[kr, i, j] != EMPTY)(lambda: copy(j, slot))
+
+    def step(j, carry):
+        slot = lax.rem(j - lo, 2)
+        pl.when(j + 1 < hi)(lambda: ahead(j + 1, 1 - slot))
+
+        def body(carry):
+            plgpu.barrier_wait(bar_k.at[slot])
+            plgpu.barrier_wait(bar_v.at[slot])
+            return tile(j, k_s.at[slot], v_s.at[slot], carry)
+
+        return unless_empty(kinds_ref, r, i, j, body, carry)
+
+    pl.when(lo < hi)(lambda: ahead(lo, 0))
+    return lax.fori_loop(lo, hi, step, init)
 
 
 def _finish(spec, sinks_ref, r, m, den):
@@ -110,21 +141,15 @@ def _kernel(spec, kinds, n_tmem, *refs):
     plgpu.barrier_wait(bar_q)
     L = target(spec).layout
     ids = Ids.windowed(masks, id_s, bar_ids, kinds, L)
-    refs = (
-        (q_s, k_s, v_s, bar_k, bar_v, acc_tmem),
-        (k_ref, v_ref, kinds_ref, ids, seeds_ref[r], row_values(consts, r)),
-    )
-    kr = r if kinds_ref.shape[0] > 1 else 0
-
-    def step(j, carry):
-        return unless_empty(kinds_ref, r, i, j, functools.partial(_tile, spec, refs, r, i, j), carry)
-
+    refs = ((q_s, acc_tmem), (kinds_ref, ids, seeds_ref[r], row_values(consts, r)))
+    copy = functools.partial(_copy_keys, spec, (k_ref, v_ref), (k_s, v_s, bar_k, bar_v), r)
     init = (
         plgpu.layout_cast(jnp.full((g.bq,), _NEG, jnp.float32), L.reduce(1)),
         plgpu.layout_cast(jnp.zeros((g.bq,), jnp.float32), L.reduce(1)),
         acc_zero(spec, acc_tmem, o_s.shape),
     )
-    m, den, acc = lax.fori_loop(bounds_ref[kr, i, 0], bounds_ref[kr, i, 1], step, init)
+    tile = functools.partial(_tile, spec, refs, r, i)
+    m, den, acc = _loop(spec, r, i, (bounds_ref, kinds_ref, (k_s, v_s, bar_k, bar_v)), copy, tile, init)
     weight, lse = _finish(spec, sinks_ref, r, m, den)
     for cols, x in acc_chunks(acc, acc_tmem):
         o_s.at[:, cols][...] = (x * spread(weight, x.shape)).astype(o_s.dtype)
@@ -146,14 +171,16 @@ def forward(spec, q, k, v, kinds, bounds, sinks, seeds, masks, consts) -> tuple[
     v = jnp.pad(v, ((0, 0), (0, 0), (0, Ew - spec.Ep)))
     kinds_of = windows(g.mask, spec.n_mask)
     ids = [plgpu.SMEM((g.bq if w == "q" else g.bk,), jnp.int32) for w in kinds_of if w]
-    keys = (swizzled((g.bk, Dw), q.dtype), swizzled((g.bk, Ew), q.dtype))
+    keys = (swizzled((2, g.bk, Dw), q.dtype), swizzled((2, g.bk, Ew), q.dtype))  # two buffers (_loop)
     staged = (swizzled((g.bq, Ew), q.dtype), *(plgpu.SMEM((g.bq,), jnp.float32),) * 2)  # o, lse, the max logit
     tmem = acc_scratch(spec, (g.bq, Ew))  # Blackwell's accumulator, in tensor memory
     scratch = [
         *tmem,
         swizzled((g.bq, Dw), q.dtype),
         plgpu.RefUnion(keys, staged),  # the outputs staged in the key tiles' memory once the loop is done
-        *(plgpu.Barrier(num_arrivals=1) for _ in range(4)),
+        plgpu.Barrier(num_arrivals=1),
+        *(plgpu.Barrier(num_arrivals=1, num_barriers=2) for _ in range(2)),  # k's and v's, a buffer each
+        plgpu.Barrier(num_arrivals=1),
         *ids,
     ]
     rows = jax.ShapeDtypeStruct((b, g.t_pad), jnp.float32)
