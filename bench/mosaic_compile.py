@@ -40,13 +40,13 @@ ARCHS = (90, 100)
 #: and a score modification's derivative still fill (docs/design/pallas.md, "Mosaic GPU compiled for the chips").
 SPILLS = {
     "plain": {
-        **{(90, "dkdv", 256): 1536, (90, "dq", 256): 4, (90, "tangent", 256): 360},
+        **{(90, "dkdv", 256): 1536, (90, "tangent", 256): 360},
         **{(90, "forward_tangent", D): b for D, b in ((128, 60), (256, 2392))},
         (100, "tangent", 128): 88,
     },
     "features": {
-        **{(90, "dq", D): b for D, b in ((128, 76), (256, 384))},
-        **{(90, "dkdv", D): b for D, b in ((128, 296), (256, 1800))},
+        **{(90, "dq", D): b for D, b in ((128, 24), (256, 376))},
+        **{(90, "dkdv", D): b for D, b in ((128, 112), (256, 1776))},
         **{(90, "forward_tangent", D): b for D, b in ((128, 152), (256, 2540))},
         **{(90, "tangent", D): b for D, b in ((128, 8), (256, 468))},
         (100, "forward", 128): 24,

@@ -18,6 +18,7 @@ from jax import Array, lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jattn._gpu.mosaic_ahead import ahead
 from jattn._gpu.mosaic_mod import check_mod, dropped, modified_vjp, row_values
 from jattn._gpu.mosaic_support import (
     acc_add,
@@ -34,7 +35,7 @@ from jattn._gpu.mosaic_support import (
     taken,
     target,
 )
-from jattn._gpu.mosaic_tile import Ids, positions, tile_keep, unless_empty, windows
+from jattn._gpu.mosaic_tile import Ids, positions, tile_keep, windows
 from jattn._masks import PARTIAL
 
 __all__ = ["dkdv", "dq"]
@@ -74,11 +75,9 @@ def _masked(g, ids, r, i, j, kind, x, transposed: bool = False, cols=None) -> Ar
     return lax.cond(kind == PARTIAL, keep, lambda x: x, x)
 
 
-def _dq_tile(spec, refs, r, i, j, carry):
+def _dq_tile(spec, refs, r, i, j, k_s, v_s, carry):
     """Key block ``j``'s share of query block ``i``'s ``dq`` and of the score modification's values' gradients."""
-    g, (q_s, do_s, k_s, v_s, bars, lse, delta, dq_tmem), (k_ref, v_ref, kinds_ref, ids, seed, values) = spec.grid, *refs
-    at = (lax.div(r, spec.G), pl.ds(j * g.bk, g.bk))
-    _copy_in(((k_ref.at[at], k_s), (v_ref.at[at], v_s)), bars)
+    g, (q_s, do_s, lse, delta, dq_tmem), (kinds_ref, ids, seed, values) = spec.grid, *refs
     kind = kinds_ref[r if kinds_ref.shape[0] > 1 else 0, i, j]
 
     def keys(cols, carry):  # the keys cols of the tile (all of them on Hopper)
@@ -123,15 +122,20 @@ def _dq_kernel(spec, kinds_of, n_tmem, *refs):
     L = target(spec).layout
     lse, delta = _lse(lse_s, 0, L), _delta(delta_s, 0, L)
     ids = Ids.windowed(masks, id_s, bars[6], kinds_of, target(spec).layout)
-    refs = (
-        (q_s, do_s, k_s, v_s, bars[4:6], lse, delta, dq_tmem),
-        (k_ref, v_ref, kinds_ref, ids, seeds_ref[r], row_values(consts, r)),
-    )
-    tile = functools.partial(_dq_tile, spec, refs, r, i)
-    step = lambda j, c: unless_empty(kinds_ref, r, i, j, functools.partial(tile, j), c)  # noqa: E731
+    refs = ((q_s, do_s, lse, delta, dq_tmem), (kinds_ref, ids, seeds_ref[r], row_values(consts, r)))
+
+    def copy(j, slot):
+        at = (lax.div(r, spec.G), pl.ds(j * g.bk, g.bk))
+        plgpu.copy_gmem_to_smem(k_ref.at[at], k_s.at[slot], bars[4].at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[at], v_s.at[slot], bars[5].at[slot])
+
+    def tile(j, slot, carry):
+        return _dq_tile(spec, refs, r, i, j, k_s.at[slot], v_s.at[slot], carry)
+
     zero_rows = plgpu.layout_cast(jnp.zeros((g.bq,), jnp.float32), L.reduce(1))
     init = (acc_zero(spec, dq_tmem, dq_s.shape), (zero_rows,) * nf)
-    acc, dvalues = lax.fori_loop(bounds_ref[kr, i, 0], bounds_ref[kr, i, 1], step, init)
+    bounds, kind = (bounds_ref[kr, i, 0], bounds_ref[kr, i, 1]), lambda j: kinds_ref[kr, i, j]
+    acc, dvalues = ahead(bounds, kind, copy, tile, bars[4:6], init, buffers=_buffers(spec), loads=False)
     for part, x in acc_chunks(acc, dq_tmem):
         dq_s.at[:, part][...] = x.astype(dq_s.dtype)
     for smem, d in zip(dc_s, dvalues, strict=True):
@@ -143,21 +147,13 @@ def _dq_kernel(spec, kinds_of, n_tmem, *refs):
     plgpu.wait_smem_to_gmem(0)
 
 
-def _dkdv_tile(spec, refs, r, j, i, carry):
-    """Query block ``i`` of row ``r``'s share of key block ``j``'s ``(dk, dv)``, the tile transposed ``(bk, bq)``."""
-    (
-        g,
-        (q_ref, do_ref, lse_ref, delta_ref, kinds_ref, ids, seed, values),
-        (q_s, do_s, k_s, v_s, lse_s, delta_s, bars, (dk_tmem, dv_tmem)),
-    ) = spec.grid, *refs
-    rows = pl.ds(i * g.bq, g.bq)
-    ins = (
-        (q_ref.at[r, rows], q_s),
-        (do_ref.at[r, rows], do_s),
-        (lse_ref.at[r, rows], lse_s),
-        (delta_ref.at[r, rows], delta_s),
-    )
-    _copy_in(ins, bars)
+def _dkdv_tile(spec, refs, r, j, i, tiles, carry):
+    """Query block ``i`` of row ``r``'s share of key block ``j``'s ``(dk, dv)``, the tile transposed ``(bk, bq)``.
+
+    ``tiles``: its ``(q, do, lse, delta)`` in shared memory.
+    """
+    g, (kinds_ref, ids, seed, values), (k_s, v_s, (dk_tmem, dv_tmem)) = spec.grid, *refs
+    q_s, do_s, lse_s, delta_s = tiles
     kind = kinds_ref[r if kinds_ref.shape[0] > 1 else 0, i, j]
 
     def queries(cols, carry):  # the queries cols of the tile (all of them on Hopper)
@@ -197,14 +193,23 @@ def _dkdv_kernel(spec, kinds_of, n_tmem, *refs):
     _copy_in(((k_ref.at[rk, cols], k_s), (v_ref.at[rk, cols], v_s)), bars[4:6])
     ids = Ids.windowed(masks, id_s, bars[6], kinds_of, target(spec).layout)
 
-    def group(gi, carry):
+    queries = (q_s, do_s, lse_s, delta_s)
+
+    def group(gi, carry):  # query row gi of the G the key block serves
         r = rk * spec.G + gi
         kr = r if kinds_ref.shape[0] > 1 else 0
-        gm = (q_ref, do_ref, lse_ref, delta_ref, kinds_ref, ids, seeds_ref[r], row_values(consts, r))
-        tiles = (q_s, do_s, k_s, v_s, lse_s, delta_s, bars[:4], tmems)
-        tile = functools.partial(_dkdv_tile, spec, (gm, tiles), r, j)
-        step = lambda i, c: unless_empty(kinds_ref, r, i, j, functools.partial(tile, i), c)  # noqa: E731
-        return lax.fori_loop(tbounds_ref[kr, j, 0], tbounds_ref[kr, j, 1], step, carry)
+        gm = (kinds_ref, ids, seeds_ref[r], row_values(consts, r))
+
+        def copy(i, slot):
+            rows = pl.ds(i * g.bq, g.bq)
+            for ref, smem, bar in zip((q_ref, do_ref, lse_ref, delta_ref), queries, bars[:4], strict=True):
+                plgpu.copy_gmem_to_smem(ref.at[r, rows], smem.at[slot], bar.at[slot])
+
+        def tile(i, slot, carry):
+            return _dkdv_tile(spec, (gm, (k_s, v_s, tmems)), r, j, i, [x.at[slot] for x in queries], carry)
+
+        bounds, kind = (tbounds_ref[kr, j, 0], tbounds_ref[kr, j, 1]), lambda i: kinds_ref[kr, i, j]
+        return ahead(bounds, kind, copy, tile, bars[:4], carry, buffers=_buffers(spec), loads=True)
 
     init = tuple(acc_zero(spec, tmem, s.shape) for tmem, s in zip(tmems, (dk_s, dv_s), strict=True))
     for acc, tmem, smem in zip(lax.fori_loop(0, spec.G, group, init), tmems, (dk_s, dv_s), strict=True):
@@ -214,6 +219,15 @@ def _dkdv_kernel(spec, kinds_of, n_tmem, *refs):
     plgpu.copy_smem_to_gmem(dk_s, dk_ref.at[rk, cols])
     plgpu.copy_smem_to_gmem(dv_s, dv_ref.at[rk, cols])
     plgpu.wait_smem_to_gmem(0)
+
+
+def _buffers(spec) -> int:
+    """Buffers of the loop's tiles (:mod:`jattn._gpu.mosaic_ahead`): two on Hopper, one on Blackwell.
+
+    On Blackwell a second would make dq and dk/dv the largest kernels, past the tangent's, and past 227 KiB at
+    ``(Dw, Ew) = (64, 256)``.
+    """
+    return 1 if target(spec).tensor_memory else 2
 
 
 def _floats(spec) -> int:
@@ -248,7 +262,8 @@ def dq(spec, q, k, v, do, lse, delta, kinds, bounds, sinks, seeds, masks, consts
     kinds_of, ids = _id_scratch(spec)
     rows = plgpu.SMEM((g.bq,), jnp.float32)
     Dw, Ew = q.shape[2], v.shape[2]
-    keys = (swizzled((g.bk, Dw), q.dtype), swizzled((g.bk, Ew), q.dtype))
+    n = _buffers(spec)
+    keys = (swizzled((n, g.bk, Dw), q.dtype), swizzled((n, g.bk, Ew), q.dtype))  # k and v, a buffer each
     staged = (swizzled((g.bq, Dw), q.dtype), *(rows,) * nf)  # dq and the values' gradients, once the loop is done
     tmem = acc_scratch(spec, (g.bq, Dw))  # Blackwell: dq's accumulator
     out = launch(
@@ -262,7 +277,9 @@ def dq(spec, q, k, v, do, lse, delta, kinds, bounds, sinks, seeds, masks, consts
             plgpu.RefUnion(keys, staged),
             rows,
             rows,
-            *(plgpu.Barrier() for _ in range(7)),
+            *(plgpu.Barrier() for _ in range(4)),
+            *(plgpu.Barrier(num_barriers=2) for _ in range(2)),  # k's and v's (mosaic_ahead)
+            plgpu.Barrier(),
             *ids,
         ],
         grid=(b, g.nq),
@@ -279,9 +296,8 @@ def dkdv(spec, q, k, v, do, lse, delta, kinds, tbounds, sinks, seeds, masks, con
     g = spec.grid
     q, k, v, do = _widened(spec, q, k, v, do)
     kinds_of, ids = _id_scratch(spec)
-    rows = plgpu.SMEM((g.bq,), jnp.float32)
-    Dw, Ew = q.shape[2], v.shape[2]
-    queries = (swizzled((g.bq, Dw), q.dtype), swizzled((g.bq, Ew), q.dtype))
+    Dw, Ew, n = q.shape[2], v.shape[2], _buffers(spec)
+    queries = (swizzled((n, g.bq, Dw), q.dtype), swizzled((n, g.bq, Ew), q.dtype))  # q and do, a buffer each
     staged = (swizzled((g.bk, Dw), q.dtype), swizzled((g.bk, Ew), q.dtype))  # dk and dv, once the loop is done
     keys = (swizzled((g.bk, Dw), q.dtype), swizzled((g.bk, Ew), q.dtype))
     tmem = acc_scratch(spec, (g.bk, Dw), (g.bk, Ew))  # Blackwell: dk's and dv's accumulators
@@ -293,9 +309,9 @@ def dkdv(spec, q, k, v, do, lse, delta, kinds, tbounds, sinks, seeds, masks, con
             *tmem,
             plgpu.RefUnion(queries, staged),
             *keys,
-            rows,
-            rows,
-            *(plgpu.Barrier() for _ in range(7)),
+            *(plgpu.SMEM((n, g.bq), jnp.float32),) * 2,  # lse and delta, a buffer each
+            *(plgpu.Barrier(num_barriers=2) for _ in range(4)),  # q's, do's, lse's, delta's (mosaic_ahead)
+            *(plgpu.Barrier() for _ in range(3)),
             *ids,
         ],
         grid=(k.shape[0], g.nk),

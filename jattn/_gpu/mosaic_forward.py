@@ -3,7 +3,7 @@
 Operands as :func:`jattn._gpu.kernels.forward`'s (dimension key in :mod:`jattn._core`): q ``(b, Tp, Dp)``,
 k ``(b/G, Sp, Dp)``, v ``(b/G, Sp, Ep)`` (query row ``r`` reads kv row ``r // G``), the tile kinds and their
 bounds, the sinks and the mask's arrays, all in global memory. Grid ``(b, nq)``: TMA copies the query block
-into shared memory once, then each key block's k and v tiles a step ahead (:func:`_loop`, two buffers);
+into shared memory once, then each key block's k and v tiles a step ahead (:mod:`jattn._gpu.mosaic_ahead`);
 ``wgmma`` forms the scores ``q k^T`` and the product ``p v`` (accumulating in float32 registers on Hopper,
 in tensor memory on Blackwell). EMPTY tiles are outside the loop's bounds or skipped, FULL ones unmasked,
 PARTIAL ones masked by the predicate (:func:`jattn._gpu.mosaic_tile.tile_keep`).
@@ -19,6 +19,7 @@ from jax import Array, lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jattn._gpu.mosaic_ahead import ahead
 from jattn._gpu.mosaic_mod import check_mod, dropped, modified, row_values
 from jattn._gpu.mosaic_support import (
     acc_add,
@@ -34,8 +35,8 @@ from jattn._gpu.mosaic_support import (
     taken,
     target,
 )
-from jattn._gpu.mosaic_tile import Ids, positions, tile_keep, unless_empty, windows
-from jattn._masks import EMPTY, PARTIAL
+from jattn._gpu.mosaic_tile import Ids, positions, tile_keep, windows
+from jattn._masks import PARTIAL
 
 __all__ = ["forward"]
 
@@ -79,36 +80,6 @@ def _tile(spec, refs, r, i, j, k_s, v_s, carry):
     return over_columns(spec, g.bk, keys, carry)
 
 
-def _loop(spec, r, i, refs, copy, tile, init):
-    """The online softmax over query block ``i``'s non-empty key blocks, each block's tiles copied a step ahead.
-
-    Two buffers: while tile ``j`` is computed, ``copy(j + 1, slot)`` fills the other one (the one tile ``j - 1``
-    read, its products awaited). EMPTY tiles are neither copied nor awaited nor computed: a copy and its wait
-    go together (a barrier's phase advances a copy at a time). ``refs``: the bounds, the kinds, the buffers
-    and their barriers.
-    """
-    bounds_ref, kinds_ref, (k_s, v_s, bar_k, bar_v) = refs
-    kr = r if kinds_ref.shape[0] > 1 else 0
-    lo, hi = bounds_ref[kr, i, 0], bounds_ref[kr, i, 1]
-
-    def ahead(j, slot):  # tile j's copies, unless it is EMPTY
-        pl.when(kinds_ref[kr, i, j] != EMPTY)(lambda: copy(j, slot))
-
-    def step(j, carry):
-        slot = lax.rem(j - lo, 2)
-        pl.when(j + 1 < hi)(lambda: ahead(j + 1, 1 - slot))
-
-        def body(carry):
-            plgpu.barrier_wait(bar_k.at[slot])
-            plgpu.barrier_wait(bar_v.at[slot])
-            return tile(j, k_s.at[slot], v_s.at[slot], carry)
-
-        return unless_empty(kinds_ref, r, i, j, body, carry)
-
-    pl.when(lo < hi)(lambda: ahead(lo, 0))
-    return lax.fori_loop(lo, hi, step, init)
-
-
 def _finish(spec, sinks_ref, r, m, den):
     """``(weight (bq,), lse (bq,))`` of the loop's sums (``o = acc weight``); the sink joins every row's denominator."""
     seen = den > 0
@@ -148,8 +119,14 @@ def _kernel(spec, kinds, n_tmem, *refs):
         plgpu.layout_cast(jnp.zeros((g.bq,), jnp.float32), L.reduce(1)),
         acc_zero(spec, acc_tmem, o_s.shape),
     )
-    tile = functools.partial(_tile, spec, refs, r, i)
-    m, den, acc = _loop(spec, r, i, (bounds_ref, kinds_ref, (k_s, v_s, bar_k, bar_v)), copy, tile, init)
+    kr = r if kinds_ref.shape[0] > 1 else 0
+
+    def tile(j, slot, carry):
+        return _tile(spec, refs, r, i, j, k_s.at[slot], v_s.at[slot], carry)
+
+    bounds = (bounds_ref[kr, i, 0], bounds_ref[kr, i, 1])
+    kind = lambda j: kinds_ref[kr, i, j]  # noqa: E731
+    m, den, acc = ahead(bounds, kind, copy, tile, (bar_k, bar_v), init, buffers=2, loads=False)
     weight, lse = _finish(spec, sinks_ref, r, m, den)
     for cols, x in acc_chunks(acc, acc_tmem):
         o_s.at[:, cols][...] = (x * spread(weight, x.shape)).astype(o_s.dtype)
@@ -171,7 +148,7 @@ def forward(spec, q, k, v, kinds, bounds, sinks, seeds, masks, consts) -> tuple[
     v = jnp.pad(v, ((0, 0), (0, 0), (0, Ew - spec.Ep)))
     kinds_of = windows(g.mask, spec.n_mask)
     ids = [plgpu.SMEM((g.bq if w == "q" else g.bk,), jnp.int32) for w in kinds_of if w]
-    keys = (swizzled((2, g.bk, Dw), q.dtype), swizzled((2, g.bk, Ew), q.dtype))  # two buffers (_loop)
+    keys = (swizzled((2, g.bk, Dw), q.dtype), swizzled((2, g.bk, Ew), q.dtype))  # two buffers (mosaic_ahead)
     staged = (swizzled((g.bq, Ew), q.dtype), *(plgpu.SMEM((g.bq,), jnp.float32),) * 2)  # o, lse, the max logit
     tmem = acc_scratch(spec, (g.bq, Ew))  # Blackwell's accumulator, in tensor memory
     scratch = [
