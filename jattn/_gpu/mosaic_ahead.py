@@ -16,7 +16,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jattn._masks import EMPTY
 
-__all__ = ["ahead"]
+__all__ = ["ahead", "copy_keys"]
 
 
 def ahead(bounds: tuple, kind: Callable, copy: Callable, tile: Callable, barriers, init, *, buffers: int, loads: bool):
@@ -55,3 +55,14 @@ def ahead(bounds: tuple, kind: Callable, copy: Callable, tile: Callable, barrier
     if buffers == 2:
         pl.when(lo < hi)(lambda: fetch(lo, 0))
     return lax.fori_loop(lo, hi, step, init)
+
+
+def copy_keys(spec, refs, buffers, r, j, slot) -> None:
+    """A ``copy`` for :func:`ahead` over key blocks: block ``j``'s k and v tiles of query row ``r`` into ``slot``.
+
+    ``refs``: k and v in global memory (kv row ``r // G``); ``buffers``: their shared tiles and barriers.
+    """
+    g, (k_ref, v_ref), (k_s, v_s, bar_k, bar_v) = spec.grid, refs, buffers
+    at = (lax.div(r, spec.G), pl.ds(j * g.bk, g.bk))
+    plgpu.copy_gmem_to_smem(k_ref.at[at], k_s.at[slot], bar_k.at[slot])
+    plgpu.copy_gmem_to_smem(v_ref.at[at], v_s.at[slot], bar_v.at[slot])

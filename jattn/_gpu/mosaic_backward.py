@@ -18,7 +18,7 @@ from jax import Array, lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jattn._gpu.mosaic_ahead import ahead
+from jattn._gpu.mosaic_ahead import ahead, copy_keys
 from jattn._gpu.mosaic_mod import check_mod, dropped, modified_vjp, row_values
 from jattn._gpu.mosaic_support import (
     acc_add,
@@ -124,17 +124,13 @@ def _dq_kernel(spec, kinds_of, n_tmem, *refs):
     ids = Ids.windowed(masks, id_s, bars[6], kinds_of, target(spec).layout)
     refs = ((q_s, do_s, lse, delta, dq_tmem), (kinds_ref, ids, seeds_ref[r], row_values(consts, r)))
 
-    def copy(j, slot):
-        at = (lax.div(r, spec.G), pl.ds(j * g.bk, g.bk))
-        plgpu.copy_gmem_to_smem(k_ref.at[at], k_s.at[slot], bars[4].at[slot])
-        plgpu.copy_gmem_to_smem(v_ref.at[at], v_s.at[slot], bars[5].at[slot])
-
     def tile(j, slot, carry):
         return _dq_tile(spec, refs, r, i, j, k_s.at[slot], v_s.at[slot], carry)
 
     zero_rows = plgpu.layout_cast(jnp.zeros((g.bq,), jnp.float32), L.reduce(1))
     init = (acc_zero(spec, dq_tmem, dq_s.shape), (zero_rows,) * nf)
     bounds, kind = (bounds_ref[kr, i, 0], bounds_ref[kr, i, 1]), lambda j: kinds_ref[kr, i, j]
+    copy = functools.partial(copy_keys, spec, (k_ref, v_ref), (k_s, v_s, *bars[4:6]), r)
     acc, dvalues = ahead(bounds, kind, copy, tile, bars[4:6], init, buffers=_buffers(spec), loads=False)
     for part, x in acc_chunks(acc, dq_tmem):
         dq_s.at[:, part][...] = x.astype(dq_s.dtype)

@@ -19,7 +19,7 @@ from jax import Array, lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jattn._gpu.mosaic_ahead import ahead
+from jattn._gpu.mosaic_ahead import ahead, copy_keys
 from jattn._gpu.mosaic_mod import check_mod, dropped, modified, row_values
 from jattn._gpu.mosaic_support import (
     acc_add,
@@ -43,14 +43,6 @@ __all__ = ["forward"]
 _NEG = -float("inf")
 
 
-def _copy_keys(spec, refs, buffers, r, j, slot) -> None:
-    """TMA copies of key block ``j``'s k and v tiles into buffer ``slot`` (and its barriers)."""
-    g, (k_ref, v_ref), (k_s, v_s, bar_k, bar_v) = spec.grid, refs, buffers
-    at = (lax.div(r, spec.G), pl.ds(j * g.bk, g.bk))
-    plgpu.copy_gmem_to_smem(k_ref.at[at], k_s.at[slot], bar_k.at[slot])
-    plgpu.copy_gmem_to_smem(v_ref.at[at], v_s.at[slot], bar_v.at[slot])
-
-
 def _tile(spec, refs, r, i, j, k_s, v_s, carry):
     """Key block ``j``'s steps of the online softmax: ``(max, denominator, acc)`` updated by tile ``(i, j)``.
 
@@ -71,7 +63,9 @@ def _tile(spec, refs, r, i, j, k_s, v_s, carry):
         safe = jnp.where(top == _NEG, 0.0, top)  # a row masked so far: its weights are 0, not NaN
         p, alpha = jnp.exp(x - spread(safe, x.shape)), jnp.exp(m - safe)
         v_cols = taken(v_s, cols)
-        if acc_tmem is not None:  # in tensor memory: p's sum and its 16-bit copy first, freeing p
+        # In tensor memory: p's sum and its 16-bit copy first, freeing p. That order costs Hopper's registers
+        # (254 where 240 at D = 256), so there the product comes first.
+        if acc_tmem is not None:
             den, pz = alpha * den + p.sum(axis=1), dropped(spec, seed, t, s, p).astype(v_s.dtype)
             return top, den, acc_add(spec, None, acc_tmem, pz, v_cols, alpha)
         acc = acc_add(spec, acc, None, dropped(spec, seed, t, s, p).astype(v_s.dtype), v_cols, alpha)
@@ -113,7 +107,7 @@ def _kernel(spec, kinds, n_tmem, *refs):
     L = target(spec).layout
     ids = Ids.windowed(masks, id_s, bar_ids, kinds, L)
     refs = ((q_s, acc_tmem), (kinds_ref, ids, seeds_ref[r], row_values(consts, r)))
-    copy = functools.partial(_copy_keys, spec, (k_ref, v_ref), (k_s, v_s, bar_k, bar_v), r)
+    copy = functools.partial(copy_keys, spec, (k_ref, v_ref), (k_s, v_s, bar_k, bar_v), r)
     init = (
         plgpu.layout_cast(jnp.full((g.bq,), _NEG, jnp.float32), L.reduce(1)),
         plgpu.layout_cast(jnp.zeros((g.bq,), jnp.float32), L.reduce(1)),
